@@ -1,0 +1,120 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+
+namespace steel {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float16:
+    case DType::BFloat16:
+      return 2;
+    case DType::Float32:
+    case DType::Int32:
+      return 4;
+    case DType::Int64:
+      return 8;
+    case DType::Bool:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::Float16:
+      return "float16";
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float32:
+      return "float32";
+    case DType::Int32:
+      return "int32";
+    case DType::Int64:
+      return "int64";
+    case DType::Bool:
+      return "bool";
+  }
+  return "unknown";
+}
+
+int64_t TensorDesc::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+bool TensorDesc::is_contiguous() const {
+  int64_t expected = 1;
+  for (int64_t d = dim() - 1; d >= 0; --d) {
+    if (sizes[d] == 1) continue;  // the stride of a size-1 dim never matters
+    if (strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
+TensorDesc TensorDesc::contiguous() const {
+  TensorDesc out;
+  out.dtype = dtype;
+  out.sizes = sizes;
+  out.strides.assign(sizes.size(), 1);
+  for (int64_t d = dim() - 2; d >= 0; --d) out.strides[d] = out.strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+  out.offset = 0;
+  return out;
+}
+
+double Options::number(const std::string& name, double fallback) const {
+  auto it = numbers.find(name);
+  return it == numbers.end() ? fallback : it->second;
+}
+
+std::string Options::string(const std::string& name, const std::string& fallback) const {
+  auto it = strings.find(name);
+  return it == strings.end() ? fallback : it->second;
+}
+
+Plan Plan::refuse(std::string why) {
+  Plan plan;
+  plan.ok = false;
+  plan.reason = std::move(why);
+  return plan;
+}
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, Planner> planners;
+};
+
+Registry& registry() {
+  static Registry instance;  // constructed on first use, safe from static-init order
+  return instance;
+}
+
+}  // namespace
+
+void register_planner(const char* op, Planner planner) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.planners[op] = planner;
+}
+
+Plan make_plan(const std::string& op, const TensorList& tensors, const Options& options) {
+  Planner planner = nullptr;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.planners.find(op);
+    if (it != r.planners.end()) planner = it->second;
+  }
+  if (planner == nullptr) return Plan::refuse("no Metal kernel for op '" + op + "' yet");
+  Plan plan = planner(tensors, options);
+  plan.inputs = static_cast<int32_t>(tensors.size());
+  return plan;
+}
+
+}  // namespace steel

@@ -1,0 +1,69 @@
+// The simulator runtime: what translated shader code calls into.
+//
+// This header is the boundary between the two halves of the simulator:
+//   - the language half (shim/metal_stdlib, the source pre-pass, types, simd_* functions and
+//     simdgroup_matrix built on simd_exchange), and
+//   - the execution half (runtime.cpp: fibers, the lane scheduler, barriers and rendezvous,
+//     kernel registry, buffers, checkers, counters, plan execution).
+// It uses only builtin C++ types so that it does not depend on the shim.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace steel_sim {
+
+// The thread-position attributes of the running lane (Metal's [[...]] kernel attributes).
+struct LaneInfo {
+  uint32_t thread_position_in_grid[3];
+  uint32_t threadgroup_position_in_grid[3];
+  uint32_t thread_position_in_threadgroup[3];
+  uint32_t threads_per_threadgroup[3];
+  uint32_t threadgroups_per_grid[3];
+  uint32_t threads_per_grid[3];
+  uint32_t thread_index_in_threadgroup;
+  uint32_t simdgroup_index_in_threadgroup;
+  uint32_t thread_index_in_simdgroup;
+  uint32_t simdgroups_per_threadgroup;
+  uint32_t threads_per_simdgroup;  // always 32
+};
+
+const LaneInfo& lane();
+
+// [[buffer(index)]]: the bound buffer's base (tensor storage + its offset, or inline bytes).
+void* buffer(uint32_t index);
+// [[threadgroup(index)]]: memory sized by the dispatch's threadgroup_memory entry.
+void* threadgroup_buffer(uint32_t index);
+// A `threadgroup T name[N];` declared in a kernel body. decl_id is unique per declaration in the
+// translated source; every lane of one threadgroup gets the same storage, counted against the
+// 32 KiB limit and watched by the race checker.
+void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align);
+
+// Function constants of the current dispatch, by [[function_constant(index)]].
+bool function_constant_defined(uint32_t index);
+int64_t function_constant_int(uint32_t index);  // Bool, Int, UInt
+float function_constant_float(uint32_t index);
+
+// Barriers. Reached by only some of the non-exited lanes: a SimulatorError naming the kernel.
+void threadgroup_barrier();
+void simdgroup_barrier();
+
+// What a rendezvous was for, for the counters and for divergence errors.
+enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5 };
+
+// The one primitive behind every simd_* function and simdgroup-matrix operation: every
+// non-exited lane of the simdgroup contributes `bytes` bytes; once all have arrived, each lane
+// gets a pointer to the 32 contributions, lane-major (lane l at l * bytes), valid until that
+// lane's next simd_exchange, and the mask of lanes that contributed. Lanes that reach a different
+// kind or size, or a barrier instead, are a divergence error.
+const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask);
+
+// Kernels, registered by host name (the translated source does this for every
+// [[host_name("...")]] instantiation and every plain [[kernel]] function).
+using KernelEntry = void (*)();
+void register_kernel(const char* host_name, KernelEntry entry);
+
+// Raise a SimulatorError from shader-side code (e.g. an unsupported shim feature at run time).
+[[noreturn]] void fail(const char* message);
+
+}  // namespace steel_sim
