@@ -1,0 +1,324 @@
+"""Builds the CPU Metal simulator on first use (DESIGN.md section 4).
+
+Three kinds of artifacts, each in a directory under the cache keyed by a hash of everything that
+goes into it, so that a changed shader, shim header, translator or flag builds a new directory
+and a library already loaded by another process (pytest-xdist) is never overwritten:
+
+  rt-<hash>/libsteel_sim_rt.so    the runtime (mps_src/sim/*.cpp) and the planners
+                                  (mps_src/plan/*.cpp), plain C++, no torch
+  ext-<hash>/                     the pybind module (mps_src/sim/python/module.cpp) built with
+                                  torch.utils.cpp_extension; links the runtime by soname
+  lib-<hash>/libsteel_shaders.so  translated shaders (a mirror of shaders/ rewritten by
+                                  torch_steel._sim_translate), one TU per .metal file, compiled
+                                  with -fsanitize-coverage so every load and store reaches the
+                                  checkers; run_kernel's test libraries are built the same way
+
+Shader libraries register their kernels with the runtime when dlopen'd, so the package's shaders
+and any number of test libraries share one runtime and one pybind module. Builds take a file
+lock, so concurrent processes wait for one build instead of racing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from torch_steel.errors import SimulatorError
+
+ROOT = Path(__file__).resolve().parent.parent
+SIM_SRC = ROOT / "mps_src" / "sim"
+PLAN_SRC = ROOT / "mps_src" / "plan"
+SHIM = SIM_SRC / "shim"
+SHADERS = ROOT / "shaders"
+
+CXX = "clang++-19"
+CC = "clang-19"
+INSTALL_HINT = "apt-get install clang-19 libclang-rt-19-dev"
+# Host code: the runtime and the planners (portable C++17).
+HOST_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+# Shader code: Metal semantics for half/bfloat (round after every operation), MSL attributes
+# that C++ does not know, no exceptions (MSL has none; lanes run on fibers), and every load and
+# store reported to the checkers (mps_src/sim/checkers.cpp).
+SHADER_FLAGS = [
+    "-std=c++17", "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
+    "-Xclang", "-ffloat16-excess-precision=none",
+    "-Xclang", "-fbfloat16-excess-precision=none",
+    "-Wno-unknown-attributes",
+    "-fsanitize-coverage=func,trace-loads,trace-stores",
+]
+LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
+RUNTIME_SONAME = "libsteel_sim_rt.so"
+BUILD_JOBS = "2"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TORCH_STEEL_SIM_CACHE")
+    return Path(env) if env else ROOT / "build" / "sim"
+
+
+def _clang() -> str | None:
+    return shutil.which(CXX)
+
+
+@functools.cache
+def available() -> bool:
+    """clang-19 is installed and the runtime, module and shader library build."""
+    if _clang() is None:
+        return False
+    try:
+        extension()
+        shader_library()
+    except SimulatorError:
+        return False
+    return True
+
+
+def _files(root: Path, *patterns: str) -> list[Path]:
+    out: list[Path] = []
+    for pattern in patterns:
+        out.extend(p for p in root.rglob(pattern) if p.is_file())
+    return sorted(set(out))
+
+
+def _digest(files: list[Path], *extra: object) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f).encode())
+        h.update(b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    for e in extra:
+        h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def _locked_build(out: Path, build) -> Path:
+    """Runs build(out) once per output directory across processes; `done` marks success."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = out / "done"
+    if done.exists():
+        return out
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                out.mkdir(exist_ok=True)
+                build(out)
+                done.write_text("ok\n")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+def _ninja(out: Path, rules: str, builds: list[str], default: str) -> None:
+    text = "\n".join([f"cxx = {CXX}", rules, *builds, f"default {default}", ""])
+    (out / "build.ninja").write_text(text)
+    proc = subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        log = (proc.stdout + proc.stderr)[-12000:]
+        raise SimulatorError(f"simulator build failed in {out}:\n{log}")
+
+
+def _q(p: Path | str) -> str:
+    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def _require_clang() -> None:
+    if _clang() is None:
+        raise SimulatorError(f"the Metal simulator needs clang 19: {INSTALL_HINT}")
+
+
+# ---------------------------------------------------------------------------------- runtime
+
+
+def _runtime_inputs() -> list[Path]:
+    return (_files(SIM_SRC, "*.cpp", "*.h") + _files(PLAN_SRC, "*.cpp", "*.h")
+            + _files(SHADERS, "*.h"))
+
+
+def _runtime_sources() -> list[Path]:
+    return sorted(SIM_SRC.glob("*.cpp")) + sorted(PLAN_SRC.glob("*.cpp"))
+
+
+@functools.cache
+def runtime_dir() -> Path:
+    _require_clang()
+    files = [f for f in _runtime_inputs() if not f.is_relative_to(SHIM)
+             and not f.is_relative_to(SIM_SRC / "python")]
+    out = cache_root() / f"rt-{_digest(files, HOST_FLAGS, LINK_FLAGS)}"
+
+    def build(d: Path) -> None:
+        flags = " ".join(HOST_FLAGS + ["-I", _q(ROOT / "mps_src"), "-I", _q(SHADERS)])
+        rules = (f"rule cc\n  command = $cxx {flags} -MMD -MF $out.d -c $in -o $out\n"
+                 "  depfile = $out.d\n"
+                 f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} "
+                 f"-Wl,-soname,{RUNTIME_SONAME} $in -o $out -ldl -lpthread\n")
+        builds, objs = [], []
+        for src in _runtime_sources():
+            obj = f"obj/{src.parent.name}_{src.stem}.o"
+            builds.append(f"build {obj}: cc {_q(src)}")
+            objs.append(obj)
+        builds.append(f"build {RUNTIME_SONAME}: link {' '.join(objs)}")
+        _ninja(d, rules, builds, RUNTIME_SONAME)
+
+    return _locked_build(out, build)
+
+
+@functools.cache
+def extension():
+    """The pybind module (mps_src/sim/python/module.cpp), linked to the runtime."""
+    rt = runtime_dir()
+    # Loaded first and globally: the module and every shader library name the runtime by soname,
+    # and the dynamic loader reuses this already-loaded copy for them.
+    ctypes.CDLL(str(rt / RUNTIME_SONAME), mode=ctypes.RTLD_GLOBAL)
+    module_src = SIM_SRC / "python" / "module.cpp"
+    headers = _files(SIM_SRC, "*.h") + _files(PLAN_SRC, "*.h")
+    import torch
+
+    out = cache_root() / f"ext-{_digest([module_src, *headers], HOST_FLAGS, torch.__version__)}"
+    out.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+
+    old = {k: os.environ.get(k) for k in ("CXX", "CC")}
+    os.environ["CXX"], os.environ["CC"] = CXX, CC
+    try:
+        return cpp_extension.load(
+            name="steel_sim_ext",
+            sources=[str(module_src)],
+            extra_cflags=["-O2", "-Wno-unused-parameter"],
+            extra_include_paths=[str(ROOT / "mps_src"), str(SHADERS)],
+            extra_ldflags=[f"-L{rt}", "-lsteel_sim_rt"],
+            build_directory=str(out),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # has the compiler log
+        raise SimulatorError(f"building the simulator module failed: {e}") from None
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --------------------------------------------------------------------------- shader libraries
+
+
+def _translator():
+    try:
+        from torch_steel._sim_translate import translate
+    except ImportError as e:
+        raise SimulatorError(
+            f"the shader pre-pass torch_steel._sim_translate is missing: {e}"
+        ) from None
+    return translate
+
+
+def _mirror(src_root: Path, files: list[Path], mirror: Path, translate) -> None:
+    for f in files:
+        dst = mirror / f.relative_to(src_root)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            text = translate(f.read_text(), str(f))
+        except Exception as e:  # noqa: BLE001 (any pre-pass failure must name the file)
+            raise SimulatorError(f"translating {f} failed: {e}") from None
+        dst.write_text(text)
+
+
+def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path]) -> None:
+    """Compiles translated (original, mirrored) .metal files into libsteel_shaders.so."""
+    rt = runtime_dir()
+    incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
+    flags = " ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
+    rules = (f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out\n"
+             f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} $in -o $out "
+             f"-L{_q(rt)} -lsteel_sim_rt\n")
+    builds, objs = [], []
+    for i, (_, mirrored) in enumerate(metal_files):
+        obj = f"obj/{i}_{mirrored.stem}.o"
+        builds.append(f"build {obj}: cc {_q(mirrored)}")
+        objs.append(obj)
+    builds.append(f"build libsteel_shaders.so: link {' '.join(objs)}")
+    _ninja(out, rules, builds, "libsteel_shaders.so")
+
+
+def _load(lib_dir: Path):
+    ext = extension()
+    try:
+        return ext.load_library(str(lib_dir / "libsteel_shaders.so"))
+    except ext.SimError as e:
+        raise SimulatorError(str(e)) from None
+
+
+def _lang_inputs() -> list[Path]:
+    return _files(SHIM, "*") + [ROOT / "torch_steel" / "_sim_translate.py"]
+
+
+@functools.cache
+def shader_library():
+    """The package's shaders (every .metal under shaders/), loaded."""
+    translate = _translator()
+    rt = runtime_dir()
+    shader_files = _files(SHADERS, "*.metal", "*.h")
+    out = cache_root() / f"lib-{_digest(shader_files + _lang_inputs(), SHADER_FLAGS, rt.name)}"
+
+    def build(d: Path) -> None:
+        mirror = d / "src"
+        _mirror(SHADERS, shader_files, mirror, translate)
+        metals = [(f, mirror / f.relative_to(SHADERS)) for f in shader_files
+                  if f.suffix == ".metal"]
+        _shader_lib(d, metals, [mirror])
+
+    return _load(_locked_build(out, build))
+
+
+_test_libraries: dict[str, object] = {}
+
+
+def test_library(sources: list[Path]):
+    """A library of test-only kernels: the given .metal files (which may include headers next
+    to them and the package's shaders/ headers), loaded."""
+    translate = _translator()
+    rt = runtime_dir()
+    sources = [s.resolve() for s in sources]
+    for s in sources:
+        if not s.is_file():
+            raise FileNotFoundError(f"kernel source {s} not found")
+    dirs = sorted({s.parent for s in sources})
+    local_headers = sorted({h for d in dirs for h in d.glob("*.h")})
+    shader_files = _files(SHADERS, "*.metal", "*.h")
+    key = _digest(sources + local_headers + shader_files + _lang_inputs(), SHADER_FLAGS, rt.name)
+    if key in _test_libraries:
+        return _test_libraries[key]
+    out = cache_root() / f"test-{key}"
+
+    def build(d: Path) -> None:
+        shaders_mirror = d / "shaders"
+        _mirror(SHADERS, [f for f in shader_files if f.suffix == ".h"], shaders_mirror, translate)
+        metals = []
+        for i, dd in enumerate(dirs):
+            mirror = d / f"src{i}"
+            mine = [s for s in sources if s.parent == dd] + [h for h in local_headers
+                                                             if h.parent == dd]
+            _mirror(dd, mine, mirror, translate)
+            metals += [(s, mirror / s.name) for s in sources if s.parent == dd]
+        _shader_lib(d, metals, [shaders_mirror])
+
+    lib = _load(_locked_build(out, build))
+    _test_libraries[key] = lib
+    return lib
+
+
+if __name__ == "__main__":  # python -m torch_steel._sim_build: build everything, print where
+    print(runtime_dir(), file=sys.stderr)
+    extension()
+    shader_library()
+    print("simulator built under", cache_root())

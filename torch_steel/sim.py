@@ -1,0 +1,259 @@
+"""The CPU Metal simulator: run the shipped shaders on CPU tensors (DESIGN.md section 4).
+
+    available()                       clang-19 is installed and the simulator builds
+    plan(op, tensors, options)        the launch plan the Metal host would encode
+    run_op(op, tensors, options)      execute that plan on CPU tensors, return the outputs
+    run_kernel(name, sources=...)     launch one kernel of test-only .metal files directly
+
+Kernel faults (out-of-bounds access, threadgroup-memory race, divergent barrier or simd op,
+resource limits) raise torch_steel.errors.SimulatorError naming the kernel; refused plans raise
+torch_steel.errors.PlanRefused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_steel import _sim_build
+from torch_steel.errors import PlanRefused, SimulatorError
+
+# steel::DType codes (mps_src/plan/plan.h).
+_DTYPES = {
+    torch.float16: 0,
+    torch.bfloat16: 1,
+    torch.float32: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.bool: 5,
+}
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+def available() -> bool:
+    """True when clang-19 is installed and the simulator builds on this machine."""
+    return _sim_build.available()
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    index: int
+    kind: str  # "tensor" or "bytes"
+    slot: int  # kind == "tensor"
+    bytes: bytes  # kind == "bytes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    kernel: str
+    constants: dict[int, bool | int | float]
+    bindings: list[Binding]
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    threadgroup_memory: dict[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    name: str
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    zero_init: bool
+    is_output: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Mirror of steel::Plan (mps_src/plan/plan.h)."""
+
+    ok: bool
+    reason: str
+    inputs: int
+    contiguous_inputs: list[int]
+    allocations: list[Allocation]
+    dispatches: list[Dispatch]
+    handle: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+
+def _desc(t: torch.Tensor | None):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a Tensor or None, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise PlanRefused(f"dtype {t.dtype} is not supported by the Metal kernels")
+    return (_DTYPES[t.dtype], list(t.shape), list(t.stride()), int(t.storage_offset()))
+
+
+def _options(options: Mapping[str, Any] | None):
+    numbers: dict[str, float] = {}
+    strings: dict[str, str] = {}
+    for name, value in (options or {}).items():
+        if isinstance(value, str):
+            strings[name] = value
+        elif isinstance(value, (bool, int, float)):
+            numbers[name] = float(value)
+        elif value is None:
+            continue
+        else:
+            raise TypeError(f"option {name!r}: expected a number, bool or str, got {value!r}")
+    return numbers, strings
+
+
+def _wrap_plan(handle) -> Plan:
+    d = handle.describe()
+    return Plan(
+        ok=d["ok"],
+        reason=d["reason"],
+        inputs=d["inputs"],
+        contiguous_inputs=list(d["contiguous_inputs"]),
+        allocations=[
+            Allocation(a["name"], _DTYPE_NAMES[a["dtype"]], tuple(a["sizes"]), a["zero_init"],
+                       a["is_output"])
+            for a in d["allocations"]
+        ],
+        dispatches=[
+            Dispatch(
+                kernel=x["kernel"],
+                constants=dict(x["constants"]),
+                bindings=[Binding(b["index"], b["kind"], b["slot"], b["bytes"])
+                          for b in x["bindings"]],
+                grid=tuple(x["grid"]),
+                threads=tuple(x["threads"]),
+                threadgroup_memory=dict(x["threadgroup_memory"]),
+            )
+            for x in d["dispatches"]
+        ],
+        handle=handle,
+    )
+
+
+def plan(op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
+         ) -> Plan:
+    """The launch plan for `op` (refused plans have ok=False and a reason; nothing is raised)."""
+    ext = _sim_build.extension()
+    numbers, strings = _options(options)
+    try:
+        descs = [_desc(t) for t in tensors]
+    except PlanRefused as e:
+        return Plan(False, str(e), len(tensors), [], [], [])
+    return _wrap_plan(ext.make_plan(op, descs, numbers, strings))
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes the view can reach from its storage offset (its bound region)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _checkers_default() -> bool:
+    return os.environ.get("TORCH_STEEL_SIM_CHECKERS", "1") != "0"
+
+
+def _call(fn, *args):
+    ext = _sim_build.extension()
+    try:
+        return fn(*args)
+    except ext.SimError as e:
+        raise SimulatorError(str(e)) from None
+
+
+def _counters(raw: list[dict]) -> list[dict]:
+    return [dict(c, buffers={int(k): dict(v) for k, v in c["buffers"].items()}) for c in raw]
+
+
+def run_op(op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None,
+           *, counters: bool = False, checkers: bool | None = None):
+    """Execute `op`'s launch plan on CPU tensors; returns the outputs (and per-dispatch counters).
+
+    Raises PlanRefused when the plan refuses, SimulatorError when a kernel faults.
+    """
+    p = plan(op, tensors, options)
+    if not p.ok:
+        raise PlanRefused(p.reason)
+    slots: list[torch.Tensor | None] = []
+    for i, t in enumerate(tensors):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"the simulator runs on CPU tensors; argument {i} is on {t.device}")
+        if t is not None and i in p.contiguous_inputs:
+            t = t.contiguous()
+        slots.append(t)
+    for a in p.allocations:
+        make = torch.zeros if a.zero_init else torch.empty
+        slots.append(make(a.sizes, dtype=a.dtype))
+    raw_slots = [None if t is None else (t.data_ptr(), _extent_bytes(t)) for t in slots]
+    lib = _sim_build.shader_library()
+    ext = _sim_build.extension()
+    use_checkers = _checkers_default() if checkers is None else checkers
+    raw = _call(ext.run_plan, lib, p.handle, raw_slots, use_checkers)
+    outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
+    return (outputs, _counters(raw)) if counters else outputs
+
+
+def run_kernel(name: str, *, sources: Sequence[str | os.PathLike], grid: Sequence[int],
+               threads: Sequence[int], buffers: Mapping[int, torch.Tensor | bytes],
+               constants: Mapping[int, bool | int | float] | None = None,
+               threadgroup_memory: Mapping[int, int] | None = None, counters: bool = False,
+               checkers: bool | None = None):
+    """Launch kernel `name` (its host name) from a test library built from `sources` (.metal).
+
+    buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
+    constants: {function_constant index: value}; threadgroup_memory: {index: bytes}.
+    Returns the dispatch's counters dict when counters=True, else None.
+    """
+    grid3 = _dim3(grid, "grid")
+    threads3 = _dim3(threads, "threads")
+    raw_buffers = []
+    keep = []
+    for index, b in sorted(buffers.items()):
+        if isinstance(b, torch.Tensor):
+            if b.device.type != "cpu":
+                raise ValueError(f"buffer {index}: the simulator runs on CPU tensors")
+            raw_buffers.append((int(index), b.data_ptr(), _extent_bytes(b), True))
+        elif isinstance(b, (bytes, bytearray, memoryview)):
+            data = torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else torch.empty(0)
+            keep.append(data)
+            raw_buffers.append((int(index), data.data_ptr(), len(b), False))
+        else:
+            raise TypeError(f"buffer {index}: expected a Tensor or bytes, got {type(b).__name__}")
+    raw_constants = []
+    for index, v in sorted((constants or {}).items()):
+        if isinstance(v, bool):
+            raw_constants.append((int(index), 0, int(v), 0.0))
+        elif isinstance(v, int):
+            raw_constants.append((int(index), 1, v, 0.0))
+        elif isinstance(v, float):
+            raw_constants.append((int(index), 3, 0, v))
+        else:
+            raise TypeError(f"constant {index}: expected bool, int or float, got {v!r}")
+    raw_tgmem = [(int(i), int(n)) for i, n in sorted((threadgroup_memory or {}).items())]
+    lib = _sim_build.test_library([Path(s) for s in sources])
+    ext = _sim_build.extension()
+    use_checkers = _checkers_default() if checkers is None else checkers
+    raw = _call(ext.launch, lib, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3,
+                use_checkers)
+    del keep
+    return _counters([raw])[0] if counters else None
+
+
+def _dim3(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:
+    if isinstance(v, int):
+        v = (v,)
+    v = tuple(int(x) for x in v)
+    if not 1 <= len(v) <= 3 or any(x < 0 for x in v):
+        raise ValueError(f"{what}: expected 1 to 3 non-negative sizes, got {v}")
+    return v + (1,) * (3 - len(v))
