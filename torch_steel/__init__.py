@@ -1,0 +1,29 @@
+"""torch-steel: flash attention and steel GEMM Metal kernels for PyTorch on Apple GPUs.
+
+Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops).
+"""
+
+from . import ops
+from .backends import BACKENDS, FallbackWarning, backend, current_backend
+from .errors import PlanRefused, SimulatorError
+from .ops import gemm, linear, sdpa, sdpa_varlen
+from .patching import is_patched, patch, unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "FallbackWarning",
+    "PlanRefused",
+    "SimulatorError",
+    "backend",
+    "current_backend",
+    "gemm",
+    "is_patched",
+    "linear",
+    "ops",
+    "patch",
+    "sdpa",
+    "sdpa_varlen",
+    "unpatch",
+]

@@ -1,0 +1,169 @@
+"""Which implementation serves an op call: Metal, the CPU Metal simulator, or reference math.
+
+  "auto"       MPS tensors -> Metal kernels; everything else -> reference math.
+  "metal"      MPS tensors -> Metal kernels; other devices, or no Metal extension, is an error.
+  "sim"        CPU tensors -> the shipped Metal kernels run in the simulator (torch_steel.sim).
+  "reference"  reference math (torch ops) on any device.
+
+The choice comes from the innermost `with torch_steel.backend(name):`, else the
+TORCH_STEEL_BACKEND environment variable, else "auto". A call that the Metal launch plan refuses
+(an unsupported dtype, shape or option; an op without a kernel yet) falls back to reference math
+with a one-time warning naming the reason; TORCH_STEEL_STRICT=1 turns that into an error.
+"""
+
+import contextlib
+import contextvars
+import importlib
+import os
+import threading
+import warnings
+
+from .errors import PlanRefused
+
+BACKENDS = ("auto", "metal", "sim", "reference")
+_current = contextvars.ContextVar("torch_steel_backend", default=None)
+_warned = set()
+_warned_lock = threading.Lock()
+
+
+class FallbackWarning(UserWarning):
+    """A Metal (or simulated Metal) path could not serve a call; reference math ran instead."""
+
+
+def _check_name(name):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown torch_steel backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend name in effect for this thread/context."""
+    name = _current.get()
+    if name is None:
+        name = os.environ.get("TORCH_STEEL_BACKEND", "").strip().lower() or "auto"
+        if name not in BACKENDS:
+            raise ValueError(
+                f"TORCH_STEEL_BACKEND={name!r} is not a torch_steel backend; expected one of "
+                f"{BACKENDS}"
+            )
+    return name
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Context manager selecting the backend of torch_steel ops inside the block."""
+    token = _current.set(_check_name(name))
+    try:
+        yield name
+    finally:
+        _current.reset(token)
+
+
+def strict() -> bool:
+    return os.environ.get("TORCH_STEEL_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _optional_module(name):
+    """torch_steel.sim / torch_steel.metal, or None when that part is not installed."""
+    try:
+        return importlib.import_module(f"torch_steel.{name}")
+    except ImportError as error:
+        if error.name != f"torch_steel.{name}":
+            raise  # the module exists but is broken: say so instead of hiding it
+        return None
+
+
+def sim_status():
+    """(available, why-not) of the CPU Metal simulator."""
+    sim = _optional_module("sim")
+    if sim is None:
+        return False, "torch_steel.sim is not installed"
+    if not sim.available():
+        return (
+            False,
+            "the Metal simulator is unavailable (it needs clang-19 and libclang-rt-19-dev)",
+        )
+    return True, ""
+
+
+def metal_status():
+    """(available, why-not) of the Metal extension."""
+    import torch
+
+    if not torch.backends.mps.is_available():
+        return False, "no MPS device"
+    metal = _optional_module("metal")
+    if metal is None:
+        return False, "torch_steel.metal is not installed"
+    if not metal.available():
+        return False, "the torch_steel Metal extension is not built or failed to load"
+    return True, ""
+
+
+def _fallback(op, reason):
+    """Warn once per (op, reason) that reference math serves op; raise instead in strict mode."""
+    if strict():
+        raise PlanRefused(f"steel::{op}: {reason} (TORCH_STEEL_STRICT=1 forbids the fallback)")
+    key = (op, reason)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"steel::{op}: {reason}; using reference math instead (warned once; set "
+        "TORCH_STEEL_STRICT=1 to make this an error)",
+        FallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _device_type(tensors):
+    for t in tensors:
+        if t is not None:
+            return t.device.type
+    return "cpu"
+
+
+def run(op, tensors, options, reference):
+    """Serve op on the selected backend.
+
+    tensors: the op's tensor arguments (None for absent optionals), passed in this order to
+    run_op; options: name -> number | bool | str; reference: a zero-argument function computing
+    the same outputs (a list) with reference math.
+    """
+    name = current_backend()
+    device = _device_type(tensors)
+    if name == "reference":
+        return reference()
+    if name == "sim":
+        if device != "cpu":
+            raise RuntimeError(
+                f"steel::{op}: backend 'sim' runs CPU tensors through the simulator, got {device}"
+            )
+        ok, why = sim_status()
+        if not ok:
+            raise NotImplementedError(f"steel::{op}: backend 'sim' is not available: {why}")
+        from . import sim
+
+        try:
+            return list(sim.run_op(op, list(tensors), dict(options)))
+        except PlanRefused as refusal:
+            _fallback(op, f"simulated Metal plan refused: {refusal}")
+            return reference()
+    if device != "mps":
+        if name == "metal":
+            raise RuntimeError(f"steel::{op}: backend 'metal' needs MPS tensors, got {device}")
+        return reference()
+    ok, why = metal_status()
+    if not ok:
+        if name == "metal":
+            raise RuntimeError(f"steel::{op}: backend 'metal' is not available: {why}")
+        _fallback(op, why)
+        return reference()
+    from . import metal
+
+    try:
+        return list(metal.run_op(op, list(tensors), dict(options)))
+    except PlanRefused as refusal:
+        _fallback(op, f"Metal plan refused: {refusal}")
+        return reference()
