@@ -1,0 +1,149 @@
+// The Metal host's reading of a plan, minus the Metal calls.
+//
+// CheckedEncoder implements the Encoder concept of plan/encode.h: it checks every call that
+// steel::encode_plan makes against the plan and against Metal's limits, then forwards it to a
+// Backend with the same member functions. The Objective-C++ host (module.mm) uses it with a
+// backend that makes the Metal calls; tests/mps compiles it as plain C++ with a recording
+// backend and compares the record with the plan the simulator executes. Keeping the checks here
+// means they run on Linux, where nothing can run Metal.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plan/encode.h"
+#include "plan/plan.h"
+
+namespace steel::mps {
+
+// Limits from Apple's Metal feature set tables and the MTLComputeCommandEncoder documentation.
+inline constexpr uint32_t kMaxBufferBindings = 31;      // buffer argument table entries
+inline constexpr size_t kMaxInlineBytes = 4096;         // setBytes: "data smaller than 4 KB"
+inline constexpr uint32_t kThreadgroupMemoryAlign = 16;  // setThreadgroupMemoryLength
+inline constexpr uint64_t kMaxThreadsPerThreadgroup = 1024;
+
+// A plan that Metal would reject or misread: a planner bug, never a refusal.
+class InvalidPlan : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class Backend>
+class CheckedEncoder {
+ public:
+  // present[slot]: whether the slot holds a tensor (absent optionals and out-of-range slots
+  // cannot be bound).
+  CheckedEncoder(Backend& backend, std::vector<bool> present)
+      : backend_(backend), present_(std::move(present)) {}
+
+  void set_pipeline(const Dispatch& dispatch) {
+    kernel_ = dispatch.kernel;
+    bound_.assign(kMaxBufferBindings, false);
+    for (const FunctionConstant& constant : dispatch.constants) check_constant(constant);
+    backend_.set_pipeline(dispatch);
+  }
+
+  void set_tensor(uint32_t index, int32_t slot) {
+    claim(index);
+    if (slot < 0 || static_cast<size_t>(slot) >= present_.size() || !present_[slot]) {
+      fail("buffer(" + std::to_string(index) + ") binds slot " + std::to_string(slot) +
+           ", which holds no tensor");
+    }
+    backend_.set_tensor(index, slot);
+  }
+
+  void set_bytes(uint32_t index, const void* data, size_t size) {
+    claim(index);
+    if (size == 0 || size > kMaxInlineBytes) {
+      fail("buffer(" + std::to_string(index) + ") has " + std::to_string(size) +
+           " inline bytes; setBytes takes 1 to " + std::to_string(kMaxInlineBytes));
+    }
+    backend_.set_bytes(index, data, size);
+  }
+
+  void set_threadgroup_memory(uint32_t index, uint32_t bytes) {
+    if (bytes == 0 || bytes % kThreadgroupMemoryAlign != 0) {
+      fail("threadgroup(" + std::to_string(index) + ") length " + std::to_string(bytes) +
+           " is not a positive multiple of " + std::to_string(kThreadgroupMemoryAlign));
+    }
+    backend_.set_threadgroup_memory(index, bytes);
+  }
+
+  void dispatch_threadgroups(const uint32_t grid[3], const uint32_t threads[3]) {
+    uint64_t total = uint64_t{threads[0]} * threads[1] * threads[2];
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || total == 0) {
+      fail("empty grid or threadgroup (a plan for empty tensors has no dispatches)");
+    }
+    if (total > kMaxThreadsPerThreadgroup) {
+      fail(std::to_string(total) + " threads per threadgroup, more than " +
+           std::to_string(kMaxThreadsPerThreadgroup));
+    }
+    backend_.dispatch_threadgroups(grid, threads);
+  }
+
+ private:
+  void claim(uint32_t index) {
+    if (index >= kMaxBufferBindings) {
+      fail("buffer(" + std::to_string(index) + ") is beyond Metal's " +
+           std::to_string(kMaxBufferBindings) + " buffer bindings");
+    }
+    if (bound_[index]) fail("buffer(" + std::to_string(index) + ") is bound twice");
+    bound_[index] = true;
+  }
+
+  void check_constant(const FunctionConstant& constant) {
+    int64_t low = 0;
+    int64_t high = 0;
+    switch (constant.type) {
+      case FunctionConstant::Type::Bool:
+        high = 1;
+        break;
+      case FunctionConstant::Type::Int:
+        low = std::numeric_limits<int32_t>::min();
+        high = std::numeric_limits<int32_t>::max();
+        break;
+      case FunctionConstant::Type::UInt:
+        high = std::numeric_limits<uint32_t>::max();
+        break;
+      case FunctionConstant::Type::Float:
+        return;
+    }
+    if (constant.int_value < low || constant.int_value > high) {
+      fail("function constant " + std::to_string(constant.index) + " = " +
+           std::to_string(constant.int_value) + " does not fit its type");
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidPlan("kernel " + kernel_ + ": " + what);
+  }
+
+  Backend& backend_;
+  std::vector<bool> present_;
+  std::string kernel_;
+  std::vector<bool> bound_;
+};
+
+// A backend that does nothing: running CheckedEncoder over it validates a whole plan before
+// anything is encoded, so that the Metal encoding block meets no planner errors.
+struct NullBackend {
+  void set_pipeline(const Dispatch&) {}
+  void set_tensor(uint32_t, int32_t) {}
+  void set_bytes(uint32_t, const void*, size_t) {}
+  void set_threadgroup_memory(uint32_t, uint32_t) {}
+  void dispatch_threadgroups(const uint32_t[3], const uint32_t[3]) {}
+};
+
+// Throws InvalidPlan when the plan would not encode.
+inline void validate_plan(const Plan& plan, const std::vector<bool>& present) {
+  NullBackend backend;
+  CheckedEncoder<NullBackend> encoder(backend, present);
+  encode_plan(encoder, plan);
+}
+
+}  // namespace steel::mps

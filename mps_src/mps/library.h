@@ -1,0 +1,32 @@
+// The shaders' Metal library (loaded once per process) and the compute pipelines built from it.
+//
+// Objective-C++ only (compiled with -fobjc-arc: the ids below are strong references).
+#pragma once
+
+#include <Metal/Metal.h>
+
+#include <string>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace steel::mps {
+
+// Loads the metallib that setup.py compiled with Xcode's Metal toolchain. The first successful
+// load (of either kind) wins; later calls do nothing.
+void load_metallib(const std::string& path);
+
+// Compiles shader sources with the Metal runtime compiler instead, one library per source (each
+// shader is its own translation unit, as in the metallib). For installs without Xcode; slow.
+void compile_sources(const std::vector<std::string>& sources);
+
+bool library_loaded();
+
+// The pipeline of dispatch.kernel specialized with dispatch.constants, built on first use and
+// cached for the process. Throws c10::Error when the kernel is missing or does not compile.
+id<MTLComputePipelineState> pipeline(const Dispatch& dispatch);
+
+// The device's threadgroup memory limit, for checking plans against a pipeline's static use.
+uint64_t max_threadgroup_memory();
+
+}  // namespace steel::mps

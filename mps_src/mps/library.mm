@@ -1,0 +1,169 @@
+// The shaders' Metal library and the pipeline cache (see library.h).
+#include "mps/library.h"
+
+#include <ATen/mps/MPSDevice.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+namespace steel::mps {
+namespace {
+
+struct State {
+  std::mutex mutex;
+  std::vector<id<MTLLibrary>> libraries;
+  std::map<std::string, id<MTLComputePipelineState>> pipelines;
+};
+
+// Never destroyed: pipelines may still be in use by command buffers at interpreter exit.
+State& state() {
+  static State* instance = new State();
+  return *instance;
+}
+
+id<MTLDevice> device() { return at::mps::MPSDevice::getInstance()->device(); }
+
+NSString* to_ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
+
+std::string describe(NSError* error) {
+  if (error == nil) return "no error description";
+  const char* text = [[error localizedDescription] UTF8String];
+  return text != nullptr ? text : "no error description";
+}
+
+// The cache key: kernel name and every constant's index, type and value (floats by their bits).
+std::string pipeline_key(const Dispatch& dispatch) {
+  std::string key = dispatch.kernel;
+  for (const FunctionConstant& constant : dispatch.constants) {
+    int64_t value = constant.int_value;
+    if (constant.type == FunctionConstant::Type::Float) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &constant.float_value, sizeof bits);
+      value = bits;
+    }
+    key += "|" + std::to_string(constant.index) + ":" +
+           std::to_string(static_cast<int32_t>(constant.type)) + "=" + std::to_string(value);
+  }
+  return key;
+}
+
+// Metal reads each constant as its shader type: bool is one byte, int/uint/float four.
+MTLFunctionConstantValues* constant_values(const Dispatch& dispatch) {
+  MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
+  for (const FunctionConstant& constant : dispatch.constants) {
+    switch (constant.type) {
+      case FunctionConstant::Type::Bool: {
+        bool value = constant.int_value != 0;
+        [values setConstantValue:&value type:MTLDataTypeBool atIndex:constant.index];
+        break;
+      }
+      case FunctionConstant::Type::Int: {
+        int32_t value = static_cast<int32_t>(constant.int_value);
+        [values setConstantValue:&value type:MTLDataTypeInt atIndex:constant.index];
+        break;
+      }
+      case FunctionConstant::Type::UInt: {
+        uint32_t value = static_cast<uint32_t>(constant.int_value);
+        [values setConstantValue:&value type:MTLDataTypeUInt atIndex:constant.index];
+        break;
+      }
+      case FunctionConstant::Type::Float: {
+        float value = constant.float_value;
+        [values setConstantValue:&value type:MTLDataTypeFloat atIndex:constant.index];
+        break;
+      }
+    }
+  }
+  return values;
+}
+
+}  // namespace
+
+void load_metallib(const std::string& path) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.libraries.empty()) return;
+  std::string error;
+  @autoreleasepool {
+    NSError* ns_error = nil;
+    id<MTLLibrary> library = [device() newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]
+                                                   error:&ns_error];
+    if (library != nil) {
+      s.libraries.push_back(library);
+    } else {
+      error = describe(ns_error);
+    }
+  }
+  TORCH_CHECK(error.empty(), "torch-steel: cannot load the Metal library ", path, ": ", error);
+}
+
+void compile_sources(const std::vector<std::string>& sources) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.libraries.empty()) return;
+  std::vector<id<MTLLibrary>> libraries;
+  std::string error;
+  @autoreleasepool {
+    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+    // bfloat needs Metal 3.1 (macOS 14), the same version setup.py passes to `xcrun metal`.
+    options.languageVersion = MTLLanguageVersion3_1;
+    for (size_t i = 0; i < sources.size() && error.empty(); ++i) {
+      NSError* ns_error = nil;
+      id<MTLLibrary> library = [device() newLibraryWithSource:to_ns(sources[i])
+                                                      options:options
+                                                        error:&ns_error];
+      if (library != nil) {
+        libraries.push_back(library);
+      } else {
+        error = "shader source " + std::to_string(i) + ": " + describe(ns_error);
+      }
+    }
+  }
+  TORCH_CHECK(error.empty(), "torch-steel: the Metal runtime compiler rejected ", error);
+  s.libraries = std::move(libraries);
+}
+
+bool library_loaded() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return !s.libraries.empty();
+}
+
+id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {
+  State& s = state();
+  const std::string key = pipeline_key(dispatch);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto found = s.pipelines.find(key);
+  if (found != s.pipelines.end()) return found->second;
+  TORCH_CHECK(!s.libraries.empty(), "torch-steel: the Metal library is not loaded");
+
+  id<MTLComputePipelineState> result = nil;
+  std::string error;
+  @autoreleasepool {
+    NSString* name = to_ns(dispatch.kernel);
+    MTLFunctionConstantValues* values = constant_values(dispatch);
+    id<MTLFunction> function = nil;
+    NSError* ns_error = nil;
+    for (id<MTLLibrary> library : s.libraries) {
+      if (![[library functionNames] containsObject:name]) continue;
+      function = [library newFunctionWithName:name constantValues:values error:&ns_error];
+      if (function == nil) error = "specializing it failed: " + describe(ns_error);
+      break;
+    }
+    if (function != nil) {
+      result = [device() newComputePipelineStateWithFunction:function error:&ns_error];
+      if (result == nil) error = "building its pipeline failed: " + describe(ns_error);
+    } else if (error.empty()) {
+      error = "no such kernel in the library (the metallib is older than the plans?)";
+    }
+  }
+  TORCH_CHECK(result != nil, "torch-steel: Metal kernel ", dispatch.kernel, ": ", error);
+  s.pipelines.emplace(key, result);
+  return result;
+}
+
+uint64_t max_threadgroup_memory() { return [device() maxThreadgroupMemoryLength]; }
+
+}  // namespace steel::mps
