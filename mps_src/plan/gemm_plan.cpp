@@ -1,0 +1,486 @@
+// Launch planning for steel::gemm: out = act(alpha * (a @ b) + beta * c + bias).
+//
+// From shapes, strides and dtypes only, this decides:
+//   - how each operand is read: a matrix whose last stride is 1 is read row by row ("n"), one
+//     whose second-to-last stride is 1 column by column ("t", a transpose: only the kernel's
+//     template constants change); one with neither is copied to contiguous first;
+//   - how batch dims broadcast: out's batch dims are merged where every operand allows it, and
+//     each operand gets a stride per merged dim (0 where it is broadcast);
+//   - the tile (the table below), the function constants, the GemmParams bytes, the grid with its
+//     swizzle, and split-K (two dispatches and an fp32 scratch buffer) for small M*N with long K;
+//   - or a refusal naming the limit.
+#include "gemm_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../../shaders/steel/params.h"
+
+namespace steel {
+namespace {
+
+constexpr int64_t kInt32Max = 2147483647;
+
+// One kernel configuration of gemm.metal: BM x BN block, BK step, WM x WN simdgroups.
+struct Tile {
+  int bm, bn, bk, wm, wn;
+};
+
+// The tile table.
+//
+// Device traffic of a tiled GEMM is about M*N*K*(1/BM + 1/BN) element reads, so larger blocks
+// move fewer bytes per FLOP; the limits are registers (each lane holds TM*TN*2 fp32
+// accumulators, TM = BM/(8*WM), TN = BN/(8*WN)), threadgroup memory (the A and B tiles, rows
+// padded by 16 bytes) and occupancy (a problem with few blocks leaves GPU cores idle).
+//   - kLarge 64x64x16 with 2x2 simdgroups (128 threads, 4x4 fragments = 32 accumulators a
+//     lane): each element brought into threadgroup memory is used 64 times; the tiles take
+//     5.25 KiB (f16/bf16) or 9.25 KiB (f32), leaving room for several threadgroups per core.
+//     BK = 16 keeps two fragment steps per barrier pair, enough to hide the barrier at this size.
+//   - kSmall 32x32x16 with 2x2 simdgroups (2x2 fragments a lane): four times the threadgroups of
+//     kLarge for the same output, for problems that would otherwise not fill the GPU, and for
+//     thin outputs (decode: M = 1) where most of a 64-row block would be zero fill.
+//   - the split-K first pass uses kSmall: split-K is only chosen when M*N is small.
+// Transposes do not change the tile: tiles are stored in threadgroup memory as they lie in
+// device memory, so every combination loads whole 16-byte vectors along its contiguous dim.
+// The same two sizes serve all three dtypes: f32 doubles the threadgroup memory but stays far
+// below the 32 KiB limit.
+constexpr Tile kLarge = {64, 64, 16, 2, 2};
+constexpr Tile kSmall = {32, 32, 16, 2, 2};
+// Below this many kLarge blocks the GPU (8 to 40 cores, several threadgroups each) runs out of
+// work before it runs out of bandwidth: use kSmall.
+constexpr int64_t kMinLargeBlocks = 128;
+
+// Split-K: when even kSmall gives at most kSplitMaxBlocks blocks and K is long (at least
+// kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of at least kSplitMinSlice
+// so that about kSplitTargetBlocks threadgroups run. Each partition writes M*N fp32 partials,
+// so the extra traffic (2 * 4 * M * N * partitions bytes) stays small next to reading A and B.
+constexpr int64_t kSplitMaxBlocks = 16;
+constexpr int64_t kSplitKRatio = 8;
+constexpr int64_t kSplitMinK = 512;
+constexpr int64_t kSplitMinSlice = 128;
+constexpr int64_t kSplitTargetBlocks = 64;
+constexpr int64_t kSplitMaxPartitions = 32;
+
+constexpr uint32_t kReduceThreads = 256;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool supported_dtype(DType d) {
+  return d == DType::Float16 || d == DType::BFloat16 || d == DType::Float32;
+}
+
+const char* dtype_tag(DType d) {
+  switch (d) {
+    case DType::Float16:
+      return "f16";
+    case DType::BFloat16:
+      return "bf16";
+    default:
+      return "f32";
+  }
+}
+
+// One past the largest element offset a tensor can touch (0 when empty).
+int64_t extent(const TensorDesc& t) {
+  int64_t last = t.offset;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.sizes[d] == 0) return 0;
+    last += (t.sizes[d] - 1) * t.strides[d];
+  }
+  return last + 1;
+}
+
+// How the kernel reads a 2-D operand (the last two dims of `t`).
+struct MatrixLayout {
+  bool ok = false;
+  bool transposed = false;  // columns contiguous
+  int64_t ld = 0;           // stride between rows (n) or columns (t)
+};
+
+MatrixLayout matrix_layout(const TensorDesc& t) {
+  const int64_t rows = t.sizes[t.dim() - 2], cols = t.sizes[t.dim() - 1];
+  const int64_t rs = t.strides[t.dim() - 2], cs = t.strides[t.dim() - 1];
+  MatrixLayout l;
+  if (cs == 1 || cols == 1) {
+    // A single row is never stepped over, so its row stride does not matter.
+    l = {true, false, rows == 1 ? 0 : rs};
+  } else if (rs == 1 || rows == 1) {
+    l = {true, true, cols == 1 ? 0 : cs};
+  }
+  return l;
+}
+
+struct Activation {
+  const char* name;
+  int value;
+};
+constexpr Activation kActivations[] = {{"none", kSteelActNone},
+                                       {"relu", kSteelActRelu},
+                                       {"gelu", kSteelActGelu},
+                                       {"gelu_tanh", kSteelActGeluTanh},
+                                       {"silu", kSteelActSilu}};
+
+std::string shape_str(const std::vector<int64_t>& sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+// Strides of `t` aligned to the trailing dims of a `shape`-shaped broadcast, 0 where broadcast;
+// empty when `t` does not broadcast to `shape`.
+bool broadcast_strides(const TensorDesc& t, const std::vector<int64_t>& shape,
+                       std::vector<int64_t>* strides) {
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  if (t.dim() > nd) return false;
+  strides->assign(nd, 0);
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t d = nd - t.dim() + i;
+    if (t.sizes[i] == shape[d]) {
+      (*strides)[d] = shape[d] == 1 ? 0 : t.strides[i];
+    } else if (t.sizes[i] != 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+FunctionConstant fc_bool(uint32_t index, bool value) {
+  FunctionConstant c;
+  c.index = index;
+  c.type = FunctionConstant::Type::Bool;
+  c.int_value = value ? 1 : 0;
+  return c;
+}
+
+FunctionConstant fc_int(uint32_t index, int64_t value) {
+  FunctionConstant c;
+  c.index = index;
+  c.type = FunctionConstant::Type::Int;
+  c.int_value = value;
+  return c;
+}
+
+Binding tensor_binding(uint32_t index, int32_t slot) {
+  Binding b;
+  b.index = index;
+  b.kind = Binding::Kind::Tensor;
+  b.slot = slot;
+  return b;
+}
+
+Binding params_binding(const GemmParams& params) {
+  Binding b;
+  b.index = STEEL_GEMM_BUF_PARAMS;
+  b.kind = Binding::Kind::Bytes;
+  b.bytes.resize(sizeof(GemmParams));
+  std::memcpy(b.bytes.data(), &params, sizeof(GemmParams));
+  return b;
+}
+
+std::string tile_suffix(const char* trans, DType dtype, const Tile& t) {
+  return std::string(trans) + "_" + dtype_tag(dtype) + "_bm" + std::to_string(t.bm) + "_bn" +
+         std::to_string(t.bn) + "_bk" + std::to_string(t.bk) + "_wm" + std::to_string(t.wm) +
+         "_wn" + std::to_string(t.wn);
+}
+
+// Threadgroup memory of a tile's A and B blocks, as the kernel declares them.
+int64_t tile_threadgroup_bytes(const Tile& t, DType dtype, bool ta, bool tb) {
+  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t pad = 16 / es;
+  const int64_t a = ta ? t.bk * (t.bm + pad) : t.bm * (t.bk + pad);
+  const int64_t b = tb ? t.bn * (t.bk + pad) : t.bk * (t.bn + pad);
+  return (a + b) * es;
+}
+
+}  // namespace
+
+Plan plan_gemm(const TensorList& tensors, const Options& options) {
+  if (tensors.size() < 2 || tensors.size() > 4 || !tensors[0] || !tensors[1]) {
+    return Plan::refuse("gemm takes tensors [a, b, bias, c] with a and b present");
+  }
+  TensorDesc a = *tensors[0];
+  TensorDesc b = *tensors[1];
+  const std::optional<TensorDesc> bias = tensors.size() > 2 ? tensors[2] : std::nullopt;
+  const std::optional<TensorDesc> c = tensors.size() > 3 ? tensors[3] : std::nullopt;
+  const int32_t n_inputs = static_cast<int32_t>(tensors.size());
+  const int32_t kSlotA = 0, kSlotB = 1, kSlotBias = 2, kSlotC = 3;
+
+  // ---- dtypes and shapes ----
+  const DType dtype = a.dtype;
+  if (!supported_dtype(dtype)) {
+    return Plan::refuse(std::string("gemm kernels support float16, bfloat16 and float32, not ") +
+                        dtype_name(dtype));
+  }
+  for (const std::optional<TensorDesc>* t : {&tensors[1], &bias, &c}) {
+    if (*t && (*t)->dtype != dtype) {
+      return Plan::refuse(std::string("gemm operands must share a's dtype ") + dtype_name(dtype) +
+                          ", got " + dtype_name((*t)->dtype));
+    }
+  }
+  if (a.dim() < 2 || b.dim() < 2) {
+    return Plan::refuse("gemm needs a and b with at least 2 dims, got " + shape_str(a.sizes) +
+                        " and " + shape_str(b.sizes));
+  }
+  const int64_t M = a.sizes[a.dim() - 2], K = a.sizes[a.dim() - 1];
+  const int64_t N = b.sizes[b.dim() - 1];
+  if (b.sizes[b.dim() - 2] != K) {
+    return Plan::refuse("gemm: a " + shape_str(a.sizes) + " and b " + shape_str(b.sizes) +
+                        " do not agree on K");
+  }
+
+  // Batch dims broadcast like torch.matmul.
+  const int64_t nb = std::max(a.dim(), b.dim()) - 2;
+  std::vector<int64_t> batch(nb, 1);
+  for (int64_t d = 0; d < nb; ++d) {
+    const int64_t da = d - (nb - (a.dim() - 2)), db = d - (nb - (b.dim() - 2));
+    const int64_t sa = da >= 0 ? a.sizes[da] : 1, sb = db >= 0 ? b.sizes[db] : 1;
+    if (sa != sb && sa != 1 && sb != 1) {
+      return Plan::refuse("gemm: batch dims of a " + shape_str(a.sizes) + " and b " +
+                          shape_str(b.sizes) + " do not broadcast");
+    }
+    batch[d] = std::max(sa, sb);
+    if (sa == 0 || sb == 0) batch[d] = 0;
+  }
+  std::vector<int64_t> out_sizes = batch;
+  out_sizes.push_back(M);
+  out_sizes.push_back(N);
+
+  if (bias && (bias->dim() != 1 || bias->sizes[0] != N)) {
+    return Plan::refuse("gemm: bias must have shape [" + std::to_string(N) + "], got " +
+                        shape_str(bias->sizes));
+  }
+
+  // ---- options ----
+  const double alpha = options.number("alpha", 1.0);
+  const double beta = options.number("beta", 1.0);
+  const std::string act_name = options.string("activation", "none");
+  int activation = -1;
+  for (const Activation& act : kActivations) {
+    if (act_name == act.name) activation = act.value;
+  }
+  if (activation < 0) {
+    return Plan::refuse("gemm: unknown activation '" + act_name +
+                        "' (none, relu, gelu, gelu_tanh, silu)");
+  }
+  const bool use_c = c.has_value() && beta != 0.0;
+  std::vector<int64_t> c_strides;
+  if (use_c && !broadcast_strides(*c, out_sizes, &c_strides)) {
+    return Plan::refuse("gemm: c " + shape_str(c->sizes) + " does not broadcast to out " +
+                        shape_str(out_sizes));
+  }
+
+  // ---- operand layouts; copies for operands with no unit stride ----
+  Plan plan;
+  MatrixLayout la = matrix_layout(a);
+  if (!la.ok) {
+    plan.contiguous_inputs.push_back(kSlotA);
+    a = a.contiguous();
+    la = matrix_layout(a);
+  }
+  MatrixLayout lb = matrix_layout(b);
+  if (!lb.ok) {
+    plan.contiguous_inputs.push_back(kSlotB);
+    b = b.contiguous();
+    lb = matrix_layout(b);
+  }
+
+  // ---- 32-bit indexing ----
+  int64_t out_numel = M * N;
+  for (int64_t s : batch) out_numel *= s;
+  const struct {
+    const char* name;
+    int64_t value;
+  } extents[] = {{"a", extent(a)},
+                 {"b", extent(b)},
+                 {"bias", bias ? extent(*bias) : 0},
+                 {"c", use_c ? extent(*c) : 0},
+                 {"out", out_numel}};
+  for (const auto& e : extents) {
+    if (e.value > kInt32Max) {
+      return Plan::refuse(std::string("gemm: ") + e.name + " spans " + std::to_string(e.value) +
+                          " elements, beyond the kernels' 32-bit indexing (2^31 - 1)");
+    }
+  }
+
+  // ---- batch: drop size-1 dims, merge dims every operand walks contiguously ----
+  struct BatchDim {
+    int64_t size, a, b, c;
+  };
+  std::vector<BatchDim> dims;
+  for (int64_t d = 0; d < nb; ++d) {
+    if (batch[d] == 1) continue;
+    const int64_t da = d - (nb - (a.dim() - 2)), db = d - (nb - (b.dim() - 2));
+    BatchDim bd;
+    bd.size = batch[d];
+    bd.a = (da >= 0 && a.sizes[da] != 1) ? a.strides[da] : 0;
+    bd.b = (db >= 0 && b.sizes[db] != 1) ? b.strides[db] : 0;
+    bd.c = use_c ? c_strides[d] : 0;
+    dims.push_back(bd);
+  }
+  std::vector<BatchDim> merged;
+  for (const BatchDim& bd : dims) {
+    if (!merged.empty()) {
+      BatchDim& o = merged.back();
+      if (o.a == bd.a * bd.size && o.b == bd.b * bd.size && o.c == bd.c * bd.size) {
+        o = {o.size * bd.size, bd.a, bd.b, bd.c};
+        continue;
+      }
+    }
+    merged.push_back(bd);
+  }
+  if (merged.size() > STEEL_GEMM_MAX_BATCH_DIMS) {
+    return Plan::refuse("gemm: " + std::to_string(merged.size()) +
+                        " batch dims that cannot be merged; the kernels take at most " +
+                        std::to_string(STEEL_GEMM_MAX_BATCH_DIMS));
+  }
+  const int64_t batch_count = out_numel == 0 ? 0 : out_numel / (M * N);
+
+  Allocation out_alloc;
+  out_alloc.name = "out";
+  out_alloc.dtype = dtype;
+  out_alloc.sizes = out_sizes;
+  out_alloc.is_output = true;
+  plan.allocations.push_back(out_alloc);
+  const int32_t kSlotOut = n_inputs;
+  plan.ok = true;
+  if (out_numel == 0) return plan;  // nothing to compute
+
+  // ---- tile and split-K ----
+  const int64_t blocks_large = ceil_div(M, kLarge.bm) * ceil_div(N, kLarge.bn) * batch_count;
+  const int64_t blocks_small = ceil_div(M, kSmall.bm) * ceil_div(N, kSmall.bn) * batch_count;
+  const bool thin = M <= kSmall.bm || N <= kSmall.bn;
+  const Tile tile = (blocks_large < kMinLargeBlocks || thin) ? kSmall : kLarge;
+
+  int64_t partitions = 1;
+  int64_t k_split = K;
+  if (batch_count == 1 && blocks_small <= kSplitMaxBlocks && K >= kSplitMinK &&
+      K >= kSplitKRatio * std::max(M, N)) {
+    partitions = std::min({ceil_div(kSplitTargetBlocks, blocks_small), K / kSplitMinSlice,
+                           kSplitMaxPartitions});
+    if (partitions >= 2) {
+      k_split = ceil_div(ceil_div(K, partitions), kSmall.bk) * kSmall.bk;
+      partitions = ceil_div(K, k_split);
+    }
+  }
+  const bool split = partitions >= 2;
+  const Tile t = split ? kSmall : tile;
+  if (split && partitions * M * N > kInt32Max) {
+    return Plan::refuse("gemm: split-K partials beyond 32-bit indexing");
+  }
+  if (tile_threadgroup_bytes(t, dtype, la.transposed, lb.transposed) > 32 * 1024) {
+    return Plan::refuse("gemm: tile needs more than 32 KiB of threadgroup memory");
+  }
+
+  // ---- params ----
+  GemmParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.M = static_cast<int32_t>(M);
+  p.N = static_cast<int32_t>(N);
+  p.K = static_cast<int32_t>(K);
+  p.lda = static_cast<int32_t>(la.ld);
+  p.ldb = static_cast<int32_t>(lb.ld);
+  p.ldd = static_cast<int32_t>(N);
+  p.tiles_m = static_cast<int32_t>(ceil_div(M, t.bm));
+  p.tiles_n = static_cast<int32_t>(ceil_div(N, t.bn));
+  // Bands of 2 or 4 tile rows once the grid is big enough that neighbours would otherwise have
+  // left L2 (a band costs at most 2^swizzle_log - 1 idle rows of threadgroups).
+  p.swizzle_log = (p.tiles_m >= 16 && p.tiles_n >= 16) ? 2 : (p.tiles_m >= 4 && p.tiles_n >= 4);
+  p.k_split = static_cast<int32_t>(k_split);
+  p.partial_stride = static_cast<int32_t>(M * N);
+  p.partitions = static_cast<int32_t>(partitions);
+  const int64_t cd = static_cast<int64_t>(out_sizes.size());
+  p.c_rs = use_c ? static_cast<int32_t>(c_strides[cd - 2]) : 0;
+  p.c_cs = use_c ? static_cast<int32_t>(c_strides[cd - 1]) : 0;
+  p.bias_stride = bias ? static_cast<int32_t>(bias->strides[0]) : 0;
+  p.alpha = static_cast<float>(alpha);
+  p.beta = static_cast<float>(beta);
+  p.batch_ndim = static_cast<int32_t>(merged.size());
+  for (size_t d = 0; d < merged.size(); ++d) {
+    p.batch_shape[d] = static_cast<int32_t>(merged[d].size);
+    p.a_batch_strides[d] = static_cast<int32_t>(merged[d].a);
+    p.b_batch_strides[d] = static_cast<int32_t>(merged[d].b);
+    p.c_batch_strides[d] = static_cast<int32_t>(merged[d].c);
+  }
+  p.out_batch_stride = static_cast<int32_t>(M * N);
+
+  // 16-byte vector loads need every row start 16-byte aligned: offset, leading dim and batch
+  // strides all multiples of 16 bytes (storage itself is at least 16-byte aligned).
+  const int64_t vec = 16 / static_cast<int64_t>(dtype_size(dtype));
+  auto vec_ok = [&](const TensorDesc& x, const MatrixLayout& l, bool is_a) {
+    bool ok = x.offset % vec == 0 && l.ld % vec == 0;
+    for (const BatchDim& bd : merged) ok = ok && (is_a ? bd.a : bd.b) % vec == 0;
+    return ok;
+  };
+
+  const bool align_m = M % t.bm == 0, align_n = N % t.bn == 0, align_k = K % t.bk == 0;
+  std::vector<FunctionConstant> tile_constants = {
+      fc_bool(STEEL_GEMM_FC_HAS_BATCH, !split && batch_count > 1),
+      fc_bool(STEEL_GEMM_FC_USE_C, use_c && !split),
+      fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value() && !split),
+      fc_int(STEEL_GEMM_FC_ACTIVATION, split ? kSteelActNone : activation),
+      fc_bool(STEEL_GEMM_FC_ALIGN_M, align_m),
+      fc_bool(STEEL_GEMM_FC_ALIGN_N, align_n),
+      fc_bool(STEEL_GEMM_FC_ALIGN_K, align_k),
+      fc_bool(STEEL_GEMM_FC_VEC_A, vec_ok(a, la, true)),
+      fc_bool(STEEL_GEMM_FC_VEC_B, vec_ok(b, lb, false)),
+  };
+  const char* trans = la.transposed ? (lb.transposed ? "tt" : "tn") : (lb.transposed ? "nt" : "nn");
+  // Absent c or bias: the kernel never reads them (function constants), but every declared
+  // buffer is bound, so a stands in.
+  const int32_t c_slot = use_c ? kSlotC : kSlotA;
+  const int32_t bias_slot = bias ? kSlotBias : kSlotA;
+  const uint32_t threads = static_cast<uint32_t>(32 * t.wm * t.wn);
+  const uint32_t grid_x = static_cast<uint32_t>(p.tiles_n) << p.swizzle_log;
+  const uint32_t grid_y =
+      static_cast<uint32_t>(ceil_div(p.tiles_m, int64_t{1} << p.swizzle_log));
+
+  Dispatch d;
+  d.constants = tile_constants;
+  d.grid[0] = grid_x;
+  d.grid[1] = grid_y;
+  d.threads[0] = threads;
+  if (!split) {
+    d.kernel = "steel_gemm_" + tile_suffix(trans, dtype, t);
+    d.grid[2] = static_cast<uint32_t>(batch_count);
+    d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA),
+                  tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
+                  tensor_binding(STEEL_GEMM_BUF_C, c_slot),
+                  tensor_binding(STEEL_GEMM_BUF_BIAS, bias_slot),
+                  tensor_binding(STEEL_GEMM_BUF_OUT, kSlotOut), params_binding(p)};
+    plan.dispatches.push_back(d);
+    return plan;
+  }
+
+  Allocation scratch;
+  scratch.name = "splitk_partials";
+  scratch.dtype = DType::Float32;
+  scratch.sizes = {partitions, M, N};
+  plan.allocations.push_back(scratch);
+  const int32_t kSlotScratch = n_inputs + 1;
+
+  d.kernel = "steel_gemm_splitk_" + tile_suffix(trans, dtype, t);
+  d.grid[2] = static_cast<uint32_t>(partitions);
+  d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA), tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
+                tensor_binding(STEEL_GEMM_BUF_OUT, kSlotScratch), params_binding(p)};
+  plan.dispatches.push_back(d);
+
+  Dispatch r;
+  r.kernel = std::string("steel_gemm_splitk_reduce_") + dtype_tag(dtype);
+  r.constants = {fc_bool(STEEL_GEMM_FC_USE_C, use_c), fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
+                 fc_int(STEEL_GEMM_FC_ACTIVATION, activation)};
+  r.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotScratch),
+                tensor_binding(STEEL_GEMM_BUF_C, c_slot),
+                tensor_binding(STEEL_GEMM_BUF_BIAS, bias_slot),
+                tensor_binding(STEEL_GEMM_BUF_OUT, kSlotOut), params_binding(p)};
+  r.grid[0] = static_cast<uint32_t>(ceil_div(M * N, kReduceThreads));
+  r.threads[0] = kReduceThreads;
+  plan.dispatches.push_back(r);
+  return plan;
+}
+
+STEEL_PLANNER("gemm", plan_gemm);
+
+}  // namespace steel

@@ -1,0 +1,175 @@
+// The GEMM block: one threadgroup computes a BM x BN block of out = act(alpha * a @ b + beta * c
+// + bias) for one batch entry (or, split-K, the fp32 partial product over one slice of K).
+//
+// Shape of the work (see gemm_plan.cpp for how the tile sizes are chosen):
+//   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch or partitions);
+//     consecutive threadgroups walk a band of 2^swizzle_log tile rows column by column, so the
+//     A rows and B columns they share are still in L2 when the neighbours ask for them;
+//   - per BK step: barrier, BlockLoader copies the A and B tiles to threadgroup memory, barrier,
+//     BlockMMA multiplies them into the fp32 accumulators;
+//   - a partial last K step (K % BK) is loaded with zero fill and multiplied like the others;
+//   - the epilogue runs on the accumulators in registers, then each element is stored once.
+// Interior tiles take the unchecked path; only edge tiles (where M or N ends inside the tile)
+// pay for bounds checks, and the choice is made once per threadgroup, outside the K loop.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../params.h"
+#include "epilogue.h"
+#include "loader.h"
+#include "mma.h"
+
+using namespace metal;
+
+// Function constants (values chosen by the planner; Metal specializes them away).
+constant bool gemm_has_batch [[function_constant(STEEL_GEMM_FC_HAS_BATCH)]];
+constant bool gemm_use_c [[function_constant(STEEL_GEMM_FC_USE_C)]];
+constant bool gemm_has_bias [[function_constant(STEEL_GEMM_FC_HAS_BIAS)]];
+constant int gemm_activation [[function_constant(STEEL_GEMM_FC_ACTIVATION)]];
+constant bool gemm_align_m [[function_constant(STEEL_GEMM_FC_ALIGN_M)]];
+constant bool gemm_align_n [[function_constant(STEEL_GEMM_FC_ALIGN_N)]];
+constant bool gemm_align_k [[function_constant(STEEL_GEMM_FC_ALIGN_K)]];
+constant bool gemm_vec_a [[function_constant(STEEL_GEMM_FC_VEC_A)]];
+constant bool gemm_vec_b [[function_constant(STEEL_GEMM_FC_VEC_B)]];
+
+namespace steel {
+
+template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTransA,
+          bool kTransB>
+struct GemmBlock {
+  static constant constexpr short kThreads = 32 * WM * WN;
+  static constant constexpr short kPad = short(16 / sizeof(T));  // 16 bytes per tile row
+  // The tiles are stored as they lie in device memory: A is BM x BK, or BK x BM transposed.
+  static constant constexpr short kARows = kTransA ? BK : BM;
+  static constant constexpr short kACols = kTransA ? BM : BK;
+  static constant constexpr short kLdA = kACols + kPad;
+  static constant constexpr short kBRows = kTransB ? BN : BK;
+  static constant constexpr short kBCols = kTransB ? BK : BN;
+  static constant constexpr short kLdB = kBCols + kPad;
+  static constant constexpr int kATileElems = kARows * kLdA;
+  static constant constexpr int kBTileElems = kBRows * kLdB;
+
+  using LoaderA = BlockLoader<T, kARows, kACols, kLdA, kThreads>;
+  using LoaderB = BlockLoader<T, kBRows, kBCols, kLdB, kThreads>;
+  using MMA = BlockMMA<T, BM, BN, BK, WM, WN, kTransA, kTransB, kLdA, kLdB>;
+
+  // The part of the A / B tile inside the matrix, as (columns, rows) of the stored tile.
+  static short2 a_extent(short m_valid, short k_valid) {
+    return kTransA ? short2(m_valid, k_valid) : short2(k_valid, m_valid);
+  }
+  static short2 b_extent(short k_valid, short n_valid) {
+    return kTransB ? short2(k_valid, n_valid) : short2(n_valid, k_valid);
+  }
+
+  // k_steps full BK steps, then one partial step of k_rem (< BK) columns of A / rows of B.
+  template <bool kFull>
+  static void march_k(thread LoaderA& la, thread LoaderB& lb, thread MMA& mma,
+                      threadgroup T* As, threadgroup T* Bs, int k_steps, short k_rem,
+                      short m_valid, short n_valid, bool vec_a, bool vec_b) {
+    const short2 a_valid = a_extent(m_valid, BK);
+    const short2 b_valid = b_extent(BK, n_valid);
+    const int a_step = kTransA ? BK * la.src_ld : BK;
+    const int b_step = kTransB ? BK : BK * lb.src_ld;
+    for (int k = 0; k < k_steps; ++k) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's reads are done
+      if (kFull) {
+        la.load_unsafe(vec_a);
+        lb.load_unsafe(vec_b);
+      } else {
+        la.load_safe(a_valid);
+        lb.load_safe(b_valid);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      mma.mma(As, Bs);
+      la.advance(a_step);
+      lb.advance(b_step);
+    }
+    if (k_rem > 0) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      la.load_safe(a_extent(m_valid, k_rem));
+      lb.load_safe(b_extent(k_rem, n_valid));
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      mma.mma(As, Bs);
+    }
+  }
+};
+
+// One threadgroup's block. OutT is T (epilogue applied) or float (split-K partials, no epilogue).
+template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTransA,
+          bool kTransB, typename OutT, bool kSplitK>
+inline void gemm_block(const device T* a, const device T* b, const device T* c,
+                       const device T* bias, device OutT* out, constant GemmParams& p,
+                       threadgroup T* As, threadgroup T* Bs, uint3 tg, ushort simdgroup,
+                       ushort lane) {
+  using G = GemmBlock<T, BM, BN, BK, WM, WN, kTransA, kTransB>;
+
+  const int swizzle = p.swizzle_log;
+  const int tile_n = int(tg.x) >> swizzle;
+  const int tile_m = (int(tg.y) << swizzle) + (int(tg.x) & ((1 << swizzle) - 1));
+  if (tile_m >= p.tiles_m || tile_n >= p.tiles_n) return;  // the whole threadgroup leaves
+  const int row0 = tile_m * BM;
+  const int col0 = tile_n * BN;
+
+  int k_begin = 0;
+  int k_len = p.K;
+  if (kSplitK) {
+    k_begin = int(tg.z) * p.k_split;
+    k_len = min(p.k_split, p.K - k_begin);
+    out += int(tg.z) * p.partial_stride;
+  } else if (gemm_has_batch) {
+    int z = int(tg.z);
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      const int idx = z % p.batch_shape[d];
+      z /= p.batch_shape[d];
+      a += idx * p.a_batch_strides[d];
+      b += idx * p.b_batch_strides[d];
+      c += idx * p.c_batch_strides[d];
+    }
+    out += int(tg.z) * p.out_batch_stride;
+  }
+  a += kTransA ? row0 + k_begin * p.lda : row0 * p.lda + k_begin;
+  b += kTransB ? col0 * p.ldb + k_begin : k_begin * p.ldb + col0;
+
+  const ushort thread_index = simdgroup * 32 + lane;
+  typename G::LoaderA la(a, p.lda, As, thread_index);
+  typename G::LoaderB lb(b, p.ldb, Bs, thread_index);
+  typename G::MMA mma(simdgroup, lane);
+
+  const short m_valid = short(min(int(BM), p.M - row0));
+  const short n_valid = short(min(int(BN), p.N - col0));
+  const bool full = (gemm_align_m || m_valid == BM) && (gemm_align_n || n_valid == BN);
+  const int k_steps = k_len / BK;
+  const short k_rem = gemm_align_k ? short(0) : short(k_len - k_steps * BK);
+  if (full) {
+    G::template march_k<true>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid, gemm_vec_a,
+                              gemm_vec_b);
+  } else {
+    G::template march_k<false>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid, false,
+                               false);
+  }
+
+  // Epilogue in registers, then one store per element.
+  device OutT* dst = out + row0 * p.ldd + col0;
+#pragma clang loop unroll(full)
+  for (short i = 0; i < G::MMA::TM; ++i) {
+    const short r = mma.row + i * (8 * WM);
+    if (!full && r >= m_valid) continue;
+#pragma clang loop unroll(full)
+    for (short j = 0; j < G::MMA::TN; ++j) {
+      const short cc = mma.col + j * (8 * WN);
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        if (!full && cc + e >= n_valid) continue;
+        float v = mma.acc.at(i, j).thread_elements()[e];
+        if (!kSplitK) {
+          v = epilogue(v, row0 + r, col0 + cc + e, c, bias, p, gemm_use_c, gemm_has_bias,
+                       gemm_activation);
+        }
+        dst[r * p.ldd + cc + e] = OutT(v);
+      }
+    }
+  }
+}
+
+}  // namespace steel
