@@ -83,12 +83,13 @@ TensorDesc describe(const at::Tensor& tensor, size_t position, const std::string
   return desc;
 }
 
-// Options arrive as a dict name -> bool | int | float | str; bools become 0/1 numbers.
+// Options arrive as a dict name -> bool | int | float | str | None; bools become 0/1 numbers.
 Options to_options(const py::dict& options) {
   Options result;
   for (const auto& item : options) {
     const std::string name = py::cast<std::string>(item.first);
     const py::handle value = item.second;
+    if (value.is_none()) continue;  // an unset option, as in torch_steel.sim
     if (py::isinstance<py::bool_>(value)) {
       result.numbers[name] = py::cast<bool>(value) ? 1.0 : 0.0;
     } else if (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)) {

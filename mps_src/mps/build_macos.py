@@ -1,0 +1,182 @@
+"""The macOS build: the shaders' metallib and the Objective-C++ extension torch_steel._C_metal.
+
+setup.py calls setup_options(root) on darwin only and passes the result to setup(). The build_ext
+command builds the extension, then puts next to it, inside the torch_steel package:
+
+- steel.metallib: every shaders/**/*.metal compiled by Xcode's Metal toolchain (`xcrun metal`,
+  one .air per file, linked by `xcrun metallib`). Skipped, with a message, when the toolchain is
+  missing: it ships with Xcode, not with the Command Line Tools.
+- metal_src/*.metal: the same shaders, each amalgamated into one self-contained source (the
+  project's own #includes inlined, since MTLDevice.newLibraryWithSource has no include path).
+  The extension compiles these with the Metal runtime compiler at first use when no metallib
+  was built.
+
+amalgamate() is plain Python with no macOS dependency, so tests/mps checks it on Linux.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+METALLIB = "steel.metallib"
+SOURCE_DIR = "metal_src"
+# bfloat arrived in Metal 3.1 (macOS 14). -fno-fast-math because Metal compiles with fast math by
+# default, which may assume no inf/NaN (attention's masked -inf scores) and reassociate, while
+# the simulator that verifies the kernels computes IEEE math (kernels ask for fast:: explicitly).
+METAL_FLAGS = ["-std=metal3.1", "-mmacosx-version-min=14.0", "-fno-fast-math", "-Wall"]
+TOOLCHAIN_HINT = (
+    "the Metal toolchain ships with Xcode, not the Command Line Tools (install Xcode, run "
+    "`sudo xcode-select -s /Applications/Xcode.app`; Xcode 26 and later also need "
+    "`xcodebuild -downloadComponent MetalToolchain`)"
+)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
+
+
+def shader_files(shaders: Path) -> list[Path]:
+    """The translation units: every .metal file under shaders/, in a stable order."""
+    return sorted(shaders.rglob("*.metal"))
+
+
+def amalgamate(source: Path, shaders: Path) -> str:
+    """source with every project #include "..." inlined, recursively, each file once.
+
+    A quoted include is looked up next to the including file, then under shaders/ (the include
+    path the metallib build uses). <...> includes (metal_stdlib) stay. #line directives keep
+    runtime compiler errors pointing at the original files.
+    """
+    seen: set[Path] = set()
+    out: list[str] = []
+
+    def name(path: Path) -> str:
+        try:
+            return path.relative_to(shaders).as_posix()
+        except ValueError:
+            return path.name
+
+    def inline(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        seen.add(path)
+        out.append(f'#line 1 "{name(path)}"')
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            include = _INCLUDE.match(line)
+            if _PRAGMA_ONCE.match(line):
+                out.append("")
+            elif include:
+                inline(_find_include(include.group(1), path, shaders))
+                out.append(f'#line {number + 1} "{name(path)}"')
+            else:
+                out.append(line)
+
+    inline(source)
+    return "\n".join(out) + "\n"
+
+
+def _find_include(target: str, including: Path, shaders: Path) -> Path:
+    for base in (including.parent, shaders):
+        candidate = base / target
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f'{including}: #include "{target}" found neither there nor in {shaders}')
+
+
+def source_name(source: Path, shaders: Path) -> str:
+    """steel/gemm/gemm.metal -> steel__gemm__gemm.metal (one flat directory in the package)."""
+    return "__".join(source.relative_to(shaders).parts)
+
+
+def write_sources(shaders: Path, out_dir: Path) -> list[Path]:
+    """Writes the amalgamated shader sources into out_dir/metal_src/ (replacing older ones)."""
+    target = out_dir / SOURCE_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    written = []
+    for source in shader_files(shaders):
+        path = target / source_name(source, shaders)
+        path.write_text(amalgamate(source, shaders))
+        written.append(path)
+    return written
+
+
+def compile_metallib(shaders: Path, out: Path) -> str | None:
+    """Compiles every shader into one metallib at `out`; returns None, or why it could not."""
+    sources = shader_files(shaders)
+    if not sources:
+        return "no shaders to compile"
+    with tempfile.TemporaryDirectory() as tmp:
+        airs = []
+        try:
+            for i, source in enumerate(sources):
+                air = Path(tmp) / f"{i}_{source.stem}.air"
+                _run(["xcrun", "-sdk", "macosx", "metal", *METAL_FLAGS, "-I", str(shaders),
+                      "-c", str(source), "-o", str(air)])
+                airs.append(str(air))
+            _run(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", str(out)])
+        except FileNotFoundError as error:
+            return f"xcrun not found ({error})"
+        except subprocess.CalledProcessError as error:
+            return f"`{' '.join(error.cmd[:4])} ...` failed:\n{error.stderr.strip()}"
+    return None
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+def setup_options(root: Path) -> dict:
+    """setup() keyword arguments for the Mac build (ext_modules, cmdclass, package_data)."""
+    from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: PLC0415
+
+    shaders = root / "shaders"
+
+    class BuildWithShaders(BuildExtension):
+        """build_ext, then the shader library next to the extension (in-place or build dir)."""
+
+        def run(self):
+            super().run()
+            package_dir = Path(self.get_ext_fullpath("torch_steel._C_metal")).parent
+            package_dir.mkdir(parents=True, exist_ok=True)
+            write_sources(shaders, package_dir)
+            metallib = package_dir / METALLIB
+            metallib.unlink(missing_ok=True)
+            if os.environ.get("TORCH_STEEL_NO_METALLIB"):
+                why = "TORCH_STEEL_NO_METALLIB is set"
+            else:
+                why = compile_metallib(shaders, metallib)
+            if why is None:
+                print(f"torch-steel: built {metallib}")
+            else:
+                print(
+                    f"torch-steel: WARNING: no metallib built ({why}).\n"
+                    f"torch-steel: {TOOLCHAIN_HINT}.\n"
+                    "torch-steel: installing the shader sources instead; they are compiled by "
+                    "the Metal runtime compiler the first time a process uses a kernel.",
+                    file=sys.stderr,
+                )
+
+    def rel(path: Path) -> str:
+        return os.path.relpath(path, root)
+
+    sources = sorted((root / "mps_src" / "mps").glob("*.mm"))
+    sources += sorted((root / "mps_src" / "plan").glob("*.cpp"))
+    extension = CppExtension(
+        "torch_steel._C_metal",
+        sources=[rel(p) for p in sources],
+        include_dirs=[str(root / "mps_src"), str(shaders)],
+        # -std=c++20: torch 2.13's headers expect it (DESIGN.md section 6). ARC manages the
+        # Objective-C objects held in C++ containers (pipeline cache, encoder state).
+        extra_compile_args=["-std=c++20", "-fobjc-arc", "-mmacosx-version-min=14.0"],
+        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
+    )
+    return {
+        "ext_modules": [extension],
+        "cmdclass": {"build_ext": BuildWithShaders},
+        "package_data": {"torch_steel": [METALLIB, f"{SOURCE_DIR}/*.metal"]},
+    }

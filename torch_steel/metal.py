@@ -1,0 +1,116 @@
+"""The Metal back end: launch plans encoded on PyTorch's MPS stream (macOS).
+
+    available()                    the extension torch_steel._C_metal is built and MPS works
+    run_op(op, tensors, options)   plan `op`, encode it on the current MPS stream, return outputs
+
+The extension is built by setup.py on macOS only (mps_src/mps/build_macos.py). It takes its
+kernels from steel.metallib when Xcode's Metal toolchain was there at install time, otherwise it
+compiles the installed shader sources (metal_src/*.metal) with the Metal runtime compiler the
+first time a process needs a kernel, which this module announces once.
+
+A refused plan raises torch_steel.errors.PlanRefused, for the op layer to fall back to reference
+math; anything else the extension raises (bad input, a kernel missing from the library) is an
+error and propagates.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_steel.errors import PlanRefused
+
+# The C++ side raises refusals as c10::Error messages starting with this (mps_src/mps/module.mm).
+REFUSED_PREFIX = "steel plan refused: "
+PACKAGE_DIR = Path(__file__).resolve().parent
+METALLIB = "steel.metallib"
+SOURCE_DIR = "metal_src"
+
+_load_lock = threading.Lock()
+_loaded = False
+
+
+@functools.cache
+def _extension():
+    """torch_steel._C_metal, or None where it is not built (every platform but macOS)."""
+    try:
+        return importlib.import_module("torch_steel._C_metal")
+    except ImportError as error:
+        if error.name != "torch_steel._C_metal":
+            raise  # built, but a library it needs is missing: say so instead of hiding it
+        return None
+
+
+def available() -> bool:
+    """True when the Metal extension is built and an MPS device is usable."""
+    return _extension() is not None and torch.backends.mps.is_available()
+
+
+def refusal_reason(message: str) -> str | None:
+    """The reason of a refused plan in an extension error message, or None for other errors.
+
+    c10 errors may carry a C++ backtrace after the first line; the reason is one line.
+    """
+    at = message.find(REFUSED_PREFIX)
+    if at < 0:
+        return None
+    return message[at + len(REFUSED_PREFIX):].split("\n", 1)[0].strip()
+
+
+def library_sources(package_dir: Path = PACKAGE_DIR) -> tuple[Path | None, list[Path]]:
+    """(the installed metallib or None, the installed shader sources)."""
+    metallib = package_dir / METALLIB
+    sources = sorted((package_dir / SOURCE_DIR).glob("*.metal"))
+    return (metallib if metallib.is_file() else None), sources
+
+
+def _load_library(ext, package_dir: Path = PACKAGE_DIR) -> None:
+    """Gives the extension its kernels, once per process."""
+    global _loaded
+    with _load_lock:
+        if _loaded:
+            return
+        metallib, sources = library_sources(package_dir)
+        if metallib is not None:
+            ext.load_metallib(str(metallib))
+        elif sources:
+            warnings.warn(
+                "torch-steel: no precompiled metallib is installed (Xcode's Metal toolchain was "
+                "missing at install time); compiling the shaders with the Metal runtime compiler "
+                "now, once per process. Install Xcode and reinstall torch-steel to skip this.",
+                stacklevel=3,
+            )
+            ext.compile_sources([path.read_text() for path in sources])
+        else:
+            raise RuntimeError(
+                f"torch-steel: neither {METALLIB} nor {SOURCE_DIR}/*.metal is installed in "
+                f"{package_dir}; reinstall torch-steel"
+            )
+        _loaded = True
+
+
+def run_op(op: str, tensors: Sequence[torch.Tensor | None],
+           options: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+    """Runs `op`'s launch plan on MPS tensors; returns the plan's outputs.
+
+    tensors: the op's tensor arguments in order, None for absent optionals; options: name ->
+    number | bool | str. Raises PlanRefused when the plan refuses (the message names the limit).
+    """
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("torch-steel: the Metal extension is not built (it is built on macOS)")
+    _load_library(ext)
+    try:
+        return list(ext.run_op(op, list(tensors), dict(options or {})))
+    except RuntimeError as error:
+        reason = refusal_reason(str(error))
+        if reason is None:
+            raise
+        raise PlanRefused(reason) from None
