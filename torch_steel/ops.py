@@ -563,7 +563,7 @@ def _sdpa_composite(
 _LIB.impl("sdpa", _sdpa_composite, "CompositeImplicitAutograd")
 
 
-def _causal_bias(attn_mask, is_causal, causal_align):
+def _causal_bias(attn_mask, is_causal, causal_align, query, key):
     """Turns a torch.nn.attention.bias.CausalBias into (None, True, alignment)."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
 
@@ -571,6 +571,12 @@ def _causal_bias(attn_mask, is_causal, causal_align):
         return attn_mask, is_causal, causal_align
     if is_causal:
         raise ValueError("steel.sdpa: pass either is_causal=True or a CausalBias mask, not both")
+    lengths = (query.shape[-2], key.shape[-2])
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != lengths:
+        raise ValueError(
+            f"steel.sdpa: the CausalBias is for (L, S) = ({attn_mask.seq_len_q}, "
+            f"{attn_mask.seq_len_kv}) but query and key give {lengths}"
+        )
     align = "bottom_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "top_left"
     return None, True, align
 
@@ -612,7 +618,9 @@ def sdpa(
       return_lse:   also return the log-sum-exp of each row, float32 [*batch, heads, L]
                     (float64 for float64 inputs); differentiable.
     """
-    attn_mask, is_causal, causal_align = _causal_bias(attn_mask, is_causal, causal_align)
+    attn_mask, is_causal, causal_align = _causal_bias(
+        attn_mask, is_causal, causal_align, query, key
+    )
     flat = query.dim() == 2 if torch.is_tensor(query) else False
     if flat:  # [L, E] inputs: one head, no batch
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)

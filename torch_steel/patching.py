@@ -31,7 +31,7 @@ def _serves(query, key, value, attn_mask, is_causal, enable_gqa):
     ):
         return False
     try:
-        mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left")
+        mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
         if query.dim() >= 3:
             ops.check_sdpa(query, key, value, mask, enable_gqa, None)
     except (ValueError, TypeError):

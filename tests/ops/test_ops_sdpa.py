@@ -1,0 +1,154 @@
+"""steel::sdpa against F.scaled_dot_product_attention (float64 oracle) over a sweep."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ops_helpers import randn, torch_sdpa64
+
+import torch_steel
+
+# float64 reference math vs PyTorch's float64 math: both exact up to summation order.
+TOL64 = {"atol": 1e-10, "rtol": 1e-10}
+
+
+def _mask(kind, shape, L, S):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return torch.rand(*shape, L, S) > 0.3
+    return torch.randn(*shape, L, S, dtype=torch.float64)
+
+
+# PyTorch refuses is_causal together with an explicit mask, so causal runs without one.
+CASES = [
+    (L_S, kind, shape, causal)
+    for L_S in [(5, 5), (3, 7), (7, 3), (1, 9)]  # square, L < S, L > S, a decode row
+    for kind in ["none", "bool", "float"]
+    for shape in ([()] if kind == "none" else [(), (4,), (2, 1)])  # broadcast to [2, 4, L, S]
+    for causal in ([False, True] if kind == "none" else [False])
+]
+
+
+@pytest.mark.parametrize("L_S,mask_kind,mask_shape,is_causal", CASES)
+def test_sdpa_matches_torch(L_S, mask_kind, mask_shape, is_causal):
+    L, S = L_S
+    q, k, v = randn(2, 4, L, 8), randn(2, 4, S, 8), randn(2, 4, S, 8)
+    mask = _mask(mask_kind, mask_shape, L, S)
+    out = torch.ops.steel.sdpa(q, k, v, mask, is_causal=is_causal)
+    torch.testing.assert_close(out, torch_sdpa64(q, k, v, mask, is_causal=is_causal), **TOL64)
+
+
+@pytest.mark.parametrize("L,S", [(4, 6), (6, 4)])
+def test_sdpa_gradients_match_torch(L, S):
+    q = randn(2, 4, L, 8, requires_grad=True)
+    k, v = randn(2, 2, S, 8, requires_grad=True), randn(2, 2, S, 5, requires_grad=True)
+    mask = torch.randn(1, 4, L, S, dtype=torch.float64)
+    out = torch.ops.steel.sdpa(q, k, v, mask, scale=0.3, enable_gqa=True)
+    ref = torch_sdpa64(q, k, v, mask, scale=0.3, enable_gqa=True)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_sdpa_gqa_scale_and_value_dim():
+    q, k, v = randn(3, 6, 5, 16), randn(3, 2, 9, 16), randn(3, 2, 9, 4)
+    out = torch.ops.steel.sdpa(q, k, v, scale=0.17, enable_gqa=True)
+    assert out.shape == (3, 6, 5, 4)
+    torch.testing.assert_close(out, torch_sdpa64(q, k, v, scale=0.17, enable_gqa=True), **TOL64)
+
+
+def test_sdpa_fully_masked_rows_are_zero():
+    q, k, v = randn(1, 2, 4, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)
+    mask = torch.rand(1, 2, 4, 5) > 0.5
+    mask[:, :, 1] = False
+    additive = torch.zeros(4, 5, dtype=torch.float64)
+    additive[2] = float("-inf")
+    for m in (mask, additive):
+        out, lse = torch_steel.sdpa(q, k, v, m, return_lse=True)
+        torch.testing.assert_close(out, torch_sdpa64(q, k, v, m), **TOL64)
+        assert torch.isfinite(out).all()
+    assert (out[:, :, 2] == 0).all() and torch.isneginf(lse[:, :, 2]).all()
+
+
+def test_sdpa_fully_masked_rows_have_zero_gradient():
+    q = randn(1, 1, 3, 4, requires_grad=True)
+    k, v = randn(1, 1, 3, 4, requires_grad=True), randn(1, 1, 3, 4, requires_grad=True)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[0] = False
+    torch.ops.steel.sdpa(q, k, v, mask).sum().backward()
+    assert torch.isfinite(q.grad).all() and (q.grad[0, 0, 0] == 0).all()
+
+
+def test_sdpa_three_and_two_dim_inputs():
+    q, k, v = randn(3, 5, 8), randn(3, 6, 8), randn(3, 6, 8)  # [heads, L, E]
+    torch.testing.assert_close(torch.ops.steel.sdpa(q, k, v), torch_sdpa64(q, k, v), **TOL64)
+    q2, k2, v2 = q[0], k[0], v[0]  # [L, E]: only through the Python wrapper
+    torch.testing.assert_close(torch_steel.sdpa(q2, k2, v2), torch_sdpa64(q2, k2, v2), **TOL64)
+
+
+@pytest.mark.parametrize(
+    "dtype,atol",
+    [
+        # fp32 math end to end: a few ulps of the O(1) outputs.
+        (torch.float32, 1e-5),
+        # fp16/bf16 inputs, fp32 math, rounded output: half an ulp of |out| <= ~3.
+        (torch.float16, 4e-3),
+        (torch.bfloat16, 3e-2),
+    ],
+)
+def test_sdpa_low_precision_against_float64(dtype, atol):
+    q, k, v = randn(2, 3, 17, 32), randn(2, 3, 23, 32), randn(2, 3, 23, 32)
+    lo = [t.to(dtype) for t in (q, k, v)]
+    out = torch.ops.steel.sdpa(*lo, is_causal=True)
+    assert out.dtype == dtype
+    # Compare with the float64 result on the rounded inputs, isolating the op's own error.
+    expected = torch_sdpa64(*lo, is_causal=True)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+def test_sdpa_backward_op_gradcheck():
+    """float64 gradcheck of sdpa_forward's autograd, i.e. of the sdpa_backward op."""
+    q = randn(1, 2, 4, 3, requires_grad=True)
+    k, v = randn(1, 1, 5, 3, requires_grad=True), randn(1, 1, 5, 2, requires_grad=True)
+    sinks = randn(2, requires_grad=True)
+    mask = torch.randn(4, 5, dtype=torch.float64)
+
+    def fn(q, k, v, sinks):
+        out, lse = torch.ops.steel.sdpa_forward(
+            q, k, v, mask, 0.0, True, 0.4, sinks, 2.0, 2, -1, True, 0, 0
+        )
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+
+
+def test_sdpa_dropout_backward_gradcheck():
+    """With a fixed seed the mask is a pure function: gradcheck sees the same mask each call."""
+    q = randn(1, 2, 4, 3, requires_grad=True)
+    k, v = randn(1, 2, 6, 3, requires_grad=True), randn(1, 2, 6, 3, requires_grad=True)
+
+    def fn(q, k, v):
+        return torch.ops.steel.sdpa(q, k, v, dropout_p=0.3, seed=1234, offset=7)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_sdpa_matches_torch_nn_multihead_attention_under_patch():
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).double().eval()
+    x = randn(2, 7, 16)
+    expected, _ = mha(x, x, x, need_weights=False, is_causal=False)
+    with torch_steel.backend("reference"), torch_steel.patch():
+        got, _ = mha(x, x, x, need_weights=False)
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_sdpa_float32_matches_torch_float32():
+    q, k, v = (torch.randn(2, 2, 9, 16) for _ in range(3))
+    torch.testing.assert_close(
+        torch.ops.steel.sdpa(q, k, v, is_causal=True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        atol=1e-5,
+        rtol=1e-5,
+    )
