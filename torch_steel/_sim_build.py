@@ -259,7 +259,8 @@ def _load(lib_dir: Path):
 
 
 def _lang_inputs() -> list[Path]:
-    return _files(SHIM, "*") + [ROOT / "torch_steel" / "_sim_translate.py"]
+    translator = ROOT / "torch_steel" / "_sim_translate.py"
+    return _files(SHIM, "*") + ([translator] if translator.exists() else [])
 
 
 @functools.cache

@@ -1,0 +1,379 @@
+// Memory of a launch and the checkers that watch it.
+//
+// Shader TUs are compiled with -fsanitize-coverage=func,trace-loads,trace-stores, so every load
+// and store they make calls __sanitizer_cov_load<N>/__sanitizer_cov_store<N> below, before the
+// access. Two address ranges matter; everything else (the lane's own stack, i.e. `thread`
+// memory) returns after two compares:
+//
+// - The device arena. Every binding of the dispatch is copied into its own region of a fresh
+//   mapping, regions separated by guard gaps at least as large as the region (64 KiB to 64 MiB),
+//   so an access just outside a buffer lands in a gap rather than in a neighbour. Any access
+//   inside the arena but not inside a bound region is an out-of-bounds error naming the buffer
+//   index and the byte offset from that buffer's start. Bindings whose host memory overlaps (the
+//   same tensor bound twice) share one region, as they share memory on the GPU. Bytes read and
+//   written are counted per binding.
+//
+// - The threadgroup arena: [16 KiB guard][32 KiB][32 KiB guard]. [[threadgroup(i)]] arguments
+//   are laid out first, in index order, then `threadgroup` arrays declared in kernel bodies as the
+//   lanes first reach them. Accesses outside what is allocated are out-of-bounds errors. Memory is
+//   filled with 0xFF bytes (NaN for half, bfloat and float) when a threadgroup starts, as it is
+//   uninitialized on the GPU.
+//
+// Race rule. Two accesses to the same threadgroup-memory byte by different lanes, at least one a
+// write, race unless a threadgroup_barrier completed between them, or the lanes belong to the
+// same simdgroup and a rendezvous of that simdgroup (any simd_* function, simdgroup-matrix
+// operation or simdgroup_barrier) completed between them: lanes of a simdgroup execute in
+// lockstep on the GPU, so once all of them have passed a simd operation, each has finished what
+// it did before it. The shadow keeps per byte the last write and the latest reads with their
+// threadgroup and simd epochs, which decides this exactly for the last writer and conservatively
+// (never missing a race, never inventing one across a barrier) for many readers.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "state.h"
+
+namespace steel_sim {
+namespace detail {
+
+namespace {
+
+constexpr size_t kTgGuardLo = 16 * 1024;
+constexpr size_t kTgGuardHi = 32 * 1024;
+constexpr size_t kMinGap = 64 * 1024;
+constexpr size_t kMaxGap = 64 * 1024 * 1024;
+
+std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0,
+                unsigned long long c = 0, unsigned long long d = 0) {
+  char buf[256];
+  snprintf(buf, sizeof buf, f, a, b, c, d);
+  return buf;
+}
+
+// ----------------------------------------------------------------------------- device memory
+
+struct Region {
+  uintptr_t host_lo = 0;
+  uintptr_t host_hi = 0;
+  uintptr_t arena_lo = 0;
+  bool write_back = false;
+};
+
+char* g_arena = nullptr;
+size_t g_arena_bytes = 0;
+std::vector<Region> g_regions;
+
+size_t gap_for(size_t bytes) {
+  size_t gap = std::min(std::max(bytes, kMinGap), kMaxGap);
+  return (gap + 4095) & ~size_t{4095};
+}
+
+[[noreturn]] void device_oob(uintptr_t a, size_t n, bool write) {
+  // Blame the nearest buffer, with the offset from its start (negative before it).
+  const DeviceBuffer* best = nullptr;
+  uintptr_t best_dist = ~uintptr_t{0};
+  for (const DeviceBuffer& b : g.dev) {
+    uintptr_t dist = a < b.lo ? b.lo - a : (a >= b.hi ? a - b.hi : 0);
+    if (dist < best_dist) {
+      best_dist = dist;
+      best = &b;
+    }
+  }
+  const char* op = write ? "write" : "read";
+  char buf[256];
+  if (best == nullptr) {
+    snprintf(buf, sizeof buf, "out-of-bounds device %s of %zu bytes (no buffer is bound)", op, n);
+    lane_fail(buf);
+  }
+  long long offset = static_cast<long long>(a) - static_cast<long long>(best->lo);
+  snprintf(buf, sizeof buf,
+           "out-of-bounds device %s of %zu bytes at byte offset %lld of [[buffer(%u)]] "
+           "(%llu bytes bound)",
+           op, n, offset, best->index, static_cast<unsigned long long>(best->hi - best->lo));
+  lane_fail(buf);
+}
+
+void device_access(uintptr_t a, size_t n, bool write) {
+  DeviceBuffer* b = g.dev_last;
+  if (b == nullptr || a < b->lo || a + n > b->hi) {
+    b = nullptr;
+    for (DeviceBuffer& d : g.dev) {
+      if (a >= d.lo && a + n <= d.hi) {
+        b = &d;
+        break;
+      }
+    }
+    if (b == nullptr) {
+      if (g.checkers) device_oob(a, n, write);
+      return;
+    }
+    g.dev_last = b;
+  }
+  (write ? b->counters.written : b->counters.read) += n;
+}
+
+// ------------------------------------------------------------------------- threadgroup memory
+
+char* g_tg_arena = nullptr;
+
+std::string tg_name(uint32_t offset) {
+  for (const auto& kv : g.tg_args) {
+    if (offset >= kv.second.first && offset < kv.second.first + kv.second.second) {
+      return fmt("[[threadgroup(%llu)]] byte %llu", kv.first, offset - kv.second.first);
+    }
+  }
+  for (const auto& kv : g.tg_arrays) {
+    if (offset >= kv.second.first && offset < kv.second.first + kv.second.second) {
+      return fmt("threadgroup array #%llu byte %llu", kv.first, offset - kv.second.first);
+    }
+  }
+  return fmt("threadgroup byte %llu", offset);
+}
+
+// other_lane < 0: one of several readers, not recorded which.
+[[noreturn]] void race(uint32_t offset, bool write, int other_lane, bool other_wrote) {
+  char buf[320];
+  char other[64] = "another thread";
+  if (other_lane >= 0) {
+    snprintf(other, sizeof other, "thread %d (simdgroup %d)", other_lane, other_lane / 32);
+  }
+  uint32_t me = g.cur->index;
+  snprintf(buf, sizeof buf,
+           "data race on threadgroup memory (%s): thread %u (simdgroup %u) %s it after %s %s it "
+           "with no barrier between",
+           tg_name(offset).c_str(), me, me / kSimdWidth, write ? "writes" : "reads", other,
+           other_wrote ? "wrote" : "read");
+  lane_fail(buf);
+}
+
+void tg_access(uintptr_t a, size_t n, bool write) {
+  if (!g.checkers) return;
+  auto base = reinterpret_cast<uintptr_t>(g.tg_base);
+  if (a < base || a + n > base + g.tg_used) {
+    long long offset = static_cast<long long>(a) - static_cast<long long>(base);
+    char buf[200];
+    snprintf(buf, sizeof buf,
+             "out-of-bounds threadgroup %s of %zu bytes at byte offset %lld (%u bytes allocated)",
+             write ? "write" : "read", n, offset, g.tg_used);
+    lane_fail(buf);
+  }
+  const Lane* me = g.cur;
+  if (me == nullptr) return;
+  const uint32_t lane = me->index;
+  const uint32_t sg = me->sg;
+  const uint32_t s = g.groups[sg].epoch;
+  const uint32_t e = g.epoch;
+  auto offset = static_cast<uint32_t>(a - base);
+  for (uint32_t i = offset; i < offset + n; ++i) {
+    Shadow& sh = g.shadow[i];
+    // The last write conflicts unless it is ours or ordered by a barrier or a simd rendezvous.
+    if (sh.w_epoch == e && sh.w_lane != lane &&
+        (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
+      race(i, write, sh.w_lane, true);
+    }
+    if (write) {
+      if (sh.r_epoch == e) {
+        bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
+        bool same_step = sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
+        if (other_sg || same_step) race(i, true, sh.r_lane == lane ? -1 : sh.r_lane, false);
+      }
+      sh.w_epoch = e;
+      sh.w_sepoch = s;
+      sh.w_lane = static_cast<uint16_t>(lane);
+    } else if (sh.r_epoch != e) {
+      sh.r_epoch = e;
+      sh.r_sepoch = s;
+      sh.r_lane = static_cast<uint16_t>(lane);
+      sh.r_flags = 0;
+    } else if (sh.r_lane / kSimdWidth != sg) {
+      sh.r_flags = kReadersManySimdgroups;
+      sh.r_sepoch = s;
+      sh.r_lane = static_cast<uint16_t>(lane);
+    } else if (sh.r_sepoch != s) {
+      sh.r_sepoch = s;
+      sh.r_lane = static_cast<uint16_t>(lane);
+      sh.r_flags &= kReadersManySimdgroups;
+    } else if (sh.r_lane != lane) {
+      sh.r_flags |= kReadersManyLanes;
+    }
+  }
+}
+
+inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  if (a - g.dev_lo < g.dev_size) {
+    device_access(a, n, write);
+  } else if (a - g.tg_lo < g.tg_size) {
+    tg_access(a, n, write);
+  }
+}
+
+}  // namespace
+
+void bind_device(const LaunchSpec& spec) {
+  // Group bindings by overlapping host memory: such bindings alias on the GPU too.
+  std::vector<const BufferArg*> args;
+  for (const BufferArg& b : spec.buffers) args.push_back(&b);
+  std::sort(args.begin(), args.end(), [](const BufferArg* x, const BufferArg* y) {
+    return reinterpret_cast<uintptr_t>(x->host) < reinterpret_cast<uintptr_t>(y->host);
+  });
+  g_regions.clear();
+  std::vector<size_t> region_of(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto lo = reinterpret_cast<uintptr_t>(args[i]->host);
+    uintptr_t hi = lo + args[i]->bytes;
+    if (!g_regions.empty() && args[i]->bytes > 0 && lo < g_regions.back().host_hi) {
+      g_regions.back().host_hi = std::max(g_regions.back().host_hi, hi);
+      g_regions.back().write_back |= args[i]->write_back;
+    } else {
+      g_regions.push_back(Region{lo, hi, 0, args[i]->write_back});
+    }
+    region_of[i] = g_regions.size() - 1;
+  }
+  size_t offset = kMinGap;
+  for (Region& r : g_regions) {
+    r.arena_lo = offset;
+    size_t bytes = r.host_hi - r.host_lo;
+    offset += ((bytes + 255) & ~size_t{255}) + gap_for(bytes);
+  }
+  void* p = mmap(nullptr, offset, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw SimError("kernel '" + spec.kernel + "': cannot map the device arena");
+  g_arena = static_cast<char*>(p);
+  g_arena_bytes = offset;
+  for (Region& r : g_regions) {
+    r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
+    if (r.host_hi > r.host_lo) {
+      std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
+                  r.host_hi - r.host_lo);
+    }
+  }
+  g.dev.clear();
+  std::fill(std::begin(g.buffer_bound), std::end(g.buffer_bound), false);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const Region& r = g_regions[region_of[i]];
+    uintptr_t lo = r.arena_lo + (reinterpret_cast<uintptr_t>(args[i]->host) - r.host_lo);
+    if (args[i]->bytes == 0) lo = r.arena_lo;
+    DeviceBuffer d;
+    d.index = args[i]->index;
+    d.lo = lo;
+    d.hi = lo + args[i]->bytes;
+    g.dev.push_back(d);
+    g.buffer_base[d.index] = reinterpret_cast<void*>(lo);
+    g.buffer_bound[d.index] = true;
+  }
+  g.dev_last = nullptr;
+  g.dev_lo = reinterpret_cast<uintptr_t>(g_arena);
+  g.dev_size = g_arena_bytes;
+}
+
+void unbind_device(bool write_back) {
+  g.dev_size = 0;
+  g.tg_size = 0;
+  if (write_back) {
+    for (const Region& r : g_regions) {
+      if (r.write_back && r.host_hi > r.host_lo) {
+        std::memcpy(reinterpret_cast<void*>(r.host_lo), reinterpret_cast<void*>(r.arena_lo),
+                    r.host_hi - r.host_lo);
+      }
+    }
+  }
+  for (const DeviceBuffer& d : g.dev) {
+    BufferCounters& c = g.counters.buffers[d.index];
+    c.read += d.counters.read;
+    c.written += d.counters.written;
+  }
+  if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);
+  g_arena = nullptr;
+  g.dev.clear();
+  g.dev_last = nullptr;
+}
+
+void reset_threadgroup_memory(const LaunchSpec& spec) {
+  if (g_tg_arena == nullptr) {
+    size_t total = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    g_tg_arena = static_cast<char*>(p);
+    g.shadow = new Shadow[kThreadgroupLimit];
+  }
+  g.tg_base = g_tg_arena + kTgGuardLo;
+  g.tg_args.clear();
+  g.tg_arrays.clear();
+  uint64_t used = 0;
+  std::vector<steel::ThreadgroupMemory> args = spec.threadgroup_memory;
+  std::sort(args.begin(), args.end(),
+            [](const auto& x, const auto& y) { return x.index < y.index; });
+  for (const steel::ThreadgroupMemory& m : args) {
+    if (g.tg_args.count(m.index)) {
+      throw SimError("kernel '" + spec.kernel + "': " +
+                     fmt("[[threadgroup(%llu)]] memory length set twice", m.index));
+    }
+    used = (used + 15) & ~uint64_t{15};
+    g.tg_args[m.index] = {static_cast<uint32_t>(used), m.bytes};
+    used += m.bytes;
+    if (used > kThreadgroupLimit) {
+      throw SimError("kernel '" + spec.kernel + "': " +
+                     fmt("threadgroup memory of %llu bytes exceeds the 32 KiB (32768 bytes) limit",
+                         used));
+    }
+  }
+  g.tg_used = static_cast<uint32_t>(used);
+  g.tg_lo = reinterpret_cast<uintptr_t>(g_tg_arena);
+  g.tg_size = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+}
+
+void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_used); }
+
+void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align) {
+  auto it = g.tg_arrays.find(decl);
+  if (it != g.tg_arrays.end()) {
+    if (it->second.second != bytes) {
+      lane_fail(fmt("threadgroup array #%llu requested with %llu bytes, earlier with %llu", decl,
+                    bytes, it->second.second));
+    }
+    return g.tg_base + it->second.first;
+  }
+  align = std::max<size_t>(align, 16);
+  uint64_t offset = (uint64_t{g.tg_used} + align - 1) / align * align;
+  if (offset + bytes > kThreadgroupLimit) {
+    lane_fail(fmt("threadgroup memory of %llu bytes (with threadgroup array #%llu of %llu bytes) "
+                  "exceeds the 32 KiB (32768 bytes) limit",
+                  offset + bytes, decl, bytes));
+  }
+  g.tg_arrays[decl] = {static_cast<uint32_t>(offset), static_cast<uint32_t>(bytes)};
+  g.tg_used = static_cast<uint32_t>(offset + bytes);
+  std::memset(g.tg_base + offset, 0xFF, bytes);
+  return g.tg_base + offset;
+}
+
+}  // namespace detail
+}  // namespace steel_sim
+
+// The coverage callbacks. They must not be instrumented themselves (this TU is host code, built
+// without -fsanitize-coverage).
+extern "C" {
+#define STEEL_SIM_CALLBACKS(n)                                                                  \
+  __attribute__((visibility("default"))) void __sanitizer_cov_load##n(void* p) {              \
+    steel_sim::detail::on_access(p, n, false);                                               \
+  }                                                                                           \
+  __attribute__((visibility("default"))) void __sanitizer_cov_store##n(void* p) {             \
+    steel_sim::detail::on_access(p, n, true);                                                \
+  }
+STEEL_SIM_CALLBACKS(1)
+STEEL_SIM_CALLBACKS(2)
+STEEL_SIM_CALLBACKS(4)
+STEEL_SIM_CALLBACKS(8)
+STEEL_SIM_CALLBACKS(16)
+#undef STEEL_SIM_CALLBACKS
+// Other coverage modes, should a flag ask for them: nothing to record.
+__attribute__((visibility("default"))) void __sanitizer_cov_trace_pc_guard_init(uint32_t*,
+                                                                              uint32_t*) {}
+__attribute__((visibility("default"))) void __sanitizer_cov_trace_pc_guard(uint32_t*) {}
+__attribute__((visibility("default"))) void __sanitizer_cov_8bit_counters_init(char*, char*) {}
+__attribute__((visibility("default"))) void __sanitizer_cov_pcs_init(const uintptr_t*,
+                                                                   const uintptr_t*) {}
+}

@@ -1,0 +1,75 @@
+// Executing a launch plan: the simulator's implementation of the Encoder concept of
+// plan/encode.h, driven by steel::encode_plan exactly as the Metal host drives its encoder.
+#include "plan/encode.h"
+#include "sim.h"
+
+namespace steel_sim {
+
+namespace {
+
+class SimEncoder {
+ public:
+  SimEncoder(const Library* library, const std::vector<SlotArg>& slots, bool checkers)
+      : library_(library), slots_(slots), checkers_(checkers) {}
+
+  void set_pipeline(const steel::Dispatch& d) {
+    spec_ = LaunchSpec();
+    spec_.library = library_;
+    spec_.kernel = d.kernel;
+    spec_.constants = d.constants;
+    spec_.checkers = checkers_;
+  }
+
+  void set_tensor(uint32_t index, int32_t slot) {
+    if (slot < 0 || static_cast<size_t>(slot) >= slots_.size() || !slots_[slot].present) {
+      throw SimError("kernel '" + spec_.kernel + "': the plan binds [[buffer(" +
+                     std::to_string(index) + ")]] to slot " + std::to_string(slot) +
+                     ", which holds no tensor");
+    }
+    spec_.buffers.push_back(BufferArg{index, slots_[slot].host, slots_[slot].bytes, true});
+  }
+
+  void set_bytes(uint32_t index, const void* data, size_t size) {
+    // The plan outlives the launch, so its bytes can be bound in place (they are copied into the
+    // device arena like any buffer and never written back).
+    spec_.buffers.push_back(BufferArg{index, const_cast<void*>(data), size, false});
+  }
+
+  void set_threadgroup_memory(uint32_t index, uint32_t bytes) {
+    spec_.threadgroup_memory.push_back(steel::ThreadgroupMemory{index, bytes});
+  }
+
+  void dispatch_threadgroups(const uint32_t grid[3], const uint32_t threads[3]) {
+    for (int d = 0; d < 3; ++d) {
+      spec_.grid[d] = grid[d];
+      spec_.threads[d] = threads[d];
+    }
+    counters_.push_back(launch(spec_));
+  }
+
+  std::vector<Counters> take_counters() { return std::move(counters_); }
+
+ private:
+  const Library* library_;
+  const std::vector<SlotArg>& slots_;
+  bool checkers_;
+  LaunchSpec spec_;
+  std::vector<Counters> counters_;
+};
+
+}  // namespace
+
+std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
+                               const std::vector<SlotArg>& slots, bool checkers) {
+  if (!plan.ok) throw SimError("cannot run a refused plan: " + plan.reason);
+  size_t expected = static_cast<size_t>(plan.inputs) + plan.allocations.size();
+  if (slots.size() != expected) {
+    throw SimError("the plan has " + std::to_string(expected) + " slots, got " +
+                   std::to_string(slots.size()) + " tensors");
+  }
+  SimEncoder encoder(library, slots, checkers);
+  steel::encode_plan(encoder, plan);
+  return encoder.take_counters();
+}
+
+}  // namespace steel_sim

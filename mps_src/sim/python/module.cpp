@@ -1,0 +1,202 @@
+// The Python face of the simulator (torch_steel/sim.py and torch_steel/_sim_build.py use it).
+// Only pybind11: tensors cross as (data pointer, bound bytes), so this module does not depend
+// on the torch C++ API and builds in seconds.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <tuple>
+
+#include "plan/plan.h"
+#include "sim/sim.h"
+
+namespace py = pybind11;
+using steel_sim::SimError;
+
+namespace {
+
+struct LibraryHandle {
+  const steel_sim::Library* library;
+};
+
+struct PlanHandle {
+  steel::Plan plan;
+};
+
+// (dtype code, sizes, strides, storage offset) or None, as torch_steel/sim.py sends it.
+using Desc = std::optional<std::tuple<int, std::vector<int64_t>, std::vector<int64_t>, int64_t>>;
+
+PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,
+                     const std::map<std::string, double>& numbers,
+                     const std::map<std::string, std::string>& strings) {
+  steel::TensorList tensors;
+  for (const Desc& d : descs) {
+    if (!d) {
+      tensors.emplace_back(std::nullopt);
+      continue;
+    }
+    steel::TensorDesc t;
+    t.dtype = static_cast<steel::DType>(std::get<0>(*d));
+    t.sizes = std::get<1>(*d);
+    t.strides = std::get<2>(*d);
+    t.offset = std::get<3>(*d);
+    tensors.emplace_back(std::move(t));
+  }
+  steel::Options options;
+  options.numbers = numbers;
+  options.strings = strings;
+  return PlanHandle{steel::make_plan(op, tensors, options)};
+}
+
+py::object constant_value(const steel::FunctionConstant& c) {
+  switch (c.type) {
+    case steel::FunctionConstant::Type::Bool:
+      return py::bool_(c.int_value != 0);
+    case steel::FunctionConstant::Type::Float:
+      return py::float_(c.float_value);
+    default:
+      return py::int_(c.int_value);
+  }
+}
+
+py::dict describe(const PlanHandle& h) {
+  const steel::Plan& p = h.plan;
+  py::dict out;
+  out["ok"] = p.ok;
+  out["reason"] = p.reason;
+  out["inputs"] = p.inputs;
+  out["contiguous_inputs"] = p.contiguous_inputs;
+  py::list allocations;
+  for (const steel::Allocation& a : p.allocations) {
+    py::dict d;
+    d["name"] = a.name;
+    d["dtype"] = steel::dtype_name(a.dtype);
+    d["sizes"] = a.sizes;
+    d["zero_init"] = a.zero_init;
+    d["is_output"] = a.is_output;
+    allocations.append(d);
+  }
+  out["allocations"] = allocations;
+  py::list dispatches;
+  for (const steel::Dispatch& x : p.dispatches) {
+    py::dict d;
+    d["kernel"] = x.kernel;
+    py::dict constants;
+    for (const steel::FunctionConstant& c : x.constants) constants[py::int_(c.index)] = constant_value(c);
+    d["constants"] = constants;
+    py::list bindings;
+    for (const steel::Binding& b : x.bindings) {
+      py::dict bd;
+      bd["index"] = b.index;
+      bd["kind"] = b.kind == steel::Binding::Kind::Tensor ? "tensor" : "bytes";
+      bd["slot"] = b.slot;
+      bd["bytes"] = py::bytes(reinterpret_cast<const char*>(b.bytes.data()), b.bytes.size());
+      bindings.append(bd);
+    }
+    d["bindings"] = bindings;
+    d["grid"] = py::make_tuple(x.grid[0], x.grid[1], x.grid[2]);
+    d["threads"] = py::make_tuple(x.threads[0], x.threads[1], x.threads[2]);
+    py::dict memory;
+    for (const steel::ThreadgroupMemory& m : x.threadgroup_memory) memory[py::int_(m.index)] = m.bytes;
+    d["threadgroup_memory"] = memory;
+    dispatches.append(d);
+  }
+  out["dispatches"] = dispatches;
+  return out;
+}
+
+py::dict counters_dict(const steel_sim::Counters& c) {
+  py::dict d;
+  d["kernel"] = c.kernel;
+  d["threadgroups"] = c.threadgroups;
+  d["lanes"] = c.lanes;
+  d["mma"] = c.mma;
+  d["simd_ops"] = c.simd_ops;
+  d["barriers"] = c.barriers;
+  d["lane_switches"] = c.lane_switches;
+  py::dict buffers;
+  for (const auto& kv : c.buffers) {
+    py::dict b;
+    b["read"] = kv.second.read;
+    b["written"] = kv.second.written;
+    buffers[py::int_(kv.first)] = b;
+  }
+  d["buffers"] = buffers;
+  return d;
+}
+
+using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
+
+py::dict launch(const LibraryHandle& lib, const std::string& kernel,
+                const std::vector<std::tuple<uint32_t, int, int64_t, double>>& constants,
+                const std::vector<std::tuple<uint32_t, uintptr_t, size_t, bool>>& buffers,
+                const std::vector<std::tuple<uint32_t, uint32_t>>& threadgroup_memory,
+                const Dim3& grid, const Dim3& threads, bool checkers) {
+  steel_sim::LaunchSpec spec;
+  spec.library = lib.library;
+  spec.kernel = kernel;
+  for (const auto& [index, type, int_value, float_value] : constants) {
+    steel::FunctionConstant c;
+    c.index = index;
+    c.type = static_cast<steel::FunctionConstant::Type>(type);
+    c.int_value = int_value;
+    c.float_value = static_cast<float>(float_value);
+    spec.constants.push_back(c);
+  }
+  for (const auto& [index, ptr, bytes, write_back] : buffers) {
+    spec.buffers.push_back(
+        steel_sim::BufferArg{index, reinterpret_cast<void*>(ptr), bytes, write_back});
+  }
+  for (const auto& [index, bytes] : threadgroup_memory) {
+    spec.threadgroup_memory.push_back(steel::ThreadgroupMemory{index, bytes});
+  }
+  std::tie(spec.grid[0], spec.grid[1], spec.grid[2]) = grid;
+  std::tie(spec.threads[0], spec.threads[1], spec.threads[2]) = threads;
+  spec.checkers = checkers;
+  steel_sim::Counters counters;
+  {
+    py::gil_scoped_release release;
+    counters = steel_sim::launch(spec);
+  }
+  return counters_dict(counters);
+}
+
+py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
+                  const std::vector<std::optional<std::tuple<uintptr_t, size_t>>>& slots,
+                  bool checkers) {
+  std::vector<steel_sim::SlotArg> args;
+  for (const auto& s : slots) {
+    steel_sim::SlotArg a;
+    if (s) {
+      a.present = true;
+      a.host = reinterpret_cast<void*>(std::get<0>(*s));
+      a.bytes = std::get<1>(*s);
+    }
+    args.push_back(a);
+  }
+  std::vector<steel_sim::Counters> counters;
+  {
+    py::gil_scoped_release release;
+    counters = steel_sim::run_plan(lib.library, plan.plan, args, checkers);
+  }
+  py::list out;
+  for (const auto& c : counters) out.append(counters_dict(c));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch-steel CPU Metal simulator";
+  py::register_exception<SimError>(m, "SimError");
+  py::class_<LibraryHandle>(m, "Library")
+      .def("kernels", [](const LibraryHandle& h) { return steel_sim::kernel_names(h.library); });
+  py::class_<PlanHandle>(m, "Plan").def("describe", &describe);
+  m.def("load_library", [](const std::string& path) {
+    return LibraryHandle{steel_sim::load_library(path)};
+  });
+  m.def("make_plan", &make_plan);
+  m.def("launch", &launch);
+  m.def("run_plan", &run_plan);
+}

@@ -1,0 +1,562 @@
+// The execution half of the simulator: kernel registry, lanes as fibers, the per-threadgroup
+// scheduler, barriers and simd rendezvous, function constants and launches.
+//
+// Scheduling. A threadgroup's lanes start in a ready queue in lane order. A lane runs until it
+// waits at a rendezvous (threadgroup_barrier, simdgroup_barrier, simd_exchange) or exits, then
+// switches directly to the next ready lane; the last lane to arrive at a rendezvous completes it,
+// queues the others and keeps running. Only when no lane is ready does control return to the
+// scheduler, which then either starts the next threadgroup or reports the lanes still waiting.
+//
+// Divergence. Lanes of one simdgroup must meet at the same kind of rendezvous: a lane arriving
+// at a simd operation while others of its simdgroup wait at a threadgroup barrier (or the other
+// way round), or at a simd operation of another kind or size, is an error naming the kernel.
+// Exited lanes leave every rendezvous, as on the GPU.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "state.h"
+
+namespace steel_sim {
+
+struct Library {
+  std::string path;
+  void* handle = nullptr;
+  std::map<std::string, KernelEntry> kernels;
+  std::vector<std::string> duplicates;
+};
+
+namespace detail {
+
+Sim g;
+
+namespace {
+
+std::mutex& launch_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Libraries by path; the one being dlopen'd receives the registrations of its static
+// initializers.
+std::map<std::string, std::unique_ptr<Library>>& libraries() {
+  static std::map<std::string, std::unique_ptr<Library>> libs;
+  return libs;
+}
+Library* g_loading = nullptr;
+Library& orphan_library() {  // registrations from a library loaded some other way
+  static Library lib;
+  return lib;
+}
+
+std::string format(const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buf, sizeof buf, fmt, args);
+  va_end(args);
+  return buf;
+}
+
+const char* simd_kind_name(SimdKind kind) {
+  switch (kind) {
+    case SimdKind::Shuffle:
+      return "a simd shuffle/broadcast";
+    case SimdKind::Reduce:
+      return "a simd reduction";
+    case SimdKind::Ballot:
+      return "a simd ballot/vote";
+    case SimdKind::MatrixLoad:
+      return "simdgroup_load";
+    case SimdKind::MatrixStore:
+      return "simdgroup_store";
+    case SimdKind::MatrixMma:
+      return "simdgroup_multiply_accumulate";
+  }
+  return "a simd operation";
+}
+
+std::string describe_simd(const SimdGroup& sg) {
+  if (sg.wait == SimdWait::Barrier) return "simdgroup_barrier";
+  return format("%s (%zu bytes per lane)", simd_kind_name(sg.kind), sg.bytes);
+}
+
+std::string lane_list(uint32_t mask, uint32_t first) {
+  std::string out;
+  for (uint32_t i = 0; i < 32; ++i) {
+    if (!(mask & (1u << i))) continue;
+    uint32_t j = i;
+    while (j + 1 < 32 && (mask & (1u << (j + 1)))) ++j;
+    if (!out.empty()) out += ",";
+    out += j == i ? format("%u", first + i) : format("%u-%u", first + i, first + j);
+    i = j;
+  }
+  return out.empty() ? "none" : out;
+}
+
+// ---------------------------------------------------------------------------- lane switching
+
+void push_ready(Lane* lane) {
+  lane->wait = Wait::Ready;
+  g.ready[(g.ready_head + g.ready_count) % g.ready.size()] = lane->index;
+  ++g.ready_count;
+}
+
+Lane* pop_ready() {
+  if (g.ready_count == 0) return nullptr;
+  Lane* lane = &g.lanes[g.ready[g.ready_head]];
+  g.ready_head = (g.ready_head + 1) % g.ready.size();
+  --g.ready_count;
+  return lane;
+}
+
+// The running lane waits (its `wait` is already set): run the next ready lane, or go back to the
+// scheduler when there is none. Returns when some lane completes the rendezvous and this lane's
+// turn comes.
+void block() {
+  Lane* me = g.cur;
+  Lane* next = pop_ready();
+  ++g.counters.lane_switches;
+  if (next != nullptr) {
+    next->wait = Wait::Running;
+    g.cur = next;
+    switch_context(&me->ctx, &next->ctx);
+  } else {
+    g.cur = nullptr;
+    switch_context(&me->ctx, &g.scheduler);
+  }
+}
+
+void complete_simd(SimdGroup& sg) {
+  uint32_t mask = sg.arrived;
+  const void* result = sg.buf[sg.parity];
+  bool exchange = sg.wait == SimdWait::Exchange;
+  ++g.counters.simd_ops;
+  if (exchange && sg.kind == SimdKind::MatrixMma) ++g.counters.mma;
+  sg.parity ^= 1;
+  sg.arrived = 0;
+  sg.wait = SimdWait::None;
+  sg.epoch = ++g.simd_epochs;
+  uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
+  for (uint32_t i = 0; i < kSimdWidth; ++i) {
+    if (!(mask & (1u << i))) continue;
+    Lane& lane = g.lanes[first + i];
+    lane.exchange_result = result;
+    lane.exchange_mask = mask;
+    if (&lane != g.cur) push_ready(&lane);
+  }
+}
+
+void complete_barrier() {
+  ++g.counters.barriers;
+  g.at_barrier = 0;
+  for (SimdGroup& sg : g.groups) sg.at_barrier = 0;
+  ++g.epoch;
+  for (uint32_t i = 0; i < g.nlanes; ++i) {
+    Lane& lane = g.lanes[i];
+    if (lane.wait == Wait::Barrier && &lane != g.cur) push_ready(&lane);
+  }
+}
+
+[[noreturn]] void lane_exit() {
+  Lane* me = g.cur;
+  me->wait = Wait::Exited;
+  SimdGroup& sg = g.groups[me->sg];
+  sg.live &= ~(1u << (me->index % kSimdWidth));
+  --g.live;
+  g.cur = nullptr;  // so that completing a rendezvous queues every waiting lane
+  if (sg.arrived != 0 && sg.arrived == sg.live) complete_simd(sg);
+  if (g.at_barrier != 0 && g.at_barrier == g.live) complete_barrier();
+  Lane* next = pop_ready();
+  ++g.counters.lane_switches;
+  if (next != nullptr) {
+    next->wait = Wait::Running;
+    g.cur = next;
+    switch_context(&me->ctx, &next->ctx);
+  } else {
+    switch_context(&me->ctx, &g.scheduler);
+  }
+  __builtin_unreachable();
+}
+
+void lane_main(void* arg) {
+  (void)arg;
+  g.entry();
+  lane_exit();
+}
+
+uint32_t simd_lane_bit(const Lane* lane) { return 1u << (lane->index % kSimdWidth); }
+
+void check_simd_allowed(const char* what) {
+  if (g.nlanes % kSimdWidth != 0) {
+    lane_fail(format("%s with %u threads per threadgroup, not a whole number of 32-lane "
+                     "simdgroups", what, g.nlanes));
+  }
+}
+
+// ------------------------------------------------------------------------------ threadgroups
+
+void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
+  g.tg_pos[0] = x;
+  g.tg_pos[1] = y;
+  g.tg_pos[2] = z;
+  ++g.epoch;
+  g.live = g.nlanes;
+  g.at_barrier = 0;
+  g.ready_head = 0;
+  g.ready_count = 0;
+  for (uint32_t s = 0; s < g.nsimd; ++s) {
+    SimdGroup& sg = g.groups[s];
+    uint32_t n = std::min(kSimdWidth, g.nlanes - s * kSimdWidth);
+    sg.live = n == 32 ? ~0u : (1u << n) - 1;
+    sg.arrived = 0;
+    sg.at_barrier = 0;
+    sg.wait = SimdWait::None;
+    sg.epoch = ++g.simd_epochs;
+  }
+  const uint32_t* t = g.threads;
+  for (uint32_t i = 0; i < g.nlanes; ++i) {
+    Lane& lane = g.lanes[i];
+    LaneInfo& info = lane.info;
+    uint32_t local[3] = {i % t[0], (i / t[0]) % t[1], i / (t[0] * t[1])};
+    for (int d = 0; d < 3; ++d) {
+      info.thread_position_in_threadgroup[d] = local[d];
+      info.threadgroup_position_in_grid[d] = g.tg_pos[d];
+      info.threads_per_threadgroup[d] = t[d];
+      info.threadgroups_per_grid[d] = g.grid[d];
+      info.threads_per_grid[d] = g.grid[d] * t[d];
+      info.thread_position_in_grid[d] = g.tg_pos[d] * t[d] + local[d];
+    }
+    info.thread_index_in_threadgroup = i;
+    info.simdgroup_index_in_threadgroup = i / kSimdWidth;
+    info.thread_index_in_simdgroup = i % kSimdWidth;
+    info.simdgroups_per_threadgroup = g.nsimd;
+    info.threads_per_simdgroup = kSimdWidth;
+    lane.index = i;
+    lane.sg = i / kSimdWidth;
+    lane.exchange_result = nullptr;
+    lane.exchange_mask = 0;
+    make_context(&lane.ctx, g.stacks.stack(i), g.stacks.size(), &lane_main, &lane);
+    push_ready(&lane);
+  }
+  start_threadgroup_memory();
+}
+
+std::string describe_waits() {
+  std::string out;
+  for (const SimdGroup& sg : g.groups) {
+    uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
+    if (sg.at_barrier) out += " lanes " + lane_list(sg.at_barrier, first) + " at threadgroup_barrier;";
+    if (sg.arrived) out += " lanes " + lane_list(sg.arrived, first) + " at " + describe_simd(sg) + ";";
+  }
+  return out;
+}
+
+void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
+  start_threadgroup(x, y, z);
+  while (Lane* lane = pop_ready()) {
+    lane->wait = Wait::Running;
+    g.cur = lane;
+    ++g.counters.lane_switches;
+    switch_context(&g.scheduler, &lane->ctx);
+    g.cur = nullptr;
+    if (g.failed) throw SimError(g.error);
+  }
+  if (g.live != 0) {
+    throw SimError(format("kernel '%s' threadgroup (%u,%u,%u): lanes wait forever:", g.kernel.c_str(),
+                          x, y, z) + describe_waits());
+  }
+}
+
+size_t stack_bytes() {
+  const char* env = std::getenv("TORCH_STEEL_SIM_STACK_KB");
+  size_t kb = env != nullptr ? std::strtoul(env, nullptr, 10) : 0;
+  return (kb > 0 ? kb : 256) * 1024;
+}
+
+}  // namespace
+
+std::string where() {
+  std::string out = format("kernel '%s' threadgroup (%u,%u,%u)", g.kernel.c_str(), g.tg_pos[0],
+                           g.tg_pos[1], g.tg_pos[2]);
+  if (g.cur != nullptr) {
+    const LaneInfo& i = g.cur->info;
+    out += format(" thread (%u,%u,%u)", i.thread_position_in_threadgroup[0],
+                  i.thread_position_in_threadgroup[1], i.thread_position_in_threadgroup[2]);
+  }
+  return out + ": ";
+}
+
+void lane_fail(std::string message) {
+  std::string full = where() + message;
+  if (g.cur == nullptr) throw SimError(full);
+  g.failed = true;
+  g.error = std::move(full);
+  full.clear();
+  full.shrink_to_fit();  // the lane's stack is abandoned: free what it owns first
+  message.clear();
+  message.shrink_to_fit();
+  Lane* me = g.cur;
+  g.cur = nullptr;
+  switch_context(&me->ctx, &g.scheduler);
+  __builtin_unreachable();
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+// ------------------------------------------------------------------------ runtime.h (shaders)
+
+const LaneInfo& lane() {
+  static const LaneInfo none{};
+  return g.cur != nullptr ? g.cur->info : none;
+}
+
+void* buffer(uint32_t index) {
+  if (index > kMaxBufferIndex || !g.buffer_bound[index]) {
+    lane_fail(format("[[buffer(%u)]] is not bound by this dispatch", index));
+  }
+  return g.buffer_base[index];
+}
+
+void* threadgroup_buffer(uint32_t index) {
+  auto it = g.tg_args.find(index);
+  if (it == g.tg_args.end()) {
+    lane_fail(format("[[threadgroup(%u)]] has no threadgroup memory length set by this dispatch",
+                     index));
+  }
+  return g.tg_base + it->second.first;
+}
+
+void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align) {
+  return allocate_threadgroup_array(decl_id, bytes, align);
+}
+
+bool function_constant_defined(uint32_t index) { return g.constants.count(index) != 0; }
+
+namespace {
+const steel::FunctionConstant& constant(uint32_t index) {
+  auto it = g.constants.find(index);
+  if (it == g.constants.end()) {
+    lane_fail(format("function constant %u is used but not set by this dispatch", index));
+  }
+  return it->second;
+}
+}  // namespace
+
+int64_t function_constant_int(uint32_t index) {
+  const steel::FunctionConstant& c = constant(index);
+  if (c.type == steel::FunctionConstant::Type::Float) return static_cast<int64_t>(c.float_value);
+  return c.int_value;
+}
+
+float function_constant_float(uint32_t index) {
+  const steel::FunctionConstant& c = constant(index);
+  if (c.type == steel::FunctionConstant::Type::Float) return c.float_value;
+  return static_cast<float>(c.int_value);
+}
+
+void threadgroup_barrier() {
+  Lane* me = g.cur;
+  if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
+  SimdGroup& sg = g.groups[me->sg];
+  if (sg.arrived != 0) {
+    lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
+              " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
+  }
+  sg.at_barrier |= simd_lane_bit(me);
+  ++g.at_barrier;
+  if (g.at_barrier == g.live) {
+    complete_barrier();
+    return;
+  }
+  me->wait = Wait::Barrier;
+  block();
+}
+
+namespace {
+void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine) {
+  Lane* me = g.cur;
+  SimdGroup& sg = g.groups[me->sg];
+  if (sg.at_barrier != 0) {
+    std::string what = wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind);
+    lane_fail(what + " while lanes " + lane_list(sg.at_barrier, me->sg * kSimdWidth) +
+              " of its simdgroup wait at threadgroup_barrier (divergent control flow)");
+  }
+  if (sg.arrived != 0) {
+    if (sg.wait != wait || (wait == SimdWait::Exchange && (sg.kind != kind || sg.bytes != bytes))) {
+      std::string what = wait == SimdWait::Barrier
+                             ? std::string("simdgroup_barrier")
+                             : format("%s (%zu bytes per lane)", simd_kind_name(kind), bytes);
+      lane_fail(what + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
+                " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
+    }
+  } else {
+    sg.wait = wait;
+    sg.kind = kind;
+    sg.bytes = bytes;
+  }
+  if (mine != nullptr) {
+    std::memcpy(sg.buf[sg.parity] + (me->index % kSimdWidth) * bytes, mine, bytes);
+  }
+  sg.arrived |= simd_lane_bit(me);
+  if (sg.arrived == sg.live) {
+    complete_simd(sg);
+    return;
+  }
+  me->wait = Wait::Simd;
+  block();
+}
+}  // namespace
+
+void simdgroup_barrier() {
+  if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
+  check_simd_allowed("simdgroup_barrier");
+  simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr);
+}
+
+const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {
+  if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
+  check_simd_allowed(simd_kind_name(kind));
+  if (bytes > kMaxExchangeBytes) {
+    lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)", bytes,
+                     kMaxExchangeBytes));
+  }
+  simd_arrive(SimdWait::Exchange, kind, bytes, mine);
+  if (active_mask != nullptr) *active_mask = g.cur->exchange_mask;
+  return g.cur->exchange_result;
+}
+
+void register_kernel(const char* host_name, KernelEntry entry) {
+  Library& lib = g_loading != nullptr ? *g_loading : orphan_library();
+  if (!lib.kernels.emplace(host_name, entry).second) lib.duplicates.emplace_back(host_name);
+}
+
+void fail(const char* message) { lane_fail(message); }
+
+// ------------------------------------------------------------------------------- host side
+
+const Library* load_library(const std::string& path) {
+  std::lock_guard<std::mutex> lock(launch_mutex());
+  auto& libs = libraries();
+  auto it = libs.find(path);
+  if (it != libs.end()) return it->second.get();
+  auto lib = std::make_unique<Library>();
+  lib->path = path;
+  g_loading = lib.get();
+  lib->handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  g_loading = nullptr;
+  if (lib->handle == nullptr) {
+    const char* err = dlerror();
+    throw SimError("cannot load shader library " + path + ": " + (err ? err : "unknown error"));
+  }
+  return (libs[path] = std::move(lib)).get();
+}
+
+std::vector<std::string> kernel_names(const Library* library) {
+  std::vector<std::string> out;
+  for (const auto& kv : library->kernels) out.push_back(kv.first);
+  return out;
+}
+
+namespace {
+
+KernelEntry find_kernel(const LaunchSpec& spec) {
+  const Library* lib = spec.library;
+  if (lib == nullptr) throw SimError("kernel '" + spec.kernel + "': no shader library given");
+  if (std::find(lib->duplicates.begin(), lib->duplicates.end(), spec.kernel) != lib->duplicates.end()) {
+    throw SimError("kernel '" + spec.kernel + "' is defined more than once in " + lib->path);
+  }
+  auto it = lib->kernels.find(spec.kernel);
+  if (it == lib->kernels.end()) {
+    std::string known;
+    for (const auto& kv : lib->kernels) known += (known.empty() ? "" : ", ") + kv.first;
+    throw SimError("kernel '" + spec.kernel + "' not found in " + lib->path + " (it has: " +
+                   (known.empty() ? "no kernels" : known) + ")");
+  }
+  return it->second;
+}
+
+void validate(const LaunchSpec& spec) {
+  const std::string k = "kernel '" + spec.kernel + "': ";
+  uint64_t lanes = uint64_t{spec.threads[0]} * spec.threads[1] * spec.threads[2];
+  if (lanes == 0) throw SimError(k + "threads per threadgroup must be positive in every dimension");
+  if (lanes > kMaxLanes) {
+    throw SimError(k + format("%llu threads per threadgroup (%ux%ux%u) exceed Metal's limit of %u",
+                              static_cast<unsigned long long>(lanes), spec.threads[0],
+                              spec.threads[1], spec.threads[2], kMaxLanes));
+  }
+  bool seen[kMaxBufferIndex + 1] = {};
+  for (const BufferArg& b : spec.buffers) {
+    if (b.index > kMaxBufferIndex) {
+      throw SimError(k + format("[[buffer(%u)]]: Metal has 31 buffer slots (0-30)", b.index));
+    }
+    if (seen[b.index]) throw SimError(k + format("[[buffer(%u)]] bound twice", b.index));
+    seen[b.index] = true;
+  }
+}
+
+}  // namespace
+
+Counters launch(const LaunchSpec& spec) {
+  std::lock_guard<std::mutex> lock(launch_mutex());
+  validate(spec);
+  g.entry = find_kernel(spec);
+  g.kernel = spec.kernel;
+  g.checkers = spec.checkers;
+  std::copy(spec.grid, spec.grid + 3, g.grid);
+  std::copy(spec.threads, spec.threads + 3, g.threads);
+  g.nlanes = spec.threads[0] * spec.threads[1] * spec.threads[2];
+  g.nsimd = (g.nlanes + kSimdWidth - 1) / kSimdWidth;
+  g.constants.clear();
+  for (const steel::FunctionConstant& c : spec.constants) g.constants[c.index] = c;
+  g.counters = Counters();
+  g.counters.kernel = spec.kernel;
+  g.failed = false;
+  g.error.clear();
+  g.cur = nullptr;
+  g.tg_pos[0] = g.tg_pos[1] = g.tg_pos[2] = 0;
+
+  g.stacks.reserve(kMaxLanes, stack_bytes());
+  if (g.lanes.size() < g.nlanes) g.lanes.resize(g.nlanes);
+  if (g.ready.size() < g.nlanes) g.ready.resize(g.nlanes);
+  g.ready.assign(g.nlanes, 0);
+  static std::vector<uint8_t> exchange_space(2 * (kMaxLanes / kSimdWidth) * kSimdWidth *
+                                             kMaxExchangeBytes);
+  g.groups.assign(g.nsimd, SimdGroup());
+  for (uint32_t s = 0; s < g.nsimd; ++s) {
+    for (int p = 0; p < 2; ++p) {
+      g.groups[s].buf[p] = exchange_space.data() + (2 * s + p) * kSimdWidth * kMaxExchangeBytes;
+    }
+  }
+
+  reset_threadgroup_memory(spec);
+  bind_device(spec);
+  bool ok = false;
+  try {
+    for (uint32_t z = 0; z < spec.grid[2]; ++z) {
+      for (uint32_t y = 0; y < spec.grid[1]; ++y) {
+        for (uint32_t x = 0; x < spec.grid[0]; ++x) {
+          run_threadgroup(x, y, z);
+          ++g.counters.threadgroups;
+        }
+      }
+    }
+    ok = true;
+  } catch (...) {
+    unbind_device(false);
+    throw;
+  }
+  unbind_device(ok);
+  g.counters.lanes = g.counters.threadgroups * g.nlanes;
+  return g.counters;
+}
+
+}  // namespace steel_sim

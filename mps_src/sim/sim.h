@@ -1,0 +1,84 @@
+// The simulator's host-side API: what the Python module (python/module.cpp) calls.
+//
+// The shader side talks to the runtime through runtime.h; this header is for the host: load a
+// library of translated shaders, launch one kernel, or execute a whole launch plan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace steel_sim {
+
+// A kernel fault or a misuse of the simulator; the message names the kernel.
+class SimError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A shared library of translated shaders; its kernels registered themselves when it was loaded.
+struct Library;
+// dlopen's `path` (once per path) and collects the kernels it registers. Throws SimError.
+const Library* load_library(const std::string& path);
+std::vector<std::string> kernel_names(const Library* library);
+
+// One [[buffer(index)]]: `bytes` bytes at `host` (a tensor's element 0, or inline bytes).
+// Tensor bindings are copied into the device arena before the launch and back after it.
+struct BufferArg {
+  uint32_t index = 0;
+  void* host = nullptr;
+  size_t bytes = 0;
+  bool write_back = true;  // false for inline bytes (setBytes)
+};
+
+struct LaunchSpec {
+  const Library* library = nullptr;
+  std::string kernel;
+  std::vector<steel::FunctionConstant> constants;
+  std::vector<BufferArg> buffers;
+  std::vector<steel::ThreadgroupMemory> threadgroup_memory;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t threads[3] = {1, 1, 1};
+  bool checkers = true;
+};
+
+struct BufferCounters {
+  uint64_t read = 0;     // bytes
+  uint64_t written = 0;  // bytes
+};
+
+// What one launch did. simd_ops counts simdgroup rendezvous (every simd_* call and simdgroup
+// matrix operation, once per simdgroup, plus simdgroup_barrier); mma counts the
+// SimdKind::MatrixMma ones among them.
+struct Counters {
+  std::string kernel;
+  uint64_t threadgroups = 0;
+  uint64_t lanes = 0;
+  uint64_t mma = 0;
+  uint64_t simd_ops = 0;
+  uint64_t barriers = 0;
+  uint64_t lane_switches = 0;
+  std::map<uint32_t, BufferCounters> buffers;
+};
+
+// Runs one dispatch to completion. Throws SimError on any fault; buffers are then not written
+// back. One launch at a time per process (a global lock serializes callers).
+Counters launch(const LaunchSpec& spec);
+
+// A plan slot's tensor as bound: element 0 and the bytes its view can reach.
+struct SlotArg {
+  bool present = false;
+  void* host = nullptr;
+  size_t bytes = 0;
+};
+
+// Executes every dispatch of `plan` in order through steel::encode_plan, like the Metal host.
+std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
+                               const std::vector<SlotArg>& slots, bool checkers);
+
+}  // namespace steel_sim

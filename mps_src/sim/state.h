@@ -1,0 +1,141 @@
+// Internal state of the simulator, shared by runtime.cpp (scheduler, rendezvous, launches) and
+// checkers.cpp (device and threadgroup memory, the load/store callbacks).
+//
+// One launch runs at a time (launch() holds a global lock) on one OS thread, so the state of the
+// running launch is a plain global: the load/store callbacks, which run for every memory access
+// of shader code, reach it without thread-local lookups.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "fiber.h"
+#include "sim.h"
+#include "sim/runtime.h"
+
+#define STEEL_SIM_HIDDEN __attribute__((visibility("hidden")))
+
+namespace steel_sim::detail {
+
+constexpr uint32_t kSimdWidth = 32;
+constexpr uint32_t kMaxLanes = 1024;
+constexpr uint32_t kMaxBufferIndex = 30;  // Metal: [[buffer(0)]] .. [[buffer(30)]]
+constexpr uint32_t kThreadgroupLimit = 32 * 1024;
+constexpr size_t kMaxExchangeBytes = 256;  // per lane and simd_exchange
+
+enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
+enum class SimdWait : uint8_t { None, Exchange, Barrier };
+
+struct Lane {
+  Context ctx;
+  LaneInfo info;
+  uint32_t index = 0;  // thread_index_in_threadgroup
+  uint32_t sg = 0;     // simdgroup_index_in_threadgroup
+  Wait wait = Wait::Ready;
+  const void* exchange_result = nullptr;
+  uint32_t exchange_mask = 0;
+};
+
+struct SimdGroup {
+  uint32_t live = 0;        // lanes (bit per lane of the simdgroup) that have not exited
+  uint32_t arrived = 0;     // lanes waiting at the current simd rendezvous
+  uint32_t at_barrier = 0;  // lanes waiting at threadgroup_barrier
+  SimdWait wait = SimdWait::None;
+  SimdKind kind = SimdKind::Shuffle;
+  size_t bytes = 0;
+  uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
+  uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for the race checker)
+  uint8_t* buf[2] = {nullptr, nullptr};
+};
+
+struct DeviceBuffer {
+  uint32_t index = 0;
+  uintptr_t lo = 0;  // in the device arena
+  uintptr_t hi = 0;
+  BufferCounters counters;
+};
+
+// Race-checker shadow of one threadgroup-memory byte: the last write and the latest reads, each
+// stamped with the threadgroup epoch (advanced by threadgroup barriers and threadgroup starts)
+// and the simd epoch of the accessing lane's simdgroup.
+struct Shadow {
+  uint32_t w_epoch = 0;
+  uint32_t w_sepoch = 0;
+  uint32_t r_epoch = 0;
+  uint32_t r_sepoch = 0;
+  uint16_t w_lane = 0;
+  uint16_t r_lane = 0;
+  uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes
+};
+constexpr uint8_t kReadersManySimdgroups = 1;
+constexpr uint8_t kReadersManyLanes = 2;
+
+struct Sim {
+  // The dispatch.
+  std::string kernel;
+  KernelEntry entry = nullptr;
+  bool checkers = true;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t threads[3] = {1, 1, 1};
+  uint32_t tg_pos[3] = {0, 0, 0};
+  uint32_t nlanes = 0;
+  uint32_t nsimd = 0;
+  std::map<uint32_t, steel::FunctionConstant> constants;
+
+  // Device memory: bound buffers in one arena; everything else in the arena is a guard gap.
+  uintptr_t dev_lo = 0;
+  uintptr_t dev_size = 0;  // 0 outside a launch: the callbacks then ignore every address
+  std::vector<DeviceBuffer> dev;  // sorted by lo
+  DeviceBuffer* dev_last = nullptr;
+  void* buffer_base[kMaxBufferIndex + 1] = {};
+  bool buffer_bound[kMaxBufferIndex + 1] = {};
+
+  // Threadgroup memory: [guard][32 KiB][guard]; [tg_base, tg_base + tg_used) is allocated.
+  uintptr_t tg_lo = 0;
+  uintptr_t tg_size = 0;
+  char* tg_base = nullptr;
+  uint32_t tg_used = 0;
+  std::map<uint32_t, std::pair<uint32_t, uint32_t>> tg_args;  // [[threadgroup(i)]] -> offset, bytes
+  std::unordered_map<uint32_t, std::pair<uint32_t, uint32_t>> tg_arrays;  // decl -> offset, bytes
+  Shadow* shadow = nullptr;
+  uint32_t epoch = 0;          // threadgroup epoch, never reset (so the shadow never is either)
+  uint32_t simd_epochs = 0;    // source of fresh simd epochs
+
+  // Lanes of the running threadgroup.
+  std::vector<Lane> lanes;
+  std::vector<SimdGroup> groups;
+  std::vector<uint32_t> ready;  // ring of lane indices
+  size_t ready_head = 0;
+  size_t ready_count = 0;
+  uint32_t live = 0;
+  uint32_t at_barrier = 0;
+  Lane* cur = nullptr;  // the running lane, null on the scheduler
+  Context scheduler;
+  StackPool stacks;
+
+  // A fault inside a lane: recorded, then the lane switches to the scheduler, which throws.
+  bool failed = false;
+  std::string error;
+
+  Counters counters;
+};
+
+STEEL_SIM_HIDDEN extern Sim g;
+
+// "kernel 'k' threadgroup (x,y,z) thread (x,y,z): " for messages about the running lane.
+std::string where();
+// Reports a fault of the running lane (or throws when called on the scheduler).
+[[noreturn]] void lane_fail(std::string message);
+
+// checkers.cpp
+void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena
+void unbind_device(bool write_back);         // copies them back (on success) and unmaps
+void reset_threadgroup_memory(const LaunchSpec& spec);  // [[threadgroup(i)]] layout
+void start_threadgroup_memory();             // poisons the allocated bytes for a new threadgroup
+void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align);
+
+}  // namespace steel_sim::detail
