@@ -14,13 +14,9 @@ using namespace metal;
 
 namespace steel {
 
-// The lane's place in an 8x8 fragment: x = first of its two columns, y = its row.
-inline short2 frag_coord(ushort lane) {
-  const short q = short(lane / 4);
-  const short row = (q & 4) + short((lane / 2) % 4);
-  const short col = (q & 2) * 2 + short(lane % 2) * 2;
-  return short2(col, row);
-}
+// The lane's place in an 8x8 fragment: its row, and the first of its two columns.
+inline short frag_row(ushort lane) { return (short(lane / 4) & 4) + short((lane / 2) % 4); }
+inline short frag_col(ushort lane) { return (short(lane / 4) & 2) * 2 + short(lane % 2) * 2; }
 
 // A TM x TN grid of fp32 fragments held by one simdgroup (the accumulators of BlockMMA).
 template <short TM, short TN>

@@ -54,12 +54,20 @@ struct GemmBlock {
   using LoaderB = BlockLoader<T, kBRows, kBCols, kLdB, kThreads>;
   using MMA = BlockMMA<T, BM, BN, BK, WM, WN, kTransA, kTransB, kLdA, kLdB>;
 
-  // The part of the A / B tile inside the matrix, as (columns, rows) of the stored tile.
-  static short2 a_extent(short m_valid, short k_valid) {
-    return kTransA ? short2(m_valid, k_valid) : short2(k_valid, m_valid);
+  // The part of the A / B tile inside the matrix, as rows and columns of the stored tile.
+  static void load_a_safe(thread const LoaderA& la, short m_valid, short k_valid) {
+    if (kTransA) {
+      la.load_safe(k_valid, m_valid);
+    } else {
+      la.load_safe(m_valid, k_valid);
+    }
   }
-  static short2 b_extent(short k_valid, short n_valid) {
-    return kTransB ? short2(k_valid, n_valid) : short2(n_valid, k_valid);
+  static void load_b_safe(thread const LoaderB& lb, short k_valid, short n_valid) {
+    if (kTransB) {
+      lb.load_safe(n_valid, k_valid);
+    } else {
+      lb.load_safe(k_valid, n_valid);
+    }
   }
 
   // k_steps full BK steps, then one partial step of k_rem (< BK) columns of A / rows of B.
@@ -67,8 +75,6 @@ struct GemmBlock {
   static void march_k(thread LoaderA& la, thread LoaderB& lb, thread MMA& mma,
                       threadgroup T* As, threadgroup T* Bs, int k_steps, short k_rem,
                       short m_valid, short n_valid, bool vec_a, bool vec_b) {
-    const short2 a_valid = a_extent(m_valid, BK);
-    const short2 b_valid = b_extent(BK, n_valid);
     const int a_step = kTransA ? BK * la.src_ld : BK;
     const int b_step = kTransB ? BK : BK * lb.src_ld;
     for (int k = 0; k < k_steps; ++k) {
@@ -77,8 +83,8 @@ struct GemmBlock {
         la.load_unsafe(vec_a);
         lb.load_unsafe(vec_b);
       } else {
-        la.load_safe(a_valid);
-        lb.load_safe(b_valid);
+        load_a_safe(la, m_valid, BK);
+        load_b_safe(lb, BK, n_valid);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       mma.mma(As, Bs);
@@ -87,8 +93,8 @@ struct GemmBlock {
     }
     if (k_rem > 0) {
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      la.load_safe(a_extent(m_valid, k_rem));
-      lb.load_safe(b_extent(k_rem, n_valid));
+      load_a_safe(la, m_valid, k_rem);
+      load_b_safe(lb, k_rem, n_valid);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       mma.mma(As, Bs);
     }

@@ -62,15 +62,15 @@ struct BlockLoader {
     }
   }
 
-  // Only rows < valid.y and columns < valid.x exist; the rest of the tile is filled with zeros,
-  // so edge tiles run the same multiply-accumulate sequence as interior ones.
-  void load_safe(short2 valid) const {
+  // Only rows < valid_rows and columns < valid_cols exist; the rest of the tile is filled with
+  // zeros, so edge tiles run the same multiply-accumulate sequence as interior ones.
+  void load_safe(short valid_rows, short valid_cols) const {
 #pragma clang loop unroll(full)
     for (short i = 0; i < BROWS; i += kRowsPerPass) {
-      const bool row_ok = row + i < valid.y;
+      const bool row_ok = row + i < valid_rows;
 #pragma clang loop unroll(full)
       for (short j = 0; j < kVec; ++j) {
-        dst[i * kDstLd + j] = (row_ok && col + j < valid.x) ? src[i * src_ld + j] : T(0);
+        dst[i * kDstLd + j] = (row_ok && col + j < valid_cols) ? src[i * src_ld + j] : T(0);
       }
     }
   }

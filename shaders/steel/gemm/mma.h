@@ -33,12 +33,13 @@ struct BlockMMA {
   short b_off;
 
   BlockMMA(ushort simdgroup, ushort lane) {
-    const short2 fc = frag_coord(lane);
-    row = 8 * short(simdgroup / WN) + fc.y;
-    col = 8 * short(simdgroup % WN) + fc.x;
-    // A fragment: the lane's elements are (row, fc.x + {0,1}); B fragment: (fc.y, col + {0,1}).
-    a_off = row * kAStrM + fc.x * kAStrK;
-    b_off = fc.y * kBStrK + col * kBStrN;
+    const short fr = frag_row(lane);
+    const short fc = frag_col(lane);
+    row = 8 * short(simdgroup / WN) + fr;
+    col = 8 * short(simdgroup % WN) + fc;
+    // A fragment: the lane's elements are (row, fc + {0,1}); B fragment: (fr, col + {0,1}).
+    a_off = row * kAStrM + fc * kAStrK;
+    b_off = fr * kBStrK + col * kBStrN;
     acc.clear();
   }
 

@@ -1,0 +1,182 @@
+"""GEMM benchmark (issue 4, item 6): device traffic of the chosen plan against the minimum,
+checked against the simulator's counters, and MPS timings on a Mac.
+
+For every shape of the table:
+  - the plan (torch_steel.sim.plan, the same plan the Mac encodes) and a traffic model of it:
+    the bytes each dispatch reads from and writes to each buffer, derived from the tile sizes,
+    the grid and the kernel's access pattern (every threadgroup reads its BM rows of A and BN
+    columns of B over its K range once; the epilogue reads c and bias once per output element;
+    split-K writes and re-reads fp32 partials);
+  - the minimum: read a, b (and c, bias) once, write out once;
+  - bytes per FLOP of both (FLOP = 2 * M * N * K * batch);
+  - on shapes the simulator runs in seconds (M*N*K <= --sim-limit), the simulator's counted
+    bytes next to the model (they must agree exactly; a mismatch is reported and fails);
+  - on a Mac with MPS: steel.gemm against torch.matmul and against addmm + activation, same
+    inputs, median of --iters runs, and GFLOP/s, all from the same run.
+
+    python bench/bench_gemm.py [--dtype float16] [--sim-limit 2e6] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch_steel import sim  # noqa: E402
+
+# (name, batch, M, N, K)
+SHAPES = [
+    ("square 256", 1, 256, 256, 256),
+    ("square 512", 1, 512, 512, 512),
+    ("square 1024", 1, 1024, 1024, 1024),
+    ("square 2048", 1, 2048, 2048, 2048),
+    ("square 4096", 1, 4096, 4096, 4096),
+    ("LLM 4096x4096x4096", 1, 4096, 4096, 4096),
+    ("decode 1x4096x4096", 1, 1, 4096, 4096),
+    ("MLP 32x11008x4096", 1, 32, 11008, 4096),
+    ("split-K 16x16x4096", 1, 16, 16, 4096),
+    ("batched 8x128x128x64", 8, 128, 128, 64),
+    ("small ragged 33x65x47", 1, 33, 65, 47),
+    ("small split-K 20x33x777", 1, 20, 33, 777),
+]
+
+BUF_A, BUF_B, BUF_C, BUF_BIAS, BUF_OUT = 0, 1, 2, 3, 4
+
+
+def tile_of(kernel: str) -> tuple[int, int]:
+    parts = dict((p[:2], p[2:]) for p in kernel.split("_") if p[:2] in ("bm", "bn"))
+    return int(parts["bm"]), int(parts["bn"])
+
+
+def model(plan, batch, m, n, k, es, use_c, use_bias):
+    """Predicted {dispatch index: {binding: {"read": bytes, "written": bytes}}}."""
+    out = []
+    for d in plan.dispatches:
+        buffers: dict[int, dict[str, int]] = {}
+        if "splitk_reduce" in d.kernel:
+            partitions = plan.allocations[1].sizes[0]
+            buffers[BUF_A] = {"read": partitions * m * n * 4, "written": 0}
+            buffers[BUF_OUT] = {"read": 0, "written": m * n * es}
+            if use_c:
+                buffers[BUF_C] = {"read": m * n * es, "written": 0}
+            if use_bias:
+                buffers[BUF_BIAS] = {"read": m * n * es, "written": 0}
+        else:
+            bm, bn = tile_of(d.kernel)
+            tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+            buffers[BUF_A] = {"read": batch * tiles_n * m * k * es, "written": 0}
+            buffers[BUF_B] = {"read": batch * tiles_m * n * k * es, "written": 0}
+            if "splitk" in d.kernel:
+                partitions = d.grid[2]
+                buffers[BUF_OUT] = {"read": 0, "written": partitions * m * n * 4}
+            else:
+                buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
+                if use_c:
+                    buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
+                if use_bias:
+                    buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
+        out.append(buffers)
+    return out
+
+
+def total(buffers_list) -> int:
+    return sum(v["read"] + v["written"] for b in buffers_list for v in b.values())
+
+
+def counted(counters) -> list[dict[int, dict[str, int]]]:
+    return [{i: dict(v) for i, v in c["buffers"].items() if v["read"] or v["written"]}
+            for c in counters]
+
+
+def tensors(batch, m, n, k, dtype, device, with_epilogue):
+    shape_a = (batch, m, k) if batch > 1 else (m, k)
+    a = torch.randn(shape_a, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    bias = torch.randn(n, dtype=dtype, device=device) if with_epilogue else None
+    return a, b, bias
+
+
+def time_ms(fn, iters):
+    fn()
+    torch.mps.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.mps.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--sim-limit", type=float, default=2e6,
+                        help="run the simulator on shapes with batch*M*N*K up to this")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    on_mps = torch.backends.mps.is_available()
+    failures = 0
+
+    print(f"steel GEMM, {args.dtype}; traffic in MB, bytes/FLOP x1000; epilogue = bias + gelu")
+    header = (f"{'shape':26} {'kernel':44} {'model MB':>9} {'min MB':>8} {'B/kFLOP':>8} "
+              f"{'min':>6} {'ratio':>6} {'sim MB':>8}")
+    if on_mps:
+        header += f" {'steel ms':>9} {'matmul ms':>9} {'addmm+act':>9} {'GFLOP/s':>8}"
+    print(header)
+    for name, batch, m, n, k in SHAPES:
+        meta = "meta"
+        a, b, bias = tensors(batch, m, n, k, dtype, meta, True)
+        options = {"activation": "gelu"}
+        p = sim.plan("gemm", [a, b, bias, None], options)
+        if not p.ok:
+            print(f"{name:26} refused: {p.reason}")
+            continue
+        predicted = model(p, batch, m, n, k, es, use_c=False, use_bias=True)
+        flop = 2 * batch * m * n * k
+        minimum = (batch * m * k + k * n + n + batch * m * n) * es
+        moved = total(predicted)
+        kernel = p.dispatches[0].kernel.replace("steel_gemm_", "")
+        if len(p.dispatches) > 1:
+            kernel += f" x{p.dispatches[0].grid[2]}"
+        line = (f"{name:26} {kernel:44} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
+                f"{1e3 * moved / flop:8.3f} {1e3 * minimum / flop:6.3f} {moved / minimum:6.2f}")
+        sim_col = "-"
+        if run_sim and batch * m * n * k <= args.sim_limit:
+            ca, cb, cbias = tensors(batch, m, n, k, dtype, "cpu", True)
+            _, counters = sim.run_op("gemm", [ca, cb, cbias, None], options, counters=True,
+                                     checkers=False)
+            got = counted(counters)
+            sim_col = f"{total(got) / 1e6:.3f}"
+            if got != predicted:
+                failures += 1
+                sim_col += " MISMATCH"
+                print(f"  model {predicted}\n  sim   {got}", file=sys.stderr)
+        line += f" {sim_col:>8}"
+        if on_mps:
+            ma, mb, mbias = tensors(batch, m, n, k, dtype, "mps", True)
+            steel = time_ms(lambda: torch.ops.steel.gemm(ma, mb, bias=mbias, activation="gelu"),
+                            args.iters)
+            mm = time_ms(lambda: torch.matmul(ma, mb), args.iters)
+            fused = time_ms(lambda: torch.nn.functional.gelu(torch.matmul(ma, mb) + mbias)
+                            if batch > 1 else
+                            torch.nn.functional.gelu(torch.addmm(mbias, ma, mb)), args.iters)
+            line += f" {steel:9.3f} {mm:9.3f} {fused:9.3f} {flop / steel / 1e6:8.1f}"
+        print(line)
+    if failures:
+        print(f"{failures} shape(s) where the traffic model and the simulator disagree")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

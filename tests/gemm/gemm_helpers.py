@@ -1,0 +1,90 @@
+"""Shared pieces of the GEMM tests: the float64 oracle, tolerances, the simulator skip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_steel import sim
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# Relative rounding of one result stored in each dtype (half an ulp at 1.0).
+_OUT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def simulator_ready() -> tuple[bool, str]:
+    """The simulator (issue 3) builds and loads the shaders; tests that run kernels need it."""
+    try:
+        ok = sim.available()
+    except Exception as e:  # noqa: BLE001 (any build failure means "not ready", with the reason)
+        return False, f"Metal simulator not available: {e}"
+    return ok, "Metal simulator not available (clang-19 missing or the build fails)"
+
+
+def planner_ready() -> tuple[bool, str]:
+    """torch_steel.sim.plan works (the simulator module and the planners build)."""
+    try:
+        sim.plan("gemm", [torch.zeros(1, 1), torch.zeros(1, 1), None, None], {})
+    except Exception as e:  # noqa: BLE001
+        return False, f"torch_steel.sim.plan not available: {e}"
+    return True, ""
+
+
+requires_simulator = pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
+requires_planner = pytest.mark.skipif(not planner_ready()[0], reason=planner_ready()[1])
+
+
+def rand(*shape, dtype, gen, scale=1.0):
+    """Values exactly representable in `dtype` (so float64 sees the kernel's exact inputs)."""
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def reference(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
+    """act(alpha * a @ b + beta * c + bias) in float64; also returns alpha * |a| @ |b|, the scale
+    of the fp32 accumulation error."""
+    a64, b64 = a.double(), b.double()
+    out = alpha * torch.matmul(a64, b64)
+    mag = abs(alpha) * torch.matmul(a64.abs(), b64.abs())
+    if c is not None and beta != 0:
+        out = out + beta * c.double()
+        mag = mag + abs(beta) * c.double().abs()
+    if bias is not None:
+        out = out + bias.double()
+        mag = mag + bias.double().abs()
+    if activation == "relu":
+        out = torch.relu(out)
+    elif activation == "gelu":
+        out = F.gelu(out)
+    elif activation == "gelu_tanh":
+        out = F.gelu(out, approximate="tanh")
+    elif activation == "silu":
+        out = F.silu(out)
+    return out, mag
+
+
+def assert_close(out, ref, mag, k, dtype):
+    """|out - ref| <= rounding of the stored result + fp32 accumulation error + epilogue error.
+
+    - storing: half an ulp of the dtype, relative to |ref|;
+    - accumulating K products in fp32 (each product of two f16/bf16/f32 inputs, summed in
+      binary32): at most about K ulps of fp32 relative to sum |a||b| (the classic K * eps bound,
+      loose in practice but never flaky);
+    - the epilogue in fp32 (alpha, beta*c, bias, and erf/tanh/exp approximations good to a few
+      1e-7): a few fp32 ulps of the magnitude plus 2e-6 absolute;
+    - the activations' slopes are at most 1.13 (gelu, silu), so errors before them grow by at
+      most 1.25.
+    """
+    assert out.dtype == dtype
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    err = (out.double() - ref).abs()
+    eps32 = 2.0**-24
+    bound = _OUT_ROUNDING[dtype] * ref.abs() + 1.25 * (k + 24) * eps32 * mag + 2e-6
+    bad = err > bound
+    assert not bool(bad.any()), (
+        f"{int(bad.sum())} of {bad.numel()} elements off; worst error "
+        f"{float(err.max()):.3g} vs bound {float(bound.flatten()[err.flatten().argmax()]):.3g}")
+    assert not math.isnan(float(out.double().sum()))

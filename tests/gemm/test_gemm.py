@@ -1,0 +1,204 @@
+"""steel::gemm kernels in the Metal simulator against torch.matmul in float64 (issue 4, item 5).
+
+Every case runs the kernels of shaders/steel/gemm/gemm.metal through the plan of
+mps_src/plan/gemm_plan.cpp with the simulator's checkers on (out-of-bounds accesses and
+threadgroup-memory races raise SimulatorError), and compares with float64 reference math.
+The default sweep keeps shapes small (primes, ragged edges of both tiles); @slow goes bigger.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from gemm_helpers import DTYPES, assert_close, rand, reference, requires_simulator
+
+from torch_steel import sim
+from torch_steel.errors import PlanRefused
+
+pytestmark = requires_simulator
+
+ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
+
+
+def operand(rows, cols, *, transposed, dtype, gen, batch=(), scale=1.0):
+    """A [*batch, rows, cols] operand, stored row-major or (transposed) column-major."""
+    if transposed:
+        return rand(*batch, cols, rows, dtype=dtype, gen=gen, scale=scale).transpose(-1, -2)
+    return rand(*batch, rows, cols, dtype=dtype, gen=gen, scale=scale)
+
+
+def run(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
+    options = {"alpha": alpha, "beta": beta, "activation": activation}
+    (out,) = sim.run_op("gemm", [a, b, bias, c], options, checkers=True)
+    return out
+
+
+def check(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
+    out = run(a, b, bias, c, alpha, beta, activation)
+    ref, mag = reference(a, b, bias, c, alpha, beta, activation)
+    assert_close(out, ref, mag, a.shape[-1], a.dtype)
+    return out
+
+
+# M, N, K: 1, primes, and sizes just off the 32 and 64 tile edges (and the 16 K step).
+SHAPES = [(1, 1, 1), (1, 7, 5), (7, 1, 13), (3, 5, 2), (17, 31, 29), (33, 65, 16),
+          (64, 64, 64), (65, 63, 17), (97, 130, 47)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_gemm_shapes(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    check(rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("m,n,k", [(37, 45, 23), (64, 128, 32), (129, 67, 71)])
+def test_gemm_transposes(m, n, k, ta, tb, dtype):
+    gen = torch.Generator().manual_seed(m + 7 * n + 13 * k + 2 * ta + tb)
+    a = operand(m, k, transposed=ta, dtype=dtype, gen=gen)
+    b = operand(k, n, transposed=tb, dtype=dtype, gen=gen)
+    kernel = sim.plan("gemm", [a, b, None, None], {}).dispatches[0].kernel
+    assert kernel.startswith(f"steel_gemm_{'t' if ta else 'n'}{'t' if tb else 'n'}_")
+    check(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "a_batch,b_batch",
+    [((3,), ()), ((), (2,)), ((2, 3), (2, 3)), ((2, 1), (1, 3)), ((4,), (1,))],
+)
+def test_gemm_batched_broadcast(a_batch, b_batch, dtype):
+    gen = torch.Generator().manual_seed(len(a_batch) * 31 + len(b_batch))
+    a = rand(*a_batch, 19, 24, dtype=dtype, gen=gen)
+    b = rand(*b_batch, 24, 35, dtype=dtype, gen=gen)
+    check(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_batched_transposed_views(dtype):
+    # Batch dims that cannot be merged (a permuted batch) and transposed batched operands.
+    gen = torch.Generator().manual_seed(5)
+    a = rand(3, 2, 21, 40, dtype=dtype, gen=gen).permute(1, 0, 3, 2)  # [2, 3, 40, 21], "t"
+    b = rand(2, 3, 21, 9, dtype=dtype, gen=gen)
+    check(a, b)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("c_kind", [None, "full", "row", "col", "scalar"])
+def test_gemm_epilogue(c_kind, use_bias, activation):
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(ACTIVATIONS.index(activation) * 10 + use_bias)
+    m, n, k = 23, 41, 19
+    a, b = rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen)
+    bias = rand(n, dtype=dtype, gen=gen) if use_bias else None
+    c = {None: None, "full": (m, n), "row": (n,), "col": (m, 1), "scalar": ()}[c_kind]
+    c = None if c is None else rand(*c, dtype=dtype, gen=gen)
+    check(a, b, bias, c, alpha=0.75, beta=-1.5 if c is not None else 1.0, activation=activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemm_epilogue_half_types(activation, dtype):
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 40, 36, 33
+    a, b = rand(2, m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen)
+    bias = rand(n, dtype=dtype, gen=gen)
+    c = rand(2, 1, n, dtype=dtype, gen=gen)
+    check(a, b, bias, c, alpha=0.5, beta=2.0, activation=activation)
+
+
+def test_gemm_beta_zero_ignores_c():
+    gen = torch.Generator().manual_seed(3)
+    a, b = rand(9, 10, dtype=torch.float32, gen=gen), rand(10, 11, dtype=torch.float32, gen=gen)
+    c = torch.full((9, 11), float("nan"))
+    out = run(a, b, c=c, beta=0.0)
+    ref, mag = reference(a, b)
+    assert_close(out, ref, mag, 10, torch.float32)
+
+
+def test_gemm_batched_c_broadcast():
+    gen = torch.Generator().manual_seed(4)
+    a = rand(3, 2, 17, 8, dtype=torch.float16, gen=gen)
+    b = rand(8, 26, dtype=torch.float16, gen=gen)
+    c = rand(3, 1, 17, 1, dtype=torch.float16, gen=gen)
+    check(a, b, c=c, beta=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(8, 16, 1024), (20, 33, 777), (1, 5, 600)])
+def test_gemm_split_k(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    a, b = rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen)
+    bias, c = rand(n, dtype=dtype, gen=gen), rand(m, n, dtype=dtype, gen=gen)
+    p = sim.plan("gemm", [a, b, bias, c], {"activation": "silu"})
+    assert [d.kernel.split("_")[2] for d in p.dispatches] == ["splitk", "splitk"]
+    check(a, b, bias, c, alpha=1.25, beta=0.5, activation="silu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_storage_offsets(dtype):
+    # Views into bigger buffers: odd storage offsets (no 16-byte vector loads) and aligned ones.
+    gen = torch.Generator().manual_seed(6)
+    big_a = rand(80, 90, dtype=dtype, gen=gen)
+    big_b = rand(70, 90, dtype=dtype, gen=gen)
+    big_c = rand(100, 100, dtype=dtype, gen=gen)
+    for ao, bo in [(1, 3), (8, 8)]:
+        a = big_a[ao:ao + 64, ao:ao + 64]
+        b = big_b[bo:bo + 64, 8:72]
+        c = big_c[5:69, 7:71]
+        assert a.storage_offset() > 0 and b.storage_offset() > 0
+        check(a, b, c=c, beta=1.0)
+        check(a.transpose(0, 1), b.transpose(0, 1))
+
+
+def test_gemm_strided_operands_are_copied():
+    gen = torch.Generator().manual_seed(7)
+    a = rand(30, 50, dtype=torch.float32, gen=gen)[:, ::2]  # strides (50, 2): neither is 1
+    b = rand(25, 60, dtype=torch.float32, gen=gen)[:, ::3]
+    assert sim.plan("gemm", [a, b, None, None], {}).contiguous_inputs == [0, 1]
+    check(a, b)
+
+
+def test_gemm_expanded_operands():
+    # Stride-0 rows (expand) are read in place, not copied.
+    gen = torch.Generator().manual_seed(8)
+    a = rand(1, 40, dtype=torch.float16, gen=gen).expand(24, 40)
+    b = rand(40, 1, dtype=torch.float16, gen=gen).expand(40, 12)
+    assert sim.plan("gemm", [a, b, None, None], {}).contiguous_inputs == []
+    check(a, b)
+
+
+def test_gemm_empty_and_k_zero():
+    a, b = torch.zeros(0, 5), torch.zeros(5, 7)
+    assert run(a, b).shape == (0, 7)
+    bias = torch.arange(7, dtype=torch.float32)
+    out = run(torch.zeros(4, 0), torch.zeros(0, 7), bias=bias, activation="relu")
+    assert torch.equal(out, bias.expand(4, 7))
+
+
+def test_gemm_refuses_float64():
+    with pytest.raises(PlanRefused, match="float64|not supported"):
+        sim.run_op("gemm", [torch.zeros(2, 2, dtype=torch.float64)] * 2 + [None, None], {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("m,n,k", [(257, 129, 263), (300, 200, 100), (128, 256, 512)])
+def test_gemm_large(m, n, k, ta, tb, dtype):
+    gen = torch.Generator().manual_seed(m * n + k)
+    a = operand(m, k, transposed=ta, dtype=dtype, gen=gen)
+    b = operand(k, n, transposed=tb, dtype=dtype, gen=gen)
+    check(a, b, rand(n, dtype=dtype, gen=gen), activation="gelu")
+
+
+@pytest.mark.slow
+def test_gemm_512_cubed_f16():
+    gen = torch.Generator().manual_seed(512)
+    a, b = rand(512, 512, dtype=torch.float16, gen=gen), rand(512, 512, dtype=torch.float16, gen=gen)
+    check(a, b)

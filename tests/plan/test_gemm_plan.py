@@ -1,0 +1,215 @@
+"""The GEMM launch plan (mps_src/plan/gemm_plan.cpp) through torch_steel.sim.plan: tile choice,
+alignment and vector-load flags, split-K, batch merging, copies, bindings and refusals."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
+from gemm_helpers import requires_planner  # noqa: E402
+
+pytestmark = requires_planner
+
+# Function-constant and buffer indices (shaders/steel/params.h).
+HAS_BATCH, USE_C, HAS_BIAS, ACTIVATION = 100, 110, 111, 112
+ALIGN_M, ALIGN_N, ALIGN_K, VEC_A, VEC_B = 200, 201, 202, 210, 211
+BUF_A, BUF_B, BUF_C, BUF_BIAS, BUF_OUT, BUF_PARAMS = 0, 1, 2, 3, 4, 5
+PARAMS_SIZE = 140
+PARAM_FIELDS = ["M", "N", "K", "lda", "ldb", "ldd", "tiles_m", "tiles_n", "swizzle_log",
+                "k_split", "partial_stride", "partitions", "c_rs", "c_cs", "bias_stride"]
+
+
+def params(dispatch):
+    raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
+    assert len(raw) == PARAMS_SIZE
+    ints = struct.unpack_from("15i", raw, 0)
+    out = dict(zip(PARAM_FIELDS, ints, strict=True))
+    out["alpha"], out["beta"] = struct.unpack_from("2f", raw, 60)
+    out["batch_ndim"] = struct.unpack_from("i", raw, 68)[0]
+    out["batch_shape"] = struct.unpack_from("4i", raw, 72)
+    out["a_batch_strides"] = struct.unpack_from("4i", raw, 88)
+    out["b_batch_strides"] = struct.unpack_from("4i", raw, 104)
+    out["c_batch_strides"] = struct.unpack_from("4i", raw, 120)
+    out["out_batch_stride"] = struct.unpack_from("i", raw, 136)[0]
+    return out
+
+
+def t(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def plan(a, b, bias=None, c=None, **options):
+    p = sim.plan("gemm", [a, b, bias, c], options)
+    assert p.ok, p.reason
+    return p
+
+
+def slots(dispatch):
+    return {b.index: b.slot for b in dispatch.bindings if b.kind == "tensor"}
+
+
+def test_small_square_uses_small_tile_aligned():
+    (d,) = plan(t(128, 96), t(96, 64)).dispatches
+    assert d.kernel == "steel_gemm_nn_f16_bm32_bn32_bk16_wm2_wn2"
+    assert d.threads == (128, 1, 1)
+    assert d.constants[ALIGN_M] and d.constants[ALIGN_N] and d.constants[ALIGN_K]
+    assert d.constants[VEC_A] and d.constants[VEC_B]
+    assert not d.constants[HAS_BATCH] and not d.constants[USE_C] and not d.constants[HAS_BIAS]
+    p = params(d)
+    assert (p["M"], p["N"], p["K"], p["lda"], p["ldb"], p["ldd"]) == (128, 64, 96, 96, 64, 64)
+    assert (p["tiles_m"], p["tiles_n"]) == (4, 2)
+    # The swizzled grid covers every tile: x = tiles_n << s, y = ceil(tiles_m / 2^s).
+    s = p["swizzle_log"]
+    assert d.grid == (2 << s, -(-4 // (1 << s)), 1)
+
+
+@pytest.mark.parametrize("dtype,tag", [(torch.float16, "f16"), (torch.bfloat16, "bf16"),
+                                       (torch.float32, "f32")])
+def test_large_problem_uses_large_tile(dtype, tag):
+    (d,) = plan(t(1024, 1024, dtype=dtype), t(1024, 1024, dtype=dtype)).dispatches
+    assert d.kernel == f"steel_gemm_nn_{tag}_bm64_bn64_bk16_wm2_wn2"
+    p = params(d)
+    assert (p["tiles_m"], p["tiles_n"], p["swizzle_log"]) == (16, 16, 2)
+    assert d.grid == (16 << 2, 4, 1)
+
+
+def test_decode_shape_uses_small_tile():
+    (d,) = plan(t(1, 4096), t(4096, 4096)).dispatches
+    assert "_bm32_bn32_" in d.kernel
+    assert not d.constants[ALIGN_M] and d.constants[ALIGN_N]
+
+
+def test_alignment_flags_ragged():
+    (d,) = plan(t(33, 17), t(17, 65)).dispatches
+    assert (d.constants[ALIGN_M], d.constants[ALIGN_N], d.constants[ALIGN_K]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("ta,tb,name", [(False, False, "nn"), (False, True, "nt"),
+                                        (True, False, "tn"), (True, True, "tt")])
+def test_transposes_from_strides(ta, tb, name):
+    a = t(40, 24).t() if ta else t(24, 40)  # [24, 40] either way
+    b = t(56, 40).t() if tb else t(40, 56)
+    p = plan(a, b)
+    assert p.contiguous_inputs == []
+    (d,) = p.dispatches
+    assert d.kernel.startswith(f"steel_gemm_{name}_f16_")
+    prm = params(d)
+    assert prm["lda"] == (24 if ta else 40) and prm["ldb"] == (40 if tb else 56)
+
+
+def test_operand_without_unit_stride_is_copied():
+    a = t(30, 100)[:, ::2]
+    b = t(50, 20)
+    p = plan(a, b)
+    assert p.contiguous_inputs == [0]
+    assert p.dispatches[0].kernel.startswith("steel_gemm_nn_")
+    assert params(p.dispatches[0])["lda"] == 50
+
+
+def test_vector_loads_need_16_byte_rows():
+    base = t(64, 72)
+    assert not plan(base[:, 1:65], t(64, 32)).dispatches[0].constants[VEC_A]  # odd offset
+    assert not plan(t(64, 60)[:, :56], t(56, 32)).dispatches[0].constants[VEC_A]  # lda 60
+    assert plan(base[:, 8:72], t(64, 32)).dispatches[0].constants[VEC_A]
+
+
+def test_batch_broadcast_and_merge():
+    p = plan(t(2, 3, 16, 8), t(8, 24))
+    (d,) = p.dispatches
+    prm = params(d)
+    assert d.grid[2] == 6 and d.constants[HAS_BATCH]
+    # [2, 3] with a contiguous and b broadcast merge into one dim of 6.
+    assert prm["batch_ndim"] == 1 and prm["batch_shape"][0] == 6
+    assert prm["a_batch_strides"][0] == 128 and prm["b_batch_strides"][0] == 0
+    assert prm["out_batch_stride"] == 16 * 24
+    assert p.allocations[0].sizes == (2, 3, 16, 24)
+
+
+def test_batch_broadcast_both_sides_not_merged():
+    p = plan(t(2, 1, 16, 8), t(1, 3, 8, 24))
+    prm = params(p.dispatches[0])
+    assert prm["batch_ndim"] == 2 and prm["batch_shape"][:2] == (2, 3)
+    assert prm["a_batch_strides"][:2] == (128, 0) and prm["b_batch_strides"][:2] == (0, 192)
+
+
+def test_epilogue_constants_and_bindings():
+    bias, c = t(24), t(16, 1)
+    p = plan(t(16, 8), t(8, 24), bias, c, alpha=2.0, beta=0.5, activation="gelu_tanh")
+    (d,) = p.dispatches
+    assert d.constants[USE_C] and d.constants[HAS_BIAS] and d.constants[ACTIVATION] == 3
+    prm = params(d)
+    assert (prm["alpha"], prm["beta"], prm["c_rs"], prm["c_cs"]) == (2.0, 0.5, 1, 0)
+    assert slots(d) == {BUF_A: 0, BUF_B: 1, BUF_C: 3, BUF_BIAS: 2, BUF_OUT: 4}
+
+
+def test_beta_zero_drops_c():
+    (d,) = plan(t(16, 8), t(8, 24), None, t(16, 24), beta=0.0).dispatches
+    assert not d.constants[USE_C]
+    assert slots(d)[BUF_C] == 0  # a stands in; never read
+
+
+def test_split_k_small_output_long_k():
+    p = plan(t(16, 4096), t(4096, 16), t(16), None, activation="relu")
+    assert [d.kernel for d in p.dispatches] == [
+        "steel_gemm_splitk_nn_f16_bm32_bn32_bk16_wm2_wn2", "steel_gemm_splitk_reduce_f16"]
+    first, reduce = p.dispatches
+    prm = params(first)
+    assert prm["partitions"] == first.grid[2] >= 2
+    assert prm["k_split"] % 16 == 0 and prm["k_split"] * prm["partitions"] >= 4096
+    assert (prm["partitions"] - 1) * prm["k_split"] < 4096
+    scratch = p.allocations[1]
+    assert scratch.dtype == torch.float32 and scratch.sizes == (prm["partitions"], 16, 16)
+    assert not scratch.is_output and p.allocations[0].is_output
+    assert not first.constants[HAS_BIAS] and reduce.constants[HAS_BIAS]
+    assert reduce.constants[ACTIVATION] == 1
+    assert slots(first)[BUF_OUT] == slots(reduce)[BUF_A] == 5
+    assert reduce.grid[0] * reduce.threads[0] >= 256
+
+
+@pytest.mark.parametrize("shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4096, 64)),
+                                   ((64, 300), (300, 64))])
+def test_no_split_k(shape):
+    p = plan(t(*shape[0]), t(*shape[1]))
+    assert len(p.dispatches) == 1 and len(p.allocations) == 1
+
+
+def test_empty_output_has_no_dispatch():
+    p = plan(t(0, 8), t(8, 5))
+    assert p.dispatches == [] and p.allocations[0].sizes == (0, 5)
+
+
+@pytest.mark.parametrize(
+    "tensors,options,match",
+    [
+        ([t(4, 4, dtype=torch.float64), t(4, 4, dtype=torch.float64)], {}, "float64"),
+        ([t(4, 4, dtype=torch.int32), t(4, 4, dtype=torch.int32)], {}, "int32"),
+        ([t(4, 4), t(4, 4, dtype=torch.float32)], {}, "dtype"),
+        ([t(4), t(4, 4)], {}, "at least 2 dims"),
+        ([t(4, 5), t(4, 4)], {}, "K"),
+        ([t(2, 4, 4), t(3, 4, 4)], {}, "broadcast"),
+        ([t(4, 4), t(4, 4), t(5)], {}, "bias"),
+        ([t(4, 4), t(4, 4), None, t(3, 4)], {"beta": 1.0}, "broadcast"),
+        ([t(4, 4), t(4, 4)], {"activation": "tanh"}, "activation"),
+        # Five batch dims, each outer stride smaller than the inner: nothing merges.
+        ([t(6, 5, 4, 3, 2, 4, 4).permute(4, 3, 2, 1, 0, 5, 6), t(4, 4)], {}, "batch dims"),
+    ],
+)
+def test_refusals(tensors, options, match):
+    p = sim.plan("gemm", tensors + [None] * (4 - len(tensors)), options)
+    assert not p.ok
+    assert match in p.reason
+
+
+def test_refuses_beyond_32_bit_indexing():
+    # A 2^16 x 2^16 output from expanded (stride-0) operands: 2^32 elements, no memory used.
+    a = torch.empty(1, 1).expand(2**16, 1)
+    b = torch.empty(1, 1).expand(1, 2**16)
+    p = sim.plan("gemm", [a, b, None, None], {})
+    assert not p.ok and "32-bit" in p.reason and "out" in p.reason
