@@ -91,8 +91,9 @@ def total(buffers_list) -> int:
 
 
 def counted(counters) -> list[dict[int, dict[str, int]]]:
-    return [{i: dict(v) for i, v in c["buffers"].items() if v["read"] or v["written"]}
-            for c in counters]
+    return [
+        {i: dict(v) for i, v in c["buffers"].items() if v["read"] or v["written"]} for c in counters
+    ]
 
 
 def tensors(batch, m, n, k, dtype, device, with_epilogue):
@@ -115,11 +116,28 @@ def time_ms(fn, iters):
     return statistics.median(samples)
 
 
+def time_mps(batch, m, n, k, dtype, iters):
+    """Milliseconds of steel.gemm(+bias, gelu), torch.matmul, and addmm + gelu on MPS."""
+    gelu = torch.nn.functional.gelu
+    a, b, bias = tensors(batch, m, n, k, dtype, "mps", True)
+    steel = time_ms(lambda: torch.ops.steel.gemm(a, b, bias=bias, activation="gelu"), iters)
+    mm = time_ms(lambda: torch.matmul(a, b), iters)
+    if batch > 1:
+        fused = time_ms(lambda: gelu(torch.baddbmm(bias, a, b.expand(batch, k, n))), iters)
+    else:
+        fused = time_ms(lambda: gelu(torch.addmm(bias, a, b)), iters)
+    return steel, mm, fused
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    parser.add_argument("--sim-limit", type=float, default=2e6,
-                        help="run the simulator on shapes with batch*M*N*K up to this")
+    parser.add_argument(
+        "--sim-limit",
+        type=float,
+        default=2e6,
+        help="run the simulator on shapes with batch*M*N*K up to this",
+    )
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -129,8 +147,10 @@ def main() -> int:
     failures = 0
 
     print(f"steel GEMM, {args.dtype}; traffic in MB, bytes/FLOP x1000; epilogue = bias + gelu")
-    header = (f"{'shape':26} {'kernel':44} {'model MB':>9} {'min MB':>8} {'B/kFLOP':>8} "
-              f"{'min':>6} {'ratio':>6} {'sim MB':>8}")
+    header = (
+        f"{'shape':26} {'kernel':44} {'model MB':>9} {'min MB':>8} {'B/kFLOP':>8} "
+        f"{'min':>6} {'ratio':>6} {'sim MB':>8}"
+    )
     if on_mps:
         header += f" {'steel ms':>9} {'matmul ms':>9} {'addmm+act':>9} {'GFLOP/s':>8}"
     print(header)
@@ -149,13 +169,16 @@ def main() -> int:
         kernel = p.dispatches[0].kernel.replace("steel_gemm_", "")
         if len(p.dispatches) > 1:
             kernel += f" x{p.dispatches[0].grid[2]}"
-        line = (f"{name:26} {kernel:44} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
-                f"{1e3 * moved / flop:8.3f} {1e3 * minimum / flop:6.3f} {moved / minimum:6.2f}")
+        line = (
+            f"{name:26} {kernel:44} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
+            f"{1e3 * moved / flop:8.3f} {1e3 * minimum / flop:6.3f} {moved / minimum:6.2f}"
+        )
         sim_col = "-"
         if run_sim and batch * m * n * k <= args.sim_limit:
             ca, cb, cbias = tensors(batch, m, n, k, dtype, "cpu", True)
-            _, counters = sim.run_op("gemm", [ca, cb, cbias, None], options, counters=True,
-                                     checkers=False)
+            _, counters = sim.run_op(
+                "gemm", [ca, cb, cbias, None], options, counters=True, checkers=False
+            )
             got = counted(counters)
             sim_col = f"{total(got) / 1e6:.3f}"
             if got != predicted:
@@ -164,13 +187,7 @@ def main() -> int:
                 print(f"  model {predicted}\n  sim   {got}", file=sys.stderr)
         line += f" {sim_col:>8}"
         if on_mps:
-            ma, mb, mbias = tensors(batch, m, n, k, dtype, "mps", True)
-            steel = time_ms(lambda: torch.ops.steel.gemm(ma, mb, bias=mbias, activation="gelu"),
-                            args.iters)
-            mm = time_ms(lambda: torch.matmul(ma, mb), args.iters)
-            fused = time_ms(lambda: torch.nn.functional.gelu(torch.matmul(ma, mb) + mbias)
-                            if batch > 1 else
-                            torch.nn.functional.gelu(torch.addmm(mbias, ma, mb)), args.iters)
+            steel, mm, fused = time_mps(batch, m, n, k, dtype, args.iters)
             line += f" {steel:9.3f} {mm:9.3f} {fused:9.3f} {flop / steel / 1e6:8.1f}"
         print(line)
     if failures:

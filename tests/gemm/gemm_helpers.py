@@ -86,5 +86,6 @@ def assert_close(out, ref, mag, k, dtype):
     bad = err > bound
     assert not bool(bad.any()), (
         f"{int(bad.sum())} of {bad.numel()} elements off; worst error "
-        f"{float(err.max()):.3g} vs bound {float(bound.flatten()[err.flatten().argmax()]):.3g}")
+        f"{float(err.max()):.3g} vs bound {float(bound.flatten()[err.flatten().argmax()]):.3g}"
+    )
     assert not math.isnan(float(out.double().sum()))

@@ -43,8 +43,17 @@ def check(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
 
 
 # M, N, K: 1, primes, and sizes just off the 32 and 64 tile edges (and the 16 K step).
-SHAPES = [(1, 1, 1), (1, 7, 5), (7, 1, 13), (3, 5, 2), (17, 31, 29), (33, 65, 16),
-          (64, 64, 64), (65, 63, 17), (97, 130, 47)]
+SHAPES = [
+    (1, 1, 1),
+    (1, 7, 5),
+    (7, 1, 13),
+    (3, 5, 2),
+    (17, 31, 29),
+    (33, 65, 16),
+    (64, 64, 64),
+    (65, 63, 17),
+    (97, 130, 47),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -148,8 +157,8 @@ def test_gemm_storage_offsets(dtype):
     big_b = rand(70, 90, dtype=dtype, gen=gen)
     big_c = rand(100, 100, dtype=dtype, gen=gen)
     for ao, bo in [(1, 3), (8, 8)]:
-        a = big_a[ao:ao + 64, ao:ao + 64]
-        b = big_b[bo:bo + 64, 8:72]
+        a = big_a[ao : ao + 64, ao : ao + 64]
+        b = big_b[bo : bo + 64, 8:72]
         c = big_c[5:69, 7:71]
         assert a.storage_offset() > 0 and b.storage_offset() > 0
         check(a, b, c=c, beta=1.0)
@@ -200,5 +209,6 @@ def test_gemm_large(m, n, k, ta, tb, dtype):
 @pytest.mark.slow
 def test_gemm_512_cubed_f16():
     gen = torch.Generator().manual_seed(512)
-    a, b = rand(512, 512, dtype=torch.float16, gen=gen), rand(512, 512, dtype=torch.float16, gen=gen)
+    a = rand(512, 512, dtype=torch.float16, gen=gen)
+    b = rand(512, 512, dtype=torch.float16, gen=gen)
     check(a, b)

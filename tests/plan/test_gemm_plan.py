@@ -22,8 +22,23 @@ HAS_BATCH, USE_C, HAS_BIAS, ACTIVATION = 100, 110, 111, 112
 ALIGN_M, ALIGN_N, ALIGN_K, VEC_A, VEC_B = 200, 201, 202, 210, 211
 BUF_A, BUF_B, BUF_C, BUF_BIAS, BUF_OUT, BUF_PARAMS = 0, 1, 2, 3, 4, 5
 PARAMS_SIZE = 140
-PARAM_FIELDS = ["M", "N", "K", "lda", "ldb", "ldd", "tiles_m", "tiles_n", "swizzle_log",
-                "k_split", "partial_stride", "partitions", "c_rs", "c_cs", "bias_stride"]
+PARAM_FIELDS = [
+    "M",
+    "N",
+    "K",
+    "lda",
+    "ldb",
+    "ldd",
+    "tiles_m",
+    "tiles_n",
+    "swizzle_log",
+    "k_split",
+    "partial_stride",
+    "partitions",
+    "c_rs",
+    "c_cs",
+    "bias_stride",
+]
 
 
 def params(dispatch):
@@ -70,8 +85,9 @@ def test_small_square_uses_small_tile_aligned():
     assert d.grid == (2 << s, -(-4 // (1 << s)), 1)
 
 
-@pytest.mark.parametrize("dtype,tag", [(torch.float16, "f16"), (torch.bfloat16, "bf16"),
-                                       (torch.float32, "f32")])
+@pytest.mark.parametrize(
+    "dtype,tag", [(torch.float16, "f16"), (torch.bfloat16, "bf16"), (torch.float32, "f32")]
+)
 def test_large_problem_uses_large_tile(dtype, tag):
     (d,) = plan(t(1024, 1024, dtype=dtype), t(1024, 1024, dtype=dtype)).dispatches
     assert d.kernel == f"steel_gemm_nn_{tag}_bm64_bn64_bk16_wm2_wn2"
@@ -91,8 +107,10 @@ def test_alignment_flags_ragged():
     assert (d.constants[ALIGN_M], d.constants[ALIGN_N], d.constants[ALIGN_K]) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("ta,tb,name", [(False, False, "nn"), (False, True, "nt"),
-                                        (True, False, "tn"), (True, True, "tt")])
+@pytest.mark.parametrize(
+    "ta,tb,name",
+    [(False, False, "nn"), (False, True, "nt"), (True, False, "tn"), (True, True, "tt")],
+)
 def test_transposes_from_strides(ta, tb, name):
     a = t(40, 24).t() if ta else t(24, 40)  # [24, 40] either way
     b = t(56, 40).t() if tb else t(40, 56)
@@ -158,7 +176,9 @@ def test_beta_zero_drops_c():
 def test_split_k_small_output_long_k():
     p = plan(t(16, 4096), t(4096, 16), t(16), None, activation="relu")
     assert [d.kernel for d in p.dispatches] == [
-        "steel_gemm_splitk_nn_f16_bm32_bn32_bk16_wm2_wn2", "steel_gemm_splitk_reduce_f16"]
+        "steel_gemm_splitk_nn_f16_bm32_bn32_bk16_wm2_wn2",
+        "steel_gemm_splitk_reduce_f16",
+    ]
     first, reduce = p.dispatches
     prm = params(first)
     assert prm["partitions"] == first.grid[2] >= 2
@@ -173,8 +193,9 @@ def test_split_k_small_output_long_k():
     assert reduce.grid[0] * reduce.threads[0] >= 256
 
 
-@pytest.mark.parametrize("shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4096, 64)),
-                                   ((64, 300), (300, 64))])
+@pytest.mark.parametrize(
+    "shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4096, 64)), ((64, 300), (300, 64))]
+)
 def test_no_split_k(shape):
     p = plan(t(*shape[0]), t(*shape[1]))
     assert len(p.dispatches) == 1 and len(p.allocations) == 1
