@@ -12,6 +12,7 @@
 // way round), or at a simd operation of another kind or size, is an error naming the kernel.
 // Exited lanes leave every rendezvous, as on the GPU.
 #include <dlfcn.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cstdarg>
@@ -273,6 +274,64 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
                           x, y, z) + describe_waits());
   }
 }
+
+// While a launch runs, a fault in shader code (a wild pointer, a fiber stack overflow, an integer
+// division by zero) becomes a SimulatorError of the lane instead of killing the process: the
+// handler, on its own signal stack, unblocks the signal and abandons the lane like lane_fail.
+// Faults outside a lane go to the previous handler (e.g. Python's faulthandler).
+constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+struct sigaction g_old_actions[4];
+
+void on_fault(int sig, siginfo_t* info, void*) {
+  if (g.cur == nullptr) {
+    for (size_t i = 0; i < 4; ++i) {
+      if (kSignals[i] == sig) sigaction(sig, &g_old_actions[i], nullptr);
+    }
+    return;  // the faulting instruction runs again under the previous handler
+  }
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, sig);
+  sigprocmask(SIG_UNBLOCK, &set, nullptr);
+  const void* addr = info->si_addr;
+  if (sig == SIGFPE) {
+    lane_fail("arithmetic fault (SIGFPE: integer division by zero or overflow) in shader code");
+  }
+  if (sig == SIGILL) lane_fail("illegal instruction (SIGILL) in shader code");
+  if (g.stacks.in_guard(addr)) {
+    lane_fail(format("lane stack overflow (%zu KiB per lane; set TORCH_STEEL_SIM_STACK_KB to "
+                     "raise it, but MSL kernels rarely need this much: recursion?)",
+                     g.stacks.size() / 1024));
+  }
+  lane_fail(format("invalid memory access at %p (%s) in shader code: a pointer outside every "
+                   "bound buffer, threadgroup memory and the lane's own variables",
+                   addr, sig == SIGBUS ? "SIGBUS" : "SIGSEGV"));
+}
+
+class FaultHandlers {
+ public:
+  FaultHandlers() {
+    static std::vector<char> alt(256 * 1024);
+    stack_t ss{};
+    ss.ss_sp = alt.data();
+    ss.ss_size = alt.size();
+    sigaltstack(&ss, &old_stack_);
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < 4; ++i) sigaction(kSignals[i], &sa, &g_old_actions[i]);
+  }
+  ~FaultHandlers() {
+    for (size_t i = 0; i < 4; ++i) sigaction(kSignals[i], &g_old_actions[i], nullptr);
+    sigaltstack(&old_stack_, nullptr);
+  }
+  FaultHandlers(const FaultHandlers&) = delete;
+  FaultHandlers& operator=(const FaultHandlers&) = delete;
+
+ private:
+  stack_t old_stack_{};
+};
 
 size_t stack_bytes() {
   const char* env = std::getenv("TORCH_STEEL_SIM_STACK_KB");
@@ -539,6 +598,7 @@ Counters launch(const LaunchSpec& spec) {
 
   reset_threadgroup_memory(spec);
   bind_device(spec);
+  FaultHandlers handlers;
   bool ok = false;
   try {
     for (uint32_t z = 0; z < spec.grid[2]; ++z) {
