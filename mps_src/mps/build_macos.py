@@ -84,7 +84,9 @@ def _find_include(target: str, including: Path, shaders: Path) -> Path:
         candidate = base / target
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f'{including}: #include "{target}" found neither there nor in {shaders}')
+    raise FileNotFoundError(
+        f'{including}: #include "{target}" is found neither next to it nor in {shaders}'
+    )
 
 
 def source_name(source: Path, shaders: Path) -> str:

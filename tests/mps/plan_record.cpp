@@ -1,0 +1,136 @@
+// Records what the Metal host would encode for a plan, without Metal.
+//
+// Reads one op call from stdin, plans it with steel::make_plan, walks the plan with
+// steel::encode_plan through the host's CheckedEncoder (mps_src/mps/checked_encoder.h) over a
+// backend that prints each call, and prints the plan's allocations. test_encoder_plan.py compares
+// the record with the plan torch_steel.sim executes.
+//
+// Input, one item per line:
+//   op <name>
+//   tensor <dtype code> <ndim> <sizes...> <strides...> <offset>   (an op tensor argument)
+//   none                                                          (an absent optional)
+//   number <name> <value> | string <name> <value>
+// Output: "refused <reason>", or "invalid <what>" for a plan the host would reject, or the plan:
+//   inputs <n> / contiguous <slots...> / allocation <dtype> <zero> <output> <ndim> <sizes...>
+//   pipeline <kernel> <n> {<index> <type> <value>} / tensor <index> <slot> / bytes <index> <hex>
+//   tgmem <index> <bytes> / dispatch <grid x y z> <threads x y z>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mps/checked_encoder.h"
+#include "plan/encode.h"
+#include "plan/plan.h"
+
+namespace {
+
+struct PrintingBackend {
+  std::ostream& out;
+
+  void set_pipeline(const steel::Dispatch& d) {
+    out << "pipeline " << d.kernel << " " << d.constants.size();
+    for (const steel::FunctionConstant& c : d.constants) {
+      out << " " << c.index << " " << static_cast<int>(c.type) << " ";
+      if (c.type == steel::FunctionConstant::Type::Float) {
+        char text[32];
+        std::snprintf(text, sizeof text, "%.9g", c.float_value);  // round-trips a float
+        out << text;
+      } else {
+        out << c.int_value;
+      }
+    }
+    out << "\n";
+  }
+  void set_tensor(uint32_t index, int32_t slot) { out << "tensor " << index << " " << slot << "\n"; }
+  void set_bytes(uint32_t index, const void* data, size_t size) {
+    out << "bytes " << index << " ";
+    const auto* bytes = static_cast<const unsigned char*>(data);
+    char hex[3];
+    for (size_t i = 0; i < size; ++i) {
+      std::snprintf(hex, sizeof hex, "%02x", bytes[i]);
+      out << hex;
+    }
+    out << "\n";
+  }
+  void set_threadgroup_memory(uint32_t index, uint32_t bytes) {
+    out << "tgmem " << index << " " << bytes << "\n";
+  }
+  void dispatch_threadgroups(const uint32_t grid[3], const uint32_t threads[3]) {
+    out << "dispatch " << grid[0] << " " << grid[1] << " " << grid[2] << " " << threads[0] << " "
+        << threads[1] << " " << threads[2] << "\n";
+  }
+};
+
+}  // namespace
+
+int main() {
+  std::string op;
+  steel::TensorList tensors;
+  steel::Options options;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string kind;
+    in >> kind;
+    if (kind == "op") {
+      in >> op;
+    } else if (kind == "none") {
+      tensors.emplace_back(std::nullopt);
+    } else if (kind == "tensor") {
+      int dtype = 0;
+      size_t ndim = 0;
+      steel::TensorDesc desc;
+      in >> dtype >> ndim;
+      desc.dtype = static_cast<steel::DType>(dtype);
+      desc.sizes.resize(ndim);
+      desc.strides.resize(ndim);
+      for (int64_t& size : desc.sizes) in >> size;
+      for (int64_t& stride : desc.strides) in >> stride;
+      in >> desc.offset;
+      tensors.emplace_back(desc);
+    } else if (kind == "number") {
+      std::string name;
+      double value = 0;
+      in >> name >> value;
+      options.numbers[name] = value;
+    } else if (kind == "string") {
+      std::string name, value;
+      in >> name >> value;
+      options.strings[name] = value;
+    } else if (!kind.empty()) {
+      std::cerr << "plan_record: bad input line: " << line << "\n";
+      return 2;
+    }
+  }
+
+  const steel::Plan plan = steel::make_plan(op, tensors, options);
+  if (!plan.ok) {
+    std::cout << "refused " << plan.reason << "\n";
+    return 0;
+  }
+  std::ostringstream record;
+  record << "inputs " << plan.inputs << "\ncontiguous";
+  for (int32_t slot : plan.contiguous_inputs) record << " " << slot;
+  record << "\n";
+  std::vector<bool> present;
+  for (const auto& tensor : tensors) present.push_back(tensor.has_value());
+  for (const steel::Allocation& a : plan.allocations) {
+    record << "allocation " << steel::dtype_name(a.dtype) << " " << a.zero_init << " "
+           << a.is_output << " " << a.sizes.size();
+    for (int64_t size : a.sizes) record << " " << size;
+    record << "\n";
+    present.push_back(true);
+  }
+  PrintingBackend backend{record};
+  steel::mps::CheckedEncoder<PrintingBackend> encoder(backend, present);
+  try {
+    steel::encode_plan(encoder, plan);
+  } catch (const steel::mps::InvalidPlan& e) {
+    std::cout << "invalid " << e.what() << "\n";
+    return 0;
+  }
+  std::cout << record.str();
+  return 0;
+}
