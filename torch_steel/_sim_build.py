@@ -237,7 +237,8 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
     """Compiles translated (original, mirrored) .metal files into libsteel_shaders.so."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
-    flags = " ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
+    flags = (" ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
+             f" -include {_q(SIM_SRC / 'shader_prelude.h')}")
     rules = (f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out\n"
              f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} $in -o $out "
              f"-L{_q(rt)} -lsteel_sim_rt\n")

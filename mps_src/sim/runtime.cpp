@@ -10,7 +10,10 @@
 // Divergence. Lanes of one simdgroup must meet at the same kind of rendezvous: a lane arriving
 // at a simd operation while others of its simdgroup wait at a threadgroup barrier (or the other
 // way round), or at a simd operation of another kind or size, is an error naming the kernel.
-// Exited lanes leave every rendezvous, as on the GPU.
+// Exited lanes leave every rendezvous, as on the GPU. Each rendezvous is also identified by its
+// call site (the return address into shader code; shader_prelude.h keeps one source-level call
+// one call site), so lanes that reach two different barriers, e.g. `if (sg == 0) barrier();
+// barrier();`, are reported instead of being matched with each other.
 #include <dlfcn.h>
 #include <signal.h>
 
@@ -68,11 +71,11 @@ std::string format(const char* fmt, ...) {
 const char* simd_kind_name(SimdKind kind) {
   switch (kind) {
     case SimdKind::Shuffle:
-      return "a simd shuffle/broadcast";
+      return "simd shuffle/broadcast";
     case SimdKind::Reduce:
-      return "a simd reduction";
+      return "simd reduction";
     case SimdKind::Ballot:
-      return "a simd ballot/vote";
+      return "simd ballot/vote";
     case SimdKind::MatrixLoad:
       return "simdgroup_load";
     case SimdKind::MatrixStore:
@@ -80,7 +83,7 @@ const char* simd_kind_name(SimdKind kind) {
     case SimdKind::MatrixMma:
       return "simdgroup_multiply_accumulate";
   }
-  return "a simd operation";
+  return "simd operation";
 }
 
 std::string describe_simd(const SimdGroup& sg) {
@@ -423,12 +426,20 @@ float function_constant_float(uint32_t index) {
 }
 
 void threadgroup_barrier() {
+  const void* site = __builtin_return_address(0);
   Lane* me = g.cur;
   if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
   SimdGroup& sg = g.groups[me->sg];
   if (sg.arrived != 0) {
     lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
               " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
+  }
+  if (g.at_barrier == 0) {
+    g.barrier_site = site;
+  } else if (g.checkers && site != g.barrier_site) {
+    lane_fail(format("reached a different threadgroup_barrier call (at %p) than the %u threads "
+                     "already waiting (at %p): divergent control flow",
+                     site, g.at_barrier, g.barrier_site));
   }
   sg.at_barrier |= simd_lane_bit(me);
   ++g.at_barrier;
@@ -441,7 +452,7 @@ void threadgroup_barrier() {
 }
 
 namespace {
-void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine) {
+void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, const void* site) {
   Lane* me = g.cur;
   SimdGroup& sg = g.groups[me->sg];
   if (sg.at_barrier != 0) {
@@ -457,10 +468,17 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine) {
       lane_fail(what + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
                 " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
     }
+    if (g.checkers && site != sg.site) {
+      lane_fail(format("reached a different %s call (at %p) than lanes %s of its simdgroup (at "
+                       "%p): divergent control flow",
+                       wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind),
+                       site, lane_list(sg.arrived, me->sg * kSimdWidth).c_str(), sg.site));
+    }
   } else {
     sg.wait = wait;
     sg.kind = kind;
     sg.bytes = bytes;
+    sg.site = site;
   }
   if (mine != nullptr) {
     std::memcpy(sg.buf[sg.parity] + (me->index % kSimdWidth) * bytes, mine, bytes);
@@ -476,19 +494,21 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine) {
 }  // namespace
 
 void simdgroup_barrier() {
+  const void* site = __builtin_return_address(0);
   if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
   check_simd_allowed("simdgroup_barrier");
-  simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr);
+  simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site);
 }
 
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {
+  const void* site = __builtin_return_address(0);
   if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
   check_simd_allowed(simd_kind_name(kind));
   if (bytes > kMaxExchangeBytes) {
     lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)", bytes,
                      kMaxExchangeBytes));
   }
-  simd_arrive(SimdWait::Exchange, kind, bytes, mine);
+  simd_arrive(SimdWait::Exchange, kind, bytes, mine, site);
   if (active_mask != nullptr) *active_mask = g.cur->exchange_mask;
   return g.cur->exchange_result;
 }

@@ -47,6 +47,7 @@ struct SimdGroup {
   SimdWait wait = SimdWait::None;
   SimdKind kind = SimdKind::Shuffle;
   size_t bytes = 0;
+  const void* site = nullptr;  // call site (return address) of the current rendezvous
   uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
   uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for the race checker)
   uint8_t* buf[2] = {nullptr, nullptr};
@@ -113,6 +114,7 @@ struct Sim {
   size_t ready_count = 0;
   uint32_t live = 0;
   uint32_t at_barrier = 0;
+  const void* barrier_site = nullptr;  // call site of the threadgroup barrier being gathered
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;
   StackPool stacks;
