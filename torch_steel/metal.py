@@ -64,19 +64,20 @@ def refusal_reason(message: str) -> str | None:
     return message[at + len(REFUSED_PREFIX):].split("\n", 1)[0].strip()
 
 
-def library_sources(package_dir: Path = PACKAGE_DIR) -> tuple[Path | None, list[Path]]:
+def library_sources(package_dir: Path) -> tuple[Path | None, list[Path]]:
     """(the installed metallib or None, the installed shader sources)."""
     metallib = package_dir / METALLIB
     sources = sorted((package_dir / SOURCE_DIR).glob("*.metal"))
     return (metallib if metallib.is_file() else None), sources
 
 
-def _load_library(ext, package_dir: Path = PACKAGE_DIR) -> None:
+def _load_library(ext) -> None:
     """Gives the extension its kernels, once per process."""
     global _loaded
     with _load_lock:
         if _loaded:
             return
+        package_dir = PACKAGE_DIR
         metallib, sources = library_sources(package_dir)
         if metallib is not None:
             ext.load_metallib(str(metallib))

@@ -124,8 +124,25 @@ def compile_metallib(shaders: Path, out: Path) -> str | None:
         except FileNotFoundError as error:
             return f"xcrun not found ({error})"
         except subprocess.CalledProcessError as error:
+            out.unlink(missing_ok=True)
             return f"`{' '.join(error.cmd[:4])} ...` failed:\n{error.stderr.strip()}"
     return None
+
+
+def install_shaders(shaders: Path, package_dir: Path) -> str | None:
+    """Writes metal_src/ and, when the toolchain allows, steel.metallib into package_dir.
+
+    Returns None when the metallib was built, else why not (the install goes on without it).
+    TORCH_STEEL_NO_METALLIB=1 skips the metallib, to try the runtime-compiler path on a Mac
+    that has Xcode.
+    """
+    package_dir.mkdir(parents=True, exist_ok=True)
+    write_sources(shaders, package_dir)
+    metallib = package_dir / METALLIB
+    metallib.unlink(missing_ok=True)
+    if os.environ.get("TORCH_STEEL_NO_METALLIB"):
+        return "TORCH_STEEL_NO_METALLIB is set"
+    return compile_metallib(shaders, metallib)
 
 
 def _run(command: list[str]) -> None:
@@ -144,16 +161,9 @@ def setup_options(root: Path) -> dict:
         def run(self):
             super().run()
             package_dir = Path(self.get_ext_fullpath("torch_steel._C_metal")).parent
-            package_dir.mkdir(parents=True, exist_ok=True)
-            write_sources(shaders, package_dir)
-            metallib = package_dir / METALLIB
-            metallib.unlink(missing_ok=True)
-            if os.environ.get("TORCH_STEEL_NO_METALLIB"):
-                why = "TORCH_STEEL_NO_METALLIB is set"
-            else:
-                why = compile_metallib(shaders, metallib)
+            why = install_shaders(shaders, package_dir)
             if why is None:
-                print(f"torch-steel: built {metallib}")
+                print(f"torch-steel: built {package_dir / METALLIB}")
             else:
                 print(
                     f"torch-steel: WARNING: no metallib built ({why}).\n"

@@ -1,0 +1,110 @@
+"""torch_steel.metal: library loading, refusal translation, and behaviour without the extension.
+
+The extension itself only builds on macOS; here a stand-in with the same functions checks what
+the Python wrapper does with it.
+"""
+
+import pytest
+import torch
+
+from torch_steel import metal
+from torch_steel.errors import PlanRefused
+
+
+class FakeExtension:
+    """Records the calls torch_steel.metal makes to torch_steel._C_metal."""
+
+    def __init__(self, error=None):
+        self.calls = []
+        self.error = error
+
+    def load_metallib(self, path):
+        self.calls.append(("load_metallib", path))
+
+    def compile_sources(self, sources):
+        self.calls.append(("compile_sources", sources))
+
+    def run_op(self, op, tensors, options):
+        self.calls.append(("run_op", op, len(tensors), options))
+        if self.error is not None:
+            raise self.error
+        return (torch.zeros(2),)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    ext = FakeExtension()
+    monkeypatch.setattr(metal, "_extension", lambda: ext)
+    monkeypatch.setattr(metal, "_loaded", False)
+    monkeypatch.setattr(metal, "PACKAGE_DIR", tmp_path)
+    return ext
+
+
+def _sources(tmp_path, names):
+    (tmp_path / metal.SOURCE_DIR).mkdir()
+    for name in names:
+        (tmp_path / metal.SOURCE_DIR / name).write_text(f"// {name}\n")
+
+
+def test_without_the_extension():
+    if metal._extension() is not None:
+        pytest.skip("the Metal extension is built here")
+    assert metal.available() is False
+    with pytest.raises(RuntimeError, match="Metal extension is not built"):
+        metal.run_op("gemm", [torch.zeros(2, 2), torch.zeros(2, 2), None, None], {})
+
+
+def test_loads_the_metallib_once(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    _sources(tmp_path, ["a.metal"])  # the metallib wins over the sources
+    for _ in range(2):
+        assert len(metal.run_op("gemm", [None], {"alpha": 1.0})) == 1
+    assert fake.calls[0] == ("load_metallib", str(tmp_path / metal.METALLIB))
+    assert [c[0] for c in fake.calls] == ["load_metallib", "run_op", "run_op"]
+
+
+def test_compiles_the_sources_once_with_a_message(fake, tmp_path):
+    _sources(tmp_path, ["b.metal", "a.metal"])
+    with pytest.warns(UserWarning, match="Metal runtime compiler"):
+        metal.run_op("gemm", [None], {})
+    metal.run_op("gemm", [None], {})
+    assert fake.calls[0] == ("compile_sources", ["// a.metal\n", "// b.metal\n"])
+    assert [c[0] for c in fake.calls] == ["compile_sources", "run_op", "run_op"]
+
+
+def test_no_library_installed(fake):
+    with pytest.raises(RuntimeError, match="reinstall torch-steel"):
+        metal.run_op("gemm", [None], {})
+    assert fake.calls == []
+
+
+def test_refusal_becomes_plan_refused(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    fake.error = RuntimeError(
+        "steel plan refused: gemm: K = 3000000000 does not fit in 32 bits\n"
+        "Exception raised from run_op at module.mm:123 (most recent call first):\n#0 ..."
+    )
+    with pytest.raises(PlanRefused) as refused:
+        metal.run_op("gemm", [None], {})
+    assert str(refused.value) == "gemm: K = 3000000000 does not fit in 32 bits"
+
+
+def test_other_errors_propagate(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    fake.error = RuntimeError("torch-steel: gemm tensor 0 is on cpu; the Metal path takes MPS")
+    with pytest.raises(RuntimeError, match="is on cpu") as error:
+        metal.run_op("gemm", [None], {})
+    assert not isinstance(error.value, PlanRefused)
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ("steel plan refused: no Metal kernel for op 'x' yet", "no Metal kernel for op 'x' yet"),
+        ("steel plan refused: kernel k runs at most 512 threads\nException raised from",
+         "kernel k runs at most 512 threads"),
+        ("torch-steel: invalid launch plan for gemm: kernel k: buffer(3) is bound twice", None),
+    ],
+)
+def test_refusal_reason(message, reason):
+    assert metal.refusal_reason(message) == reason
