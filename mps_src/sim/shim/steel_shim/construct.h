@@ -1,0 +1,181 @@
+// What the source pre-pass (torch_steel/_sim_translate.py) rewrites MSL into: vector
+// constructors, struct copies across address spaces, function constants, threadgroup arrays
+// declared in kernel bodies.
+#pragma once
+
+#include "types.h"
+
+namespace steel_shim {
+
+template <typename T>
+using vinfo = metal::steel_traits::vector_info<
+    metal::remove_cv_t<metal::remove_address_space_t<metal::remove_cv_t<T>>>>;
+
+template <typename E, typename V, typename A>
+inline void put_components(V& out, int& i, A a) {
+  if constexpr (vinfo<A>::is_vector) {
+    for (int k = 0; k < vinfo<A>::size; ++k) out[i++] = E(a[k]);
+  } else {
+    out[i++] = E(a);
+  }
+}
+
+template <typename V, typename A>
+inline V convert_vector(A a) {
+  return __builtin_convertvector(a, V);
+}
+
+// MSL vector construction `floatN(...)`: no argument (zero), one scalar (splat), one vector of
+// the same length (elementwise conversion, rounding to nearest even), or scalars and vectors
+// whose components add up to N (each converted to the element type).
+template <typename V, typename... A>
+inline V vmake(A... a) {
+  using E = typename vinfo<V>::element;
+  constexpr int N = vinfo<V>::size;
+  static_assert(vinfo<V>::is_vector, "vmake builds vector types only");
+  if constexpr (sizeof...(A) == 0) {
+    return V(E(0));
+  } else if constexpr (sizeof...(A) == 1 && (!vinfo<A>::is_vector && ...)) {
+    return V(E(a...));
+  } else if constexpr (sizeof...(A) == 1) {
+    static_assert(((vinfo<A>::size == N) && ...), "vector conversion needs equal lengths");
+    return convert_vector<V>(a...);
+  } else {
+    static_assert((vinfo<A>::size + ...) == N, "vector constructor: wrong number of components");
+    V out;
+    int i = 0;
+    (put_components<E>(out, i, a), ...);
+    return out;
+  }
+}
+
+// A C-style cast `(floatN)x` of MSL is a value conversion, unlike clang's vector bitcast: the
+// pre-pass turns it into `::steel_shim::cast<floatN>() ->* x`, whose ->* binds like a cast.
+template <typename V>
+struct cast {};
+template <typename V, typename A>
+inline V operator->*(cast<V>, A a) {
+  if constexpr (vinfo<V>::is_vector) {
+    return vmake<V>(a);
+  } else {
+    return V(a);
+  }
+}
+
+// Struct assignment across address spaces (`*(threadgroup S*)p = *(const device S*)q;`), which
+// MSL allows and C++ cannot express: the pre-pass adds this to every struct and class of shader
+// code. It takes part only when one side is not in the generic (thread) address space, so
+// ordinary copies keep their implicit operators.
+template <typename Self, typename Src, typename X>
+constexpr bool as_copy_ok =
+    __is_same(metal::remove_address_space_t<metal::remove_cv_t<__remove_reference_t(Self)>>, X) &&
+    __is_same(metal::remove_address_space_t<metal::remove_cv_t<__remove_reference_t(Src)>>, X) &&
+    (metal::remove_address_space<__remove_reference_t(Self)>::value != 0 ||
+     metal::remove_address_space<__remove_reference_t(Src)>::value != 0);
+
+}  // namespace steel_shim
+
+#if __cplusplus > 202002L
+#define STEEL_SIM_AS_COPY(X)                                                              \
+  template <class SteelSelf, class SteelSrc,                                              \
+            STEEL_SHIM_IF(::steel_shim::as_copy_ok<SteelSelf, SteelSrc, X>)>              \
+  SteelSelf&& operator=(this SteelSelf&& self, SteelSrc&& src) {                          \
+    __builtin_memcpy((void*)&self, (const void*)&src, sizeof(X));                         \
+    return static_cast<SteelSelf&&>(self);                                                \
+  }
+#else
+// Before C++23 (no explicit object parameters) such copies do not compile; build shaders with
+// -std=c++23.
+#define STEEL_SIM_AS_COPY(X)
+#endif
+
+namespace steel_shim {
+
+template <typename T>
+constexpr bool is_float_v = metal::is_floating_point_v<T>;
+
+// `constant T name [[function_constant(I)]];` becomes a function_constant<T, I> object that
+// reads the dispatch's value at each use (Metal specializes it at pipeline creation).
+template <typename T, uint32_t I>
+struct function_constant {
+  using value_type = T;
+  T get() const {
+    if constexpr (is_float_v<T>) {
+      return T(steel_sim::function_constant_float(I));
+    } else {
+      return T(steel_sim::function_constant_int(I));
+    }
+  }
+  operator T() const { return get(); }
+};
+
+// A namespace-scope `constant T name = <expression of function constants>;`.
+template <typename T, T (*F)()>
+struct derived_constant {
+  using value_type = T;
+  T get() const { return F(); }
+  operator T() const { return get(); }
+};
+
+template <typename C>
+struct is_constant : metal::false_type {};
+template <typename T, uint32_t I>
+struct is_constant<function_constant<T, I>> : metal::true_type {};
+template <typename T, T (*F)()>
+struct is_constant<derived_constant<T, F>> : metal::true_type {};
+
+}  // namespace steel_shim
+
+// Arithmetic of a constant with a vector (the conversion operator alone cannot reach clang's
+// vector operators).
+#define STEEL_SHIM_CONSTANT_OP(op)                                                          \
+  template <typename C, typename V,                                                         \
+            STEEL_SHIM_IF(::steel_shim::is_constant<C>::value&& ::steel_shim::vinfo<V>::is_vector)> \
+  inline auto operator op(const C& c, const V& v) {                                         \
+    return c.get() op v;                                                                    \
+  }                                                                                         \
+  template <typename C, typename V,                                                         \
+            STEEL_SHIM_IF(::steel_shim::is_constant<C>::value&& ::steel_shim::vinfo<V>::is_vector)> \
+  inline auto operator op(const V& v, const C& c) {                                         \
+    return v op c.get();                                                                    \
+  }
+STEEL_SHIM_CONSTANT_OP(+)
+STEEL_SHIM_CONSTANT_OP(-)
+STEEL_SHIM_CONSTANT_OP(*)
+STEEL_SHIM_CONSTANT_OP(/)
+#undef STEEL_SHIM_CONSTANT_OP
+
+namespace metal {
+
+template <typename T, uint32_t I>
+inline bool is_function_constant_defined(const steel_shim::function_constant<T, I>&) {
+  return steel_sim::function_constant_defined(I);
+}
+
+template <typename T, typename U>
+inline T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
+  return __builtin_bit_cast(T, u);
+}
+
+}  // namespace metal
+
+namespace steel_shim {
+
+inline uint32_t hash_name(const char* s) {
+  uint32_t h = 2166136261u;
+  for (; *s; ++s) h = (h ^ uint32_t(uint8_t(*s))) * 16777619u;
+  return h;
+}
+
+// `threadgroup T name[N];` in a function body: storage shared by the lanes of the threadgroup.
+// The declaration's id (from its file and line) is mixed with the enclosing function's name so
+// that two instantiations of a template get separate storage.
+template <typename T, size_t kAlign = alignof(T)>
+inline threadgroup T& tg_array(uint32_t decl_id, const char* function) {
+  constexpr size_t align = kAlign > alignof(T) ? kAlign : alignof(T);
+  void* p = steel_sim::threadgroup_array(decl_id ^ hash_name(function), sizeof(T), align);
+  return *(threadgroup T*)p;
+}
+
+}  // namespace steel_shim

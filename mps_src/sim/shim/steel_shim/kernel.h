@@ -1,0 +1,118 @@
+// Kernel entry points: how a translated kernel gets its arguments from the runtime and how its
+// instantiations are registered under their host names.
+//
+// For every kernel function the pre-pass emits, after its body, a struct
+// `__steel_kernel_<name>` whose `params` lists what each parameter's attribute asks for
+// (plist<buffer<0>, attr<kThreadPositionInGrid>, ...>); every
+// `template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;` (and every plain kernel)
+// becomes a registration of `entry<params, &f<...>>` under "x".
+#pragma once
+
+#include "types.h"
+
+namespace steel_shim {
+
+enum Attr : int {
+  kThreadPositionInGrid,
+  kThreadgroupPositionInGrid,
+  kThreadPositionInThreadgroup,
+  kThreadsPerThreadgroup,
+  kThreadgroupsPerGrid,
+  kThreadsPerGrid,
+  kThreadIndexInThreadgroup,
+  kSimdgroupIndexInThreadgroup,
+  kThreadIndexInSimdgroup,
+  kSimdgroupsPerThreadgroup,
+  kThreadsPerSimdgroup,
+};
+
+template <int kAttr>
+inline const uint32_t* attr_value(const steel_sim::LaneInfo& l) {
+  if constexpr (kAttr == kThreadPositionInGrid) return l.thread_position_in_grid;
+  if constexpr (kAttr == kThreadgroupPositionInGrid) return l.threadgroup_position_in_grid;
+  if constexpr (kAttr == kThreadPositionInThreadgroup) return l.thread_position_in_threadgroup;
+  if constexpr (kAttr == kThreadsPerThreadgroup) return l.threads_per_threadgroup;
+  if constexpr (kAttr == kThreadgroupsPerGrid) return l.threadgroups_per_grid;
+  if constexpr (kAttr == kThreadsPerGrid) return l.threads_per_grid;
+  if constexpr (kAttr == kThreadIndexInThreadgroup) return &l.thread_index_in_threadgroup;
+  if constexpr (kAttr == kSimdgroupIndexInThreadgroup) return &l.simdgroup_index_in_threadgroup;
+  if constexpr (kAttr == kThreadIndexInSimdgroup) return &l.thread_index_in_simdgroup;
+  if constexpr (kAttr == kSimdgroupsPerThreadgroup) return &l.simdgroups_per_threadgroup;
+  if constexpr (kAttr == kThreadsPerSimdgroup) return &l.threads_per_simdgroup;
+}
+
+template <int kAttr>
+constexpr int attr_dims = kAttr <= kThreadsPerGrid ? 3 : 1;
+
+// [[buffer(I)]]: a pointer or a reference into the bound buffer.
+template <uint32_t I>
+struct buffer {
+  template <typename Arg>
+  static Arg get() {
+    void* p = steel_sim::buffer(I);
+    if constexpr (__is_reference(Arg)) {
+      return *(__remove_reference_t(Arg)*)p;
+    } else {
+      static_assert(__is_pointer(Arg), "a [[buffer(n)]] parameter is a pointer or a reference");
+      return (Arg)p;
+    }
+  }
+};
+
+// [[threadgroup(I)]]: a pointer into the dispatch's threadgroup memory entry I.
+template <uint32_t I>
+struct threadgroup_buffer {
+  template <typename Arg>
+  static Arg get() {
+    static_assert(__is_pointer(Arg), "a [[threadgroup(n)]] parameter is a threadgroup pointer");
+    return (Arg)steel_sim::threadgroup_buffer(I);
+  }
+};
+
+// A thread-position attribute as a scalar (the x component) or a 2- or 3-vector.
+template <int kAttr>
+struct attr {
+  template <typename Arg>
+  static Arg get() {
+    const uint32_t* v = attr_value<kAttr>(steel_sim::lane());
+    using Info = metal::steel_traits::vector_info<Arg>;
+    if constexpr (Info::is_vector) {
+      static_assert(Info::size <= attr_dims<kAttr>, "this attribute has fewer components");
+      Arg out;
+      for (int k = 0; k < Info::size; ++k) out[k] = typename Info::element(v[k]);
+      return out;
+    } else {
+      return Arg(v[0]);
+    }
+  }
+};
+
+template <typename... P>
+struct plist {};
+
+template <typename... P, typename... Args>
+inline void invoke(plist<P...>, void (*kernel)(Args...)) {
+  static_assert(sizeof...(P) == sizeof...(Args), "kernel parameter list changed");
+  kernel(P::template get<Args>()...);
+}
+
+template <typename Params, auto kKernel>
+void entry() {
+  invoke(Params{}, kKernel);
+}
+
+template <typename Params, auto kKernel>
+inline bool register_instance(const char* host_name) {
+  steel_sim::register_kernel(host_name, &entry<Params, kKernel>);
+  return true;
+}
+
+}  // namespace steel_shim
+
+#define STEEL_SIM_CAT2(a, b) a##b
+#define STEEL_SIM_CAT(a, b) STEEL_SIM_CAT2(a, b)
+// One registration per use; __COUNTER__ keeps the names apart when a macro instantiates many
+// kernels from one source line.
+#define STEEL_SIM_REGISTER(host_name, params, ...)                                      \
+  [[maybe_unused]] static const bool STEEL_SIM_CAT(steel_sim_registered_, __COUNTER__) = \
+      ::steel_shim::register_instance<params, &__VA_ARGS__>(host_name);

@@ -1,0 +1,296 @@
+// metal:: math (metal_math, metal_common, metal_integer, metal_relational, metal_geometric).
+//
+// Scalars and vectors of half, bfloat and float. Every function is evaluated in binary32 and
+// rounded once to the argument's type (what Apple GPUs do for half, up to their documented ulp
+// bounds). precise:: and fast:: name the same functions: the simulator has one accuracy.
+#pragma once
+
+#include "construct.h"
+
+namespace steel_shim {
+
+template <typename T>
+constexpr bool is_fp_scalar = __is_same(T, float) || __is_same(T, half) || __is_same(T, bfloat);
+template <typename T>
+constexpr bool is_fp = is_fp_scalar<typename vinfo<T>::element>;
+template <typename T>
+constexpr bool is_int = __is_integral(typename vinfo<T>::element);
+template <typename T>
+constexpr bool is_num = is_fp<T> || is_int<T>;
+template <typename T>
+using elem_t = typename vinfo<T>::element;
+
+template <typename T, typename F>
+inline T map1(T x, F f) {
+  using E = elem_t<T>;
+  if constexpr (vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < vinfo<T>::size; ++k) r[k] = E(f(float(E(x[k]))));
+    return r;
+  } else {
+    return T(f(float(x)));
+  }
+}
+
+template <typename T, typename F>
+inline T map2(T x, T y, F f) {
+  using E = elem_t<T>;
+  if constexpr (vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < vinfo<T>::size; ++k) r[k] = E(f(float(E(x[k])), float(E(y[k]))));
+    return r;
+  } else {
+    return T(f(float(x), float(y)));
+  }
+}
+
+template <typename T, typename F>
+inline T map3(T x, T y, T z, F f) {
+  using E = elem_t<T>;
+  if constexpr (vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < vinfo<T>::size; ++k) {
+      r[k] = E(f(float(E(x[k])), float(E(y[k])), float(E(z[k]))));
+    }
+    return r;
+  } else {
+    return T(f(float(x), float(y), float(z)));
+  }
+}
+
+// A bool result per component: bool for a scalar, boolN for a vector.
+template <typename T>
+using bool_of = metal::conditional_t<vinfo<T>::is_vector, metal::vec<bool, vinfo<T>::size>, bool>;
+
+template <typename T, typename F>
+inline bool_of<T> test1(T x, F f) {
+  if constexpr (vinfo<T>::is_vector) {
+    bool_of<T> r;
+    for (int k = 0; k < vinfo<T>::size; ++k) r[k] = f(float(elem_t<T>(x[k])));
+    return r;
+  } else {
+    return f(float(x));
+  }
+}
+
+}  // namespace steel_shim
+
+namespace metal {
+
+#define STEEL_SHIM_UNARY(name, expr)                                          \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)> \
+  inline T name(T x) {                                                        \
+    return steel_shim::map1(x, [](float v) -> float { return expr; });        \
+  }
+STEEL_SHIM_UNARY(exp, __builtin_expf(v))
+STEEL_SHIM_UNARY(exp2, __builtin_exp2f(v))
+STEEL_SHIM_UNARY(exp10, __builtin_powf(10.0f, v))
+STEEL_SHIM_UNARY(log, __builtin_logf(v))
+STEEL_SHIM_UNARY(log2, __builtin_log2f(v))
+STEEL_SHIM_UNARY(log10, __builtin_log10f(v))
+STEEL_SHIM_UNARY(sqrt, __builtin_sqrtf(v))
+STEEL_SHIM_UNARY(rsqrt, 1.0f / __builtin_sqrtf(v))
+STEEL_SHIM_UNARY(sin, __builtin_sinf(v))
+STEEL_SHIM_UNARY(cos, __builtin_cosf(v))
+STEEL_SHIM_UNARY(tan, __builtin_tanf(v))
+STEEL_SHIM_UNARY(asin, __builtin_asinf(v))
+STEEL_SHIM_UNARY(acos, __builtin_acosf(v))
+STEEL_SHIM_UNARY(atan, __builtin_atanf(v))
+STEEL_SHIM_UNARY(sinh, __builtin_sinhf(v))
+STEEL_SHIM_UNARY(cosh, __builtin_coshf(v))
+STEEL_SHIM_UNARY(tanh, __builtin_tanhf(v))
+STEEL_SHIM_UNARY(erf, __builtin_erff(v))
+STEEL_SHIM_UNARY(floor, __builtin_floorf(v))
+STEEL_SHIM_UNARY(ceil, __builtin_ceilf(v))
+STEEL_SHIM_UNARY(round, __builtin_roundf(v))
+STEEL_SHIM_UNARY(rint, __builtin_rintf(v))
+STEEL_SHIM_UNARY(trunc, __builtin_truncf(v))
+STEEL_SHIM_UNARY(fabs, __builtin_fabsf(v))
+STEEL_SHIM_UNARY(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))
+STEEL_SHIM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))
+STEEL_SHIM_UNARY(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == v ? v : 0.0f)))
+#undef STEEL_SHIM_UNARY
+
+#define STEEL_SHIM_BINARY(name, expr)                                                      \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)> \
+  inline T name(T x, T y) {                                                                \
+    return steel_shim::map2(x, y, [](float a, float b) -> float { return expr; });         \
+  }                                                                                        \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
+  inline T name(T x, steel_shim::elem_t<T> y) {                                            \
+    return name(x, T(y));                                                                  \
+  }
+STEEL_SHIM_BINARY(pow, __builtin_powf(a, b))
+STEEL_SHIM_BINARY(powr, __builtin_powf(a, b))
+STEEL_SHIM_BINARY(fmod, __builtin_fmodf(a, b))
+STEEL_SHIM_BINARY(atan2, __builtin_atan2f(a, b))
+STEEL_SHIM_BINARY(copysign, __builtin_copysignf(a, b))
+STEEL_SHIM_BINARY(fmin, __builtin_fminf(a, b))
+STEEL_SHIM_BINARY(fmax, __builtin_fmaxf(a, b))
+STEEL_SHIM_BINARY(divide, a / b)
+STEEL_SHIM_BINARY(step, b < a ? 0.0f : 1.0f)
+#undef STEEL_SHIM_BINARY
+
+// fma rounds once (the exact a * b + c), as on the GPU.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fma(T a, T b, T c) {
+  return steel_shim::map3(a, b, c, [](float x, float y, float z) {
+    return __builtin_fmaf(x, y, z);
+  });
+}
+
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T mix(T x, T y, T a) {
+  return x + (y - x) * a;
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline T mix(T x, T y, steel_shim::elem_t<T> a) {
+  return x + (y - x) * a;
+}
+
+// min / max: IEEE minNum / maxNum for floating point (a NaN operand yields the other one).
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T max(T x, T y) {
+  if constexpr (steel_shim::is_fp<T>) {
+    return fmax(x, y);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    return __builtin_elementwise_max(x, y);
+  } else {
+    return x < y ? y : x;
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T min(T x, T y) {
+  if constexpr (steel_shim::is_fp<T>) {
+    return fmin(x, y);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    return __builtin_elementwise_min(x, y);
+  } else {
+    return y < x ? y : x;
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
+inline T max(T x, steel_shim::elem_t<T> y) {
+  return max(x, T(y));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
+inline T min(T x, steel_shim::elem_t<T> y) {
+  return min(x, T(y));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T clamp(T x, T lo, T hi) {
+  return min(max(x, lo), hi);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
+inline T clamp(T x, steel_shim::elem_t<T> lo, steel_shim::elem_t<T> hi) {
+  return clamp(x, T(lo), T(hi));
+}
+
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T abs(T x) {
+  if constexpr (steel_shim::is_fp<T>) {
+    return fabs(x);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    return __builtin_elementwise_abs(x);
+  } else {
+    return x < T(0) ? T(-x) : x;
+  }
+}
+
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> isnan(T x) {
+  return steel_shim::test1(x, [](float v) { return v != v; });
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> isinf(T x) {
+  return steel_shim::test1(x, [](float v) { return __builtin_isinf(v) != 0; });
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> isfinite(T x) {
+  return steel_shim::test1(x, [](float v) { return __builtin_isfinite(v) != 0; });
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> signbit(T x) {
+  return steel_shim::test1(x, [](float v) { return __builtin_signbit(v) != 0; });
+}
+
+// select(a, b, c): c ? b : a per component. c is bool, boolN, or a comparison's integer mask.
+template <typename T, typename C>
+inline T select(T a, T b, C c) {
+  if constexpr (steel_shim::vinfo<T>::is_vector && steel_shim::vinfo<C>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = c[k] ? b[k] : a[k];
+    return r;
+  } else {
+    return c ? b : a;
+  }
+}
+
+template <typename C>
+inline bool all(C c) {
+  if constexpr (steel_shim::vinfo<C>::is_vector) {
+    for (int k = 0; k < steel_shim::vinfo<C>::size; ++k) {
+      if (!c[k]) return false;
+    }
+    return true;
+  } else {
+    return bool(c);
+  }
+}
+template <typename C>
+inline bool any(C c) {
+  if constexpr (steel_shim::vinfo<C>::is_vector) {
+    for (int k = 0; k < steel_shim::vinfo<C>::size; ++k) {
+      if (c[k]) return true;
+    }
+    return false;
+  } else {
+    return bool(c);
+  }
+}
+
+// dot: products summed in index order in T's precision.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline steel_shim::elem_t<T> dot(T x, T y) {
+  steel_shim::elem_t<T> s = x[0] * y[0];
+  for (int k = 1; k < steel_shim::vinfo<T>::size; ++k) s = s + x[k] * y[k];
+  return s;
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline steel_shim::elem_t<T> length(T x) {
+  return sqrt(dot(x, x));
+}
+
+template <typename T, STEEL_SHIM_IF(steel_shim::is_int<T> && !steel_shim::vinfo<T>::is_vector)>
+inline T popcount(T x) {
+  return T(__builtin_popcountll((unsigned long long)(__make_unsigned(T))x));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_int<T> && !steel_shim::vinfo<T>::is_vector)>
+inline T ctz(T x) {
+  using U = __make_unsigned(T);
+  return x == 0 ? T(sizeof(T) * 8) : T(__builtin_ctzll((unsigned long long)(U)x));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_int<T> && !steel_shim::vinfo<T>::is_vector)>
+inline T clz(T x) {
+  using U = __make_unsigned(T);
+  return x == 0 ? T(sizeof(T) * 8)
+                : T(__builtin_clzll((unsigned long long)(U)x) - (64 - int(sizeof(T)) * 8));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_int<T> && !steel_shim::vinfo<T>::is_vector)>
+inline T mulhi(T x, T y) {
+  return T(((__int128)x * (__int128)y) >> (sizeof(T) * 8));
+}
+
+namespace precise {
+using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil, metal::clamp,
+    metal::copysign, metal::cos, metal::cosh, metal::divide, metal::erf, metal::exp,
+    metal::exp10, metal::exp2, metal::fabs, metal::floor, metal::fma, metal::fmax, metal::fmin,
+    metal::fmod, metal::fract, metal::log, metal::log10, metal::log2, metal::max, metal::min,
+    metal::pow, metal::powr, metal::rint, metal::round, metal::rsqrt, metal::saturate,
+    metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
+}  // namespace precise
+namespace fast {
+using namespace precise;
+}  // namespace fast
+
+}  // namespace metal

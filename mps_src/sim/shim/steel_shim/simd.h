@@ -1,0 +1,189 @@
+// Barriers and the simd_* functions (metal_simdgroup), each one rendezvous of the simdgroup
+// through steel_sim::simd_exchange.
+//
+// Lanes that have exited take no part: reductions, prefix sums and votes cover the active lanes
+// in ascending lane order. Reading the value of an inactive lane (or of a lane id >= 32) is
+// undefined on the GPU; here it yields all-one bits (NaN for floating point) so that a kernel
+// that depends on it shows wrong results instead of plausible ones.
+#pragma once
+
+#include "math.h"
+
+namespace metal {
+
+enum class mem_flags : uint {
+  mem_none = 0,
+  mem_device = 1,
+  mem_threadgroup = 2,
+  mem_texture = 4,
+  mem_threadgroup_imageblock = 8,
+  mem_object_data = 16,
+};
+constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
+
+inline void threadgroup_barrier(mem_flags) { steel_sim::threadgroup_barrier(); }
+inline void simdgroup_barrier(mem_flags) { steel_sim::simdgroup_barrier(); }
+
+}  // namespace metal
+
+namespace steel_shim {
+
+inline uint32_t simd_lane() { return steel_sim::lane().thread_index_in_simdgroup; }
+
+// Every active lane's `mine`; `mask` says which lanes are active.
+struct Exchanged {
+  const unsigned char* all;
+  uint32_t mask;
+};
+
+template <typename T>
+inline Exchanged exchange(const T& mine, steel_sim::SimdKind kind) {
+  Exchanged e;
+  e.all = static_cast<const unsigned char*>(
+      steel_sim::simd_exchange(&mine, sizeof(T), kind, &e.mask));
+  return e;
+}
+
+template <typename T>
+inline T undefined_value() {
+  T v;
+  __builtin_memset(&v, 0xff, sizeof(T));
+  return v;
+}
+
+template <typename T>
+inline T lane_value(const Exchanged& e, uint32_t lane) {
+  if (lane >= 32 || !((e.mask >> lane) & 1u)) return undefined_value<T>();
+  T v;
+  __builtin_memcpy(&v, e.all + size_t(lane) * sizeof(T), sizeof(T));
+  return v;
+}
+
+// Folds the active lanes' values with `op` in ascending lane order, over lanes [0, end).
+template <typename T, typename Op>
+inline T fold(const Exchanged& e, uint32_t end, T init, Op op) {
+  T acc = init;
+  bool first = true;
+  for (uint32_t l = 0; l < end; ++l) {
+    if (!((e.mask >> l) & 1u)) continue;
+    const T v = lane_value<T>(e, l);
+    acc = first ? v : op(acc, v);
+    first = false;
+  }
+  return acc;
+}
+
+template <typename T>
+inline T plus(T a, T b) {
+  return a + b;
+}
+template <typename T>
+inline T times(T a, T b) {
+  return a * b;
+}
+
+}  // namespace steel_shim
+
+namespace metal {
+
+#define STEEL_SHIM_SHUFFLE(name, arg, src_expr)                                    \
+  template <typename T>                                                            \
+  inline T name(T data, ushort arg) {                                              \
+    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);       \
+    const uint32_t me = steel_shim::simd_lane();                                   \
+    (void)me;                                                                      \
+    return steel_shim::lane_value<T>(e, src_expr);                                 \
+  }
+STEEL_SHIM_SHUFFLE(simd_shuffle, lane, uint32_t(lane))
+STEEL_SHIM_SHUFFLE(simd_broadcast, lane, uint32_t(lane))
+STEEL_SHIM_SHUFFLE(simd_shuffle_xor, mask, me ^ uint32_t(mask))
+STEEL_SHIM_SHUFFLE(simd_shuffle_up, delta, me >= delta ? me - delta : me)
+STEEL_SHIM_SHUFFLE(simd_shuffle_down, delta, me + delta < 32 ? me + delta : me)
+STEEL_SHIM_SHUFFLE(simd_shuffle_rotate_up, delta, (me + 32 - delta % 32) % 32)
+STEEL_SHIM_SHUFFLE(simd_shuffle_rotate_down, delta, (me + delta) % 32)
+#undef STEEL_SHIM_SHUFFLE
+
+// The first (lowest) active lane's value.
+template <typename T>
+inline T simd_broadcast_first(T data) {
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
+  return steel_shim::lane_value<T>(e, uint32_t(__builtin_ctz(e.mask)));
+}
+
+#define STEEL_SHIM_REDUCE(name, op)                                           \
+  template <typename T>                                                       \
+  inline T name(T data) {                                                     \
+    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);   \
+    return steel_shim::fold(e, 32, data, op);                                 \
+  }
+STEEL_SHIM_REDUCE(simd_sum, steel_shim::plus<T>)
+STEEL_SHIM_REDUCE(simd_product, steel_shim::times<T>)
+STEEL_SHIM_REDUCE(simd_max, [](T a, T b) { return metal::max(a, b); })
+STEEL_SHIM_REDUCE(simd_min, [](T a, T b) { return metal::min(a, b); })
+STEEL_SHIM_REDUCE(simd_and, [](T a, T b) { return T(a & b); })
+STEEL_SHIM_REDUCE(simd_or, [](T a, T b) { return T(a | b); })
+STEEL_SHIM_REDUCE(simd_xor, [](T a, T b) { return T(a ^ b); })
+#undef STEEL_SHIM_REDUCE
+
+// Prefix sums over the active lanes below (exclusive) or up to (inclusive) this lane.
+template <typename T>
+inline T simd_prefix_inclusive_sum(T data) {
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
+  return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::plus<T>);
+}
+template <typename T>
+inline T simd_prefix_exclusive_sum(T data) {
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
+  const uint32_t me = steel_shim::simd_lane();
+  if (!(e.mask & ((1u << me) - 1u))) return T(0);
+  return steel_shim::fold(e, me, data, steel_shim::plus<T>);
+}
+template <typename T>
+inline T simd_prefix_inclusive_product(T data) {
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
+  return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::times<T>);
+}
+template <typename T>
+inline T simd_prefix_exclusive_product(T data) {
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
+  const uint32_t me = steel_shim::simd_lane();
+  if (!(e.mask & ((1u << me) - 1u))) return T(1);
+  return steel_shim::fold(e, me, data, steel_shim::times<T>);
+}
+
+// A ballot: bit l is set when active lane l voted true.
+class simd_vote {
+ public:
+  using vote_t = ulong;
+  explicit constexpr simd_vote(vote_t v = 0, vote_t active = 0xffffffffu) : v_(v), active_(active) {}
+  explicit constexpr operator vote_t() const { return v_; }
+  constexpr bool all() const { return (v_ & active_) == active_; }
+  constexpr bool any() const { return v_ != 0; }
+
+ private:
+  vote_t v_;
+  vote_t active_;
+};
+
+namespace steel_votes {
+inline simd_vote ballot(bool b) {
+  const unsigned char mine = b ? 1 : 0;
+  const auto e = steel_shim::exchange(mine, steel_sim::SimdKind::Ballot);
+  ulong v = 0;
+  for (uint32_t l = 0; l < 32; ++l) {
+    if (((e.mask >> l) & 1u) && e.all[l]) v |= ulong(1) << l;
+  }
+  return simd_vote(v, e.mask);
+}
+}  // namespace steel_votes
+
+inline simd_vote simd_ballot(bool b) { return steel_votes::ballot(b); }
+inline simd_vote simd_active_threads_mask() { return steel_votes::ballot(true); }
+inline bool simd_all(bool b) { return steel_votes::ballot(b).all(); }
+inline bool simd_any(bool b) { return steel_votes::ballot(b).any(); }
+inline bool simd_is_first() {
+  const ulong active = ulong(steel_votes::ballot(true));
+  return steel_shim::simd_lane() == uint32_t(__builtin_ctzll(active));
+}
+
+}  // namespace metal

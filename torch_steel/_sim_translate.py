@@ -1,0 +1,769 @@
+"""The source pre-pass of the Metal simulator: real MSL in, C++ for the shim out.
+
+The simulator compiles the shipped .metal/.h files as C++ (clang 19) against the shim in
+mps_src/sim/shim (`#include <metal_stdlib>` finds it). Most of MSL compiles as is; this pass
+rewrites the few constructs C++ cannot express, keeping every line where it was (the output
+starts with a `#line` directive, and no rewrite adds or removes a line), so that compiler
+errors and checker reports point into the original file:
+
+- kernels: `[[kernel]] void f(... [[buffer(0)]], uint3 tid [[thread_position_in_grid]])` loses
+  its attributes, and a struct `__steel_kernel_f` after its body records what each parameter
+  asks for; `template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;` (also inside a
+  #define) and every non-template kernel become a registration under the host name;
+- `threadgroup T a[N];` in a function body becomes a reference to storage that the runtime
+  shares between the lanes of a threadgroup;
+- `constant T x [[function_constant(i)]];` becomes an object that reads the dispatch's value;
+  a namespace-scope `constant T y = <expression>;` becomes one that evaluates it at each use;
+- MSL vector construction and conversion (`float4(h)`, `float4(1, 2, a.xy)`, `(float4)h`,
+  `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become calls to the shim;
+- floating-point literals without a suffix get `f` (MSL has no double), `h` becomes `f16`;
+- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces);
+- other MSL attributes are removed.
+
+Constructs outside MSL (C++ standard library includes, kernels declared inside macros,
+parameters without attributes) raise TranslateError naming file:line. The shim refuses the rest
+(double, exceptions, allocation) at compile time.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+__all__ = ["TranslateError", "translate"]
+
+
+class TranslateError(ValueError):
+    """MSL that the simulator does not support; the message starts with file:line."""
+
+
+VECTOR_TYPES = frozenset(
+    f"{base}{n}"
+    for base in (
+        "bool",
+        "char",
+        "uchar",
+        "short",
+        "ushort",
+        "int",
+        "uint",
+        "long",
+        "ulong",
+        "half",
+        "bfloat",
+        "float",
+    )
+    for n in (2, 3, 4)
+)
+
+# Kernel parameter attributes -> the shim's argument source.
+POSITION_ATTRIBUTES = {
+    "thread_position_in_grid": "kThreadPositionInGrid",
+    "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
+    "thread_position_in_threadgroup": "kThreadPositionInThreadgroup",
+    "threads_per_threadgroup": "kThreadsPerThreadgroup",
+    "dispatch_threads_per_threadgroup": "kThreadsPerThreadgroup",
+    "threadgroups_per_grid": "kThreadgroupsPerGrid",
+    "threads_per_grid": "kThreadsPerGrid",
+    "dispatch_threads_per_grid": "kThreadsPerGrid",
+    "thread_index_in_threadgroup": "kThreadIndexInThreadgroup",
+    "simdgroup_index_in_threadgroup": "kSimdgroupIndexInThreadgroup",
+    "thread_index_in_simdgroup": "kThreadIndexInSimdgroup",
+    "simdgroups_per_threadgroup": "kSimdgroupsPerThreadgroup",
+    "dispatch_simdgroups_per_threadgroup": "kSimdgroupsPerThreadgroup",
+    "threads_per_simdgroup": "kThreadsPerSimdgroup",
+    "thread_execution_width": "kThreadsPerSimdgroup",
+}
+
+# Attributes C++ knows; everything else in [[...]] is MSL's and is removed.
+CXX_ATTRIBUTES = frozenset(
+    {
+        "maybe_unused",
+        "nodiscard",
+        "likely",
+        "unlikely",
+        "fallthrough",
+        "noreturn",
+        "deprecated",
+        "clang",
+    }
+)
+
+# Headers a shader may include with <...>: the shim's.
+METAL_HEADERS = re.compile(r"metal_\w+")
+
+_TOKEN = re.compile(
+    r"""
+    (?P<ws>[ \t\r\f\v]+|\\\n|\n)
+  | (?P<comment>//[^\n]*|/\*.*?\*/)
+  | (?P<string>(?:u8|u|U|L)?"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
+  | (?P<number>\.?\d(?:[eEpP][+-]|[\w.])*)
+  | (?P<ident>[A-Za-z_]\w*)
+  | (?P<punct>::|->\*|->|.)
+    """,
+    re.VERBOSE | re.DOTALL,
+)
+
+_DIRECTIVE_START = re.compile(r"[ \t]*#")
+
+_FLOAT = re.compile(
+    r"^(?:(?P<dec>(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)"
+    r"|(?P<hex>0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*[pP][+-]?\d+))(?P<suffix>[a-zA-Z0-9]*)$"
+)
+
+
+@dataclass
+class Tok:
+    kind: str
+    text: str
+    line: int  # 1-based line of the token's first character in the original file
+    col: int
+
+
+def _tokenize(text: str, first_line: int = 1) -> list[Tok]:
+    """C++ tokens of `text`, whitespace and comments included; preprocessor lines are single
+    `directive` tokens (continuations included) when `directives` is on."""
+    toks: list[Tok] = []
+    line, line_start, pos = first_line, 0, 0
+    at_line_start = True
+    n = len(text)
+    while pos < n:
+        if at_line_start:
+            m = _DIRECTIVE_START.match(text, pos)
+            if m:
+                end = pos
+                while True:
+                    nl = text.find("\n", end)
+                    if nl < 0:
+                        end = n
+                        break
+                    # A directive ends at a newline that is not escaped and not in a comment.
+                    seg = text[end:nl]
+                    if seg.endswith("\\"):
+                        end = nl + 1
+                        continue
+                    opened = seg.rfind("/*")
+                    if opened >= 0 and seg.find("*/", opened) < 0:
+                        close = text.find("*/", nl)
+                        end = n if close < 0 else close + 2
+                        continue
+                    end = nl
+                    break
+                toks.append(Tok("directive", text[pos:end], line, pos - line_start + 1))
+                nls = text.count("\n", pos, end)
+                if nls:
+                    line += nls
+                    line_start = text.rfind("\n", pos, end) + 1
+                pos = end
+                at_line_start = False
+                continue
+        m = _TOKEN.match(text, pos)
+        kind = m.lastgroup
+        s = m.group()
+        toks.append(Tok(kind, s, line, pos - line_start + 1))
+        nls = s.count("\n")
+        if nls:
+            line += nls
+            line_start = pos + s.rfind("\n") + 1
+        if kind == "ws" and s == "\n":
+            at_line_start = True
+        elif kind not in ("ws", "comment"):
+            at_line_start = False
+        pos = m.end()
+    return toks
+
+
+class _Rewriter:
+    """Edits over one token list: replacements keep the number of newlines they cover."""
+
+    def __init__(self, toks: list[Tok], path: str, in_directive: bool):
+        self.toks = toks
+        self.path = path
+        self.in_directive = in_directive
+        self.sig = [
+            i for i, t in enumerate(toks) if t.kind not in ("ws", "comment", "directive_done")
+        ]
+        self.pos_of = {tok_i: k for k, tok_i in enumerate(self.sig)}
+        self.replace: dict[int, tuple[int, str]] = {}  # first token -> (end token, text)
+        self.append: dict[int, list[str]] = {}  # after token i
+
+    # ---- helpers over significant tokens (k indexes self.sig)
+    def t(self, k: int) -> str:
+        return self.toks[self.sig[k]].text if 0 <= k < len(self.sig) else ""
+
+    def kind(self, k: int) -> str:
+        return self.toks[self.sig[k]].kind if 0 <= k < len(self.sig) else ""
+
+    def where(self, k: int) -> str:
+        k = min(max(k, 0), len(self.sig) - 1)
+        return f"{self.path}:{self.toks[self.sig[k]].line}"
+
+    def error(self, k: int, message: str) -> TranslateError:
+        return TranslateError(f"{self.where(k)}: {message}")
+
+    def match(self, k: int, close: str | None = None) -> int:
+        """Index of the bracket closing the one at k."""
+        pairs = {"(": ")", "[": "]", "{": "}", "<": ">"}
+        open_ = self.t(k)
+        close = close or pairs[open_]
+        depth = 0
+        for j in range(k, len(self.sig)):
+            s = self.t(j)
+            if s == open_:
+                depth += 1
+            elif s == close:
+                depth -= 1
+                if depth == 0:
+                    return j
+            elif open_ == "<" and s in (";", "{", "}"):
+                break
+        raise self.error(k, f"unbalanced '{open_}'")
+
+    def text(self, a: int, b: int) -> str:
+        """Source text of significant tokens a..b-1 (whitespace and comments kept)."""
+        if a >= b:
+            return ""
+        return "".join(t.text for t in self.toks[self.sig[a] : self.sig[b - 1] + 1])
+
+    def flat(self, a: int, b: int) -> str:
+        """Significant tokens a..b-1 joined on one line."""
+        return " ".join(self.t(k) for k in range(a, b))
+
+    def sub(self, a: int, b: int, text: str) -> None:
+        """Replaces significant tokens a..b-1 (and what lies between them) by text."""
+        start, end = self.sig[a], self.sig[b - 1] + 1
+        if any(t.kind == "directive_done" for t in self.toks[start:end]):
+            raise self.error(
+                a,
+                "a preprocessor directive inside a construct the simulator "
+                "rewrites is not supported",
+            )
+        for i in list(self.replace):
+            if start <= i < end or i <= start < self.replace[i][0]:
+                raise self.error(a, "overlapping rewrites (unsupported construct)")
+        self.replace[start] = (end, text)
+
+    def add_after(self, k: int, text: str) -> None:
+        self.append.setdefault(self.sig[k], []).append(text)
+
+    def render(self) -> str:
+        out: list[str] = []
+        i = 0
+        toks = self.toks
+        while i < len(toks):
+            if i in self.replace:
+                end, text = self.replace[i]
+                covered = "".join(t.text for t in toks[i:end])
+                lost = covered.count("\n") - text.count("\n")
+                out.append(text)
+                if lost > 0:
+                    out.append(("\\\n" if self.in_directive else "\n") * lost)
+                last = end - 1
+                i = end
+            else:
+                out.append(toks[i].text)
+                last = i
+                i += 1
+            for extra in self.append.get(last, ()):
+                out.append(extra)
+        return "".join(out)
+
+
+def _decl_id(path: str, line: int, col: int) -> int:
+    return zlib.crc32(f"{path}:{line}:{col}".encode()) & 0xFFFFFFFF
+
+
+class _Translator:
+    def __init__(self, path: str):
+        self.path = path
+        self.branches: list[bool | None] = []
+
+    # ------------------------------------------------------------------ expression rewrites
+    def expressions(self, r: _Rewriter) -> None:
+        """Literals, vector constructors and vector casts, anywhere in code."""
+        k = 0
+        n = len(r.sig)
+        while k < n:
+            s, kind = r.t(k), r.kind(k)
+            if kind == "number":
+                self.literal(r, k)
+            elif kind == "ident" and s in VECTOR_TYPES and r.t(k + 1) == "(":
+                if r.t(k - 1) not in ("operator", ".", "->", "~", "struct", "class"):
+                    a = k - 2 if r.t(k - 1) == "::" and r.t(k - 2) == "metal" else k
+                    if r.t(k - 1) != "::" or a != k:
+                        r.sub(a, k + 1, f"::steel_shim::vmake<{s}>")
+            elif kind == "ident" and s == "vec" and r.t(k + 1) == "<":
+                close = r.match(k + 1)
+                if r.t(close + 1) == "(" and r.t(k - 1) not in ("operator", ".", "->"):
+                    a = k - 2 if r.t(k - 1) == "::" and r.t(k - 2) == "metal" else k
+                    if r.t(k - 1) != "::" or a != k:
+                        r.sub(a, close + 1, f"::steel_shim::vmake<metal::{r.flat(k, close + 1)}>")
+                        k = close
+            elif s == "(" and r.t(k + 1) in VECTOR_TYPES and r.t(k + 2) == ")":
+                nxt, prev = r.t(k + 3), r.t(k - 1)
+                operand = r.kind(k + 3) in ("ident", "number") or nxt in ("(", "-", "!", "~", "+")
+                if operand and r.kind(k - 1) != "ident" and prev not in (")", "]"):
+                    r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
+                    k += 2
+            k += 1
+
+    def literal(self, r: _Rewriter, k: int) -> None:
+        s = r.t(k)
+        m = _FLOAT.match(s)
+        if not m:
+            return
+        body, suffix = s[: len(s) - len(m.group("suffix"))], m.group("suffix")
+        if suffix == "":
+            r.sub(k, k + 1, body + "f")
+        elif suffix in ("h", "H"):
+            r.sub(k, k + 1, body + "f16")
+        elif suffix in ("bf", "BF"):
+            r.sub(k, k + 1, f"((bfloat){body}f)")
+        elif suffix not in ("f", "F"):
+            raise r.error(k, f"floating-point literal '{s}' (MSL has no double)")
+
+    # ------------------------------------------------------------------ attributes
+    @staticmethod
+    def attribute_end(r: _Rewriter, k: int) -> int:
+        """k is at `[` `[`: index just past the closing `]` `]`."""
+        close = r.match(k)
+        if r.t(close - 1) != "]":
+            raise r.error(k, "malformed attribute")
+        return close + 1
+
+    @staticmethod
+    def attribute_items(r: _Rewriter, a: int, b: int) -> list[tuple[str, str, int]]:
+        """(name, argument text, index) of each attribute in [[ ... ]] spanning a..b-1."""
+        items = []
+        k = a + 2
+        while k < b - 2:
+            name_k = k
+            name = r.t(k)
+            k += 1
+            while r.t(k) == "::":
+                name += "::" + r.t(k + 1)
+                k += 2
+            arg = ""
+            if r.t(k) == "(":
+                close = r.match(k)
+                arg = r.flat(k + 1, close)
+                k = close + 1
+            items.append((name, arg, name_k))
+            if r.t(k) == ",":
+                k += 1
+        return items
+
+    # ------------------------------------------------------------------ directives
+    def conditional(self, word: str, text: str) -> None:
+        """Tracks #if nesting: whether the current lines are seen by the Metal compiler
+        (False inside `#ifndef __METAL_VERSION__` and the like, None when unknown)."""
+        rest = text.split(word, 1)[1]
+        mentions = "__METAL_VERSION__" in rest
+        negated = word == "ifndef" or "!" in rest
+        if word in ("if", "ifdef", "ifndef"):
+            self.branches.append((not negated) if mentions else None)
+        elif word == "else" and self.branches:
+            top = self.branches[-1]
+            self.branches[-1] = None if top is None else not top
+        elif word == "elif" and self.branches:
+            self.branches[-1] = None
+        elif word == "endif" and self.branches:
+            self.branches.pop()
+
+    def directive(self, tok: Tok) -> str:
+        m = re.match(r"([ \t]*#[ \t]*)(\w+)", tok.text)
+        word = m.group(2) if m else ""
+        if word in ("if", "ifdef", "ifndef", "else", "elif", "endif"):
+            self.conditional(word, tok.text)
+            return tok.text
+        if word == "include":
+            inc = re.match(r"[ \t]*#[ \t]*include[ \t]*<([^>]*)>", tok.text)
+            host_only = any(b is False for b in self.branches)
+            if inc and not host_only and not METAL_HEADERS.fullmatch(inc.group(1).strip()):
+                raise TranslateError(
+                    f"{self.path}:{tok.line}: #include <{inc.group(1)}>: MSL has no C++ "
+                    'standard library (only <metal_*> headers and "..." includes)'
+                )
+            return tok.text
+        if word != "define":
+            return tok.text
+        head = re.match(r"[ \t]*#[ \t]*define[ \t]+\w+(\([^)]*\))?", tok.text)
+        body = tok.text[head.end() :]
+        r = _Rewriter(_tokenize(body, tok.line), self.path, in_directive=True)
+        self.expressions(r)
+        self.statements(r, in_directive=True)
+        return tok.text[: head.end()] + r.render()
+
+    # ------------------------------------------------------------------ statements
+    def statements(self, r: _Rewriter, in_directive: bool = False) -> None:
+        scopes: list[str] = []  # "namespace", "class", "block", "init" per open brace
+        k = 0
+        n = len(r.sig)
+        stmt_start = 0
+        while k < n:
+            s = r.t(k)
+            at_ns = all(x == "namespace" for x in scopes)
+            start_of_stmt = k == stmt_start
+            if s == "[" and r.t(k + 1) == "[":
+                end = self.attribute_end(r, k)
+                items = self.attribute_items(r, k, end)
+                names = {name for name, _, _ in items}
+                if "kernel" in names:
+                    if in_directive:
+                        raise r.error(k, "a kernel defined inside a #define is not supported")
+                    k = self.kernel(r, k, end, stmt_start)
+                    continue
+                elif "function_constant" in names:
+                    pass  # handled by constant_decl
+                elif not all(name.split("::")[0] in CXX_ATTRIBUTES for name in names):
+                    r.sub(k, end, "")
+                k = end
+                continue
+            if s == "template" and r.t(k + 1) == "[":
+                k = self.instantiation(r, k)
+                stmt_start = k
+                continue
+            if s == "kernel" and r.t(k + 1) == "void" and at_ns and not in_directive:
+                k = self.kernel(r, k, k + 1, stmt_start)
+                continue
+            if start_of_stmt and s == "constant" and at_ns:
+                nk = self.constant_decl(r, k)
+                if nk is not None:
+                    k = stmt_start = nk
+                    continue
+            if start_of_stmt and scopes and scopes[-1] == "block":
+                nk = self.threadgroup_decl(r, k)
+                if nk is not None:
+                    k = stmt_start = nk
+                    continue
+            if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
+                self.struct_copy(r, k)
+            if s == "{":
+                scopes.append(self.scope_kind(r, stmt_start, k))
+                stmt_start = k + 1
+            elif s == "}":
+                if scopes:
+                    scopes.pop()
+                stmt_start = k + 1
+            elif s == ";":
+                stmt_start = k + 1
+            elif s == ":" and r.t(k - 1) in ("public", "private", "protected"):
+                stmt_start = k + 1
+            elif s == ")" and scopes and scopes[-1] == "block" and self.is_control(r, k):
+                stmt_start = k + 1
+            elif s in ("else", "do") and scopes and scopes[-1] == "block":
+                stmt_start = k + 1
+            k += 1
+
+    @staticmethod
+    def is_control(r: _Rewriter, close: int) -> bool:
+        """Whether the `)` at close ends the head of if/for/while/switch."""
+        depth = 0
+        for j in range(close, -1, -1):
+            if r.t(j) == ")":
+                depth += 1
+            elif r.t(j) == "(":
+                depth -= 1
+                if depth == 0:
+                    return r.t(j - 1) in ("if", "for", "while", "switch")
+        return False
+
+    @staticmethod
+    def scope_kind(r: _Rewriter, stmt_start: int, brace: int) -> str:
+        words = [r.t(j) for j in range(stmt_start, brace)]
+        if "namespace" in words or words[:1] == ["extern"]:
+            return "namespace"
+        if "=" in words or (words and words[-1] in (",", "(", "return")):
+            return "init"
+        j = stmt_start
+        if r.t(j) == "template" and r.t(j + 1) == "<":
+            j = r.match(j + 1) + 1
+        if r.t(j) in ("struct", "class", "union", "enum"):
+            return "class"
+        return "block"
+
+    # ---- template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;
+    def instantiation(self, r: _Rewriter, k: int) -> int:
+        j = k + 1
+        host = None
+        is_kernel = False
+        while r.t(j) == "[" and r.t(j + 1) == "[":
+            end = self.attribute_end(r, j)
+            for name, arg, _ in self.attribute_items(r, j, end):
+                if name == "host_name":
+                    host = arg
+                elif name == "kernel":
+                    is_kernel = True
+            j = end
+        semi = j
+        while r.t(semi) != ";":
+            if semi >= len(r.sig):
+                raise r.error(k, "explicit instantiation without ';'")
+            semi += 1
+        if not is_kernel:
+            if host is not None:
+                raise r.error(k, "[[host_name]] on an instantiation that is not [[kernel]]")
+            return semi + 1
+        if r.t(j) != "decltype" or r.t(j + 1) != "(":
+            raise r.error(
+                j,
+                "kernel instantiations must read "
+                '`template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;`',
+            )
+        close = r.match(j + 1)
+        func = r.flat(close + 1, semi)
+        name_end = close + 1
+        while name_end < semi and r.t(name_end) != "<":
+            name_end += 1
+        qual_parts = [r.t(x) for x in range(close + 1, name_end)]
+        base = qual_parts[-1]
+        qual = "".join(qual_parts[:-1])
+        if host is None:
+            host = f'"{base}"'
+        params = (
+            f"{qual}__steel_kernel_ ## {base}"
+            if self.is_macro_body(r)
+            else f"{qual}__steel_kernel_{base}"
+        )
+        r.sub(k, semi + 1, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
+        return semi + 1
+
+    @staticmethod
+    def is_macro_body(r: _Rewriter) -> bool:
+        return r.in_directive
+
+    # ---- [[kernel]] void f(params) { body }
+    def kernel(self, r: _Rewriter, marker: int, marker_end: int, stmt_start: int) -> int:
+        host = None
+        if r.t(marker) == "[":
+            items = self.attribute_items(r, marker, marker_end)
+            for name, arg, _ in items:
+                if name == "host_name":
+                    host = arg
+                elif name not in ("kernel", "max_total_threads_per_threadgroup"):
+                    raise r.error(marker, f"unsupported kernel attribute [[{name}]]")
+        r.sub(marker, marker_end, "")
+        # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
+        is_template = r.t(stmt_start) == "template"
+        j = marker_end
+        while r.t(j) != "(":
+            if r.t(j) in (";", "{", "}") or j >= len(r.sig):
+                raise r.error(marker, "cannot find the kernel's parameter list")
+            if r.t(j) == "[" and r.t(j + 1) == "[":
+                end = self.attribute_end(r, j)
+                for name, arg, _ in self.attribute_items(r, j, end):
+                    if name == "host_name":
+                        host = arg
+                r.sub(j, end, "")
+                j = end
+                continue
+            j += 1
+        name = r.t(j - 1)
+        if r.kind(j - 1) != "ident":
+            raise r.error(j, "cannot find the kernel's name")
+        if host is None:
+            host = f'"{name}"'
+        close = r.match(j)
+        params = self.kernel_params(r, j + 1, close)
+        after = close + 1
+        if r.t(after) == ";":
+            return after + 1  # a declaration: the definition carries the registration
+        if r.t(after) != "{":
+            raise r.error(after, "expected the kernel's body")
+        body_end = r.match(after)
+        struct = (
+            f" struct __steel_kernel_{name} {{ using params = ::steel_shim::plist<"
+            f"{', '.join(params)}>; }};"
+        )
+        if not is_template:
+            struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"
+        r.add_after(body_end, struct)
+        return close + 1
+
+    def kernel_params(self, r: _Rewriter, a: int, b: int) -> list[str]:
+        out = []
+        if a == b or (b == a + 1 and r.t(a) == "void"):
+            return out
+        depth = 0
+        start = a
+        for k in range(a, b + 1):
+            s = r.t(k) if k < b else ","
+            if s in ("(", "[", "{", "<"):
+                depth += 1
+            elif s in (")", "]", "}", ">") and depth > 0:
+                depth -= 1
+            elif s == "," and depth == 0:
+                out.append(self.kernel_param(r, start, k))
+                start = k + 1
+        return out
+
+    def kernel_param(self, r: _Rewriter, a: int, b: int) -> str:
+        for k in range(a, b):
+            if r.t(k) == "[" and r.t(k + 1) == "[":
+                end = self.attribute_end(r, k)
+                items = self.attribute_items(r, k, end)
+                r.sub(k, end, "")
+                name, arg, _ = items[0]
+                if name == "buffer":
+                    return f"::steel_shim::buffer<({arg})>"
+                if name == "threadgroup":
+                    return f"::steel_shim::threadgroup_buffer<({arg})>"
+                if name in POSITION_ATTRIBUTES:
+                    return f"::steel_shim::attr<::steel_shim::{POSITION_ATTRIBUTES[name]}>"
+                raise r.error(k, f"kernel parameter attribute [[{name}]] is not supported")
+        raise r.error(a, f"kernel parameter '{r.flat(a, b)}' has no [[...]] attribute")
+
+    # ---- constant T name [[function_constant(i)]];  /  constant T name = expr;
+    def constant_decl(self, r: _Rewriter, k: int) -> int | None:
+        semi = k
+        while r.t(semi) != ";":
+            if semi >= len(r.sig) or r.t(semi) in ("{", "}"):
+                return None
+            semi += 1
+        words = [r.t(j) for j in range(k, semi)]
+        if "constexpr" in words or "(" in words[:3]:
+            return None
+        for j in range(k, semi):
+            if r.t(j) == "[" and r.t(j + 1) == "[":
+                end = self.attribute_end(r, j)
+                items = self.attribute_items(r, j, end)
+                if items[0][0] != "function_constant":
+                    return None
+                name = r.t(j - 1)
+                ctype = r.flat(k + 1, j - 1)
+                if end != semi:
+                    raise r.error(j, "a function constant declaration has no initializer")
+                r.sub(
+                    k,
+                    semi + 1,
+                    f"static constexpr ::steel_shim::function_constant<{ctype}, "
+                    f"({items[0][1]})> {name}{{}};",
+                )
+                return semi + 1
+        if "=" not in words:
+            return None
+        eq = k + words.index("=")
+        if r.t(eq - 1) == "]":
+            return None  # a constant array: stays a constant-address-space global
+        name = r.t(eq - 1)
+        ctype = r.flat(k + 1, eq - 1)
+        expr_idents = [
+            r.t(j)
+            for j in range(eq + 1, semi)
+            if r.kind(j) == "ident" and r.t(j) not in ("true", "false")
+        ]
+        if not expr_idents:
+            return None
+        r.sub(k, eq + 1, f"static inline {ctype} __steel_fc_{name}() {{ return (")
+        r.sub(
+            semi,
+            semi + 1,
+            f"); }} static constexpr ::steel_shim::derived_constant<{ctype}, "
+            f"&__steel_fc_{name}> {name}{{}};",
+        )
+        return semi + 1
+
+    # ---- threadgroup T name[N]; in a function body
+    def threadgroup_decl(self, r: _Rewriter, k: int) -> int | None:
+        align = None
+        j = k
+        if r.t(j) == "alignas" and r.t(j + 1) == "(":
+            close = r.match(j + 1)
+            align = r.flat(j + 2, close)
+            j = close + 1
+        if r.t(j) != "threadgroup":
+            return None
+        semi = j
+        depth = 0
+        commas = []
+        while True:
+            s = r.t(semi)
+            if semi >= len(r.sig) or s in ("{", "}"):
+                return None
+            if s in ("(", "[", "<"):
+                depth += 1
+            elif s in (")", "]", ">"):
+                depth -= 1
+            elif s == "," and depth == 0:
+                commas.append(semi)
+            elif s == ";" and depth <= 0:
+                break
+            semi += 1
+        first_end = commas[0] if commas else semi
+        # The first declarator: type tokens, name, dimensions.
+        dims_at = next((x for x in range(j + 1, first_end) if r.t(x) == "["), first_end)
+        words = [r.t(x) for x in range(j + 1, dims_at)]
+        if "*" in words or "&" in words or "=" in words or "(" in words:
+            return None  # a pointer or reference to threadgroup memory: a plain local
+        name_k = dims_at - 1
+        ctype = r.flat(j + 1, name_k)
+        if not ctype:
+            raise r.error(j, "cannot parse this threadgroup declaration")
+        declarators = [(name_k, dims_at, first_end)]
+        bounds = commas + [semi]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            d_dims = next((x for x in range(start + 1, end) if r.t(x) == "["), end)
+            declarators.append((start + 1, d_dims, end))
+        out = []
+        for name_at, dims_k, end in declarators:
+            if name_at != dims_k - 1 or r.kind(name_at) != "ident":
+                raise r.error(j, "cannot parse this threadgroup declaration")
+            name = r.t(name_at)
+            dims = r.flat(dims_k, end)
+            tok = r.toks[r.sig[name_at]]
+            decl_id = _decl_id(self.path, tok.line, tok.col)
+            targs = f"{ctype}{dims}" + (f", {align}" if align else "")
+            ref = f"(&{name}){dims}" if dims else f"&{name}"
+            out.append(
+                f"threadgroup {ctype} {ref} = ::steel_shim::tg_array<{targs}>("
+                f"{decl_id}u, __PRETTY_FUNCTION__);"
+            )
+        r.sub(k, semi + 1, " ".join(out))
+        return semi + 1
+
+    # ---- struct X { ... }: assignment across address spaces
+    def struct_copy(self, r: _Rewriter, k: int) -> None:
+        j = k + 1
+        name = None
+        while j < len(r.sig):
+            s = r.t(j)
+            if s == "[" and r.t(j + 1) == "[":
+                j = self.attribute_end(r, j)
+                continue
+            if s == "alignas" and r.t(j + 1) == "(":
+                j = r.match(j + 1) + 1
+                continue
+            if r.kind(j) == "ident" and name is None:
+                name = s
+            elif s in (";", "(", ")", ",", ">", "=", "*", "&"):
+                return  # a declaration, a template parameter or an elaborated type
+            elif s == "{":
+                break
+            elif s == "<" and name is not None:
+                j = r.match(j) + 1
+                continue
+            j += 1
+        if name is None or name == "final" or j >= len(r.sig):
+            return
+        if r.t(k) == "class":
+            r.add_after(j, f" public: STEEL_SIM_AS_COPY({name}) private:")
+        else:
+            r.add_after(j, f" STEEL_SIM_AS_COPY({name})")
+
+    # ------------------------------------------------------------------ driver
+    def run(self, source: str) -> str:
+        toks = _tokenize(source)
+        for i, tok in enumerate(toks):
+            if tok.kind == "directive":
+                toks[i] = Tok("directive_done", self.directive(tok), tok.line, tok.col)
+        r = _Rewriter(toks, self.path, in_directive=False)
+        self.expressions(r)
+        self.statements(r)
+        return r.render()
+
+
+def translate(source: str, path: str) -> str:
+    """MSL source -> C++ for the simulator's shim, line for line (see the module docstring)."""
+    path_lit = path.replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line 1 "{path_lit}"\n' + _Translator(path).run(source)
