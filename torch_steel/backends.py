@@ -12,7 +12,6 @@ with a one-time warning naming the reason; TORCH_STEEL_STRICT=1 turns that into 
 """
 
 import contextlib
-import contextvars
 import importlib
 import os
 import threading
@@ -21,7 +20,8 @@ import warnings
 from .errors import PlanRefused
 
 BACKENDS = ("auto", "metal", "sim", "reference")
-_current = contextvars.ContextVar("torch_steel_backend", default=None)
+# Per thread (torch.compile traces threading.local reads, and guards on them, but not ContextVar).
+_local = threading.local()
 _warned = set()
 _warned_lock = threading.Lock()
 
@@ -38,7 +38,7 @@ def _check_name(name):
 
 def current_backend() -> str:
     """The backend name in effect for this thread/context."""
-    name = _current.get()
+    name = getattr(_local, "name", None)
     if name is None:
         name = os.environ.get("TORCH_STEEL_BACKEND", "").strip().lower() or "auto"
         if name not in BACKENDS:
@@ -52,11 +52,12 @@ def current_backend() -> str:
 @contextlib.contextmanager
 def backend(name: str):
     """Context manager selecting the backend of torch_steel ops inside the block."""
-    token = _current.set(_check_name(name))
+    previous = getattr(_local, "name", None)
+    _local.name = _check_name(name)
     try:
         yield name
     finally:
-        _current.reset(token)
+        _local.name = previous
 
 
 def strict() -> bool:
@@ -78,7 +79,11 @@ def sim_status():
     sim = _optional_module("sim")
     if sim is None:
         return False, "torch_steel.sim is not installed"
-    if not sim.available():
+    try:
+        ok = sim.available()
+    except Exception as error:  # a half-installed simulator must not break the ops
+        return False, f"the Metal simulator failed to load: {type(error).__name__}: {error}"
+    if not ok:
         return (
             False,
             "the Metal simulator is unavailable (it needs clang-19 and libclang-rt-19-dev)",

@@ -19,6 +19,7 @@ Every op routes through torch_steel.backends.run with these run_op names and arg
   "sdpa_varlen"           tensors [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] -> [out, lse]
   "sdpa_varlen_backward"  tensors [grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks,
                           grad_lse] -> [dq, dk, dv] (+ [dsinks])
+  Outputs are contiguous (the fake implementations say so; a kernel must return them so).
   attention options: dropout_p, is_causal, scale (resolved, never None), softcap (0 = off),
   window_left, window_right (-1 = unbounded), bottom_right (bool: causal/window alignment),
   seed_lo, seed_hi, offset (dropout, see torch_steel.dropout); varlen adds max_seqlen_q,
@@ -394,7 +395,7 @@ def _(
     offset,
 ):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 _SDPA_OPTIONS = (
@@ -836,7 +837,7 @@ def _(
     offset,
 ):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -1126,6 +1127,9 @@ def _gemm_setup(ctx, inputs, output):
 
 def _gemm_backward(ctx, grad):
     a, b, bias, c = ctx.saved_tensors
+    # The dispatcher drops trailing arguments left at their defaults, so needs_input_grad can
+    # be shorter than the schema: pad it.
+    needs = (*ctx.needs_input_grad, False, False, False, False)
     gemm_op = torch.ops.steel.gemm
     with backend(ctx.backend):
         if ctx.activation == "none":
@@ -1136,13 +1140,13 @@ def _gemm_backward(ctx, grad):
             ct = ref.compute_dtype(z.dtype)
             dz = (grad.to(ct) * ref.activation_grad(z.to(ct), ctx.activation)).to(grad.dtype)
         da = db = dbias = dc = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             da = gemm_op(dz, b.mT, alpha=ctx.alpha).sum_to_size(a.shape)
-        if ctx.needs_input_grad[1]:
+        if needs[1]:
             db = gemm_op(a.mT, dz, alpha=ctx.alpha).sum_to_size(b.shape)
-    if ctx.needs_input_grad[2]:
+    if needs[2]:
         dbias = dz.reshape(-1, dz.shape[-1]).sum(0)
-    if ctx.needs_input_grad[3]:
+    if needs[3]:
         dc = (dz * ctx.beta).sum_to_size(c.shape)
     return da, db, dbias, dc, None, None, None
 

@@ -295,10 +295,10 @@ def sdpa_varlen_backward(
     seed,
     offset,
 ):
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    dsinks = None if sinks is None else torch.zeros_like(sinks)
+    dq = q.new_zeros(q.shape)
+    dk = k.new_zeros(k.shape)
+    dv = v.new_zeros(v.shape)
+    dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
     for b, (q0, q1, k0, k1) in enumerate(_segments(cu_seqlens_q, cu_seqlens_k)):
         if q1 == q0:
             continue
