@@ -21,9 +21,11 @@ lock, so concurrent processes wait for one build instead of racing.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -222,41 +224,76 @@ def _translator():
     return translate
 
 
-def _mirror(src_root: Path, files: list[Path], mirror: Path, translate) -> None:
+def _mirror(src_root: Path, files: list[Path], mirror: Path, translate) -> dict[Path, str]:
+    """Translates `files` into `mirror`; returns {file: error} for those the pre-pass refused.
+
+    A refused file is mirrored as an `#error` carrying the message, so that only the TUs that
+    include it fail to build, with the pre-pass's message.
+    """
+    errors = {}
     for f in files:
         dst = mirror / f.relative_to(src_root)
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
             text = translate(f.read_text(), str(f))
         except Exception as e:  # noqa: BLE001 (any pre-pass failure must name the file)
-            raise SimulatorError(f"translating {f} failed: {e}") from None
+            errors[f] = str(e)
+            text = "#error " + json.dumps(f"pre-pass: {e}") + "\n"
         dst.write_text(text)
+    return errors
 
 
-def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path]) -> None:
-    """Compiles translated (original, mirrored) .metal files into libsteel_shaders.so."""
+@dataclasses.dataclass(frozen=True)
+class ShaderLibrary:
+    handle: object  # the module's Library
+    errors: str  # why some .metal files are missing from it (empty when all built)
+
+
+def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path],
+                strict: bool) -> str:
+    """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
+    built into libsteel_shaders.so. Returns the errors of the others (strict: raises them)."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (" ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
              f" -include {_q(SIM_SRC / 'shader_prelude.h')}")
-    rules = (f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out\n"
-             f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} $in -o $out "
-             f"-L{_q(rt)} -lsteel_sim_rt\n")
+    rules = f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
         builds.append(f"build {obj}: cc {_q(mirrored)}")
         objs.append(obj)
-    builds.append(f"build libsteel_shaders.so: link {' '.join(objs)}")
-    _ninja(out, rules, builds, "libsteel_shaders.so")
+    if not objs:  # a library with no kernels still loads
+        (out / "empty.cpp").write_text("")
+        builds.append(f"build obj/empty.o: cc {_q(out / 'empty.cpp')}")
+        objs.append("obj/empty.o")
+    (out / "build.ninja").write_text("\n".join([f"cxx = {CXX}", rules, *builds, ""]))
+    subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS, "-k", "0"], check=False,
+                   capture_output=True, text=True)
+    errors = []
+    for (original, _), obj in zip(metal_files, objs, strict=False):
+        if not (out / obj).exists():
+            log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
+            errors.append(f"{original}:\n{log[-6000:]}")
+    built = [obj for obj in objs if (out / obj).exists()]
+    if errors and (strict or not built):
+        raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
+    link = subprocess.run([CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}",
+                           "-lsteel_sim_rt"], cwd=out, check=False, capture_output=True, text=True)
+    if link.returncode != 0:
+        raise SimulatorError(f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}")
+    (out / "errors.txt").write_text("\n".join(errors))
+    return "\n".join(errors)
 
 
-def _load(lib_dir: Path):
+def _load(lib_dir: Path) -> ShaderLibrary:
     ext = extension()
     try:
-        return ext.load_library(str(lib_dir / "libsteel_shaders.so"))
+        handle = ext.load_library(str(lib_dir / "libsteel_shaders.so"))
     except ext.SimError as e:
         raise SimulatorError(str(e)) from None
+    errors = lib_dir / "errors.txt"
+    return ShaderLibrary(handle, errors.read_text() if errors.exists() else "")
 
 
 def _lang_inputs() -> list[Path]:
@@ -265,8 +302,10 @@ def _lang_inputs() -> list[Path]:
 
 
 @functools.cache
-def shader_library():
-    """The package's shaders (every .metal under shaders/), loaded."""
+def shader_library() -> ShaderLibrary:
+    """The package's shaders (every .metal under shaders/), loaded. A .metal file that does not
+    build is left out (its errors are in .errors and in "kernel not found" messages), so one
+    broken kernel does not take the others down."""
     translate = _translator()
     rt = runtime_dir()
     shader_files = _files(SHADERS, "*.metal", "*.h")
@@ -277,17 +316,17 @@ def shader_library():
         _mirror(SHADERS, shader_files, mirror, translate)
         metals = [(f, mirror / f.relative_to(SHADERS)) for f in shader_files
                   if f.suffix == ".metal"]
-        _shader_lib(d, metals, [mirror])
+        _shader_lib(d, metals, [mirror], strict=False)
 
     return _load(_locked_build(out, build))
 
 
-_test_libraries: dict[str, object] = {}
+_test_libraries: dict[str, ShaderLibrary] = {}
 
 
-def test_library(sources: list[Path]):
+def test_library(sources: list[Path]) -> ShaderLibrary:
     """A library of test-only kernels: the given .metal files (which may include headers next
-    to them and the package's shaders/ headers), loaded."""
+    to them and the package's shaders/ headers), loaded. Any build error is raised."""
     translate = _translator()
     rt = runtime_dir()
     sources = [s.resolve() for s in sources]
@@ -296,23 +335,26 @@ def test_library(sources: list[Path]):
             raise FileNotFoundError(f"kernel source {s} not found")
     dirs = sorted({s.parent for s in sources})
     local_headers = sorted({h for d in dirs for h in d.glob("*.h")})
-    shader_files = _files(SHADERS, "*.metal", "*.h")
-    key = _digest(sources + local_headers + shader_files + _lang_inputs(), SHADER_FLAGS, rt.name)
+    shader_headers = _files(SHADERS, "*.h")
+    key = _digest(sources + local_headers + shader_headers + _lang_inputs(), SHADER_FLAGS,
+                  rt.name)
     if key in _test_libraries:
         return _test_libraries[key]
     out = cache_root() / f"test-{key}"
 
     def build(d: Path) -> None:
-        shaders_mirror = d / "shaders"
-        _mirror(SHADERS, [f for f in shader_files if f.suffix == ".h"], shaders_mirror, translate)
+        _mirror(SHADERS, shader_headers, d / "shaders", translate)
         metals = []
         for i, dd in enumerate(dirs):
             mirror = d / f"src{i}"
-            mine = [s for s in sources if s.parent == dd] + [h for h in local_headers
-                                                             if h.parent == dd]
-            _mirror(dd, mine, mirror, translate)
-            metals += [(s, mirror / s.name) for s in sources if s.parent == dd]
-        _shader_lib(d, metals, [shaders_mirror])
+            mine = [s for s in sources if s.parent == dd]
+            errors = _mirror(dd, mine + [h for h in local_headers if h.parent == dd], mirror,
+                             translate)
+            bad = [f"{f}: {e}" for f, e in errors.items() if f in mine]
+            if bad:
+                raise SimulatorError("the shader pre-pass refused:\n" + "\n".join(bad))
+            metals += [(s, mirror / s.name) for s in mine]
+        _shader_lib(d, metals, [d / "shaders"], strict=True)
 
     lib = _load(_locked_build(out, build))
     _test_libraries[key] = lib

@@ -164,20 +164,24 @@ def _checkers_default() -> bool:
     return os.environ.get("TORCH_STEEL_SIM_CHECKERS", "1") != "0"
 
 
-def _call(fn, *args):
+def _call(lib: _sim_build.ShaderLibrary, fn, *args):
     ext = _sim_build.extension()
     try:
-        return fn(*args)
+        return fn(lib.handle, *args)
     except ext.SimError as e:
-        raise SimulatorError(str(e)) from None
+        message = str(e)
+        if " not found in " in message and lib.errors:
+            message += "\nThese shader files did not build:\n" + lib.errors
+        raise SimulatorError(message) from None
 
 
 def _counters(raw: list[dict]) -> list[dict]:
     return [dict(c, buffers={int(k): dict(v) for k, v in c["buffers"].items()}) for c in raw]
 
 
-def run_op(op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None,
-           *, counters: bool = False, checkers: bool | None = None):
+def run_op(op: str, tensors: Sequence[torch.Tensor | None],
+           options: Mapping[str, Any] | None = None, *, counters: bool = False,
+           checkers: bool | None = None):
     """Execute `op`'s launch plan on CPU tensors; returns the outputs (and per-dispatch counters).
 
     Raises PlanRefused when the plan refuses, SimulatorError when a kernel faults.
@@ -199,7 +203,7 @@ def run_op(op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str
     lib = _sim_build.shader_library()
     ext = _sim_build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    raw = _call(ext.run_plan, lib, p.handle, raw_slots, use_checkers)
+    raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers)
     outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
     return (outputs, _counters(raw)) if counters else outputs
 
@@ -244,7 +248,7 @@ def run_kernel(name: str, *, sources: Sequence[str | os.PathLike], grid: Sequenc
     lib = _sim_build.test_library([Path(s) for s in sources])
     ext = _sim_build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    raw = _call(ext.launch, lib, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3,
+    raw = _call(lib, ext.launch, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3,
                 use_checkers)
     del keep
     return _counters([raw])[0] if counters else None

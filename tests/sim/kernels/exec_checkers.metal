@@ -1,0 +1,122 @@
+// Test-only kernels for the simulator's checkers (tests/sim/test_checkers.py): each broken
+// kernel has a correct twin that the checkers must leave alone.
+#include <metal_stdlib>
+using namespace metal;
+
+// Reads in[gid + shift] for every thread: out of bounds when the grid is larger than `in`.
+kernel void exec_read_shifted(device const float* in [[buffer(0)]],
+                              device float* out [[buffer(1)]],
+                              constant int& shift [[buffer(2)]],
+                              uint gid [[thread_position_in_grid]]) {
+  out[gid] = in[int(gid) + shift];
+}
+
+// The guarded twin: only threads whose element exists read it.
+kernel void exec_read_guarded(device const float* in [[buffer(0)]],
+                              device float* out [[buffer(1)]],
+                              constant int& shift [[buffer(2)]],
+                              constant uint& count [[buffer(3)]],
+                              uint gid [[thread_position_in_grid]]) {
+  int i = int(gid) + shift;
+  out[gid] = i >= 0 && uint(i) < count ? in[i] : 0.0f;
+}
+
+// Writes out[gid + shift].
+kernel void exec_write_shifted(device float* out [[buffer(0)]],
+                               constant int& shift [[buffer(1)]],
+                               uint gid [[thread_position_in_grid]]) {
+  out[int(gid) + shift] = float(gid);
+}
+
+// Reads params[index] from a small constant buffer of 4 uints.
+kernel void exec_read_params(constant uint* params [[buffer(0)]],
+                             device uint* out [[buffer(1)]],
+                             constant uint& index [[buffer(2)]]) {
+  out[0] = params[index];
+}
+
+// A pointer far outside everything bound: a segmentation fault caught as a SimulatorError.
+kernel void exec_wild_pointer(device float* out [[buffer(0)]]) {
+  device float* far = out + 4000000000u;
+  far[0] = 1.0f;
+}
+
+// Threadgroup memory: each thread writes its slot, then reads its neighbour's, with or without
+// a threadgroup barrier in between.
+kernel void exec_neighbour(device float* out [[buffer(0)]],
+                           constant bool& barrier [[buffer(1)]],
+                           uint tid [[thread_index_in_threadgroup]],
+                           uint n [[threads_per_threadgroup]]) {
+  threadgroup float values[1024];
+  values[tid] = float(tid);
+  if (barrier) threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = values[(tid + 1) % n];
+}
+
+// Neighbour within the simdgroup, ordered by simdgroup_barrier only: correct when the neighbour
+// is in the same simdgroup (`wrap` = 32), a race when it is in the next simdgroup (`wrap` = n).
+kernel void exec_simd_neighbour(device float* out [[buffer(0)]],
+                                constant uint& wrap [[buffer(1)]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint n [[threads_per_threadgroup]]) {
+  threadgroup float values[1024];
+  values[tid] = float(tid);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  uint base = tid / wrap * wrap;
+  out[tid] = values[base + (tid + 1 - base) % wrap];
+}
+
+// Every thread writes slot 0 (write-write race unless only thread 0 does).
+kernel void exec_all_write(device float* out [[buffer(0)]],
+                           constant bool& only_first [[buffer(1)]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float value[4];
+  if (!only_first || tid == 0) value[0] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = value[0];
+}
+
+// Reads a slot of another thread, then overwrites its own after a barrier: a read-then-write
+// race when the barrier is skipped.
+kernel void exec_read_then_write(device float* out [[buffer(0)]],
+                                 constant bool& barrier [[buffer(1)]],
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint n [[threads_per_threadgroup]]) {
+  threadgroup float values[1024];
+  values[tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float v = values[(tid + 1) % n];
+  if (barrier) threadgroup_barrier(mem_flags::mem_threadgroup);
+  values[tid] = v * 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = values[tid];
+}
+
+// Threadgroup memory past the 32 KiB limit (9000 floats = 36000 bytes).
+kernel void exec_too_much_threadgroup(device float* out [[buffer(0)]],
+                                      uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float big[9000];
+  big[tid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = big[tid];
+}
+
+// Threadgroup memory from a [[threadgroup(0)]] argument; index past its length when asked.
+kernel void exec_threadgroup_arg(device float* out [[buffer(0)]],
+                                 constant uint& past [[buffer(1)]],
+                                 threadgroup float* scratch [[threadgroup(0)]],
+                                 uint tid [[thread_index_in_threadgroup]]) {
+  scratch[tid + past] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = scratch[tid + past];
+}
+
+// A simd reduction: needs a whole number of simdgroups per threadgroup.
+kernel void exec_simd_sum(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = simd_sum(1.0f);
+}
+
+// No simd operation: any threadgroup size is fine.
+kernel void exec_plain(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = float(gid);
+}

@@ -1,0 +1,36 @@
+// Test-only kernels for the simulator's counters (tests/sim/test_counters.py).
+#include <metal_stdlib>
+using namespace metal;
+
+// out[i] = in[i] for i < count: count * sizeof(T) bytes read from buffer 0 and written to 1.
+template <typename T>
+kernel void exec_copy(device const T* in [[buffer(0)]],
+                      device T* out [[buffer(1)]],
+                      constant uint& count [[buffer(2)]],
+                      uint gid [[thread_position_in_grid]]) {
+  if (gid < count) out[gid] = in[gid];
+}
+template [[host_name("exec_copy_float")]] [[kernel]] decltype(exec_copy<float>) exec_copy<float>;
+template [[host_name("exec_copy_half")]] [[kernel]] decltype(exec_copy<half>) exec_copy<half>;
+
+// `rounds` simd_sum calls per simdgroup.
+kernel void exec_simd_rounds(device float* out [[buffer(0)]],
+                             constant uint& rounds [[buffer(1)]],
+                             uint gid [[thread_position_in_grid]]) {
+  float v = 1.0f;
+  for (uint r = 0; r < rounds; ++r) v = simd_sum(v) / 32.0f;
+  out[gid] = v;
+}
+
+// `rounds` 8x8x8 simdgroup multiply-accumulates per simdgroup on one fragment loaded from and
+// stored to device memory.
+kernel void exec_mma_rounds(device const float* a [[buffer(0)]],
+                            device float* c [[buffer(1)]],
+                            constant uint& rounds [[buffer(2)]],
+                            uint sg [[simdgroup_index_in_threadgroup]]) {
+  simdgroup_float8x8 A;
+  simdgroup_float8x8 C = simdgroup_float8x8(0);
+  simdgroup_load(A, a, 8);
+  for (uint r = 0; r < rounds; ++r) simdgroup_multiply_accumulate(C, A, A, C);
+  simdgroup_store(C, c + sg * 64, 8);
+}

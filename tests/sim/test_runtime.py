@@ -1,0 +1,168 @@
+"""The simulator's execution half: lanes, barriers, simd rendezvous, exits, divergence errors,
+function constants, faults, and the build cache (kernels: tests/sim/kernels/exec_runtime.metal).
+"""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "exec_runtime.metal"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    if importlib.util.find_spec("torch_steel._sim_translate") is None:
+        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
+    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
+        return "the <metal_stdlib> shim (sim-lang) is not there yet"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+from torch_steel import sim  # noqa: E402
+from torch_steel.errors import SimulatorError  # noqa: E402
+
+
+def run(name, **kw):
+    return sim.run_kernel(name, sources=SRC, **kw)
+
+
+def test_thread_position_attributes():
+    grid, threads = (2, 3, 2), (8, 4, 2)
+    total = [g * t for g, t in zip(grid, threads, strict=True)]
+    out = torch.full((total[0] * total[1] * total[2], 16), -1, dtype=torch.int32)
+    run("exec_lane_ids", grid=grid, threads=threads, buffers={0: out})
+    for gz in range(total[2]):
+        for gy in range(total[1]):
+            for gx in range(total[0]):
+                row = out[gx + total[0] * (gy + total[1] * gz)].tolist()
+                pos = (gx, gy, gz)
+                tg = tuple(p // t for p, t in zip(pos, threads, strict=True))
+                local = tuple(p % t for p, t in zip(pos, threads, strict=True))
+                index = local[0] + threads[0] * (local[1] + threads[1] * local[2])
+                expected = [*pos, *tg, *local, *threads, index, index // 32, index % 32, 1]
+                assert row == expected, (pos, row, expected)
+
+
+def test_tree_sum_with_barriers_in_a_loop():
+    # Small integers: every partial sum is exact in float32, so the tree order does not matter.
+    x = torch.randint(0, 100, (3, 256)).float()
+    out = torch.zeros(3)
+    run("exec_tree_sum", grid=(3,), threads=(256,), buffers={0: x, 1: out})
+    assert torch.equal(out, x.sum(dim=1))
+
+
+def test_exited_lanes_leave_the_barrier():
+    count = 200
+    x = torch.arange(256, dtype=torch.float32) + 1
+    out = torch.zeros(256)
+    run("exec_early_exit", grid=(1,), threads=(256,),
+        buffers={0: x, 1: out, 2: count.to_bytes(4, "little")})
+    expected = torch.zeros(256)
+    expected[: count - 1] = x[1:count]
+    expected[count - 1] = x[count - 1]
+    assert torch.equal(out, expected)
+
+
+def test_simd_reduction_over_the_lanes_that_did_not_exit():
+    out = torch.zeros(32)
+    run("exec_simd_after_exit", grid=(1,), threads=(32,),
+        buffers={0: out, 1: (20).to_bytes(4, "little")})
+    assert torch.equal(out[:20], torch.full((20,), 210.0))
+    assert torch.equal(out[20:], torch.zeros(12))
+
+
+def test_barrier_reached_by_one_simdgroup_only_is_an_error():
+    match = r"exec_divergent_barrier.*different threadgroup_barrier"
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_divergent_barrier", grid=(1,), threads=(64,), buffers={0: torch.zeros(64)})
+
+
+def test_barrier_and_simd_op_in_one_simdgroup_is_an_error():
+    with pytest.raises(SimulatorError, match=r"exec_barrier_vs_simd.*divergent"):
+        run("exec_barrier_vs_simd", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+
+
+def test_simd_op_in_divergent_branch_is_an_error():
+    with pytest.raises(SimulatorError, match=r"exec_divergent_simd.*divergent"):
+        run("exec_divergent_simd", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+
+
+def test_convergent_simd_twin_runs():
+    out = torch.zeros(32)
+    run("exec_convergent_simd", grid=(1,), threads=(32,), buffers={0: out})
+    v = [496.0 if lane < 8 else float(lane) for lane in range(32)]
+    expected = torch.tensor([max(v) + v[lane ^ 1] for lane in range(32)])
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("threads", [32, 96, 1024])
+def test_ring_of_barriers_across_simdgroups(threads):
+    rounds = 5
+    out = torch.zeros(threads)
+    counters = run("exec_ring", grid=(2,), threads=(threads,), counters=True,
+                   buffers={0: out, 1: rounds.to_bytes(4, "little")})
+    assert torch.equal(out, ((torch.arange(threads) + rounds) % threads).float())
+    assert counters["barriers"] == 2 * 2 * rounds
+    # Per simdgroup and round: one simd_shuffle_down and one simdgroup_barrier.
+    assert counters["simd_ops"] == 2 * (threads // 32) * rounds * 2
+
+
+def test_function_constants():
+    out = torch.zeros(64)
+    run("exec_constants", grid=(2,), threads=(32,), buffers={0: out},
+        constants={0: True, 1: 3, 2: 0.5})
+    assert torch.equal(out, -(torch.arange(64) * 3 + 0.5))
+    run("exec_constants", grid=(2,), threads=(32,), buffers={0: out},
+        constants={0: False, 1: -2, 2: 0.25})
+    assert torch.equal(out, torch.arange(64) * -2 + 0.25)
+
+
+def test_missing_function_constant_is_an_error():
+    with pytest.raises(SimulatorError, match=r"exec_constants.*function constant 1"):
+        run("exec_constants", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)},
+            constants={0: True, 2: 0.5})
+
+
+def test_large_private_array_fits_on_a_lane_stack():
+    idx = torch.randint(0, 1 << 20, (64,), dtype=torch.int32)
+    out = torch.zeros(64, dtype=torch.int32)
+    run("exec_private_array", grid=(2,), threads=(32,), buffers={0: idx, 1: out})
+    assert torch.equal(out, (idx % 2048) * 3 + torch.arange(64, dtype=torch.int32))
+
+
+def test_unknown_kernel_names_the_known_ones():
+    with pytest.raises(SimulatorError, match=r"'exec_nope' not found.*exec_ring"):
+        run("exec_nope", grid=(1,), threads=(32,), buffers={})
+
+
+def test_unbound_buffer_is_an_error():
+    with pytest.raises(SimulatorError, match=r"exec_tree_sum.*buffer\(1\)"):
+        run("exec_tree_sum", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+
+
+def test_build_cache_rebuilds_when_the_source_changes(tmp_path):
+    src = tmp_path / "exec_cache_probe.metal"
+    body = """#include <metal_stdlib>
+using namespace metal;
+kernel void exec_cache_probe(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = VALUE;
+}
+"""
+    out = torch.zeros(32)
+    src.write_text(body.replace("VALUE", "1.0f"))
+    sim.run_kernel("exec_cache_probe", sources=[src], grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.ones(32))
+    src.write_text(body.replace("VALUE", "2.0f"))
+    sim.run_kernel("exec_cache_probe", sources=[src], grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.full((32,), 2.0))
+    src.write_text(body.replace("VALUE", "1.0f"))  # back to the first version: cached, no build
+    sim.run_kernel("exec_cache_probe", sources=[src], grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.ones(32))
