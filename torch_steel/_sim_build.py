@@ -263,10 +263,9 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
         obj = f"obj/{i}_{mirrored.stem}.o"
         builds.append(f"build {obj}: cc {_q(mirrored)}")
         objs.append(obj)
-    if not objs:  # a library with no kernels still loads
-        (out / "empty.cpp").write_text("")
-        builds.append(f"build obj/empty.o: cc {_q(out / 'empty.cpp')}")
-        objs.append("obj/empty.o")
+    # A library with no kernels (none given, or none built) still loads.
+    (out / "empty.cpp").write_text("")
+    builds.append(f"build obj/empty.o: cc {_q(out / 'empty.cpp')}")
     (out / "build.ninja").write_text("\n".join([f"cxx = {CXX}", rules, *builds, ""]))
     subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS, "-k", "0"], check=False,
                    capture_output=True, text=True)
@@ -275,8 +274,8 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
             errors.append(f"{original}:\n{log[-6000:]}")
-    built = [obj for obj in objs if (out / obj).exists()]
-    if errors and (strict or not built):
+    built = [obj for obj in [*objs, "obj/empty.o"] if (out / obj).exists()]
+    if errors and strict:
         raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
     link = subprocess.run([CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}",
                            "-lsteel_sim_rt"], cwd=out, check=False, capture_output=True, text=True)

@@ -1,0 +1,105 @@
+"""The simulator's counters, exact on small kernels (kernels: tests/sim/kernels/exec_counters.metal)
+and on the GEMM plan."""
+
+import importlib.util
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "exec_counters.metal"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    if importlib.util.find_spec("torch_steel._sim_translate") is None:
+        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
+    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
+        return "the <metal_stdlib> shim (sim-lang) is not there yet"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+from torch_steel import sim  # noqa: E402
+
+
+def run(name, **kw):
+    return sim.run_kernel(name, sources=SRC, counters=True, **kw)
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), [("exec_copy_float", torch.float32),
+                                               ("exec_copy_half", torch.float16)])
+def test_bytes_read_and_written_per_buffer(kernel, dtype):
+    count = 100
+    x = torch.randn(128).to(dtype)
+    out = torch.zeros(128, dtype=dtype)
+    c = run(kernel, grid=(4,), threads=(32,), buffers={0: x, 1: out, 2: struct.pack("<I", count)})
+    assert torch.equal(out[:count], x[:count])
+    size = x.element_size()
+    assert c["kernel"] == kernel
+    assert c["threadgroups"] == 4
+    assert c["lanes"] == 128
+    assert c["buffers"][0] == {"read": count * size, "written": 0}
+    assert c["buffers"][1] == {"read": 0, "written": count * size}
+    # `count` is read by every thread.
+    assert c["buffers"][2] == {"read": 128 * 4, "written": 0}
+    assert c["mma"] == 0
+    assert c["simd_ops"] == 0
+
+
+def test_simd_ops_per_simdgroup():
+    rounds = 5
+    out = torch.zeros(3 * 96)
+    c = run("exec_simd_rounds", grid=(3,), threads=(96,),
+            buffers={0: out, 1: struct.pack("<I", rounds)})
+    assert torch.equal(out, torch.ones(3 * 96))
+    assert c["simd_ops"] == rounds * 3 * 3  # rounds x simdgroups per threadgroup x threadgroups
+    assert c["mma"] == 0
+
+
+def test_mma_count_is_one_per_simdgroup_operation():
+    rounds = 3
+    a = torch.eye(8).flatten()
+    c_out = torch.zeros(2 * 64)
+    c = run("exec_mma_rounds", grid=(2,), threads=(64,),
+            buffers={0: a, 1: c_out, 2: struct.pack("<I", rounds)})
+    # C = sum of `rounds` products I @ I.
+    assert torch.equal(c_out.view(2, 8, 8), torch.eye(8).expand(2, 8, 8) * rounds)
+    assert c["mma"] == rounds * 2 * 2  # rounds x simdgroups x threadgroups
+    assert c["threadgroups"] == 2
+    assert c["simd_ops"] >= c["mma"]
+
+
+def _gemm_ready() -> str | None:
+    p = sim.plan("gemm", [torch.zeros(64, 64), torch.zeros(64, 64), None, None], {})
+    if not p.ok:
+        return f"the gemm plan refuses 64x64x64 float32: {p.reason}"
+    lib = sim._sim_build.shader_library()
+    missing = [d.kernel for d in p.dispatches if d.kernel not in lib.handle.kernels()]
+    if missing:
+        return f"gemm kernels {missing} did not build in the simulator: {lib.errors[:500]}"
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_counters(dtype):
+    reason = _gemm_ready()
+    if reason is not None:
+        pytest.skip(reason)
+    m = n = k = 64
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    (out,), counters = sim.run_op("gemm", [a, b, None, None], {}, counters=True)
+    ref = a.double() @ b.double()
+    assert torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-2)  # fp16 output rounding
+    total_mma = sum(c["mma"] for c in counters)
+    # Aligned shapes: each 8x8x8 block product is computed exactly once.
+    assert total_mma == (m // 8) * (n // 8) * (k // 8)
+    written = sum(b_["written"] for c in counters for b_ in c["buffers"].values())
+    assert written >= m * n * a.element_size()
