@@ -1,0 +1,137 @@
+"""The shim's types: half and bfloat round to nearest even after every operation (compared bit
+for bit with torch's float16/bfloat16, which do the same), float -> half/bfloat conversions, and
+MSL vector construction, conversion and swizzles (kernels: tests/sim/kernels/lang_types.metal).
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "lang_types.metal"]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    try:
+        from torch_steel import sim
+    except ImportError as e:
+        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
+    if not hasattr(sim, "run_kernel"):
+        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def run(name, **kw):
+    from torch_steel import sim
+
+    return sim.run_kernel(name, sources=SRC, **kw)
+
+
+def assert_same_bits(got: torch.Tensor, expected: torch.Tensor):
+    """Equal bit patterns, except that any NaN matches any NaN."""
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    g = got[~nan].view(torch.int16)
+    e = expected[~nan].view(torch.int16)
+    bad = (g != e).nonzero()
+    assert bad.numel() == 0, f"{bad.numel()} mismatches, first at {bad[0].item()}"
+
+
+def operands(dtype, n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(n, generator=g) * 4).to(dtype)
+    b = (torch.randn(n, generator=g) * 4).to(dtype)
+    # Values whose products and sums land on rounding ties and on the format's edges.
+    a[:6] = torch.tensor([1.0, 3.0, 255.0, 1e-3, -7.5, 1024.0]).to(dtype)
+    b[:6] = torch.tensor([1.0 + 2**-7, 1.0 / 3, 257.0, 3e-3, 0.0, 64.0]).to(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("tname", ["f16", "bf16"])
+def test_arithmetic_rounds_after_every_operation(tname):
+    dtype = DTYPES[tname]
+    a, b = operands(dtype)
+    out = torch.zeros(a.numel() * 8, dtype=dtype)
+    run(f"lang_arith_{tname}", grid=(a.numel() // 64,), threads=(64,), buffers={0: a, 1: b, 2: out})
+    out = out.view(-1, 8)
+    acc = a.clone()
+    for _ in range(4):
+        acc = acc * b + a
+    # torch rounds each elementwise op's result to the tensor's dtype, as MSL does.
+    expected = [a + b, a - b, a * b, a / b, a * b + a, (a + b) * (a - b), acc, -a * 3]
+    for j, e in enumerate(expected):
+        assert_same_bits(out[:, j], e)
+    # The same chain kept in fp32 and rounded once differs: the test sees missing roundings.
+    fused = a.float()
+    for _ in range(4):
+        fused = fused * b.float() + a.float()
+    assert not torch.equal(fused.to(dtype), acc)
+
+
+@pytest.mark.parametrize("tname", ["f16", "bf16"])
+def test_float_to_narrow_conversion_is_round_to_nearest_even(tname):
+    dtype = DTYPES[tname]
+    mant = 10 if dtype == torch.float16 else 7
+    ulp = 2.0**-mant
+    specials = [
+        1 + ulp / 2,  # tie: rounds down to the even 1.0
+        1 + 3 * ulp / 2,  # tie: rounds up to the even 1 + 2 ulp
+        1 + ulp / 2 + 2**-20,  # just above the tie: up
+        -(1 + 3 * ulp / 2),
+        65504.0,
+        65520.0,  # half: overflows to inf
+        3.0e38,
+        1e-7,  # half subnormal
+        6e-8,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ]
+    g = torch.Generator().manual_seed(1)
+    a = torch.cat([torch.tensor(specials), torch.randn(128 - len(specials), generator=g) * 100])
+    out = torch.zeros_like(a)
+    narrow = torch.zeros(a.numel(), dtype=dtype)
+    run(f"lang_convert_{tname}", grid=(2,), threads=(64,), buffers={0: a, 1: out, 2: narrow})
+    assert_same_bits(narrow, a.to(dtype))
+    assert torch.equal(out.nan_to_num(7.0), a.to(dtype).float().nan_to_num(7.0))
+
+
+def test_vector_construction_conversion_and_swizzles():
+    a = torch.tensor([1.25, -2.75, 3.0009765625, 100000.0])
+    out = torch.full((64,), -999.0)
+    iout = torch.full((8,), -999, dtype=torch.int32)
+    run("lang_vectors", grid=(1,), threads=(1,), buffers={0: a, 1: out, 2: iout})
+    x, y, z, w = a.tolist()
+    h = a.half().float().tolist()  # half4(a): z rounds to 3.0, w overflows to inf
+    expected = [
+        1, 2, x, y,
+        w, w, w,
+        *h,
+        *h,
+        w, z, y, x,
+        x, x, y, y,
+        y, 7, w, 8,
+        x, y, z, w,
+        1, 2, 3, 4,
+        0, 0,
+        *a[:2].bfloat16().float().tolist(),
+        1.5, 2.25,
+        5, 6,
+        z, 0.5, 0.25,
+    ]  # fmt: skip
+    assert h[2] == 3.0 and h[3] == float("inf")
+    assert out[: len(expected)].tolist() == expected
+    assert out[len(expected):].eq(-999.0).all()
+    x_bits = int(a[:1].view(torch.int32))
+    h_bits = int(a[:2].half().view(torch.int32))
+    assert iout.tolist() == [1, -2, 3, 100000, 1, -2, x_bits, h_bits]
