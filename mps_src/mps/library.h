@@ -20,8 +20,6 @@ void load_metallib(const std::string& path);
 // shader is its own translation unit, as in the metallib). For installs without Xcode; slow.
 void compile_sources(const std::vector<std::string>& sources);
 
-bool library_loaded();
-
 // The pipeline of dispatch.kernel specialized with dispatch.constants, built on first use and
 // cached for the process. Throws c10::Error when the kernel is missing or does not compile.
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch);

@@ -107,8 +107,11 @@ void compile_sources(const std::vector<std::string>& sources) {
   std::string error;
   @autoreleasepool {
     MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // bfloat needs Metal 3.1 (macOS 14), the same version setup.py passes to `xcrun metal`.
+    // The flags setup.py passes to `xcrun metal`: bfloat needs Metal 3.1 (macOS 14); no fast
+    // math, so that the GPU computes what the simulator verified (build_macos.py says why).
+    // fastMathEnabled is deprecated from macOS 15 for mathMode, which macOS 14 lacks.
     options.languageVersion = MTLLanguageVersion3_1;
+    options.fastMathEnabled = NO;
     for (size_t i = 0; i < sources.size() && error.empty(); ++i) {
       NSError* ns_error = nil;
       id<MTLLibrary> library = [device() newLibraryWithSource:to_ns(sources[i])
@@ -123,12 +126,6 @@ void compile_sources(const std::vector<std::string>& sources) {
   }
   TORCH_CHECK(error.empty(), "torch-steel: the Metal runtime compiler rejected ", error);
   s.libraries = std::move(libraries);
-}
-
-bool library_loaded() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return !s.libraries.empty();
 }
 
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {

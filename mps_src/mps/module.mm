@@ -276,5 +276,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compile_sources", &steel::mps::compile_sources, py::arg("sources"),
         py::call_guard<py::gil_scoped_release>(),
         "Compiles shader sources with the Metal runtime compiler (no metallib installed).");
-  m.def("library_loaded", &steel::mps::library_loaded);
 }

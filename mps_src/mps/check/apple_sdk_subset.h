@@ -15,9 +15,10 @@
 
 // ---- Foundation ------------------------------------------------------------------------------
 
-typedef long NSInteger;
 typedef unsigned long NSUInteger;
 typedef bool BOOL;  // arm64 macOS: OBJC_BOOL_IS_BOOL
+#define YES __objc_yes  // <objc/objc.h> with objc_bool
+#define NO __objc_no
 #define nil nullptr  // <objc/objc.h> under C++11
 
 @protocol NSObject
@@ -99,6 +100,8 @@ typedef enum : NSUInteger {
 
 @interface MTLCompileOptions : NSObject
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
+// API_DEPRECATED("Use mathMode instead", macos(10.11, 15.0)): mathMode needs macOS 15.
+@property(readwrite, nonatomic) BOOL fastMathEnabled;
 @end
 
 @protocol MTLLibrary <NSObject>
