@@ -40,7 +40,7 @@ requires_planner = pytest.mark.skipif(not planner_ready()[0], reason=planner_rea
 
 def rand(*shape, dtype, gen, scale=1.0):
     """Values exactly representable in `dtype` (so float64 sees the kernel's exact inputs)."""
-    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
 
 def reference(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):

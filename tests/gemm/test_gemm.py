@@ -154,7 +154,7 @@ def test_gemm_storage_offsets(dtype):
     # Views into bigger buffers: odd storage offsets (no 16-byte vector loads) and aligned ones.
     gen = torch.Generator().manual_seed(6)
     big_a = rand(80, 90, dtype=dtype, gen=gen)
-    big_b = rand(70, 90, dtype=dtype, gen=gen)
+    big_b = rand(80, 90, dtype=dtype, gen=gen)
     big_c = rand(100, 100, dtype=dtype, gen=gen)
     for ao, bo in [(1, 3), (8, 8)]:
         a = big_a[ao : ao + 64, ao : ao + 64]

@@ -156,6 +156,9 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
   }
 
   // Epilogue in registers, then one store per element.
+  const bool use_c = gemm_use_c;
+  const bool has_bias = gemm_has_bias;
+  const int activation = gemm_activation;
   device OutT* dst = out + row0 * p.ldd + col0;
 #pragma clang loop unroll(full)
   for (short i = 0; i < G::MMA::TM; ++i) {
@@ -169,8 +172,7 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
         if (!full && cc + e >= n_valid) continue;
         float v = mma.acc.at(i, j).thread_elements()[e];
         if (!kSplitK) {
-          v = epilogue(v, row0 + r, col0 + cc + e, c, bias, p, gemm_use_c, gemm_has_bias,
-                       gemm_activation);
+          v = epilogue(v, row0 + r, col0 + cc + e, c, bias, p, use_c, has_bias, activation);
         }
         dst[r * p.ldd + cc + e] = OutT(v);
       }

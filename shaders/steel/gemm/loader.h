@@ -14,11 +14,27 @@ using namespace metal;
 
 namespace steel {
 
-// kVec elements moved as one 16-byte-or-smaller access. Only used where the planner has checked
-// that the device address is aligned to 16 bytes (see STEEL_GEMM_FC_VEC_A/B).
-template <typename T, short N>
-struct alignas(N * sizeof(T)) VecChunk {
-  T v[N];
+// The unsigned vector type of a given size: kVec elements are moved as one access of this type
+// (bits, not values, so the same copy serves every dtype). Only used where the planner has
+// checked that the device rows are 16-byte aligned (STEEL_GEMM_FC_VEC_A/B), so each access is
+// aligned to its own size.
+template <int kBytes>
+struct Bits;
+template <>
+struct Bits<2> {
+  using type = ushort;
+};
+template <>
+struct Bits<4> {
+  using type = uint;
+};
+template <>
+struct Bits<8> {
+  using type = uint2;
+};
+template <>
+struct Bits<16> {
+  using type = uint4;
 };
 
 template <typename T, short BROWS, short BCOLS, short kDstLd, short kThreads>
@@ -31,7 +47,7 @@ struct BlockLoader {
   static_assert(BROWS * BCOLS % (kThreads * kVec) == 0, "tile must split evenly over threads");
   static_assert(kRowsPerPass <= BROWS && BROWS % kRowsPerPass == 0, "tile rows vs threads");
 
-  using Chunk = VecChunk<T, kVec>;
+  using Chunk = typename Bits<kVec * sizeof(T)>::type;
 
   const int src_ld;
   const short row;  // this thread's first row in the tile
