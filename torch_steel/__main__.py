@@ -94,11 +94,11 @@ def main():
     with torch_steel.backend(name), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", torch_steel.FallbackWarning)
         results = _check_sdpa(device) + _check_varlen(device) + _check_gemm(device)
-    fell_back = {}
-    for w in caught:
-        if issubclass(w.category, torch_steel.FallbackWarning):
-            op = str(w.message).split(":", 1)[0].removeprefix("steel::")
-            fell_back[op] = str(w.message).split(";", 1)[0].split(": ", 1)[1]
+    fell_back = {
+        w.message.op: w.message.reason
+        for w in caught
+        if issubclass(w.category, torch_steel.FallbackWarning)
+    }
     print("which backend served each op:")
     for op in OPS:
         served = "reference" if name == "reference" or op in fell_back else name

@@ -27,7 +27,18 @@ _warned_lock = threading.Lock()
 
 
 class FallbackWarning(UserWarning):
-    """A Metal (or simulated Metal) path could not serve a call; reference math ran instead."""
+    """A Metal (or simulated Metal) path could not serve a call; reference math ran instead.
+
+    .op is the op name (e.g. "sdpa_backward"), .reason why the Metal path did not serve it.
+    """
+
+    def __init__(self, op, reason):
+        super().__init__(
+            f"steel::{op}: {reason}; using reference math instead (warned once; set "
+            "TORCH_STEEL_STRICT=1 to make this an error)"
+        )
+        self.op = op
+        self.reason = reason
 
 
 def _check_name(name):
@@ -84,9 +95,9 @@ def sim_status():
     except Exception as error:  # a half-installed simulator must not break the ops
         return False, f"the Metal simulator failed to load: {type(error).__name__}: {error}"
     if not ok:
-        return (
-            False,
-            "the Metal simulator is unavailable (it needs clang-19 and libclang-rt-19-dev)",
+        return False, (
+            "the Metal simulator is unavailable: torch_steel.sim.available() is False (clang-19 "
+            "and libclang-rt-19-dev missing, or the simulator build failed)"
         )
     return True, ""
 
@@ -114,12 +125,7 @@ def _fallback(op, reason):
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(
-        f"steel::{op}: {reason}; using reference math instead (warned once; set "
-        "TORCH_STEEL_STRICT=1 to make this an error)",
-        FallbackWarning,
-        stacklevel=3,
-    )
+    warnings.warn(FallbackWarning(op, reason), stacklevel=3)
 
 
 def _device_type(tensors):

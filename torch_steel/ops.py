@@ -34,7 +34,7 @@ import torch
 from . import reference as ref
 from .backends import backend, current_backend, run
 
-_LIB = torch.library.Library("steel", "FRAGMENT")  # noqa: TOR901 (kept alive for the defs below)
+_LIB = torch.library.Library("steel", "FRAGMENT")  # holds the composite ops defined below
 _ALIGNS = ("top_left", "bottom_right")
 
 
