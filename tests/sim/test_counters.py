@@ -103,3 +103,25 @@ def test_gemm_counters(dtype):
     assert total_mma == (m // 8) * (n // 8) * (k // 8)
     written = sum(b_["written"] for c in counters for b_ in c["buffers"].values())
     assert written >= m * n * a.element_size()
+
+
+def test_attention_shaped_kernel_numerics_and_counters():
+    queries, keys, dim = 32, 48, 64
+    q, k, v = (torch.randn(n, dim) for n in (queries, keys, keys))
+    o = torch.zeros(queries, dim)
+    c = sim.run_kernel(
+        "exec_attention_d64", sources=[KERNELS / "exec_attention.metal"], grid=(queries // 8,),
+        threads=(32,), counters=True,
+        buffers={0: q, 1: k, 2: v, 3: o, 4: struct.pack("<I", keys),
+                 5: struct.pack("<f", dim**-0.5)})
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double()[None], k.double()[None], v.double()[None])[0]
+    # float32 throughout; exp and the online rescaling each add a few ulp.
+    assert torch.allclose(o.double(), ref, rtol=1e-5, atol=1e-5)
+    blocks = keys // 8
+    # Per simdgroup and key block: 8 MMAs for Q K^T and 8 for P V.
+    assert c["mma"] == (queries // 8) * blocks * 16
+    # Q, K, V read from device memory: Q once, K and V once per query block.
+    assert c["buffers"][0]["read"] == q.numel() * 4
+    assert c["buffers"][1]["read"] == (queries // 8) * k.numel() * 4
+    assert c["buffers"][3] == {"read": 0, "written": o.numel() * 4}
