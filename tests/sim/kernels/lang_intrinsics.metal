@@ -1,0 +1,113 @@
+// Test-only kernels for tests/sim/test_intrinsics.py: every simd_* function (with exited lanes)
+// and metal:: math.
+#include <metal_stdlib>
+
+using namespace metal;
+
+#define SIMD_FLOAT_RESULTS 14
+#define SIMD_UINT_RESULTS 6
+
+// Lanes whose bit is set in exit_mask[simdgroup] return first; the others call every simd
+// function on x[thread] and write their results (the exited lanes' slots stay untouched).
+template <typename T>
+[[kernel]] void lang_simd(const device T* x [[buffer(0)]], device T* out [[buffer(1)]],
+                          device uint* uout [[buffer(2)]],
+                          const device uint* exit_mask [[buffer(3)]],
+                          uint tid [[thread_index_in_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  if ((exit_mask[sg] >> lane) & 1u) return;
+  const T v = x[tid];
+  device T* o = out + tid * SIMD_FLOAT_RESULTS;
+  o[0] = simd_shuffle(v, ushort((lane * 7 + 3) % 32));
+  o[1] = simd_shuffle_xor(v, ushort(5));
+  o[2] = simd_shuffle_up(v, ushort(3));
+  o[3] = simd_shuffle_down(v, ushort(3));
+  o[4] = simd_shuffle_rotate_up(v, ushort(3));
+  o[5] = simd_shuffle_rotate_down(v, ushort(3));
+  o[6] = simd_broadcast(v, ushort(9));
+  o[7] = simd_broadcast_first(v);
+  o[8] = simd_sum(v);
+  o[9] = simd_max(v);
+  o[10] = simd_min(v);
+  o[11] = simd_prefix_inclusive_sum(v);
+  o[12] = simd_prefix_exclusive_sum(v);
+  o[13] = simd_product(v);
+  device uint* u = uout + tid * SIMD_UINT_RESULTS;
+  const bool positive = v > T(0);
+  u[0] = uint(ulong(simd_ballot(positive)));
+  u[1] = simd_all(positive) ? 1 : 0;
+  u[2] = simd_any(positive) ? 1 : 0;
+  u[3] = simd_is_first() ? 1 : 0;
+  u[4] = uint(ulong(simd_active_threads_mask()));
+  u[5] = simd_sum(uint(lane));
+}
+
+template [[host_name("lang_simd_f32")]] [[kernel]] decltype(lang_simd<float>) lang_simd<float>;
+template [[host_name("lang_simd_f16")]] [[kernel]] decltype(lang_simd<half>) lang_simd<half>;
+template [[host_name("lang_simd_i32")]] [[kernel]] decltype(lang_simd<int>) lang_simd<int>;
+
+// simd functions on vectors act per component.
+[[kernel]] void lang_simd_vector(const device float2* x [[buffer(0)]],
+                                 device float2* out [[buffer(1)]],
+                                 uint lane [[thread_index_in_simdgroup]]) {
+  const float2 v = x[lane];
+  out[3 * lane] = simd_sum(v);
+  out[3 * lane + 1] = simd_shuffle_xor(v, ushort(1));
+  out[3 * lane + 2] = simd_max(v);
+}
+
+#define MATH_RESULTS 24
+
+// metal:: math of x[i] (and y[i] for two-argument functions), in T.
+template <typename T>
+[[kernel]] void lang_math(const device T* x [[buffer(0)]], const device T* y [[buffer(1)]],
+                          device T* out [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  const T a = x[i];
+  const T b = y[i];
+  device T* o = out + i * MATH_RESULTS;
+  o[0] = exp(a);
+  o[1] = exp2(a);
+  o[2] = log(abs(a));
+  o[3] = log2(abs(a));
+  o[4] = sqrt(abs(a));
+  o[5] = rsqrt(abs(a));
+  o[6] = tanh(a);
+  o[7] = fast::exp(a);
+  o[8] = precise::tanh(a);
+  o[9] = max(a, b);
+  o[10] = min(a, b);
+  o[11] = clamp(a, T(-1), T(1));
+  o[12] = abs(a);
+  o[13] = fma(a, b, a);
+  o[14] = select(a, b, a < b);
+  o[15] = floor(a);
+  o[16] = ceil(a);
+  o[17] = round(a);
+  o[18] = trunc(a);
+  o[19] = isnan(a) ? T(1) : T(0);
+  o[20] = isinf(a) ? T(1) : T(0);
+  o[21] = pow(abs(a), b);
+  o[22] = fast::max(a, b);
+  o[23] = numeric_limits<T>::max();
+}
+
+template [[host_name("lang_math_f32")]] [[kernel]] decltype(lang_math<float>) lang_math<float>;
+template [[host_name("lang_math_f16")]] [[kernel]] decltype(lang_math<half>) lang_math<half>;
+
+// Vector math, per component, and reductions of comparisons.
+[[kernel]] void lang_math_vector(const device float4* x [[buffer(0)]],
+                                 device float4* out [[buffer(1)]],
+                                 device uint* flags [[buffer(2)]]) {
+  const float4 a = x[0];
+  const float4 b = x[1];
+  out[0] = max(a, b);
+  out[1] = max(a, 0.0f);
+  out[2] = clamp(a, -1.0f, 1.0f);
+  out[3] = select(a, b, a < b);
+  out[4] = exp(a);
+  out[5] = fma(a, b, a);
+  flags[0] = all(a < b) ? 1 : 0;
+  flags[1] = any(a < b) ? 1 : 0;
+  flags[2] = any(isnan(a)) ? 1 : 0;
+}
