@@ -197,6 +197,40 @@ def test_gemm_encoder_matches_simulator(case, recorder, sim):
         assert record["dispatches"], "an op on non-empty tensors encodes at least one dispatch"
 
 
+def _attn_options(**changes):
+    """The options the op layer passes for "sdpa" (torch_steel/ops.py)."""
+    options = {"dropout_p": 0.0, "is_causal": False, "scale": 0.125, "softcap": 0.0,
+               "window_left": -1, "window_right": -1, "bottom_right": False, "seed_lo": 0,
+               "seed_hi": 0, "offset": 0}
+    options.update(changes)
+    return options
+
+
+# sdpa tensors [q, k, v, attn_mask, sinks].
+_SDPA_CASES = {
+    "prefill_f16": ([_t(2, 4, 77, 64), _t(2, 4, 77, 64), _t(2, 4, 77, 64), None, None],
+                    _attn_options()),
+    "causal_gqa_bf16": ([_t(1, 8, 130, 64, dtype=torch.bfloat16),
+                         _t(1, 2, 130, 64, dtype=torch.bfloat16),
+                         _t(1, 2, 130, 64, dtype=torch.bfloat16), None, None],
+                        _attn_options(is_causal=True)),
+    "bool_mask_f32": ([_t(1, 2, 33, 32, dtype=torch.float32), _t(1, 2, 45, 32, dtype=torch.float32),
+                       _t(1, 2, 45, 32, dtype=torch.float32), _t(33, 45, dtype=torch.bool), None],
+                      _attn_options()),
+    "decode_f16": ([_t(4, 8, 1, 128), _t(4, 8, 4096, 128), _t(4, 8, 4096, 128), None, None],
+                   _attn_options(scale=128 ** -0.5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SDPA_CASES))
+def test_sdpa_encoder_matches_simulator(case, recorder, sim):
+    if _planner_source("sdpa") is None:
+        pytest.skip("no sdpa planner in mps_src/plan/ yet")
+    tensors, options = _SDPA_CASES[case]
+    record = _record(recorder, "sdpa", tensors, options)
+    assert record == _sim_view(sim.plan("sdpa", tensors, options))
+
+
 def test_unknown_op_is_refused(recorder):
     record = _record(recorder, "no_such_op", [_t(4, 4)], {})
     assert record == {"ok": False, "reason": "no Metal kernel for op 'no_such_op' yet"}

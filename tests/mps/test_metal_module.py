@@ -108,3 +108,15 @@ def test_other_errors_propagate(fake, tmp_path):
 )
 def test_refusal_reason(message, reason):
     assert metal.refusal_reason(message) == reason
+
+
+def test_fake_matches_the_extension_source():
+    """The stand-in above has exactly the functions module.mm exports, and the same prefix."""
+    import re
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "mps_src" / "mps" / "module.mm").read_text()
+    exported = set(re.findall(r'm\.def\("(\w+)"', source))
+    faked = {name for name in vars(FakeExtension) if not name.startswith("_")}
+    assert exported == faked
+    assert f'kRefused = "{metal.REFUSED_PREFIX}"' in source
