@@ -4,6 +4,9 @@ The extension itself only builds on macOS; here a stand-in with the same functio
 the Python wrapper does with it.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,9 +115,6 @@ def test_refusal_reason(message, reason):
 
 def test_fake_matches_the_extension_source():
     """The stand-in above has exactly the functions module.mm exports, and the same prefix."""
-    import re
-    from pathlib import Path
-
     source = (Path(__file__).resolve().parents[2] / "mps_src" / "mps" / "module.mm").read_text()
     exported = set(re.findall(r'm\.def\("(\w+)"', source))
     faked = {name for name in vars(FakeExtension) if not name.startswith("_")}
