@@ -545,7 +545,7 @@ class _Translator:
                     raise r.error(marker, f"unsupported kernel attribute [[{name}]]")
         r.sub(marker, marker_end, "")
         # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
-        is_template = r.t(stmt_start) == "template"
+        is_template = self.follows_template_head(r, marker)
         j = marker_end
         while r.t(j) != "(":
             if r.t(j) in (";", "{", "}") or j >= len(r.sig):
@@ -580,6 +580,30 @@ class _Translator:
             struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"
         r.add_after(body_end, struct)
         return close + 1
+
+    @staticmethod
+    def follows_template_head(r: _Rewriter, k: int) -> bool:
+        """Whether `template <...>` (and maybe attributes) comes right before token k."""
+        j = k - 1
+        while r.t(j) == "]" and r.t(j - 1) == "]":
+            depth = 0
+            while j >= 0:
+                depth += r.t(j) == "]"
+                depth -= r.t(j) == "["
+                if depth == 0:
+                    break
+                j -= 1
+            j -= 1
+        if r.t(j) != ">":
+            return False
+        depth = 0
+        while j >= 0:
+            depth += r.t(j) == ">"
+            depth -= r.t(j) == "<"
+            if depth == 0:
+                return r.t(j - 1) == "template"
+            j -= 1
+        return False
 
     def kernel_params(self, r: _Rewriter, a: int, b: int) -> list[str]:
         out = []

@@ -1,0 +1,183 @@
+"""simdgroup_matrix<T, 8, 8>: Apple's fragment map, simdgroup_load / simdgroup_store with
+elements_per_row, matrix_origin (x = column, y = row of the source) and transpose_matrix, from
+device and threadgroup memory, and simdgroup_multiply_accumulate bit-exact to the order DESIGN.md
+states: start from C, add the eight products in index order, all in binary32, round to D's type
+(kernels: tests/sim/kernels/lang_simdgroup_matrix.metal).
+"""
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "lang_simdgroup_matrix.metal"]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    try:
+        from torch_steel import sim
+    except ImportError as e:
+        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
+    if not hasattr(sim, "run_kernel"):
+        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def run(name, **kw):
+    from torch_steel import sim
+
+    return sim.run_kernel(name, sources=SRC, **kw)
+
+
+def lane_elements(lane: int) -> tuple[int, int]:
+    """(row, first column) of a lane's two elements, as DESIGN.md section 4 states the map."""
+    q = lane // 4
+    return (q & 4) + (lane // 2) % 4, (q & 2) * 2 + (lane % 2) * 2
+
+
+def test_fragment_map():
+    out = torch.full((64,), -1.0)
+    run("lang_fragment_map", grid=(1,), threads=(32,), buffers={0: out})
+    expected = torch.full((8, 8), -1.0)
+    for lane in range(32):
+        r, c = lane_elements(lane)
+        expected[r, c], expected[r, c + 1] = 2 * lane, 2 * lane + 1
+    assert torch.equal(out.view(8, 8), expected)
+    assert sorted(out.tolist()) == list(range(64))  # every element owned exactly once
+
+
+def load_store_args(src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t) -> bytes:
+    return struct.pack("8I", src_per_row, *src_xy, int(src_t), dst_per_row, *dst_xy, int(dst_t))
+
+
+def expected_load_store(src, dst, src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t):
+    """The matrix M with M[r, c] = src[(y + r) * per_row + x + c] (or [(y + c) * ... + r] when
+    transposed), stored the same way into a copy of dst."""
+    out = dst.clone()
+    sx, sy = src_xy
+    dx, dy = dst_xy
+    for r in range(8):
+        for c in range(8):
+            i = (sy + c) * src_per_row + sx + r if src_t else (sy + r) * src_per_row + sx + c
+            j = (dy + c) * dst_per_row + dx + r if dst_t else (dy + r) * dst_per_row + dx + c
+            out[j] = src[i]
+    return out
+
+
+LAYOUTS = {
+    "plain": (8, (0, 0), False, 8, (0, 0), False),
+    "strided_origin": (13, (3, 2), False, 11, (2, 5), False),
+    "transpose_load": (12, (1, 4), True, 10, (0, 1), False),
+    "transpose_store": (9, (0, 0), False, 16, (5, 3), True),
+    "transpose_both": (20, (7, 1), True, 17, (4, 2), True),
+}
+
+
+@pytest.mark.parametrize("memory", ["device", "threadgroup"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("tname", list(DTYPES))
+def test_load_store(tname, layout, memory):
+    dtype = DTYPES[tname]
+    n = 400
+    src = (torch.arange(n) % 250 - 125).to(dtype)  # exact in every type, distinct within 250
+    dst = torch.full((n,), -500.0, dtype=dtype)
+    args = LAYOUTS[layout]
+    expected = expected_load_store(src, dst, *args)
+    buffers = {0: src, 1: dst, 2: load_store_args(*args)}
+    if memory == "device":
+        run(f"lang_load_store_{tname}", grid=(1,), threads=(32,), buffers=buffers)
+    else:
+        buffers[3] = struct.pack("I", n)
+        run(f"lang_load_store_tg_{tname}", grid=(1,), threads=(32,), buffers=buffers)
+    assert torch.equal(dst, expected)
+
+
+def mma_reference(a, b, c, out_dtype):
+    """D = A B + C as DESIGN.md states: acc = C[r, c]; acc += A[r, k] * B[k, c] for k = 0..7,
+    every product and sum rounded to binary32; then rounded to D's type."""
+    a32 = a.float().numpy()
+    b32 = b.float().numpy()
+    acc = c.float().numpy().copy() if c is not None else np.zeros((8, 8), np.float32)
+    for k in range(8):
+        acc = (acc + np.outer(a32[:, k], b32[k, :]).astype(np.float32)).astype(np.float32)
+    return torch.from_numpy(acc).to(out_dtype)
+
+
+MMA_TYPES = [
+    ("f32", "f16", "f16", "f32"),
+    ("f32", "bf16", "bf16", "f32"),
+    ("f32", "f32", "f32", "f32"),
+    ("f16", "f16", "f16", "f16"),
+    ("bf16", "bf16", "bf16", "bf16"),
+    ("f16", "f16", "f16", "f32"),
+    ("f32", "f16", "f32", "f16"),
+]
+
+
+def mma_operands(ta, tb, tc, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Wide exponent range: the order of the additions changes the rounded result.
+    scale = torch.tensor([2.0**e for e in range(-6, 6)])
+    pick = lambda: scale[torch.randint(0, len(scale), (8, 8), generator=g)]  # noqa: E731
+    a = (torch.randn(8, 8, generator=g) * pick()).to(DTYPES[ta])
+    b = (torch.randn(8, 8, generator=g) * pick()).to(DTYPES[tb])
+    c = (torch.randn(8, 8, generator=g) * 50).to(DTYPES[tc])
+    return a, b, c
+
+
+@pytest.mark.parametrize("types", MMA_TYPES, ids=["_".join(t) for t in MMA_TYPES])
+@pytest.mark.parametrize("mode", ["accumulate", "multiply"])
+def test_mma_is_bit_exact_to_the_stated_order(types, mode):
+    td, ta, tb, tc = types
+    a, b, c = mma_operands(ta, tb, tc, seed=11)
+    d = torch.full((8, 8), -9.0, dtype=DTYPES[td])
+    run(f"lang_mma_{'_'.join(types)}", grid=(1,), threads=(32,),
+        buffers={0: a, 1: b, 2: c, 3: d, 4: struct.pack("I", 0 if mode == "accumulate" else 1)})
+    expected = mma_reference(a, b, c if mode == "accumulate" else None, DTYPES[td])
+    assert torch.equal(d.view(torch.int16 if d.element_size() == 2 else torch.int32),
+                       expected.view(torch.int16 if d.element_size() == 2 else torch.int32))
+
+
+def test_mma_reference_order_matters():
+    """The operands above make the summation order visible: a float64 product differs."""
+    a, b, c = mma_operands("f16", "f16", "f32", seed=11)
+    ordered = mma_reference(a, b, c, torch.float32)
+    exact = (a.double() @ b.double() + c.double()).float()
+    assert not torch.equal(ordered, exact)
+
+
+def test_mma_accumulator_aliasing_destination():
+    a, b, c = mma_operands("f16", "f16", "f32", seed=12)
+    acc = c.clone()
+    run("lang_mma_inplace_f16", grid=(1,), threads=(32,), buffers={0: a, 1: b, 2: acc})
+    once = mma_reference(a, b, c, torch.float32)
+    assert torch.equal(acc, mma_reference(a, b, once, torch.float32))
+
+
+def test_diagonal_and_filled_matrices():
+    out = torch.zeros(128)
+    run("lang_matrix_init", grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out[:64].view(8, 8), torch.eye(8) * 2.5)
+    assert torch.equal(out[64:], torch.full((64,), -1.0))
+
+
+def test_mma_with_exited_lanes_is_an_error():
+    from torch_steel.errors import SimulatorError
+
+    out = torch.zeros(64)
+    with pytest.raises(SimulatorError, match="lang_mma_after_exit"):
+        run("lang_mma_after_exit", grid=(1,), threads=(32,),
+            buffers={0: out, 1: struct.pack("I", 20)})
+    run("lang_mma_after_exit", grid=(1,), threads=(32,), buffers={0: out, 1: struct.pack("I", 32)})
+    assert torch.equal(out, torch.full((64,), 9.0))  # 1 + 8 * (1 * 1)
