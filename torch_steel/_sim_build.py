@@ -257,15 +257,17 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (" ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
              f" -include {_q(SIM_SRC / 'shader_prelude.h')}")
-    rules = f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+    host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
+    rules = (f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+             f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n")
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
         builds.append(f"build {obj}: cc {_q(mirrored)}")
         objs.append(obj)
-    # A library with no kernels (none given, or none built) still loads.
-    (out / "empty.cpp").write_text("")
-    builds.append(f"build obj/empty.o: cc {_q(out / 'empty.cpp')}")
+    # The load/store callbacks, so that shader code calls them without the PLT; also what a
+    # library with no kernels (none given, or none built) consists of.
+    builds.append(f"build obj/callbacks.o: host {_q(SIM_SRC / 'shader' / 'callbacks.cpp')}")
     (out / "build.ninja").write_text("\n".join([f"cxx = {CXX}", rules, *builds, ""]))
     subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS, "-k", "0"], check=False,
                    capture_output=True, text=True)
@@ -274,7 +276,10 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
             errors.append(f"{original}:\n{log[-6000:]}")
-    built = [obj for obj in [*objs, "obj/empty.o"] if (out / obj).exists()]
+    if not (out / "obj" / "callbacks.o").exists():
+        raise SimulatorError(f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
+                             + (out / "obj" / "callbacks.o.log").read_text())
+    built = [obj for obj in [*objs, "obj/callbacks.o"] if (out / obj).exists()]
     if errors and strict:
         raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
     link = subprocess.run([CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}",

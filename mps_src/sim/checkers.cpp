@@ -204,9 +204,10 @@ void tg_access(uintptr_t a, size_t n, bool write) {
 
 inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write) {
   auto a = reinterpret_cast<uintptr_t>(p);
-  if (a - g.dev_lo < g.dev_size) {
+  const SteelSimArenas& arenas = steel_sim_arenas;
+  if (a - arenas.dev_lo < arenas.dev_size) {
     device_access(a, n, write);
-  } else if (a - g.tg_lo < g.tg_size) {
+  } else if (a - arenas.tg_lo < arenas.tg_size) {
     tg_access(a, n, write);
   }
 }
@@ -266,13 +267,13 @@ void bind_device(const LaunchSpec& spec) {
     g.buffer_bound[d.index] = true;
   }
   g.dev_last = nullptr;
-  g.dev_lo = reinterpret_cast<uintptr_t>(g_arena);
-  g.dev_size = g_arena_bytes;
+  steel_sim_arenas.dev_lo = reinterpret_cast<uintptr_t>(g_arena);
+  steel_sim_arenas.dev_size = g_arena_bytes;
 }
 
 void unbind_device(bool write_back) {
-  g.dev_size = 0;
-  g.tg_size = 0;
+  steel_sim_arenas.dev_size = 0;
+  steel_sim_arenas.tg_size = 0;
   if (write_back) {
     for (const Region& r : g_regions) {
       if (r.write_back && r.host_hi > r.host_lo) {
@@ -322,8 +323,8 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
     }
   }
   g.tg_used = static_cast<uint32_t>(used);
-  g.tg_lo = reinterpret_cast<uintptr_t>(g_tg_arena);
-  g.tg_size = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+  steel_sim_arenas.tg_lo = reinterpret_cast<uintptr_t>(g_tg_arena);
+  steel_sim_arenas.tg_size = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
 }
 
 void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_used); }
@@ -353,9 +354,18 @@ void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align) {
 }  // namespace detail
 }  // namespace steel_sim
 
-// The coverage callbacks. They must not be instrumented themselves (this TU is host code, built
-// without -fsanitize-coverage).
 extern "C" {
+
+__attribute__((visibility("default"))) SteelSimArenas steel_sim_arenas = {0, 0, 0, 0};
+
+__attribute__((visibility("default"))) void steel_sim_access(const void* p, size_t n,
+                                                             bool write) {
+  steel_sim::detail::on_access(p, n, write);
+}
+
+// The coverage callbacks for shader code that does not link shader/callbacks.cpp's faster
+// copies. They must not be instrumented themselves (this TU is host code, built without
+// -fsanitize-coverage).
 #define STEEL_SIM_CALLBACKS(n)                                                                  \
   __attribute__((visibility("default"))) void __sanitizer_cov_load##n(void* p) {              \
     steel_sim::detail::on_access(p, n, false);                                               \

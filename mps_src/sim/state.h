@@ -16,6 +16,7 @@
 #include "fiber.h"
 #include "sim.h"
 #include "sim/runtime.h"
+#include "sim/shader/callbacks.h"
 
 #define STEEL_SIM_HIDDEN __attribute__((visibility("hidden")))
 
@@ -87,17 +88,15 @@ struct Sim {
   uint32_t nsimd = 0;
   std::map<uint32_t, steel::FunctionConstant> constants;
 
-  // Device memory: bound buffers in one arena; everything else in the arena is a guard gap.
-  uintptr_t dev_lo = 0;
-  uintptr_t dev_size = 0;  // 0 outside a launch: the callbacks then ignore every address
+  // Device memory: bound buffers in one arena (steel_sim_arenas.dev_*); everything else in the
+  // arena is a guard gap.
   std::vector<DeviceBuffer> dev;  // sorted by lo
   DeviceBuffer* dev_last = nullptr;
   void* buffer_base[kMaxBufferIndex + 1] = {};
   bool buffer_bound[kMaxBufferIndex + 1] = {};
 
-  // Threadgroup memory: [guard][32 KiB][guard]; [tg_base, tg_base + tg_used) is allocated.
-  uintptr_t tg_lo = 0;
-  uintptr_t tg_size = 0;
+  // Threadgroup memory (steel_sim_arenas.tg_*): [guard][32 KiB][guard];
+  // [tg_base, tg_base + tg_used) is allocated.
   char* tg_base = nullptr;
   uint32_t tg_used = 0;
   std::map<uint32_t, std::pair<uint32_t, uint32_t>> tg_args;  // [[threadgroup(i)]] -> offset, bytes

@@ -1,0 +1,95 @@
+"""Simulator speed: simulated simdgroup MMAs per second and lane switches per second.
+
+    python bench/bench_sim.py [--size 512] [--repeat 3]
+
+Workloads: the steel GEMM through torch_steel.sim.run_op("gemm", ...) (f16, size^3; the target
+is 512^3 in under 5 s on one core), and the attention-shaped test kernel
+tests/sim/kernels/exec_attention.metal (flash-attention forward, head dim 64). Each runs with the
+checkers on (the default) and off. The first call (the build) is not timed. This is a
+benchmark, not a test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch_steel import sim  # noqa: E402
+
+ATTENTION = ROOT / "tests" / "sim" / "kernels" / "exec_attention.metal"
+
+
+def best_of(repeat: int, fn):
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, result
+
+
+def report(name: str, seconds: float, counters: list[dict], extra: str = "") -> None:
+    mma = sum(c["mma"] for c in counters)
+    switches = sum(c["lane_switches"] for c in counters)
+    simd = sum(c["simd_ops"] for c in counters)
+    print(f"{name:44s} {seconds:8.3f} s  {mma / seconds / 1e3:9.1f} k MMA/s  "
+          f"{switches / seconds / 1e6:7.2f} M switches/s  ({mma} MMAs, {simd} simd ops, "
+          f"{switches} switches){extra}")
+
+
+def bench_gemm(size: int, repeat: int, checkers: bool) -> None:
+    a = torch.randn(size, size).half()
+    b = torch.randn(size, size).half()
+    sim.run_op("gemm", [a[:32, :32], b[:32, :32], None, None], {})  # build, not timed
+    seconds, (outs, counters) = best_of(repeat, lambda: sim.run_op(
+        "gemm", [a, b, None, None], {}, counters=True, checkers=checkers))
+    err = (outs[0].double() - a.double() @ b.double()).abs().max().item()
+    kernels = ",".join(sorted({c["kernel"] for c in counters}))
+    report(f"gemm f16 {size}^3 checkers={'on' if checkers else 'off'}", seconds, counters,
+           f"  max|err| {err:.3g}  [{kernels}]")
+
+
+def bench_attention(queries: int, keys: int, repeat: int, checkers: bool) -> None:
+    dim = 64
+    q, k, v = (torch.randn(n, dim) for n in (queries, keys, keys))
+    o = torch.zeros(queries, dim)
+
+    def run():
+        return sim.run_kernel(
+            "exec_attention_d64", sources=[ATTENTION], grid=(queries // 8,), threads=(32,),
+            counters=True, checkers=checkers,
+            buffers={0: q, 1: k, 2: v, 3: o, 4: struct.pack("<I", keys),
+                     5: struct.pack("<f", dim**-0.5)})
+
+    run()  # build, not timed
+    seconds, counters = best_of(repeat, run)
+    report(f"attention d64 {queries}x{keys} checkers={'on' if checkers else 'off'}", seconds,
+           [counters])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=512, help="GEMM M = N = K")
+    parser.add_argument("--queries", type=int, default=512)
+    parser.add_argument("--keys", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    args = parser.parse_args()
+    if not sim.available():
+        sys.exit("the simulator is not available (apt-get install clang-19 libclang-rt-19-dev)")
+    torch.manual_seed(0)
+    for checkers in (True, False):
+        bench_gemm(args.size, args.repeat, checkers)
+    for checkers in (True, False):
+        bench_attention(args.queries, args.keys, args.repeat, checkers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+// The sanitizer-coverage callbacks, linked into every shader library (compiled without
+// -fsanitize-coverage). Hidden, so that the shader code calls them directly rather than through
+// the PLT; only accesses inside the device or threadgroup arena reach the runtime.
+#include "sim/shader/callbacks.h"
+
+namespace {
+
+inline __attribute__((always_inline)) void check(void* p, size_t n, bool write) {
+  const SteelSimArenas& a = steel_sim_arenas;
+  auto addr = reinterpret_cast<uintptr_t>(p);
+  if (addr - a.dev_lo < a.dev_size || addr - a.tg_lo < a.tg_size) steel_sim_access(p, n, write);
+}
+
+}  // namespace
+
+extern "C" {
+#define STEEL_SIM_CALLBACKS(n)                                                     \
+  __attribute__((visibility("hidden"))) void __sanitizer_cov_load##n(void* p) {  \
+    check(p, n, false);                                                          \
+  }                                                                              \
+  __attribute__((visibility("hidden"))) void __sanitizer_cov_store##n(void* p) { \
+    check(p, n, true);                                                           \
+  }
+STEEL_SIM_CALLBACKS(1)
+STEEL_SIM_CALLBACKS(2)
+STEEL_SIM_CALLBACKS(4)
+STEEL_SIM_CALLBACKS(8)
+STEEL_SIM_CALLBACKS(16)
+#undef STEEL_SIM_CALLBACKS
+}

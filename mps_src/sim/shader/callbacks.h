@@ -1,0 +1,23 @@
+// The address ranges the load/store callbacks watch, shared by the runtime (which sets them for
+// each launch) and the callbacks linked into every shader library (shader/callbacks.cpp), which
+// test them inline so that the common case, an access to the lane's own variables, costs two
+// compares and no call into the runtime.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+extern "C" {
+
+struct SteelSimArenas {
+  uintptr_t dev_lo;
+  uintptr_t dev_size;  // 0 outside a launch: then no address is watched
+  uintptr_t tg_lo;
+  uintptr_t tg_size;
+};
+
+extern SteelSimArenas steel_sim_arenas;
+
+// The slow path: an access inside one of the arenas (counted, checked).
+void steel_sim_access(const void* p, size_t n, bool write);
+}
