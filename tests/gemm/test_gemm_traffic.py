@@ -1,0 +1,44 @@
+"""The traffic model of bench/bench_gemm.py against the simulator's counters: the bytes each
+dispatch of a GEMM plan reads and writes per buffer, predicted from the plan alone, must equal what
+the simulator counts, and the model must never beat the minimum (each operand moved once)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gemm_helpers import rand, requires_simulator
+
+from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_gemm  # noqa: E402
+
+pytestmark = requires_simulator
+
+
+@pytest.mark.parametrize(
+    "batch,m,n,k,epilogue",
+    [
+        (1, 64, 64, 64, False),
+        (1, 33, 65, 47, True),
+        (3, 40, 24, 16, True),
+        (1, 16, 16, 1024, True),  # split-K: partials written and re-read
+        (1, 1, 200, 96, False),
+    ],
+)
+def test_traffic_model_matches_counters(batch, m, n, k, epilogue):
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = rand(*((batch,) if batch > 1 else ()), m, k, dtype=dtype, gen=gen)
+    b = rand(k, n, dtype=dtype, gen=gen)
+    bias = rand(n, dtype=dtype, gen=gen) if epilogue else None
+    options = {"activation": "relu" if epilogue else "none"}
+    p = sim.plan("gemm", [a, b, bias, None], options)
+    predicted = bench_gemm.model(p, batch, m, n, k, 2, use_c=False, use_bias=epilogue)
+    _, counters = sim.run_op("gemm", [a, b, bias, None], options, counters=True)
+    assert bench_gemm.counted(counters) == predicted
+    minimum = (batch * m * k + k * n + (n if epilogue else 0) + batch * m * n) * 2
+    assert bench_gemm.total(predicted) >= minimum
