@@ -412,7 +412,7 @@ class _Translator:
                 if "kernel" in names:
                     if in_directive:
                         raise r.error(k, "a kernel defined inside a #define is not supported")
-                    k = self.kernel(r, k, end, stmt_start)
+                    k = self.kernel(r, k, end)
                     continue
                 elif "function_constant" in names:
                     pass  # handled by constant_decl
@@ -424,8 +424,10 @@ class _Translator:
                 k = self.instantiation(r, k)
                 stmt_start = k
                 continue
-            if s == "kernel" and r.t(k + 1) == "void" and at_ns and not in_directive:
-                k = self.kernel(r, k, k + 1, stmt_start)
+            if s == "kernel" and r.t(k + 1) == "void" and at_ns:
+                if in_directive:
+                    raise r.error(k, "a kernel defined inside a #define is not supported")
+                k = self.kernel(r, k, k + 1)
                 continue
             if start_of_stmt and s == "constant" and at_ns:
                 nk = self.constant_decl(r, k)
@@ -534,7 +536,7 @@ class _Translator:
         return r.in_directive
 
     # ---- [[kernel]] void f(params) { body }
-    def kernel(self, r: _Rewriter, marker: int, marker_end: int, stmt_start: int) -> int:
+    def kernel(self, r: _Rewriter, marker: int, marker_end: int) -> int:
         host = None
         if r.t(marker) == "[":
             items = self.attribute_items(r, marker, marker_end)

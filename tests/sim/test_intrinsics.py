@@ -117,18 +117,28 @@ def test_simd_functions_match_their_definitions(tname, exits):
     out = torch.full((64 * FLOAT_RESULTS,), sentinel, dtype=tdtype)
     uout = torch.full((64 * UINT_RESULTS,), 12345, dtype=torch.int64).to(torch.int32)
     masks = EXIT_MASKS[exits]
-    exit_mask = torch.tensor([m - (1 << 32) if m >= 1 << 31 else m for m in masks],
-                             dtype=torch.int32)
-    run(f"lang_simd_{tname}", grid=(1,), threads=(64,),
-        buffers={0: x, 1: out, 2: uout, 3: exit_mask})
+    exit_mask = torch.tensor(
+        [m - (1 << 32) if m >= 1 << 31 else m for m in masks], dtype=torch.int32
+    )
+    run(
+        f"lang_simd_{tname}",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: x, 1: out, 2: uout, 3: exit_mask},
+    )
     out = out.view(64, FLOAT_RESULTS).numpy()
     uout = uout.view(64, UINT_RESULTS).numpy().astype(np.uint32)
     xn = x.numpy()
-    undefined = np.array(-1, dtype=np.int32).view(np.float32) if ndtype == np.float32 else (
-        np.array(-1, dtype=np.int16).view(np.float16) if ndtype == np.float16 else np.int32(-1))
+    undefined = (
+        np.array(-1, dtype=np.int32).view(np.float32)
+        if ndtype == np.float32
+        else (
+            np.array(-1, dtype=np.int16).view(np.float16) if ndtype == np.float16 else np.int32(-1)
+        )
+    )
     for sg in range(2):
         active = [lane for lane in range(32) if not (masks[sg] >> lane) & 1]
-        vals, uvals = expected_simd(xn[32 * sg:32 * sg + 32].astype(ndtype), active, undefined)
+        vals, uvals = expected_simd(xn[32 * sg : 32 * sg + 32].astype(ndtype), active, undefined)
         for lane in range(32):
             row, urow = out[32 * sg + lane], uout[32 * sg + lane]
             if lane not in active:
@@ -151,8 +161,12 @@ def test_simd_sum_order_is_ascending_lanes_in_t_precision():
     x[0] = 1.0
     out = torch.zeros(64 * FLOAT_RESULTS, dtype=torch.float16)
     uout = torch.zeros(64 * UINT_RESULTS, dtype=torch.int32)
-    run("lang_simd_f16", grid=(1,), threads=(64,),
-        buffers={0: x, 1: out, 2: uout, 3: torch.zeros(2, dtype=torch.int32)})
+    run(
+        "lang_simd_f16",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: x, 1: out, 2: uout, 3: torch.zeros(2, dtype=torch.int32)},
+    )
     assert out.view(64, FLOAT_RESULTS)[0, 8].item() == 1.0
 
 
@@ -187,14 +201,31 @@ def test_math_functions(tname):
     rounded_away = torch.sign(a) * torch.floor(a.abs() + 0.5)  # MSL round(): ties away from 0
     fmax = torch.finfo(tdtype).max
     approx = {
-        0: a.exp(), 1: torch.exp2(a), 2: a.abs().log(), 3: a.abs().log2(), 4: a.abs().sqrt(),
-        5: a.abs().rsqrt(), 6: a.tanh(), 7: a.exp(), 8: a.tanh(), 13: a * b + a,
+        0: a.exp(),
+        1: torch.exp2(a),
+        2: a.abs().log(),
+        3: a.abs().log2(),
+        4: a.abs().sqrt(),
+        5: a.abs().rsqrt(),
+        6: a.tanh(),
+        7: a.exp(),
+        8: a.tanh(),
+        13: a * b + a,
         21: a.abs().pow(b),
     }
     exact = {
-        9: torch.maximum(a, b), 10: torch.minimum(a, b), 11: a.clamp(-1, 1), 12: a.abs(),
-        14: torch.where(a < b, b, a), 15: a.floor(), 16: a.ceil(), 17: rounded_away,
-        18: a.trunc(), 19: a.isnan().double(), 20: a.isinf().double(), 22: torch.maximum(a, b),
+        9: torch.maximum(a, b),
+        10: torch.minimum(a, b),
+        11: a.clamp(-1, 1),
+        12: a.abs(),
+        14: torch.where(a < b, b, a),
+        15: a.floor(),
+        16: a.ceil(),
+        17: rounded_away,
+        18: a.trunc(),
+        19: a.isnan().double(),
+        20: a.isinf().double(),
+        22: torch.maximum(a, b),
     }
     for j, e in approx.items():
         e = e.to(tdtype).double()

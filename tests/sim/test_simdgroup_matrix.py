@@ -142,11 +142,17 @@ def test_mma_is_bit_exact_to_the_stated_order(types, mode):
     td, ta, tb, tc = types
     a, b, c = mma_operands(ta, tb, tc, seed=11)
     d = torch.full((8, 8), -9.0, dtype=DTYPES[td])
-    run(f"lang_mma_{'_'.join(types)}", grid=(1,), threads=(32,),
-        buffers={0: a, 1: b, 2: c, 3: d, 4: struct.pack("I", 0 if mode == "accumulate" else 1)})
+    run(
+        f"lang_mma_{'_'.join(types)}",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: a, 1: b, 2: c, 3: d, 4: struct.pack("I", 0 if mode == "accumulate" else 1)},
+    )
     expected = mma_reference(a, b, c if mode == "accumulate" else None, DTYPES[td])
-    assert torch.equal(d.view(torch.int16 if d.element_size() == 2 else torch.int32),
-                       expected.view(torch.int16 if d.element_size() == 2 else torch.int32))
+    assert torch.equal(
+        d.view(torch.int16 if d.element_size() == 2 else torch.int32),
+        expected.view(torch.int16 if d.element_size() == 2 else torch.int32),
+    )
 
 
 def test_mma_reference_order_matters():
@@ -177,7 +183,11 @@ def test_mma_with_exited_lanes_is_an_error():
 
     out = torch.zeros(64)
     with pytest.raises(SimulatorError, match="lang_mma_after_exit"):
-        run("lang_mma_after_exit", grid=(1,), threads=(32,),
-            buffers={0: out, 1: struct.pack("I", 20)})
+        run(
+            "lang_mma_after_exit",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: out, 1: struct.pack("I", 20)},
+        )
     run("lang_mma_after_exit", grid=(1,), threads=(32,), buffers={0: out, 1: struct.pack("I", 32)})
     assert torch.equal(out, torch.full((64,), 9.0))  # 1 + 8 * (1 * 1)

@@ -131,7 +131,7 @@ def test_vector_construction_conversion_and_swizzles():
     ]  # fmt: skip
     assert h[2] == 3.0 and h[3] == float("inf")
     assert out[: len(expected)].tolist() == expected
-    assert out[len(expected):].eq(-999.0).all()
+    assert out[len(expected) :].eq(-999.0).all()
     x_bits = int(a[:1].view(torch.int32))
     h_bits = int(a[:2].half().view(torch.int32))
     assert iout.tolist() == [1, -2, 3, 100000, 1, -2, x_bits, h_bits]

@@ -1,0 +1,314 @@
+"""The MSL pre-pass (torch_steel/_sim_translate.py) and what the shim refuses at compile time.
+
+Unit tests look at the translated text; the refusal tests translate a small kernel and run
+`clang++-19 -fsyntax-only` on it against the shim: the control snippet must compile, each
+broken variant (double, mixed address spaces, exceptions, allocation, std::) must not.
+"""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from torch_steel._sim_translate import TranslateError, translate
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "mps_src" / "sim" / "shim"
+
+
+def tr(src: str) -> str:
+    return translate(src, "k.metal")
+
+
+def squash(s: str) -> str:
+    return re.sub(r"\s+", "", s)
+
+
+# ---------------------------------------------------------------------------- line keeping
+
+
+def msl_sources() -> list[Path]:
+    files = sorted((ROOT / "shaders").rglob("*.metal")) + sorted((ROOT / "shaders").rglob("*.h"))
+    return files + sorted((Path(__file__).parent / "kernels").glob("*.metal"))
+
+
+@pytest.mark.parametrize("path", msl_sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_line_stays_where_it_was(path):
+    src = path.read_text()
+    out = translate(src, str(path))
+    first, rest = out.split("\n", 1)
+    assert first == f'#line 1 "{path}"'
+    assert rest.count("\n") == src.count("\n")
+    # Each line's comment (if any) is still on that line.
+    for a, b in zip(src.split("\n"), rest.split("\n"), strict=True):
+        if "//" in a and '"' not in a:
+            assert b.endswith(a[a.index("//") :])
+
+
+# ---------------------------------------------------------------------------- kernels
+
+KERNEL = """\
+#include <metal_stdlib>
+using namespace metal;
+kernel void add(const device float* a [[buffer(0)]],
+                device float* out [[buffer(1)]],
+                constant uint& n [[buffer(2)]],
+                threadgroup float* scratch [[threadgroup(0)]],
+                uint3 gid [[thread_position_in_grid]],
+                ushort lane [[thread_index_in_simdgroup]]) {
+  out[gid.x] = a[gid.x];
+}
+"""
+
+
+def test_plain_kernel_is_registered_with_its_parameter_sources():
+    out = tr(KERNEL)
+    assert "[[" not in out and "kernel void" not in out
+    assert "void add(const device float* a ," in out or "void add(const device float* a," in out
+    params = re.search(r"struct __steel_kernel_add \{ using params = (.*?); \};", out).group(1)
+    assert squash(params) == squash(
+        "::steel_shim::plist<::steel_shim::buffer<(0)>, ::steel_shim::buffer<(1)>, "
+        "::steel_shim::buffer<(2)>, ::steel_shim::threadgroup_buffer<(0)>, "
+        "::steel_shim::attr<::steel_shim::kThreadPositionInGrid>, "
+        "::steel_shim::attr<::steel_shim::kThreadIndexInSimdgroup>>"
+    )
+    assert 'STEEL_SIM_REGISTER(("add"), __steel_kernel_add::params, add)' in out
+    # The registration follows the body's closing brace, on its line.
+    assert out.split("\n")[10].startswith("} struct __steel_kernel_add")
+
+
+TEMPLATE_KERNEL = """\
+namespace ns {
+template <typename T, int N>
+[[kernel]] void scale(device T* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] *= T(N);
+}
+}  // namespace ns
+template [[host_name("scale_f16_2")]] [[kernel]] decltype(ns::scale<half, 2>) ns::scale<half, 2>;
+#define INST(name, T) \\
+  template [[host_name("scale_" #name)]] [[kernel]] \\
+  decltype(ns::scale<T, 3>) ns::scale<T, 3>;
+INST(f32, float)
+"""
+
+
+def test_template_kernel_instantiations_are_registered():
+    out = tr(TEMPLATE_KERNEL)
+    lines = out.split("\n")[1:]
+    assert "STEEL_SIM_REGISTER" not in lines[4]  # a template: only its instances register
+    assert "struct __steel_kernel_scale" in lines[4]
+    assert squash(lines[6]) == squash(
+        'STEEL_SIM_REGISTER(("scale_f16_2"), ns::__steel_kernel_scale::params, ns::scale<half, 2>)'
+    )
+    # Inside a macro the registration pastes the name (it may be a macro parameter) and the
+    # directive keeps its line continuations.
+    assert "ns::__steel_kernel_ ## scale::params" in lines[8]
+    assert '"scale_" # name' in lines[8]
+    assert lines[7].endswith("\\") and lines[8].endswith("\\")
+
+
+@pytest.mark.parametrize(
+    ("src", "message"),
+    [
+        ("kernel void f(device float* a) {}", "has no [[...]] attribute"),
+        ("kernel void f(float4 p [[stage_in]]) {}", "[[stage_in]] is not supported"),
+        ("#include <vector>\n", "MSL has no C++ standard library"),
+        (
+            "#define K kernel void f(device float* a [[buffer(0)]]) {}\n[[kernel]] void g();",
+            "k.metal:2",
+        ),
+        ("float x = 1.0L;", "MSL has no double"),
+        (
+            'template [[host_name("x")]] [[kernel]] void f<int>(int);',
+            "kernel instantiations must read",
+        ),
+    ],
+)
+def test_unsupported_constructs_name_file_and_line(src, message):
+    with pytest.raises(TranslateError) as e:
+        tr("\n" + src)
+    assert str(e.value).startswith("k.metal:2:")
+    assert message in str(e.value)
+
+
+def test_host_only_includes_are_allowed_outside_metal():
+    src = "#ifdef __METAL_VERSION__\n#include <metal_stdlib>\n#else\n#include <cstdint>\n#endif\n"
+    assert tr(src).endswith(src)
+    with pytest.raises(TranslateError):
+        tr("#ifndef __METAL_VERSION__\n#else\n#include <cstdint>\n#endif\n")
+
+
+# ---------------------------------------------------------------------------- declarations
+
+
+def test_threadgroup_arrays_in_bodies_become_shared_storage():
+    src = """\
+void f(threadgroup float* p [[threadgroup(0)]]) {}
+kernel void k(uint i [[thread_index_in_threadgroup]]) {
+  threadgroup float a[64];
+  threadgroup half b[4][8], c[2];
+  alignas(16) threadgroup T d[N * sizeof(T)];
+  threadgroup float* q = a;
+  threadgroup float s;
+  for (int j = 0; j < 2; ++j) threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+"""
+    lines = tr(src).split("\n")[1:]
+    assert re.fullmatch(
+        r"  threadgroup float \(&a\)\[ 64 \] = ::steel_shim::tg_array<float\[ 64 \]>"
+        r"\(\d+u, __PRETTY_FUNCTION__\);",
+        lines[2],
+    )
+    assert "(&b)[ 4 ] [ 8 ]" in lines[3] and "tg_array<half[ 2 ]>" in lines[3]
+    assert "tg_array<T[ N * sizeof ( T ) ], 16>" in lines[4]
+    assert lines[5] == "  threadgroup float* q = a;"
+    assert "threadgroup float &s = ::steel_shim::tg_array<float>(" in lines[6]
+    ids = re.findall(r"tg_array<[^>]*>\((\d+)u", "\n".join(lines))
+    assert len(ids) == len(set(ids)) == 5  # one id per declaration
+
+
+def test_function_constants():
+    src = """\
+constant bool has_bias [[function_constant(3)]];
+constant int act [[function_constant(STEEL_ACT + 1)]];
+constant bool plain = has_bias && act == 2;
+constant float kPi = 3.14159;
+constant float kTable[2] = {1.0, 2.0};
+struct S { static constant constexpr int x = 3; };
+"""
+    lines = tr(src).split("\n")[1:]
+    assert lines[0] == ("static constexpr ::steel_shim::function_constant<bool, (3)> has_bias{};")
+    assert "function_constant<int, (STEEL_ACT + 1)> act{};" in lines[1]
+    assert squash(lines[2]) == squash(
+        "static inline bool __steel_fc_plain() { return ( has_bias && act == 2); } static "
+        "constexpr ::steel_shim::derived_constant<bool, &__steel_fc_plain> plain{};"
+    )
+    assert lines[3] == "constant float kPi = 3.14159f;"  # a plain constant stays a constant
+    assert lines[4] == "constant float kTable[2] = {1.0f, 2.0f};"
+    assert "static constant constexpr int x = 3;" in lines[5]
+
+
+def test_structs_get_address_space_copies():
+    src = """\
+template <typename T, short N> struct alignas(N * sizeof(T)) Chunk { T v[N]; };
+class Loader : public Base<int> { int x; };
+enum class Mode { a, b };
+struct Fwd;
+void f() { struct Local { int y; }; }
+"""
+    lines = tr(src).split("\n")[1:]
+    assert "Chunk { STEEL_SIM_AS_COPY(Chunk) T v[N]; };" in lines[0]
+    assert "{ public: STEEL_SIM_AS_COPY(Loader) private: int x; };" in lines[1]
+    assert "STEEL_SIM_AS_COPY" not in "".join(lines[2:])
+
+
+# ---------------------------------------------------------------------------- expressions
+
+
+@pytest.mark.parametrize(
+    ("src", "expected"),
+    [
+        ("x = float4(1, 2, a.xy);", "x = ::steel_shim::vmake<float4>(1, 2, a.xy);"),
+        ("x = metal::half2(h);", "x = ::steel_shim::vmake<half2>(h);"),
+        ("x = vec<T, 2>(a, b);", "x = ::steel_shim::vmake<metal::vec < T , 2 >>(a, b);"),
+        ("x = (float4)h * 2;", "x = ::steel_shim::cast<float4>() ->* h * 2;"),
+        ("x = (int2)(v);", "x = ::steel_shim::cast<int2>() ->* (v);"),
+        ("float4 y; float4 g(float4 v);", "float4 y; float4 g(float4 v);"),
+        ("n = sizeof(float4) * 2;", "n = sizeof(float4) * 2;"),
+        ("operator float4() const;", "operator float4() const;"),
+        ("x = 1.0 + .5 + 1e-3 + 2.f + 0x1p-3;", "x = 1.0f + .5f + 1e-3f + 2.f + 0x1p-3f;"),
+        ("h = 1.5h * x;", "h = 1.5f16 * x;"),
+        ("i = 10u + 0x1F + 3;", "i = 10u + 0x1F + 3;"),
+        ('s = "float4(1.0)"; // float4(1.0)', 's = "float4(1.0)"; // float4(1.0)'),
+        ("#define V(x) float2(x, 0.5)", "#define V(x) ::steel_shim::vmake<float2>(x, 0.5f)"),
+    ],
+)
+def test_expression_rewrites(src, expected):
+    assert tr(src).split("\n", 1)[1] == expected
+
+
+def test_other_attributes_are_removed():
+    out = tr("[[max_total_threads_per_threadgroup(256)]] void f([[maybe_unused]] int x) {}")
+    assert out.split("\n", 1)[1] == " void f([[maybe_unused]] int x) {}"
+
+
+# ---------------------------------------------------------------------------- compile refusals
+
+CONTROL = """\
+#include <metal_stdlib>
+using namespace metal;
+struct Chunk { float v[4]; };
+inline void take_tg(threadgroup float* p) { p[0] = 1.0; }
+inline void take_thread(thread float* p) { p[0] = 1.0; }
+kernel void k(device float* out [[buffer(0)]], constant float* c [[buffer(1)]],
+              uint i [[thread_position_in_grid]]) {
+  threadgroup float tg[64];
+  threadgroup Chunk chunks[2];
+  float local[2] = {0, 0};
+  take_tg(tg);
+  take_thread(local);
+  chunks[0] = *(const device Chunk*)out;  // struct copy across address spaces is MSL
+  out[i] = c[i] + tg[i] + local[0] + chunks[0].v[0];
+  /*BROKEN*/
+}
+"""
+
+BROKEN = {
+    "double": "double d = out[i]; out[i] = float(d);",
+    "device_to_threadgroup": "take_tg(out);",
+    "device_to_thread": "take_thread(out);",
+    "constant_to_device": "device float* p = c; p[0] = 1;",
+    "threadgroup_to_device": "device float* p = tg; p[0] = 1;",
+    "throw": "if (i > 100) throw 1;",
+    "try": "try { out[i] = 1; } catch (...) {}",
+    "new": "float* p = new float[4]; out[i] = p[0];",
+    "malloc": "float* p = (float*)malloc(16); out[i] = p[0];",
+    "std": "out[i] = std::max(1.0f, 2.0f);",
+}
+
+
+def syntax_check(tmp_path: Path, src: str) -> subprocess.CompletedProcess:
+    f = tmp_path / "k.cpp"
+    f.write_text(translate(src, "k.metal"))
+    return subprocess.run(
+        [
+            "clang++-19",
+            "-x",
+            "c++",
+            "-std=c++23",
+            "-fsyntax-only",
+            "-fno-exceptions",
+            "-Wno-unknown-attributes",
+            "-I",
+            str(SHIM),
+            "-I",
+            str(ROOT / "mps_src"),
+            str(f),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+needs_clang = pytest.mark.skipif(
+    shutil.which("clang++-19") is None,
+    reason="clang-19 is not installed (apt-get install clang-19)",
+)
+
+
+@needs_clang
+def test_control_kernel_compiles(tmp_path):
+    proc = syntax_check(tmp_path, CONTROL)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_clang
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_msl_violations_do_not_compile(tmp_path, name):
+    proc = syntax_check(tmp_path, CONTROL.replace("/*BROKEN*/", BROKEN[name]))
+    assert proc.returncode != 0
+    # The error points at the kernel's own line in the original file.
+    assert "k.metal:15:" in proc.stderr, proc.stderr
