@@ -108,7 +108,7 @@ typedef enum : NSUInteger {
 @property(readonly) NSArray<NSString*>* functionNames;
 - (nullable id<MTLFunction>)newFunctionWithName:(NSString*)name
                                  constantValues:(MTLFunctionConstantValues*)constantValues
-                                          error:(NSError**)error;
+                                          error:(__autoreleasing NSError**)error;
 @end
 
 @protocol MTLComputePipelineState <NSObject>
@@ -145,13 +145,13 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @protocol MTLDevice <NSObject>
 @property(readonly) NSUInteger maxThreadgroupMemoryLength;
 - (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url
-                                       error:(NSError**)error;
+                                       error:(__autoreleasing NSError**)error;
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                         options:(nullable MTLCompileOptions*)options
-                                          error:(NSError**)error;
+                                          error:(__autoreleasing NSError**)error;
 - (nullable id<MTLComputePipelineState>)
     newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
-                                  error:(NSError**)error;
+                                  error:(__autoreleasing NSError**)error;
 @end
 
 // ---- MetalPerformanceShaders(Graph): only the class names that torch's MPSStream.h uses -------
