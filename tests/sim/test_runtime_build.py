@@ -1,0 +1,87 @@
+"""The simulator's on-demand build: one build per input hash across processes, clear errors."""
+
+import importlib.util
+import multiprocessing
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_steel import _sim_build
+from torch_steel.errors import SimulatorError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    if importlib.util.find_spec("torch_steel._sim_translate") is None:
+        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
+    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
+        return "the <metal_stdlib> shim (sim-lang) is not there yet"
+    return None
+
+
+needs_sim = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+def _slow_build(out: Path) -> None:
+    with open(out.parent / "log", "a") as log:
+        log.write("build\n")
+    time.sleep(0.5)
+    (out / "artifact").write_text("x")
+
+
+def _build_in_process(out: str) -> None:
+    _sim_build._locked_build(Path(out), _slow_build)
+
+
+def test_concurrent_builds_of_one_directory_run_once(tmp_path):
+    out = tmp_path / "lib-abc"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_build_in_process, args=(str(out),)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert (tmp_path / "log").read_text() == "build\n"
+    assert (out / "artifact").exists() and (out / "done").exists()
+
+
+def test_failed_build_is_retried(tmp_path):
+    out = tmp_path / "lib-def"
+
+    def broken(d: Path) -> None:
+        raise SimulatorError("compiler said no")
+
+    with pytest.raises(SimulatorError, match="compiler said no"):
+        _sim_build._locked_build(out, broken)
+    assert not (out / "done").exists()
+    _sim_build._locked_build(out, _slow_build)
+    assert (out / "done").exists()
+
+
+@needs_sim
+def test_compile_error_in_a_test_kernel_is_reported(tmp_path):
+    from torch_steel import sim
+
+    src = tmp_path / "exec_broken.metal"
+    src.write_text("#include <metal_stdlib>\nusing namespace metal;\n"
+                   "kernel void exec_broken(device float* out [[buffer(0)]]) {\n"
+                   "  out[0] = undeclared_name;\n}\n")
+    with pytest.raises(SimulatorError, match=r"exec_broken.metal.*undeclared_name"):
+        sim.run_kernel("exec_broken", sources=[src], grid=(1,), threads=(1,),
+                       buffers={0: torch.zeros(1)})
+
+
+@needs_sim
+def test_missing_source_file():
+    from torch_steel import sim
+
+    with pytest.raises(FileNotFoundError):
+        sim.run_kernel("x", sources=["/nonexistent/exec_x.metal"], grid=(1,), threads=(1,),
+                       buffers={})
