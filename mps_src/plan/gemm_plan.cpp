@@ -42,6 +42,11 @@ struct Tile {
 //   - kSmall 32x32x16 with 2x2 simdgroups (2x2 fragments a lane): four times the threadgroups of
 //     kLarge for the same output, for problems that would otherwise not fill the GPU, and for
 //     thin outputs (decode: M = 1) where most of a 64-row block would be zero fill.
+//   - kThin 32x128x16 with 1x4 simdgroups (4x4 fragments a lane, like kLarge) for a few rows
+//     against many columns (M <= 32, e.g. 32x11008x4096 in an LLM MLP): every column block
+//     re-reads all of A, so wide blocks cut A's traffic by 4 against kSmall, while B, the big
+//     operand, is read once whatever the tile. Needs enough column blocks to fill the GPU;
+//     otherwise (decode, M = 1, N = 4096) kSmall keeps more threadgroups streaming B.
 //   - the split-K first pass uses kSmall: split-K is only chosen when M*N is small.
 // Transposes do not change the tile: tiles are stored in threadgroup memory as they lie in
 // device memory, so every combination loads whole 16-byte vectors along its contiguous dim.
@@ -49,9 +54,11 @@ struct Tile {
 // below the 32 KiB limit.
 constexpr Tile kLarge = {64, 64, 16, 2, 2};
 constexpr Tile kSmall = {32, 32, 16, 2, 2};
+constexpr Tile kThin = {32, 128, 16, 1, 4};
 // Below this many kLarge blocks the GPU (8 to 40 cores, several threadgroups each) runs out of
 // work before it runs out of bandwidth: use kSmall.
 constexpr int64_t kMinLargeBlocks = 128;
+constexpr int64_t kMinThinBlocks = 64;
 
 // Split-K: when even kSmall gives at most kSplitMaxBlocks blocks and K is long (at least
 // kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of at least kSplitMinSlice
@@ -351,8 +358,13 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   // ---- tile and split-K ----
   const int64_t blocks_large = ceil_div(M, kLarge.bm) * ceil_div(N, kLarge.bn) * batch_count;
   const int64_t blocks_small = ceil_div(M, kSmall.bm) * ceil_div(N, kSmall.bn) * batch_count;
-  const bool thin = M <= kSmall.bm || N <= kSmall.bn;
-  const Tile tile = (blocks_large < kMinLargeBlocks || thin) ? kSmall : kLarge;
+  const int64_t blocks_thin = ceil_div(N, kThin.bn) * batch_count;
+  Tile tile = kLarge;
+  if (M <= kThin.bm && blocks_thin >= kMinThinBlocks) {
+    tile = kThin;
+  } else if (blocks_large < kMinLargeBlocks || M <= kSmall.bm || N <= kSmall.bn) {
+    tile = kSmall;
+  }
 
   int64_t partitions = 1;
   int64_t k_split = K;

@@ -76,6 +76,19 @@ def test_gemm_transposes(m, n, k, ta, tb, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+def test_gemm_thin_tile(ta, tb, dtype):
+    # Few rows, many columns: the 32x128 tile (1x4 simdgroups), with ragged N and K.
+    gen = torch.Generator().manual_seed(21 + 2 * ta + tb)
+    m, n, k = 13, 8200, 21
+    a = operand(m, k, transposed=ta, dtype=dtype, gen=gen)
+    b = operand(k, n, transposed=tb, dtype=dtype, gen=gen)
+    bias = rand(n, dtype=dtype, gen=gen)
+    assert "_bm32_bn128_" in sim.plan("gemm", [a, b, bias, None], {}).dispatches[0].kernel
+    check(a, b, bias, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "a_batch,b_batch",
     [((3,), ()), ((), (2,)), ((2, 3), (2, 3)), ((2, 1), (1, 3)), ((4,), (1,))],

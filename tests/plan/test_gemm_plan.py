@@ -56,8 +56,8 @@ def params(dispatch):
     return out
 
 
-def t(*shape, dtype=torch.float16):
-    return torch.empty(*shape, dtype=dtype)
+def t(*shape, dtype=torch.float16, device="cpu"):
+    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 def plan(a, b, bias=None, c=None, **options):
@@ -100,6 +100,14 @@ def test_decode_shape_uses_small_tile():
     (d,) = plan(t(1, 4096), t(4096, 4096)).dispatches
     assert "_bm32_bn32_" in d.kernel
     assert not d.constants[ALIGN_M] and d.constants[ALIGN_N]
+
+
+def test_few_rows_many_columns_uses_thin_tile():
+    meta = {"device": "meta"}
+    (d,) = plan(t(32, 4096, **meta), t(4096, 11008, **meta)).dispatches
+    assert d.kernel == "steel_gemm_nn_f16_bm32_bn128_bk16_wm1_wn4"
+    assert d.threads == (128, 1, 1)
+    assert params(d)["tiles_n"] == 86
 
 
 def test_alignment_flags_ragged():
