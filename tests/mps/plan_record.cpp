@@ -63,6 +63,32 @@ struct PrintingBackend {
   }
 };
 
+// A planner for the host's checks themselves: a one-dispatch plan over tensors [x, y?] with the
+// defect named by the string option "defect" (see test_encoder_plan.py).
+steel::Plan plan_with_defect(const steel::TensorList& tensors, const steel::Options& options) {
+  const std::string defect = options.string("defect", "none");
+  steel::Plan plan;
+  plan.ok = true;
+  plan.allocations.push_back({"out", steel::DType::Float32, {4}, false, true});
+  const int32_t out_slot = static_cast<int32_t>(tensors.size());
+  steel::Dispatch d;
+  d.kernel = "defect_" + defect;
+  d.constants.push_back({0, steel::FunctionConstant::Type::Bool, defect == "constant" ? 2 : 1, 0});
+  d.bindings.push_back({0, steel::Binding::Kind::Tensor, 0, {}});
+  d.bindings.push_back({defect == "index" ? 31u : 1u, steel::Binding::Kind::Tensor, out_slot, {}});
+  if (defect == "twice") d.bindings.push_back({0, steel::Binding::Kind::Tensor, out_slot, {}});
+  if (defect == "absent") d.bindings.push_back({2, steel::Binding::Kind::Tensor, 1, {}});
+  if (defect == "slot") d.bindings.push_back({2, steel::Binding::Kind::Tensor, out_slot + 1, {}});
+  const size_t bytes = defect == "bytes" ? steel::mps::kMaxInlineBytes + 1 : 16;
+  d.bindings.push_back({3, steel::Binding::Kind::Bytes, -1, std::vector<uint8_t>(bytes, 7)});
+  d.threadgroup_memory.push_back({0, defect == "tgmem" ? 1000u : 1024u});
+  d.threads[0] = defect == "threads" ? 1025 : 1024;
+  if (defect == "grid") d.grid[1] = 0;
+  plan.dispatches.push_back(d);
+  return plan;
+}
+STEEL_PLANNER("mps_test_defect", plan_with_defect);
+
 }  // namespace
 
 int main() {

@@ -231,6 +231,32 @@ def test_sdpa_encoder_matches_simulator(case, recorder, sim):
     assert record == _sim_view(sim.plan("sdpa", tensors, options))
 
 
+@pytest.mark.parametrize(
+    ("defect", "message"),
+    [
+        ("index", "buffer(31) is beyond Metal's 31 buffer bindings"),
+        ("twice", "buffer(0) is bound twice"),
+        ("absent", "buffer(2) binds slot 1, which holds no tensor"),
+        ("slot", "buffer(2) binds slot 3, which holds no tensor"),
+        ("bytes", "buffer(3) has 4097 inline bytes; setBytes takes 1 to 4096"),
+        ("tgmem", "threadgroup(0) length 1000 is not a positive multiple of 16"),
+        ("threads", "1025 threads per threadgroup, more than 1024"),
+        ("grid", "empty grid or threadgroup (a plan for empty tensors has no dispatches)"),
+        ("constant", "function constant 0 = 2 does not fit its type"),
+    ],
+)
+def test_host_rejects_plans_metal_would_misread(recorder, defect, message):
+    """The host's checks, on a test planner (plan_record.cpp) that plants one defect a plan."""
+    tensors = [_t(4), None]  # slot 1 is an absent optional
+    out = subprocess.run(
+        [str(recorder)], check=True, capture_output=True, text=True,
+        input=f"op mps_test_defect\ntensor 0 1 4 1 0\nnone\nstring defect {defect}\n",
+    ).stdout
+    assert out == f"invalid kernel defect_{defect}: {message}\n"
+    # The same planner without a defect encodes.
+    assert _record(recorder, "mps_test_defect", tensors, {"defect": "none"})["ok"]
+
+
 def test_unknown_op_is_refused(recorder):
     record = _record(recorder, "no_such_op", [_t(4, 4)], {})
     assert record == {"ok": False, "reason": "no Metal kernel for op 'no_such_op' yet"}
