@@ -481,7 +481,8 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
 
   Dispatch r;
   r.kernel = std::string("steel_gemm_splitk_reduce_") + dtype_tag(dtype);
-  r.constants = {fc_bool(STEEL_GEMM_FC_USE_C, use_c), fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
+  r.constants = {fc_bool(STEEL_GEMM_FC_USE_C, use_c),
+                 fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
                  fc_int(STEEL_GEMM_FC_ACTIVATION, activation)};
   r.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotScratch),
                 tensor_binding(STEEL_GEMM_BUF_C, c_slot),
