@@ -178,6 +178,25 @@ def test_gemm_storage_offsets(dtype):
         check(a.transpose(0, 1), b.transpose(0, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_vector_loads_with_partial_k_step(dtype):
+    # Rows 16-byte aligned (vector loads on) while K = 40 ends inside the third 16-wide K step.
+    gen = torch.Generator().manual_seed(9)
+    a = rand(64, 48, dtype=dtype, gen=gen)[:, :40]
+    b = rand(40, 72, dtype=dtype, gen=gen)[:, :64]
+    d = sim.plan("gemm", [a, b, None, None], {}).dispatches[0]
+    assert d.constants[210] and d.constants[211] and not d.constants[202]  # VEC_A/B, ALIGN_K
+    check(a, b)
+
+
+def test_gemm_strided_bias_and_c():
+    gen = torch.Generator().manual_seed(10)
+    a, b = rand(20, 30, dtype=torch.float32, gen=gen), rand(30, 50, dtype=torch.float32, gen=gen)
+    bias = rand(100, dtype=torch.float32, gen=gen)[::2]
+    c = rand(50, 20, dtype=torch.float32, gen=gen).t()  # column-major c
+    check(a, b, bias, c, alpha=-1.0, beta=0.25, activation="relu")
+
+
 def test_gemm_strided_operands_are_copied():
     gen = torch.Generator().manual_seed(7)
     a = rand(30, 50, dtype=torch.float32, gen=gen)[:, ::2]  # strides (50, 2): neither is 1
