@@ -12,7 +12,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, validation
 from .backends import current_backend
 
 _lock = threading.Lock()
@@ -33,7 +33,7 @@ def _serves(query, key, value, attn_mask, is_causal, enable_gqa):
     try:
         mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
         if query.dim() >= 3:
-            ops.check_sdpa(query, key, value, mask, enable_gqa, None)
+            validation.check_sdpa(query, key, value, mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
     needs_mask_grad = torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled()

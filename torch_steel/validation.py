@@ -1,0 +1,202 @@
+"""Input checks of the steel ops: bad input is a ValueError (TypeError for non-tensors) that
+names the op and the problem, raised before any backend sees the call."""
+
+import math
+
+import torch
+
+from .reference import ACTIVATIONS
+
+ALIGNS = ("top_left", "bottom_right")
+
+
+def fail(op, message):
+    raise ValueError(f"steel.{op}: {message}")
+
+
+def _dtypes(*tensors):
+    return ", ".join(str(t.dtype).replace("torch.", "") for t in tensors)
+
+
+def _broadcasts_to(shape, target):
+    try:
+        return torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        return False
+
+
+def _check_float_same(op, names, tensors):
+    for name, t in zip(names, tensors):
+        if not torch.is_tensor(t):
+            raise TypeError(f"steel.{op}: {name} must be a Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            fail(op, f"{name} must be a floating-point tensor, got {_dtypes(t)}")
+    if len({t.dtype for t in tensors}) != 1:
+        fail(op, f"{', '.join(names)} must share one dtype, got {_dtypes(*tensors)}")
+    if len({t.device for t in tensors}) != 1:
+        devices = ", ".join(str(t.device) for t in tensors)
+        fail(op, f"{', '.join(names)} must be on one device, got {devices}")
+
+
+def _check_same_device(op, name, t, query):
+    if t.device != query.device:
+        fail(op, f"{name} is on {t.device} but query is on {query.device}")
+
+
+def attention_options(op, dropout_p, softcap, window, causal_align, seed, offset):
+    """Checks the scalar attention options; returns (softcap, left, right, bottom_right)."""
+    if not 0.0 <= dropout_p <= 1.0:
+        fail(op, f"dropout_p must be in [0, 1], got {dropout_p}")
+    softcap = 0.0 if softcap is None else softcap
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        fail(op, f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    window = (-1, -1) if window is None else tuple(window)
+    if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
+        fail(op, f"window must be (left, right) with ints >= 0, or -1 for unbounded, got {window}")
+    if causal_align not in ALIGNS:
+        fail(op, f"causal_align must be one of {ALIGNS}, got {causal_align!r}")
+    if seed is not None and not 0 <= seed < 2**64:
+        fail(op, f"seed must be in [0, 2**64), got {seed}")
+    if not 0 <= offset < 2**32:
+        fail(op, f"offset must be in [0, 2**32), got {offset}")
+    return float(softcap), window[0], window[1], causal_align == "bottom_right"
+
+
+def _check_sinks(op, sinks, heads, query):
+    if sinks is None:
+        return
+    if not torch.is_tensor(sinks) or not sinks.is_floating_point():
+        fail(op, "sinks must be a floating-point tensor of shape [query heads]")
+    _check_same_device(op, "sinks", sinks, query)
+    if tuple(sinks.shape) != (heads,):
+        shape = list(sinks.shape)
+        fail(op, f"sinks must have shape [{heads}] (one logit per query head), got {shape}")
+
+
+def _check_qkv_dims(op, q, k, v):
+    if q.shape[-1] != k.shape[-1]:
+        fail(op, f"query and key head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        kv = f"key {list(k.shape)} and value {list(v.shape)}"
+        fail(op, f"{kv} must agree in all but the last dim")
+
+
+def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
+    """Dense attention: [*batch, heads, L, E] query, [*batch, heads_kv, S, E|Ev] key|value."""
+    _check_float_same(op, ("query", "key", "value"), (q, k, v))
+    if not q.dim() == k.dim() == v.dim():
+        ranks = f"{q.dim()}, {k.dim()}, {v.dim()}"
+        fail(op, f"query, key and value must have the same rank, got {ranks}")
+    if q.dim() < 3:
+        fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {q.dim()}")
+    _check_qkv_dims(op, q, k, v)
+    if q.shape[:-3] != k.shape[:-3]:
+        fail(op, f"batch dims of query {list(q.shape[:-3])} and key {list(k.shape[:-3])} differ")
+    hq, hk = q.shape[-3], k.shape[-3]
+    if hq != hk and not enable_gqa:
+        fail(
+            op,
+            f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for "
+            "grouped-query attention",
+        )
+    if hk == 0 or hq % hk != 0:
+        fail(
+            op,
+            f"grouped-query attention needs query heads ({hq}) divisible by key/value heads ({hk})",
+        )
+    if attn_mask is not None:
+        if not torch.is_tensor(attn_mask):
+            raise TypeError(
+                f"steel.{op}: attn_mask must be a Tensor (or a torch.nn.attention.bias "
+                f"CausalBias via torch_steel.sdpa), got {type(attn_mask).__name__}"
+            )
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            kind = _dtypes(attn_mask)
+            fail(op, f"attn_mask must be bool (True = attend) or floating (added), got {kind}")
+        _check_same_device(op, "attn_mask", attn_mask, q)
+        target = (*q.shape[:-1], k.shape[-2])
+        if not _broadcasts_to(attn_mask.shape, target):
+            fail(
+                op,
+                f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to the attention "
+                f"shape {list(target)}",
+            )
+    _check_sinks(op, sinks, hq, q)
+
+
+def check_varlen(q, k, v, sinks, op="sdpa_varlen"):
+    """Packed attention: [total_q, heads, E] query, [total_k, heads_kv, E|Ev] key|value."""
+    _check_float_same(op, ("query", "key", "value"), (q, k, v))
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 3:
+            fail(op, f"{name} must be packed [total_tokens, heads, dim], got rank {t.dim()}")
+    _check_qkv_dims(op, q, k, v)
+    hq, hk = q.shape[1], k.shape[1]
+    if hk == 0 or hq % hk != 0:
+        fail(op, f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    _check_sinks(op, sinks, hq, q)
+
+
+def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
+    """The offsets themselves (this reads them: a device sync on MPS)."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not torch.is_tensor(cu) or cu.dtype != torch.int32 or cu.dim() != 1:
+            got = f"{_dtypes(cu)} of rank {cu.dim()}" if torch.is_tensor(cu) else type(cu).__name__
+            fail(op, f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got {got}")
+        if cu.device != device:
+            fail(op, f"{name} is on {cu.device} but query is on {device}")
+        if cu.numel() < 1:
+            fail(op, f"{name} must hold at least one offset")
+    if cu_q.numel() != cu_k.numel():
+        counts = f"{cu_q.numel()} and {cu_k.numel()}"
+        fail(
+            op, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {counts}"
+        )
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cu_q, total_q, max_q),
+        ("cu_seqlens_k", cu_k, total_k, max_k),
+    ):
+        values = cu.tolist()
+        if values[0] != 0 or values[-1] != total:
+            span = f"{values[0]}..{values[-1]}"
+            fail(op, f"{name} must start at 0 and end at the token count {total}, got {span}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            fail(op, f"{name} must be non-decreasing, got {values}")
+        if lengths and max(lengths) > longest:
+            fail(op, f"{name} has a sequence of length {max(lengths)} > max_seqlen {longest}")
+
+
+def gemm_out_shape(a, b):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return (*batch, a.shape[-2], b.shape[-1])
+
+
+def check_gemm(a, b, bias, c, activation):
+    op = "gemm"
+    named = [(n, t) for n, t in (("a", a), ("b", b), ("bias", bias), ("c", c)) if t is not None]
+    _check_float_same(op, [n for n, _ in named], [t for _, t in named])
+    if a.dim() < 2 or b.dim() < 2:
+        ranks = f"{a.dim()} and {b.dim()}"
+        fail(op, f"a and b must be at least 2-D ([..., M, K] and [..., K, N]), got ranks {ranks}")
+    if a.shape[-1] != b.shape[-2]:
+        shapes = f"a is {list(a.shape)}, b is {list(b.shape)}"
+        fail(op, f"inner dims differ: {shapes} (K = {a.shape[-1]} vs {b.shape[-2]})")
+    if not _batch_broadcast(a, b):
+        batches = f"a {list(a.shape[:-2])} and b {list(b.shape[:-2])}"
+        fail(op, f"batch dims of {batches} do not broadcast")
+    shape = gemm_out_shape(a, b)
+    if bias is not None and tuple(bias.shape) != (b.shape[-1],):
+        fail(op, f"bias must have shape [N] = [{b.shape[-1]}], got {list(bias.shape)}")
+    if c is not None and not _broadcasts_to(c.shape, shape):
+        fail(op, f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
+    if activation not in ACTIVATIONS:
+        fail(op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _batch_broadcast(a, b):
+    try:
+        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        return False
+    return True
