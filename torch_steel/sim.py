@@ -160,6 +160,19 @@ def _extent_bytes(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def _allocate(a: Allocation) -> torch.Tensor:
+    """A plan allocation. Metal buffers start uninitialized: unless the plan asks for zeros, fill
+    them with NaN (or all-one bits for integers), so that an element a kernel forgets to write
+    shows up in the results instead of passing as a plausible 0."""
+    if a.zero_init:
+        return torch.zeros(a.sizes, dtype=a.dtype)
+    if a.dtype.is_floating_point:
+        return torch.full(a.sizes, float("nan"), dtype=a.dtype)
+    if a.dtype == torch.bool:
+        return torch.ones(a.sizes, dtype=a.dtype)
+    return torch.full(a.sizes, -1, dtype=a.dtype)
+
+
 def _checkers_default() -> bool:
     return os.environ.get("TORCH_STEEL_SIM_CHECKERS", "1") != "0"
 
@@ -197,8 +210,7 @@ def run_op(op: str, tensors: Sequence[torch.Tensor | None],
             t = t.contiguous()
         slots.append(t)
     for a in p.allocations:
-        make = torch.zeros if a.zero_init else torch.empty
-        slots.append(make(a.sizes, dtype=a.dtype))
+        slots.append(_allocate(a))
     raw_slots = [None if t is None else (t.data_ptr(), _extent_bytes(t)) for t in slots]
     lib = _sim_build.shader_library()
     ext = _sim_build.extension()
