@@ -1,0 +1,94 @@
+"""Kernels using what the pre-pass rewrites, run in the simulator: threadgroup arrays declared in
+kernel bodies, [[threadgroup(n)]] parameters, position attributes as scalars and vectors,
+function constants in vector arithmetic, and struct copies across address spaces (kernels:
+tests/sim/kernels/lang_translate.metal, lang_struct_copy.metal)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "lang_translate.metal"]
+
+
+def _missing() -> str | None:
+    if shutil.which("clang++-19") is None:
+        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
+    try:
+        from torch_steel import sim
+    except ImportError as e:
+        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
+    if not hasattr(sim, "run_kernel"):
+        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+def run(name, **kw):
+    from torch_steel import sim
+
+    return sim.run_kernel(name, sources=SRC, **kw)
+
+
+@pytest.mark.parametrize(("gain", "negate"), [(2.0, False), (0.5, True)])
+def test_threadgroup_arrays_and_function_constants(gain, negate):
+    tgs, n, rows = 3, 32, 2
+    out = torch.zeros(tgs * n * rows, 4)
+    run(
+        "lang_threadgroup_arrays",
+        grid=(tgs, 1),
+        threads=(n, rows),
+        buffers={0: out},
+        constants={0: gain, 1: negate},
+    )
+    s = -gain if negate else gain
+    expected = torch.zeros(tgs, rows, n, 4)
+    for tg in range(tgs):
+        for x in range(n):
+            nxt = (x + 1) % n
+            expected[tg, :, x] = torch.tensor([tg * 100 + nxt, -nxt, 0.5, 0.0]) * s
+        expected[tg, 1, :, 3] = s
+    got = out.view(rows, tgs, n, 4).permute(1, 0, 2, 3)
+    assert torch.equal(got, expected)
+
+
+def test_threadgroup_parameter():
+    out = torch.zeros(64, dtype=torch.int32)
+    run(
+        "lang_threadgroup_param",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: out},
+        threadgroup_memory={0: 64 * 4},
+    )
+    assert out.tolist() == [(63 - t) ** 2 for t in range(64)]
+
+
+def _cxx23() -> bool:
+    from torch_steel import _sim_build
+
+    return "-std=c++23" in _sim_build.SHADER_FLAGS or "-std=c++2b" in _sim_build.SHADER_FLAGS
+
+
+@pytest.mark.skipif(
+    _missing() is None and not _cxx23(),
+    reason="struct copies across address spaces need shaders built with "
+    "-std=c++23 (SHADER_FLAGS in torch_steel/_sim_build.py)",
+)
+def test_struct_copy_across_address_spaces():
+    x = torch.randn(32, 8).half()
+    out = torch.zeros(32, 8).half()
+    from torch_steel import sim
+
+    sim.run_kernel(
+        "lang_struct_copy",
+        sources=[KERNELS / "lang_struct_copy.metal"],
+        grid=(1,),
+        threads=(32,),
+        buffers={0: x, 1: out},
+    )
+    assert torch.equal(out, x.flip(0))
