@@ -47,6 +47,8 @@ struct Tile {
 //     re-reads all of A, so wide blocks cut A's traffic by 4 against kSmall, while B, the big
 //     operand, is read once whatever the tile. Needs enough column blocks to fill the GPU;
 //     otherwise (decode, M = 1, N = 4096) kSmall keeps more threadgroups streaming B.
+//   - kTall 128x32x16 with 4x1 simdgroups: the same for many rows against few columns
+//     (N <= 32), where every row block re-reads all of B.
 //   - the split-K first pass uses kSmall: split-K is only chosen when M*N is small.
 // Transposes do not change the tile: tiles are stored in threadgroup memory as they lie in
 // device memory, so every combination loads whole 16-byte vectors along its contiguous dim.
@@ -55,10 +57,11 @@ struct Tile {
 constexpr Tile kLarge = {64, 64, 16, 2, 2};
 constexpr Tile kSmall = {32, 32, 16, 2, 2};
 constexpr Tile kThin = {32, 128, 16, 1, 4};
+constexpr Tile kTall = {128, 32, 16, 4, 1};
 // Below this many kLarge blocks the GPU (8 to 40 cores, several threadgroups each) runs out of
 // work before it runs out of bandwidth: use kSmall.
 constexpr int64_t kMinLargeBlocks = 128;
-constexpr int64_t kMinThinBlocks = 64;
+constexpr int64_t kMinThinBlocks = 64;  // for kThin and kTall
 
 // Split-K: when even kSmall gives at most kSplitMaxBlocks blocks and K is long (at least
 // kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of at least kSplitMinSlice
@@ -359,9 +362,12 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   const int64_t blocks_large = ceil_div(M, kLarge.bm) * ceil_div(N, kLarge.bn) * batch_count;
   const int64_t blocks_small = ceil_div(M, kSmall.bm) * ceil_div(N, kSmall.bn) * batch_count;
   const int64_t blocks_thin = ceil_div(N, kThin.bn) * batch_count;
+  const int64_t blocks_tall = ceil_div(M, kTall.bm) * batch_count;
   Tile tile = kLarge;
   if (M <= kThin.bm && blocks_thin >= kMinThinBlocks) {
     tile = kThin;
+  } else if (N <= kTall.bn && blocks_tall >= kMinThinBlocks) {
+    tile = kTall;
   } else if (blocks_large < kMinLargeBlocks || M <= kSmall.bm || N <= kSmall.bn) {
     tile = kSmall;
   }

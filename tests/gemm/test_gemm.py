@@ -89,6 +89,19 @@ def test_gemm_thin_tile(ta, tb, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+def test_gemm_tall_tile(ta, tb, dtype):
+    # Many rows, few columns: the 128x32 tile (4x1 simdgroups), with ragged M and K.
+    gen = torch.Generator().manual_seed(41 + 2 * ta + tb)
+    m, n, k = 8200, 11, 19
+    a = operand(m, k, transposed=ta, dtype=dtype, gen=gen)
+    b = operand(k, n, transposed=tb, dtype=dtype, gen=gen)
+    c = rand(m, 1, dtype=dtype, gen=gen)
+    assert "_bm128_bn32_" in sim.plan("gemm", [a, b, None, c], {}).dispatches[0].kernel
+    check(a, b, c=c, beta=0.5, activation="silu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "a_batch,b_batch",
     [((3,), ()), ((), (2,)), ((2, 3), (2, 3)), ((2, 1), (1, 3)), ((4,), (1,))],

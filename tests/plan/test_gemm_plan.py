@@ -110,6 +110,13 @@ def test_few_rows_many_columns_uses_thin_tile():
     assert params(d)["tiles_n"] == 86
 
 
+def test_many_rows_few_columns_uses_tall_tile():
+    meta = {"device": "meta"}
+    (d,) = plan(t(16384, 4096, **meta), t(4096, 16, **meta)).dispatches
+    assert d.kernel == "steel_gemm_nn_f16_bm128_bn32_bk16_wm4_wn1"
+    assert params(d)["tiles_m"] == 128
+
+
 def test_alignment_flags_ragged():
     (d,) = plan(t(33, 17), t(17, 65)).dispatches
     assert (d.constants[ALIGN_M], d.constants[ALIGN_N], d.constants[ALIGN_K]) == (0, 0, 0)

@@ -84,6 +84,7 @@ template <typename T>
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 64, 64, 16, 2, 2)                \
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 32, 32, 16, 2, 2)                \
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 32, 128, 16, 1, 4)               \
+  STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 128, 32, 16, 4, 1)               \
   STEEL_GEMM_TRANSPOSES(steel_gemm_splitk, "steel_gemm_splitk_", tname, T, 32, 32, 16, 2, 2) \
   template [[host_name("steel_gemm_splitk_reduce_" #tname)]] [[kernel]]                       \
   decltype(steel_gemm_splitk_reduce<T>) steel_gemm_splitk_reduce<T>;
