@@ -185,7 +185,8 @@ def setup_options(root: Path) -> dict:
         # -std=c++20: torch 2.13's headers expect it (DESIGN.md section 6). ARC manages the
         # Objective-C objects held in C++ containers (pipeline cache, encoder state).
         extra_compile_args=["-std=c++20", "-fobjc-arc", "-mmacosx-version-min=14.0"],
-        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
+        # libobjc: ARC's objc_retain / objc_release, named rather than left to Foundation.
+        extra_link_args=["-framework", "Metal", "-framework", "Foundation", "-lobjc"],
     )
     return {
         "ext_modules": [extension],

@@ -133,6 +133,7 @@ def test_setup_options(tmp_path):
     assert planners <= sources  # every planner registers itself: all must be linked
     assert "-std=c++20" in extension.extra_compile_args
     assert "-fobjc-arc" in extension.extra_compile_args
-    assert extension.extra_link_args == ["-framework", "Metal", "-framework", "Foundation"]
+    assert extension.extra_link_args == ["-framework", "Metal", "-framework", "Foundation",
+                                         "-lobjc"]
     assert issubclass(options["cmdclass"]["build_ext"], BuildExtension)
     assert options["package_data"] == {"torch_steel": ["steel.metallib", "metal_src/*.metal"]}
