@@ -74,19 +74,8 @@ def dropout_scale(q_shape, S, dropout_p, seed, offset, batch_index, device, dtyp
 class _Scores:
     """Scores, visibility and sink logits of one attention call, in the compute dtype."""
 
-    def __init__(
-        self,
-        q,
-        k,
-        attn_mask,
-        is_causal,
-        scale,
-        sinks,
-        softcap,
-        window_left,
-        window_right,
-        bottom_right,
-    ):
+    def __init__(self, q, k, attn_mask, is_causal, scale, sinks, softcap, window_left,
+                 window_right, bottom_right):  # fmt: skip
         ct = compute_dtype(q.dtype)
         L, S = q.shape[-2], k.shape[-2]
         self.groups = q.shape[-3] // k.shape[-3]
@@ -113,23 +102,8 @@ class _Scores:
         return torch.exp(self.s - finite)
 
 
-def sdpa_forward(
-    q,
-    k,
-    v,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    sinks,
-    softcap,
-    window_left,
-    window_right,
-    bottom_right,
-    seed,
-    offset,
-    batch_index=0,
-):
+def sdpa_forward(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, softcap, window_left,
+                 window_right, bottom_right, seed, offset, batch_index=0):  # fmt: skip
     """Returns (out in q's dtype, lse in float32 or float64 of shape [*batch, H, L])."""
     sc = _Scores(
         q, k, attn_mask, is_causal, scale, sinks, softcap, window_left, window_right, bottom_right
@@ -155,26 +129,9 @@ def sdpa_forward(
     return (p @ vc).to(q.dtype), lse
 
 
-def sdpa_backward(
-    grad_out,
-    grad_lse,
-    q,
-    k,
-    v,
-    lse,
-    attn_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    sinks,
-    softcap,
-    window_left,
-    window_right,
-    bottom_right,
-    seed,
-    offset,
-    batch_index=0,
-):
+def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_causal, scale,
+                  sinks, softcap, window_left, window_right, bottom_right, seed, offset,
+                  batch_index=0):  # fmt: skip
     """Returns (dq, dk, dv, dsinks) in the dtypes of q, k, v, sinks (dsinks None without sinks).
 
     Probabilities are rebuilt from the forward's lse, as a flash-attention backward does.
@@ -228,24 +185,12 @@ def _varlen_seq(x, start, end):
     return x[start:end].transpose(0, 1).unsqueeze(0)
 
 
-def sdpa_varlen_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    dropout_p,
-    is_causal,
-    scale,
-    sinks,
-    softcap,
-    window_left,
-    window_right,
-    bottom_right,
-    seed,
-    offset,
-):
-    """Packed [tokens, H, D] attention; returns (out [Tq, Hq, Ev], lse [Hq, Tq])."""
+def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    """Packed [tokens, H, D] attention; returns (out [Tq, Hq, Ev], lse [Hq, Tq]).
+
+    options: dropout_p ... offset as for sdpa_forward. Sequence b is a dense call whose dropout
+    batch index is b.
+    """
     Hq = q.shape[1]
     out = q.new_zeros(q.shape[0], Hq, v.shape[2])
     lse = torch.full((Hq, q.shape[0]), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
@@ -253,51 +198,18 @@ def sdpa_varlen_forward(
         if q1 == q0:
             continue
         qs, ks, vs = (_varlen_seq(q, q0, q1), _varlen_seq(k, k0, k1), _varlen_seq(v, k0, k1))
-        o, l_ = sdpa_forward(
-            qs,
-            ks,
-            vs,
-            None,
-            dropout_p,
-            is_causal,
-            scale,
-            sinks,
-            softcap,
-            window_left,
-            window_right,
-            bottom_right,
-            seed,
-            offset,
-            batch_index=b,
-        )
+        o, l_ = sdpa_forward(qs, ks, vs, None, *options, batch_index=b)
         out[q0:q1] = o[0].transpose(0, 1)
         lse[:, q0:q1] = l_[0]
     return out, lse
 
 
-def sdpa_varlen_backward(
-    grad_out,
-    grad_lse,
-    q,
-    k,
-    v,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    dropout_p,
-    is_causal,
-    scale,
-    sinks,
-    softcap,
-    window_left,
-    window_right,
-    bottom_right,
-    seed,
-    offset,
-):
+def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *options):
+    """sdpa_backward per sequence, accumulated into packed gradients."""
     dq = q.new_zeros(q.shape)
     dk = k.new_zeros(k.shape)
     dv = v.new_zeros(v.shape)
+    sinks = options[3]
     dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
     for b, (q0, q1, k0, k1) in enumerate(_segments(cu_seqlens_q, cu_seqlens_k)):
         if q1 == q0:
@@ -306,26 +218,7 @@ def sdpa_varlen_backward(
         gl = None if grad_lse is None else grad_lse[:, q0:q1].unsqueeze(0)
         lb = lse[:, q0:q1].unsqueeze(0)
         qs, ks, vs = (_varlen_seq(q, q0, q1), _varlen_seq(k, k0, k1), _varlen_seq(v, k0, k1))
-        gq, gk, gv, gs = sdpa_backward(
-            go,
-            gl,
-            qs,
-            ks,
-            vs,
-            lb,
-            None,
-            dropout_p,
-            is_causal,
-            scale,
-            sinks,
-            softcap,
-            window_left,
-            window_right,
-            bottom_right,
-            seed,
-            offset,
-            batch_index=b,
-        )
+        gq, gk, gv, gs = sdpa_backward(go, gl, qs, ks, vs, lb, None, *options, batch_index=b)
         dq[q0:q1] = gq[0].transpose(0, 1)
         dk[k0:k1] += gk[0].transpose(0, 1)
         dv[k0:k1] += gv[0].transpose(0, 1)
