@@ -253,9 +253,9 @@ std::vector<at::Tensor> run_op(const std::string& op,
   }
   std::vector<at::Tensor> outputs;
   for (const Allocation& allocation : plan.allocations) {
-    const auto options = at::TensorOptions().dtype(to_scalar_type(allocation.dtype)).device(*device);
-    at::Tensor buffer = allocation.zero_init ? at::zeros(allocation.sizes, options)
-                                             : at::empty(allocation.sizes, options);
+    const auto like = at::TensorOptions().dtype(to_scalar_type(allocation.dtype)).device(*device);
+    at::Tensor buffer = allocation.zero_init ? at::zeros(allocation.sizes, like)
+                                             : at::empty(allocation.sizes, like);
     slots.push_back(buffer);
     if (allocation.is_output) outputs.push_back(buffer);
   }

@@ -43,7 +43,9 @@ struct PrintingBackend {
     }
     out << "\n";
   }
-  void set_tensor(uint32_t index, int32_t slot) { out << "tensor " << index << " " << slot << "\n"; }
+  void set_tensor(uint32_t index, int32_t slot) {
+    out << "tensor " << index << " " << slot << "\n";
+  }
   void set_bytes(uint32_t index, const void* data, size_t size) {
     out << "bytes " << index << " ";
     const auto* bytes = static_cast<const unsigned char*>(data);
