@@ -45,6 +45,8 @@ CC = "clang-19"
 INSTALL_HINT = "apt-get install clang-19 libclang-rt-19-dev"
 # Host code: the runtime and the planners (portable C++17).
 HOST_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+if os.environ.get("TORCH_STEEL_SIM_UCONTEXT") == "1":  # the portable fiber switch, for testing
+    HOST_FLAGS.append("-DSTEEL_SIM_UCONTEXT")
 # Shader code: Metal semantics for half/bfloat (round after every operation), MSL attributes
 # that C++ does not know, no exceptions (MSL has none; lanes run on fibers), and every load and
 # store reported to the checkers (mps_src/sim/checkers.cpp).

@@ -202,9 +202,20 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   }
 }
 
+[[noreturn]] void spinning() {
+  lane_fail(fmt("made %llu device and threadgroup memory accesses without reaching a barrier or "
+                "simd operation: is it spin-waiting for another thread? (Metal does not "
+                "guarantee that threads of a threadgroup make progress independently)",
+                g.run_accesses));
+}
+
 inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write) {
   auto a = reinterpret_cast<uintptr_t>(p);
   const SteelSimArenas& arenas = steel_sim_arenas;
+  if ((a - arenas.dev_lo < arenas.dev_size || a - arenas.tg_lo < arenas.tg_size) &&
+      ++g.run_accesses > kSpinLimit) {
+    spinning();
+  }
   if (a - arenas.dev_lo < arenas.dev_size) {
     device_access(a, n, write);
   } else if (a - arenas.tg_lo < arenas.tg_size) {

@@ -8,7 +8,7 @@
 
 namespace steel_sim {
 
-#if defined(__x86_64__)
+#if defined(STEEL_SIM_X86_64_SWITCH)
 
 extern "C" void steel_sim_switch(void** from_sp, void* to_sp);
 extern "C" void steel_sim_trampoline();

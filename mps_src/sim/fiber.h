@@ -1,20 +1,22 @@
 // Lanes as fibers: a minimal context switch and a pool of stacks.
 //
 // On x86-64 a switch saves the callee-saved registers and the stack pointer (fiber.cpp, a few
-// nanoseconds); elsewhere it falls back to ucontext (which costs a signal-mask syscall per
-// switch but is portable).
+// nanoseconds); elsewhere, or when built with -DSTEEL_SIM_UCONTEXT (to test that path here), it
+// falls back to ucontext, which costs a signal-mask syscall per switch but is portable.
 #pragma once
 
 #include <cstddef>
 
-#if !defined(__x86_64__)
+#if defined(__x86_64__) && !defined(STEEL_SIM_UCONTEXT)
+#define STEEL_SIM_X86_64_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
 namespace steel_sim {
 
 struct Context {
-#if defined(__x86_64__)
+#if defined(STEEL_SIM_X86_64_SWITCH)
   void* sp = nullptr;
 #else
   ucontext_t uc;

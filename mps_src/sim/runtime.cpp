@@ -125,6 +125,7 @@ Lane* pop_ready() {
 // turn comes.
 void block() {
   Lane* me = g.cur;
+  g.run_accesses = 0;
   Lane* next = pop_ready();
   ++g.counters.lane_switches;
   if (next != nullptr) {
@@ -170,6 +171,7 @@ void complete_barrier() {
 
 [[noreturn]] void lane_exit() {
   Lane* me = g.cur;
+  g.run_accesses = 0;
   me->wait = Wait::Exited;
   SimdGroup& sg = g.groups[me->sg];
   sg.live &= ~(1u << (me->index % kSimdWidth));
@@ -267,6 +269,7 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
   while (Lane* lane = pop_ready()) {
     lane->wait = Wait::Running;
     g.cur = lane;
+    g.run_accesses = 0;
     ++g.counters.lane_switches;
     switch_context(&g.scheduler, &lane->ctx);
     g.cur = nullptr;

@@ -27,6 +27,7 @@ constexpr uint32_t kMaxLanes = 1024;
 constexpr uint32_t kMaxBufferIndex = 30;  // Metal: [[buffer(0)]] .. [[buffer(30)]]
 constexpr uint32_t kThreadgroupLimit = 32 * 1024;
 constexpr size_t kMaxExchangeBytes = 256;  // per lane and simd_exchange
+constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
 enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
 enum class SimdWait : uint8_t { None, Exchange, Barrier };
@@ -117,6 +118,12 @@ struct Sim {
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;
   StackPool stacks;
+
+  // Device and threadgroup accesses of the running lane since it last waited or started: a lane
+  // that makes kSpinLimit of them without reaching a rendezvous is spinning on memory that
+  // another lane would have to change (Metal guarantees no forward progress for that), which
+  // would otherwise hang the fibers.
+  uint64_t run_accesses = 0;
 
   // A fault inside a lane: recorded, then the lane switches to the scheduler, which throws.
   bool failed = false;

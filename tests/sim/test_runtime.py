@@ -166,3 +166,9 @@ kernel void exec_cache_probe(device float* out [[buffer(0)]], uint i [[thread_po
     src.write_text(body.replace("VALUE", "1.0f"))  # back to the first version: cached, no build
     sim.run_kernel("exec_cache_probe", sources=[src], grid=(1,), threads=(32,), buffers={0: out})
     assert torch.equal(out, torch.ones(32))
+
+
+def test_spin_wait_on_another_thread_is_reported_not_a_hang():
+    with pytest.raises(SimulatorError, match=r"exec_spin_wait.*thread \(0,0,0\).*spin-waiting"):
+        run("exec_spin_wait", grid=(1,), threads=(32,),
+            buffers={0: torch.zeros(32, dtype=torch.int32)})

@@ -137,3 +137,19 @@ kernel void exec_private_array(device const uint* in [[buffer(0)]],
   for (uint i = 0; i < 2048; ++i) a[i] = i * 3 + gid;
   out[gid] = a[in[gid] % 2048];
 }
+
+// Thread 0 spin-waits for a flag that thread 1 sets: no forward progress is guaranteed in Metal,
+// and on the simulator's fibers thread 1 never runs, so this must be reported, not hang.
+kernel void exec_spin_wait(device int* out [[buffer(0)]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup int flag[1];
+  if (tid == 0) flag[0] = 0;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  volatile threadgroup int* f = flag;
+  if (tid == 0) {
+    while (f[0] == 0) {
+    }
+  }
+  if (tid == 1) f[0] = 1;
+  out[tid] = 1;
+}
