@@ -260,3 +260,21 @@ def test_vector_math_and_comparison_reductions():
     # These products and sums are exact in float64, so this is the singly rounded fma.
     assert torch.equal(out[5], (a.double() * b.double() + a.double()).float())
     assert flags.tolist() == [0, 1, 0]  # a < b only in some components; no NaN
+
+
+def test_atomics():
+    total = torch.zeros(1, dtype=torch.int32)
+    ftotal = torch.zeros(1)
+    biggest = torch.zeros(1, dtype=torch.int32)
+    per_group = torch.zeros(4, dtype=torch.int32)
+    run(
+        "lang_atomics",
+        grid=(4,),
+        threads=(96,),
+        buffers={0: total, 1: ftotal, 2: biggest, 3: per_group},
+    )
+    n = 4 * 96
+    assert total.item() == n * (n - 1) // 2
+    assert ftotal.item() == n * 0.5
+    assert biggest.item() == max(g * 37 % 101 for g in range(n))
+    assert per_group.tolist() == [96] * 4

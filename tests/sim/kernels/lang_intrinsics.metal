@@ -111,3 +111,22 @@ template [[host_name("lang_math_f16")]] [[kernel]] decltype(lang_math<half>) lan
   flags[1] = any(a < b) ? 1 : 0;
   flags[2] = any(isnan(a)) ? 1 : 0;
 }
+
+// Atomics: every lane adds into device counters and a threadgroup one, and takes a maximum.
+kernel void lang_atomics(device atomic_int* total [[buffer(0)]],
+                         device atomic_float* ftotal [[buffer(1)]],
+                         device atomic_uint* biggest [[buffer(2)]],
+                         device int* per_group [[buffer(3)]],
+                         uint gid [[thread_position_in_grid]],
+                         uint t [[thread_index_in_threadgroup]],
+                         uint tg [[threadgroup_position_in_grid]]) {
+  threadgroup atomic_int group_sum;
+  if (t == 0) atomic_store_explicit(&group_sum, 0, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  atomic_fetch_add_explicit(total, int(gid), memory_order_relaxed);
+  atomic_fetch_add_explicit(ftotal, 0.5f, memory_order_relaxed);
+  atomic_fetch_max_explicit(biggest, (gid * 37u) % 101u, memory_order_relaxed);
+  atomic_fetch_add_explicit(&group_sum, 1, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (t == 0) per_group[tg] = atomic_load_explicit(&group_sum, memory_order_relaxed);
+}

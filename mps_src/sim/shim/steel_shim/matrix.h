@@ -82,7 +82,7 @@ inline P frag_element(P base, ulong elements_per_row, O origin, bool transpose, 
 }
 
 template <typename T, typename P, typename O>
-inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src, ulong elements_per_row,
+STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src, ulong elements_per_row,
                         O origin, bool transpose) {
   uint32_t mask;
   steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixLoad, &mask);
@@ -94,7 +94,7 @@ inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src, ulong elemen
 }
 
 template <typename T, typename P, typename O>
-inline void matrix_store(const metal::simdgroup_matrix<T, 8, 8>& a, P dst, ulong elements_per_row,
+STEEL_CONVERGENT inline void matrix_store(const metal::simdgroup_matrix<T, 8, 8>& a, P dst, ulong elements_per_row,
                          O origin, bool transpose) {
   uint32_t mask;
   steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixStore, &mask);
@@ -114,7 +114,7 @@ struct MmaOperands {
 
 // d = a * b + c, this lane's two elements, after one exchange of every lane's a and b elements.
 template <typename TD, typename TA, typename TB, typename TC, bool kHasC>
-inline void matrix_mma(metal::simdgroup_matrix<TD, 8, 8>& d,
+STEEL_CONVERGENT inline void matrix_mma(metal::simdgroup_matrix<TD, 8, 8>& d,
                        const metal::simdgroup_matrix<TA, 8, 8>& a,
                        const metal::simdgroup_matrix<TB, 8, 8>& b,
                        const metal::simdgroup_matrix<TC, 8, 8>* c) {
@@ -152,13 +152,13 @@ namespace metal {
 
 #define STEEL_SHIM_MATRIX_IO(AS)                                                                \
   template <typename T>                                                                         \
-  inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, const AS T* src,              \
+  STEEL_CONVERGENT inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, const AS T* src,              \
                              ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),      \
                              bool transpose_matrix = false) {                                   \
     steel_shim::matrix_load(d, src, elements_per_row, matrix_origin, transpose_matrix);         \
   }                                                                                             \
   template <typename T>                                                                         \
-  inline void simdgroup_store(const thread simdgroup_matrix<T, 8, 8>& a, AS T* dst,             \
+  STEEL_CONVERGENT inline void simdgroup_store(const thread simdgroup_matrix<T, 8, 8>& a, AS T* dst,             \
                               ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),     \
                               bool transpose_matrix = false) {                                  \
     steel_shim::matrix_store(a, dst, elements_per_row, matrix_origin, transpose_matrix);        \
@@ -168,7 +168,7 @@ STEEL_SHIM_MATRIX_IO(threadgroup)
 #undef STEEL_SHIM_MATRIX_IO
 
 template <typename TD, typename TA, typename TB, typename TC>
-inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d,
+STEEL_CONVERGENT inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d,
                                           const thread simdgroup_matrix<TA, 8, 8>& a,
                                           const thread simdgroup_matrix<TB, 8, 8>& b,
                                           const thread simdgroup_matrix<TC, 8, 8>& c) {
@@ -176,7 +176,7 @@ inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d,
 }
 
 template <typename TD, typename TA, typename TB>
-inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d,
+STEEL_CONVERGENT inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d,
                                const thread simdgroup_matrix<TA, 8, 8>& a,
                                const thread simdgroup_matrix<TB, 8, 8>& b) {
   steel_shim::matrix_mma<TD, TA, TB, TD, false>(d, a, b, nullptr);

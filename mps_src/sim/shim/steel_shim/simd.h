@@ -21,8 +21,8 @@ enum class mem_flags : uint {
 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
 
-inline void threadgroup_barrier(mem_flags) { steel_sim::threadgroup_barrier(); }
-inline void simdgroup_barrier(mem_flags) { steel_sim::simdgroup_barrier(); }
+STEEL_CONVERGENT inline void threadgroup_barrier(mem_flags) { steel_sim::threadgroup_barrier(); }
+STEEL_CONVERGENT inline void simdgroup_barrier(mem_flags) { steel_sim::simdgroup_barrier(); }
 
 }  // namespace metal
 
@@ -37,7 +37,7 @@ struct Exchanged {
 };
 
 template <typename T>
-inline Exchanged exchange(const T& mine, steel_sim::SimdKind kind) {
+STEEL_CONVERGENT inline Exchanged exchange(const T& mine, steel_sim::SimdKind kind) {
   Exchanged e;
   e.all = static_cast<const unsigned char*>(
       steel_sim::simd_exchange(&mine, sizeof(T), kind, &e.mask));
@@ -88,7 +88,7 @@ namespace metal {
 
 #define STEEL_SHIM_SHUFFLE(name, arg, src_expr)                                    \
   template <typename T>                                                            \
-  inline T name(T data, ushort arg) {                                              \
+  STEEL_CONVERGENT inline T name(T data, ushort arg) {                                              \
     const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);       \
     const uint32_t me = steel_shim::simd_lane();                                   \
     (void)me;                                                                      \
@@ -105,14 +105,14 @@ STEEL_SHIM_SHUFFLE(simd_shuffle_rotate_down, delta, (me + delta) % 32)
 
 // The first (lowest) active lane's value.
 template <typename T>
-inline T simd_broadcast_first(T data) {
+STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
   return steel_shim::lane_value<T>(e, uint32_t(__builtin_ctz(e.mask)));
 }
 
 #define STEEL_SHIM_REDUCE(name, op)                                           \
   template <typename T>                                                       \
-  inline T name(T data) {                                                     \
+  STEEL_CONVERGENT inline T name(T data) {                                                     \
     const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);   \
     return steel_shim::fold(e, 32, data, op);                                 \
   }
@@ -127,24 +127,24 @@ STEEL_SHIM_REDUCE(simd_xor, [](T a, T b) { return T(a ^ b); })
 
 // Prefix sums over the active lanes below (exclusive) or up to (inclusive) this lane.
 template <typename T>
-inline T simd_prefix_inclusive_sum(T data) {
+STEEL_CONVERGENT inline T simd_prefix_inclusive_sum(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::plus<T>);
 }
 template <typename T>
-inline T simd_prefix_exclusive_sum(T data) {
+STEEL_CONVERGENT inline T simd_prefix_exclusive_sum(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   const uint32_t me = steel_shim::simd_lane();
   if (!(e.mask & ((1u << me) - 1u))) return T(0);
   return steel_shim::fold(e, me, data, steel_shim::plus<T>);
 }
 template <typename T>
-inline T simd_prefix_inclusive_product(T data) {
+STEEL_CONVERGENT inline T simd_prefix_inclusive_product(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::times<T>);
 }
 template <typename T>
-inline T simd_prefix_exclusive_product(T data) {
+STEEL_CONVERGENT inline T simd_prefix_exclusive_product(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   const uint32_t me = steel_shim::simd_lane();
   if (!(e.mask & ((1u << me) - 1u))) return T(1);
@@ -166,7 +166,7 @@ class simd_vote {
 };
 
 namespace steel_votes {
-inline simd_vote ballot(bool b) {
+STEEL_CONVERGENT inline simd_vote ballot(bool b) {
   const unsigned char mine = b ? 1 : 0;
   const auto e = steel_shim::exchange(mine, steel_sim::SimdKind::Ballot);
   ulong v = 0;
@@ -177,11 +177,11 @@ inline simd_vote ballot(bool b) {
 }
 }  // namespace steel_votes
 
-inline simd_vote simd_ballot(bool b) { return steel_votes::ballot(b); }
-inline simd_vote simd_active_threads_mask() { return steel_votes::ballot(true); }
-inline bool simd_all(bool b) { return steel_votes::ballot(b).all(); }
-inline bool simd_any(bool b) { return steel_votes::ballot(b).any(); }
-inline bool simd_is_first() {
+STEEL_CONVERGENT inline simd_vote simd_ballot(bool b) { return steel_votes::ballot(b); }
+STEEL_CONVERGENT inline simd_vote simd_active_threads_mask() { return steel_votes::ballot(true); }
+STEEL_CONVERGENT inline bool simd_all(bool b) { return steel_votes::ballot(b).all(); }
+STEEL_CONVERGENT inline bool simd_any(bool b) { return steel_votes::ballot(b).any(); }
+STEEL_CONVERGENT inline bool simd_is_first() {
   const ulong active = ulong(steel_votes::ballot(true));
   return steel_shim::simd_lane() == uint32_t(__builtin_ctzll(active));
 }

@@ -45,6 +45,12 @@ STEEL_SHIM_VECTORS(bfloat)
 STEEL_SHIM_VECTORS(float)
 #undef STEEL_SHIM_VECTORS
 
+// Functions that reach a rendezvous (barriers, simd_* and simdgroup-matrix operations). GPU
+// compilers never duplicate such a call into several paths or make it depend on more
+// conditions; clang only promises that for `convergent` functions, and the runtime tells
+// rendezvous apart by call site.
+#define STEEL_CONVERGENT __attribute__((convergent))
+
 // A template parameter that removes an overload unless the condition holds (C++17 SFINAE).
 #define STEEL_SHIM_IF(...) ::metal::enable_if_t<(__VA_ARGS__), int> = 0
 
