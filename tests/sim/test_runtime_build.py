@@ -85,3 +85,20 @@ def test_missing_source_file():
     with pytest.raises(FileNotFoundError):
         sim.run_kernel("x", sources=["/nonexistent/exec_x.metal"], grid=(1,), threads=(1,),
                        buffers={})
+
+
+@needs_sim
+@pytest.mark.slow
+def test_portable_ucontext_fibers(tmp_path):
+    # The fallback for other architectures, built here with -DSTEEL_SIM_UCONTEXT into a fresh
+    # cache, must pass the runtime and checker tests too.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCH_STEEL_SIM_UCONTEXT="1", TORCH_STEEL_SIM_CACHE=str(tmp_path))
+    tests = [str(ROOT / "tests" / "sim" / f) for f in ("test_runtime.py", "test_checkers.py")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *tests], env=env, cwd=ROOT, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
