@@ -33,6 +33,12 @@ CASES = {
         ),
         {"seed": 7},
     ),
+    # Transposed views ([batch, seq, heads, dim] storage): outputs must still match the fakes.
+    "sdpa_noncontiguous": (
+        torch.ops.steel.sdpa,
+        tuple(_t(2, 5, 2, 4, grad=True).transpose(1, 2) for _ in range(3)),
+        {"is_causal": True},
+    ),
     "sdpa_forward": (
         torch.ops.steel.sdpa_forward,
         (

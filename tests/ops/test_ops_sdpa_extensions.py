@@ -154,3 +154,37 @@ def test_dropout_statistics_and_repeatability():
     c = torch_steel.sdpa(q, k, v, dropout_p=0.5)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert (torch_steel.sdpa(q, k, v, dropout_p=1.0) == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(200))
+def test_random_configurations(trial):
+    """Random mixes of every option against the row-by-row formula (run with -m slow)."""
+    g = torch.Generator().manual_seed(trial)
+
+    def pick(n):
+        return int(torch.randint(n, (), generator=g))
+
+    L, S, hkv, groups = 1 + pick(9), 1 + pick(9), 1 + pick(2), 1 + pick(3)
+    q = torch.randn(2, hkv * groups, L, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(2, hkv, S, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(2, hkv, S, 1 + pick(5), generator=g, dtype=torch.float64)
+    window = (pick(4) - 1, pick(4) - 1)
+    bottom_right = bool(pick(2))
+    is_causal = bool(pick(2))
+    mask = torch.rand(L, S, generator=g) > 0.3 if pick(2) else None
+    sinks = torch.randn(hkv * groups, generator=g, dtype=torch.float64) if pick(2) else None
+    softcap = [0.0, 2.0][pick(2)]
+    keep = _band(L, S, window[0], 0 if is_causal else window[1], bottom_right)
+    if is_causal and window[1] >= 0:
+        keep &= _band(L, S, -1, window[1], bottom_right)
+    if mask is not None:
+        keep &= mask
+    expected, expected_lse = naive_attention(q, k, v, keep=keep, sinks=sinks, softcap=softcap)
+    out, lse = torch_steel.sdpa(
+        q, k, v, mask, is_causal=is_causal, enable_gqa=True, sinks=sinks, softcap=softcap,
+        window=window, causal_align="bottom_right" if bottom_right else "top_left",
+        return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOL64)
+    torch.testing.assert_close(lse, expected_lse, **TOL64)
