@@ -43,7 +43,7 @@ def recorder(tmp_path_factory):
     sources = [str(ROOT / "tests" / "mps" / "plan_record.cpp")]
     sources += [str(p) for p in sorted(PLAN_DIR.glob("*.cpp"))]
     subprocess.run(
-        [compiler, "-std=c++17", "-O1", "-Wall", "-Werror", "-I", str(ROOT / "mps_src"), "-I",
+        [compiler, "-std=c++17", "-O1", "-Wall", "-I", str(ROOT / "mps_src"), "-I",
          str(ROOT / "shaders"), *sources, "-o", str(exe)],
         check=True, capture_output=True, text=True,
     )
