@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from torch_steel.errors import SimulatorError
@@ -103,11 +104,15 @@ def _digest(files: list[Path], *extra: object) -> str:
     return h.hexdigest()[:16]
 
 
+STALE_SECONDS = 7 * 24 * 3600
+
+
 def _locked_build(out: Path, build) -> Path:
     """Runs build(out) once per output directory across processes; `done` marks success."""
     out.parent.mkdir(parents=True, exist_ok=True)
     done = out / "done"
     if done.exists():
+        done.touch()  # in use: keeps it from being collected as stale
         return out
     with open(out.parent / (out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,7 +123,22 @@ def _locked_build(out: Path, build) -> Path:
                 done.write_text("ok\n")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    _collect_stale(out)
     return out
+
+
+def _collect_stale(fresh: Path) -> None:
+    """After a new build, removes builds of the same kind unused for a week (a process that
+    still has one loaded keeps its mapped files; a deleted directory is simply rebuilt)."""
+    kind = fresh.name.split("-")[0] + "-"
+    now = time.time()
+    for d in fresh.parent.glob(kind + "*"):
+        done = d / "done"
+        if d == fresh or not d.is_dir() or not done.exists():
+            continue
+        if now - done.stat().st_mtime > STALE_SECONDS:
+            shutil.rmtree(d, ignore_errors=True)
+            (d.parent / (d.name + ".lock")).unlink(missing_ok=True)
 
 
 def _ninja(out: Path, rules: str, builds: list[str], default: str) -> None:

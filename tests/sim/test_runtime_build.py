@@ -2,6 +2,7 @@
 
 import importlib.util
 import multiprocessing
+import os
 import shutil
 import time
 from pathlib import Path
@@ -92,7 +93,6 @@ def test_missing_source_file():
 def test_portable_ucontext_fibers(tmp_path):
     # The fallback for other architectures, built here with -DSTEEL_SIM_UCONTEXT into a fresh
     # cache, must pass the runtime and checker tests too.
-    import os
     import subprocess
     import sys
 
@@ -102,3 +102,15 @@ def test_portable_ucontext_fibers(tmp_path):
                            *tests], env=env, cwd=ROOT, capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_builds_unused_for_a_week_are_collected(tmp_path):
+    old, recent = tmp_path / "test-old", tmp_path / "test-recent"
+    for d in (old, recent):
+        d.mkdir()
+        (d / "done").write_text("ok\n")
+    week = _sim_build.STALE_SECONDS + 60
+    os.utime(old / "done", (time.time() - week, time.time() - week))
+    _sim_build._locked_build(tmp_path / "test-new", _slow_build)
+    assert not old.exists()
+    assert recent.exists() and (tmp_path / "test-new" / "done").exists()
