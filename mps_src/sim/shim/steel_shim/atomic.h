@@ -46,71 +46,71 @@ using atomic_bits = metal::conditional_t<sizeof(T) == 8, unsigned long long,
 
 namespace metal {
 
-#define STEEL_SHIM_ATOMICS(AS)                                                                  \
-  template <typename T>                                                                         \
-  inline T atomic_load_explicit(const volatile AS atomic<T>* object, memory_order) {            \
-    using B = steel_shim::atomic_bits<T>;                                                       \
-    volatile AS B* p = (volatile AS B*)&object->steel_value;                                    \
-    return __builtin_bit_cast(T, B(__atomic_fetch_or(p, B(0), __ATOMIC_SEQ_CST)));              \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_exchange_explicit(volatile AS atomic<T>* object, T desired, memory_order) {   \
-    using B = steel_shim::atomic_bits<T>;                                                       \
-    volatile AS B* p = (volatile AS B*)&object->steel_value;                                    \
-    return __builtin_bit_cast(T, B(__atomic_exchange_n(p, __builtin_bit_cast(B, desired),       \
-                                                       __ATOMIC_SEQ_CST)));                     \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline void atomic_store_explicit(volatile AS atomic<T>* object, T desired, memory_order o) { \
-    atomic_exchange_explicit(object, desired, o);                                               \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline bool atomic_compare_exchange_weak_explicit(volatile AS atomic<T>* object,              \
-                                                    thread T* expected, T desired,              \
-                                                    memory_order, memory_order) {               \
-    using B = steel_shim::atomic_bits<T>;                                                       \
-    volatile AS B* p = (volatile AS B*)&object->steel_value;                                    \
-    B want = __builtin_bit_cast(B, *expected);                                                  \
+#define STEEL_SHIM_ATOMICS(AS)                                                                   \
+  template <typename T>                                                                          \
+  inline T atomic_load_explicit(const volatile AS atomic<T>* object, memory_order) {             \
+    using B = steel_shim::atomic_bits<T>;                                                        \
+    volatile AS B* p = (volatile AS B*)&object->steel_value;                                     \
+    return __builtin_bit_cast(T, B(__atomic_fetch_or(p, B(0), __ATOMIC_SEQ_CST)));               \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_exchange_explicit(volatile AS atomic<T>* object, T desired, memory_order) {    \
+    using B = steel_shim::atomic_bits<T>;                                                        \
+    volatile AS B* p = (volatile AS B*)&object->steel_value;                                     \
+    return __builtin_bit_cast(T, B(__atomic_exchange_n(p, __builtin_bit_cast(B, desired),        \
+                                                       __ATOMIC_SEQ_CST)));                      \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline void atomic_store_explicit(volatile AS atomic<T>* object, T desired, memory_order o) {  \
+    atomic_exchange_explicit(object, desired, o);                                                \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline bool atomic_compare_exchange_weak_explicit(volatile AS atomic<T>* object,               \
+                                                    thread T* expected, T desired,               \
+                                                    memory_order, memory_order) {                \
+    using B = steel_shim::atomic_bits<T>;                                                        \
+    volatile AS B* p = (volatile AS B*)&object->steel_value;                                     \
+    B want = __builtin_bit_cast(B, *expected);                                                   \
     const bool ok = __atomic_compare_exchange_n(p, &want, __builtin_bit_cast(B, desired), false, \
-                                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);            \
-    *expected = __builtin_bit_cast(T, want);                                                    \
-    return ok;                                                                                  \
-  }                                                                                             \
-  template <typename T, typename F>                                                             \
-  inline T steel_atomic_rmw(volatile AS atomic<T>* object, F f) {                               \
-    T old = atomic_load_explicit(object, memory_order_relaxed);                                 \
-    while (!atomic_compare_exchange_weak_explicit(object, &old, f(old), memory_order_relaxed,   \
-                                                  memory_order_relaxed)) {                      \
-    }                                                                                           \
-    return old;                                                                                 \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_add_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return T(x + v); });                                  \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_sub_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return T(x - v); });                                  \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_max_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return x < v ? v : x; });                             \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_min_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return v < x ? v : x; });                             \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_and_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return T(x & v); });                                  \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_or_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
-    return steel_atomic_rmw(o, [v](T x) { return T(x | v); });                                  \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  inline T atomic_fetch_xor_explicit(volatile AS atomic<T>* o, T v, memory_order) {             \
-    return steel_atomic_rmw(o, [v](T x) { return T(x ^ v); });                                  \
+                                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
+    *expected = __builtin_bit_cast(T, want);                                                     \
+    return ok;                                                                                   \
+  }                                                                                              \
+  template <typename T, typename F>                                                              \
+  inline T steel_atomic_rmw(volatile AS atomic<T>* object, F f) {                                \
+    T old = atomic_load_explicit(object, memory_order_relaxed);                                  \
+    while (!atomic_compare_exchange_weak_explicit(object, &old, f(old), memory_order_relaxed,    \
+                                                  memory_order_relaxed)) {                       \
+    }                                                                                            \
+    return old;                                                                                  \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_add_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return T(x + v); });                                   \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_sub_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return T(x - v); });                                   \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_max_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return x < v ? v : x; });                              \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_min_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return v < x ? v : x; });                              \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_and_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return T(x & v); });                                   \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_or_explicit(volatile AS atomic<T>* o, T v, memory_order) {               \
+    return steel_atomic_rmw(o, [v](T x) { return T(x | v); });                                   \
+  }                                                                                              \
+  template <typename T>                                                                          \
+  inline T atomic_fetch_xor_explicit(volatile AS atomic<T>* o, T v, memory_order) {              \
+    return steel_atomic_rmw(o, [v](T x) { return T(x ^ v); });                                   \
   }
 STEEL_SHIM_ATOMICS(device)
 STEEL_SHIM_ATOMICS(threadgroup)

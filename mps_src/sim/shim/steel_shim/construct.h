@@ -76,12 +76,12 @@ constexpr bool as_copy_ok =
 }  // namespace steel_shim
 
 #if __cplusplus > 202002L
-#define STEEL_SIM_AS_COPY(X)                                                              \
-  template <class SteelSelf, class SteelSrc,                                              \
-            STEEL_SHIM_IF(::steel_shim::as_copy_ok<SteelSelf, SteelSrc, X>)>              \
-  SteelSelf&& operator=(this SteelSelf&& self, SteelSrc&& src) {                          \
-    __builtin_memcpy((void*)&self, (const void*)&src, sizeof(X));                         \
-    return static_cast<SteelSelf&&>(self);                                                \
+#define STEEL_SIM_AS_COPY(X)                                                 \
+  template <class SteelSelf, class SteelSrc,                                 \
+            STEEL_SHIM_IF(::steel_shim::as_copy_ok<SteelSelf, SteelSrc, X>)> \
+  SteelSelf&& operator=(this SteelSelf&& self, SteelSrc&& src) {             \
+    __builtin_memcpy((void*)&self, (const void*)&src, sizeof(X));            \
+    return static_cast<SteelSelf&&>(self);                                   \
   }
 #else
 // Before C++23 (no explicit object parameters) such copies do not compile; build shaders with
@@ -128,16 +128,19 @@ struct is_constant<derived_constant<T, F>> : metal::true_type {};
 
 // Arithmetic of a constant with a vector (the conversion operator alone cannot reach clang's
 // vector operators).
-#define STEEL_SHIM_CONSTANT_OP(op)                                                          \
-  template <typename C, typename V,                                                         \
-            STEEL_SHIM_IF(::steel_shim::is_constant<C>::value&& ::steel_shim::vinfo<V>::is_vector)> \
-  inline auto operator op(const C& c, const V& v) {                                         \
-    return c.get() op v;                                                                    \
-  }                                                                                         \
-  template <typename C, typename V,                                                         \
-            STEEL_SHIM_IF(::steel_shim::is_constant<C>::value&& ::steel_shim::vinfo<V>::is_vector)> \
-  inline auto operator op(const V& v, const C& c) {                                         \
-    return v op c.get();                                                                    \
+namespace steel_shim {
+template <typename C, typename V>
+constexpr bool constant_with_vector = is_constant<C>::value && vinfo<V>::is_vector;
+}  // namespace steel_shim
+
+#define STEEL_SHIM_CONSTANT_OP(op)                                                           \
+  template <typename C, typename V, STEEL_SHIM_IF(::steel_shim::constant_with_vector<C, V>)> \
+  inline auto operator op(const C& c, const V& v) {                                          \
+    return c.get() op v;                                                                     \
+  }                                                                                          \
+  template <typename C, typename V, STEEL_SHIM_IF(::steel_shim::constant_with_vector<C, V>)> \
+  inline auto operator op(const V& v, const C& c) {                                          \
+    return v op c.get();                                                                     \
   }
 STEEL_SHIM_CONSTANT_OP(+)
 STEEL_SHIM_CONSTANT_OP(-)

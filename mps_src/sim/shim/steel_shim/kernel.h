@@ -113,6 +113,6 @@ inline bool register_instance(const char* host_name) {
 #define STEEL_SIM_CAT(a, b) STEEL_SIM_CAT2(a, b)
 // One registration per use; __COUNTER__ keeps the names apart when a macro instantiates many
 // kernels from one source line.
-#define STEEL_SIM_REGISTER(host_name, params, ...)                                      \
+#define STEEL_SIM_REGISTER(host_name, params, ...)                                       \
   [[maybe_unused]] static const bool STEEL_SIM_CAT(steel_sim_registered_, __COUNTER__) = \
       ::steel_shim::register_instance<params, &__VA_ARGS__>(host_name);

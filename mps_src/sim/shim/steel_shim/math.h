@@ -77,10 +77,10 @@ inline bool_of<T> test1(T x, F f) {
 
 namespace metal {
 
-#define STEEL_SHIM_UNARY(name, expr)                                          \
-  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)> \
-  inline T name(T x) {                                                        \
-    return steel_shim::map1(x, [](float v) -> float { return expr; });        \
+#define STEEL_SHIM_UNARY(name, expr)                                   \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>           \
+  inline T name(T x) {                                                 \
+    return steel_shim::map1(x, [](float v) -> float { return expr; }); \
   }
 STEEL_SHIM_UNARY(exp, __builtin_expf(v))
 STEEL_SHIM_UNARY(exp2, __builtin_exp2f(v))
@@ -111,14 +111,14 @@ STEEL_SHIM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))
 STEEL_SHIM_UNARY(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == v ? v : 0.0f)))
 #undef STEEL_SHIM_UNARY
 
-#define STEEL_SHIM_BINARY(name, expr)                                                      \
-  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)> \
-  inline T name(T x, T y) {                                                                \
-    return steel_shim::map2(x, y, [](float a, float b) -> float { return expr; });         \
-  }                                                                                        \
+#define STEEL_SHIM_BINARY(name, expr)                                                           \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
+  inline T name(T x, T y) {                                                                     \
+    return steel_shim::map2(x, y, [](float a, float b) -> float { return expr; });              \
+  }                                                                                             \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
-  inline T name(T x, steel_shim::elem_t<T> y) {                                            \
-    return name(x, T(y));                                                                  \
+  inline T name(T x, steel_shim::elem_t<T> y) {                                                 \
+    return name(x, T(y));                                                                       \
   }
 STEEL_SHIM_BINARY(pow, __builtin_powf(a, b))
 STEEL_SHIM_BINARY(powr, __builtin_powf(a, b))

@@ -82,8 +82,8 @@ inline P frag_element(P base, ulong elements_per_row, O origin, bool transpose, 
 }
 
 template <typename T, typename P, typename O>
-STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src, ulong elements_per_row,
-                        O origin, bool transpose) {
+STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src,
+                                         ulong elements_per_row, O origin, bool transpose) {
   uint32_t mask;
   steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixLoad, &mask);
   const uint32_t l = simd_lane();
@@ -94,8 +94,8 @@ STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P 
 }
 
 template <typename T, typename P, typename O>
-STEEL_CONVERGENT inline void matrix_store(const metal::simdgroup_matrix<T, 8, 8>& a, P dst, ulong elements_per_row,
-                         O origin, bool transpose) {
+STEEL_CONVERGENT inline void matrix_store(const metal::simdgroup_matrix<T, 8, 8>& a, P dst,
+                                          ulong elements_per_row, O origin, bool transpose) {
   uint32_t mask;
   steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixStore, &mask);
   const uint32_t l = simd_lane();
@@ -150,18 +150,18 @@ STEEL_CONVERGENT inline void matrix_mma(metal::simdgroup_matrix<TD, 8, 8>& d,
 
 namespace metal {
 
-#define STEEL_SHIM_MATRIX_IO(AS)                                                                \
-  template <typename T>                                                                         \
-  STEEL_CONVERGENT inline void simdgroup_load(thread simdgroup_matrix<T, 8, 8>& d, const AS T* src,              \
-                             ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),      \
-                             bool transpose_matrix = false) {                                   \
-    steel_shim::matrix_load(d, src, elements_per_row, matrix_origin, transpose_matrix);         \
-  }                                                                                             \
-  template <typename T>                                                                         \
-  STEEL_CONVERGENT inline void simdgroup_store(const thread simdgroup_matrix<T, 8, 8>& a, AS T* dst,             \
-                              ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),     \
-                              bool transpose_matrix = false) {                                  \
-    steel_shim::matrix_store(a, dst, elements_per_row, matrix_origin, transpose_matrix);        \
+#define STEEL_SHIM_MATRIX_IO(AS)                                                         \
+  template <typename T>                                                                  \
+  STEEL_CONVERGENT inline void simdgroup_load(                                           \
+      thread simdgroup_matrix<T, 8, 8>& d, const AS T* src, ulong elements_per_row = 8,  \
+      ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {                 \
+    steel_shim::matrix_load(d, src, elements_per_row, matrix_origin, transpose_matrix);  \
+  }                                                                                      \
+  template <typename T>                                                                  \
+  STEEL_CONVERGENT inline void simdgroup_store(                                          \
+      const thread simdgroup_matrix<T, 8, 8>& a, AS T* dst, ulong elements_per_row = 8,  \
+      ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {                 \
+    steel_shim::matrix_store(a, dst, elements_per_row, matrix_origin, transpose_matrix); \
   }
 STEEL_SHIM_MATRIX_IO(device)
 STEEL_SHIM_MATRIX_IO(threadgroup)

@@ -86,13 +86,13 @@ inline T times(T a, T b) {
 
 namespace metal {
 
-#define STEEL_SHIM_SHUFFLE(name, arg, src_expr)                                    \
-  template <typename T>                                                            \
-  STEEL_CONVERGENT inline T name(T data, ushort arg) {                                              \
-    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);       \
-    const uint32_t me = steel_shim::simd_lane();                                   \
-    (void)me;                                                                      \
-    return steel_shim::lane_value<T>(e, src_expr);                                 \
+#define STEEL_SHIM_SHUFFLE(name, arg, src_expr)                              \
+  template <typename T>                                                      \
+  STEEL_CONVERGENT inline T name(T data, ushort arg) {                       \
+    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle); \
+    const uint32_t me = steel_shim::simd_lane();                             \
+    (void)me;                                                                \
+    return steel_shim::lane_value<T>(e, src_expr);                           \
   }
 STEEL_SHIM_SHUFFLE(simd_shuffle, lane, uint32_t(lane))
 STEEL_SHIM_SHUFFLE(simd_broadcast, lane, uint32_t(lane))
@@ -110,11 +110,11 @@ STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
   return steel_shim::lane_value<T>(e, uint32_t(__builtin_ctz(e.mask)));
 }
 
-#define STEEL_SHIM_REDUCE(name, op)                                           \
-  template <typename T>                                                       \
-  STEEL_CONVERGENT inline T name(T data) {                                                     \
-    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);   \
-    return steel_shim::fold(e, 32, data, op);                                 \
+#define STEEL_SHIM_REDUCE(name, op)                                         \
+  template <typename T>                                                     \
+  STEEL_CONVERGENT inline T name(T data) {                                  \
+    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce); \
+    return steel_shim::fold(e, 32, data, op);                               \
   }
 STEEL_SHIM_REDUCE(simd_sum, steel_shim::plus<T>)
 STEEL_SHIM_REDUCE(simd_product, steel_shim::times<T>)
@@ -155,7 +155,8 @@ STEEL_CONVERGENT inline T simd_prefix_exclusive_product(T data) {
 class simd_vote {
  public:
   using vote_t = ulong;
-  explicit constexpr simd_vote(vote_t v = 0, vote_t active = 0xffffffffu) : v_(v), active_(active) {}
+  explicit constexpr simd_vote(vote_t v = 0, vote_t active = 0xffffffffu)
+      : v_(v), active_(active) {}
   explicit constexpr operator vote_t() const { return v_; }
   constexpr bool all() const { return (v_ & active_) == active_; }
   constexpr bool any() const { return v_ != 0; }

@@ -27,9 +27,9 @@ typedef unsigned long ulong;
 typedef _Float16 half;
 typedef __bf16 bfloat;
 
-#define STEEL_SHIM_VECTORS(T)                                 \
-  typedef T T##2 __attribute__((ext_vector_type(2)));         \
-  typedef T T##3 __attribute__((ext_vector_type(3)));         \
+#define STEEL_SHIM_VECTORS(T)                         \
+  typedef T T##2 __attribute__((ext_vector_type(2))); \
+  typedef T T##3 __attribute__((ext_vector_type(3))); \
   typedef T T##4 __attribute__((ext_vector_type(4)));
 STEEL_SHIM_VECTORS(bool)
 STEEL_SHIM_VECTORS(char)
@@ -233,16 +233,16 @@ T&& declval();
 template <typename T>
 struct numeric_limits;
 
-#define STEEL_SHIM_INT_LIMITS(T, LO, HI)                      \
-  template <>                                                 \
-  struct numeric_limits<T> {                                  \
-    static constexpr bool is_specialized = true;              \
-    static constexpr bool is_integer = true;                  \
-    static constexpr bool is_signed = T(-1) < T(0);           \
-    static constexpr int digits = sizeof(T) * 8 - is_signed;  \
-    static constexpr T min() { return LO; }                   \
-    static constexpr T lowest() { return LO; }                \
-    static constexpr T max() { return HI; }                   \
+#define STEEL_SHIM_INT_LIMITS(T, LO, HI)                     \
+  template <>                                                \
+  struct numeric_limits<T> {                                 \
+    static constexpr bool is_specialized = true;             \
+    static constexpr bool is_integer = true;                 \
+    static constexpr bool is_signed = T(-1) < T(0);          \
+    static constexpr int digits = sizeof(T) * 8 - is_signed; \
+    static constexpr T min() { return LO; }                  \
+    static constexpr T lowest() { return LO; }               \
+    static constexpr T max() { return HI; }                  \
   };
 STEEL_SHIM_INT_LIMITS(bool, false, true)
 STEEL_SHIM_INT_LIMITS(char, -128, 127)
