@@ -15,6 +15,7 @@
 // one call site), so lanes that reach two different barriers, e.g. `if (sg == 0) barrier();
 // barrier();`, are reported instead of being matched with each other.
 #include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -288,8 +289,10 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
 constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 struct sigaction g_old_actions[4];
 
+pthread_t g_launch_thread;
+
 void on_fault(int sig, siginfo_t* info, void*) {
-  if (g.cur == nullptr) {
+  if (g.cur == nullptr || !pthread_equal(pthread_self(), g_launch_thread)) {
     for (size_t i = 0; i < 4; ++i) {
       if (kSignals[i] == sig) sigaction(sig, &g_old_actions[i], nullptr);
     }
@@ -317,6 +320,7 @@ void on_fault(int sig, siginfo_t* info, void*) {
 class FaultHandlers {
  public:
   FaultHandlers() {
+    g_launch_thread = pthread_self();
     static std::vector<char> alt(256 * 1024);
     stack_t ss{};
     ss.ss_sp = alt.data();
