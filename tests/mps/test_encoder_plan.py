@@ -42,11 +42,13 @@ def recorder(tmp_path_factory):
     exe = tmp_path_factory.mktemp("plan_record") / "plan_record"
     sources = [str(ROOT / "tests" / "mps" / "plan_record.cpp")]
     sources += [str(p) for p in sorted(PLAN_DIR.glob("*.cpp"))]
-    subprocess.run(
+    build = subprocess.run(
         [compiler, "-std=c++17", "-O1", "-Wall", "-I", str(ROOT / "mps_src"), "-I",
          str(ROOT / "shaders"), *sources, "-o", str(exe)],
-        check=True, capture_output=True, text=True,
+        capture_output=True, text=True,
     )
+    if build.returncode != 0:
+        pytest.fail(f"building the plan recorder failed:\n{build.stderr}")
     return exe
 
 
