@@ -79,21 +79,28 @@ def _load_library(ext) -> None:
             return
         package_dir = PACKAGE_DIR
         metallib, sources = library_sources(package_dir)
+        why = ("no precompiled metallib is installed (Xcode's Metal toolchain was missing at "
+               "install time)")
         if metallib is not None:
-            ext.load_metallib(str(metallib))
-        elif sources:
-            warnings.warn(
-                "torch-steel: no precompiled metallib is installed (Xcode's Metal toolchain was "
-                "missing at install time); compiling the shaders with the Metal runtime compiler "
-                "now, once per process. Install Xcode and reinstall torch-steel to skip this.",
-                stacklevel=3,
-            )
-            ext.compile_sources([path.read_text() for path in sources])
-        else:
+            try:
+                ext.load_metallib(str(metallib))
+                _loaded = True
+                return
+            except RuntimeError as error:  # e.g. built by a newer Xcode than this macOS runs
+                if not sources:
+                    raise
+                why = f"the installed metallib does not load ({error})"
+        if not sources:
             raise RuntimeError(
                 f"torch-steel: neither {METALLIB} nor {SOURCE_DIR}/*.metal is installed in "
                 f"{package_dir}; reinstall torch-steel"
             )
+        warnings.warn(
+            f"torch-steel: {why}; compiling the shaders with the Metal runtime compiler now, "
+            "once per process. Install Xcode and reinstall torch-steel to skip this.",
+            stacklevel=3,
+        )
+        ext.compile_sources([path.read_text() for path in sources])
         _loaded = True
 
 

@@ -17,12 +17,15 @@ from torch_steel.errors import PlanRefused
 class FakeExtension:
     """Records the calls torch_steel.metal makes to torch_steel._C_metal."""
 
-    def __init__(self, error=None):
+    def __init__(self):
         self.calls = []
-        self.error = error
+        self.error = None
+        self.metallib_error = None
 
     def load_metallib(self, path):
         self.calls.append(("load_metallib", path))
+        if self.metallib_error is not None:
+            raise self.metallib_error
 
     def compile_sources(self, sources):
         self.calls.append(("compile_sources", sources))
@@ -73,6 +76,22 @@ def test_compiles_the_sources_once_with_a_message(fake, tmp_path):
     metal.run_op("gemm", [None], {})
     assert fake.calls[0] == ("compile_sources", ["// a.metal\n", "// b.metal\n"])
     assert [c[0] for c in fake.calls] == ["compile_sources", "run_op", "run_op"]
+
+
+def test_a_metallib_that_does_not_load_falls_back_to_the_sources(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    _sources(tmp_path, ["a.metal"])
+    fake.metallib_error = RuntimeError("torch-steel: cannot load the Metal library: version")
+    with pytest.warns(UserWarning, match="metallib does not load .*runtime compiler"):
+        metal.run_op("gemm", [None], {})
+    assert [c[0] for c in fake.calls] == ["load_metallib", "compile_sources", "run_op"]
+
+
+def test_a_metallib_that_does_not_load_without_sources_is_an_error(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    fake.metallib_error = RuntimeError("torch-steel: cannot load the Metal library: version")
+    with pytest.raises(RuntimeError, match="cannot load the Metal library"):
+        metal.run_op("gemm", [None], {})
 
 
 def test_no_library_installed(fake):
