@@ -47,6 +47,10 @@ float function_constant_float(uint32_t index);
 // Barriers. Reached by only some of the non-exited lanes: a SimulatorError naming the kernel.
 void threadgroup_barrier();
 void simdgroup_barrier();
+// threadgroup_barrier(mem_flags) with Metal's flag bits (mem_device = 1, mem_threadgroup = 2,
+// ...): only a barrier whose flags include mem_threadgroup orders threadgroup memory for the race
+// checker (mem_none is an execution barrier only). threadgroup_barrier() means all flags.
+void threadgroup_barrier_flags(uint32_t mem_flags);
 
 // What a rendezvous was for, for the counters and for divergence errors.
 enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5 };
