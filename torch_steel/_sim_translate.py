@@ -300,6 +300,15 @@ class _Translator:
                     if r.t(k - 1) != "::" or a != k:
                         r.sub(a, close + 1, f"::steel_shim::vmake<metal::{r.flat(k, close + 1)}>")
                         k = close
+            elif s == "static_cast" and r.t(k + 1) == "<" and self.is_vector_type(r, k + 2):
+                # static_cast between clang vectors is a bitcast; in MSL it converts.
+                close = r.match(k + 1)
+                if r.t(close + 1) == "(":
+                    target = r.flat(k + 2, close)
+                    if r.t(k + 2) == "vec":
+                        target = f"metal::{target}"
+                    r.sub(k, close + 1, f"::steel_shim::vmake<{target}>")
+                    k = close
             elif s == "(" and r.t(k + 1) in VECTOR_TYPES and r.t(k + 2) == ")":
                 nxt, prev = r.t(k + 3), r.t(k - 1)
                 operand = r.kind(k + 3) in ("ident", "number") or nxt in ("(", "-", "!", "~", "+")
@@ -307,6 +316,13 @@ class _Translator:
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1
+
+    @staticmethod
+    def is_vector_type(r: _Rewriter, k: int) -> bool:
+        """Whether a vector type name (float4, metal::half2, vec<T, N>) starts at k."""
+        if r.t(k) == "metal" and r.t(k + 1) == "::":
+            k += 2
+        return r.t(k) in VECTOR_TYPES or (r.t(k) == "vec" and r.t(k + 1) == "<")
 
     def literal(self, r: _Rewriter, k: int) -> None:
         s = r.t(k)

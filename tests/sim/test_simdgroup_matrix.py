@@ -1,6 +1,7 @@
 """simdgroup_matrix<T, 8, 8>: Apple's fragment map, simdgroup_load / simdgroup_store with
-elements_per_row, matrix_origin (x = column, y = row of the source) and transpose_matrix, from
-device and threadgroup memory, and simdgroup_multiply_accumulate bit-exact to the order DESIGN.md
+elements_per_row, matrix_origin (x = column, y = row of the source) and transpose_matrix (the
+two together are refused: how the GPU combines them is not documented), from device and
+threadgroup memory, and simdgroup_multiply_accumulate bit-exact to the order DESIGN.md
 states: start from C, add the eight products in index order, all in binary32, round to D's type
 (kernels: tests/sim/kernels/lang_simdgroup_matrix.metal).
 """
@@ -62,8 +63,8 @@ def load_store_args(src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t) -> b
 
 
 def expected_load_store(src, dst, src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t):
-    """The matrix M with M[r, c] = src[(y + r) * per_row + x + c] (or [(y + c) * ... + r] when
-    transposed), stored the same way into a copy of dst."""
+    """The matrix M with M[r, c] = src[(y + r) * per_row + x + c] (src[c * per_row + r] when
+    transposed, origin 0), stored the same way into a copy of dst."""
     out = dst.clone()
     sx, sy = src_xy
     dx, dy = dst_xy
@@ -78,9 +79,9 @@ def expected_load_store(src, dst, src_per_row, src_xy, src_t, dst_per_row, dst_x
 LAYOUTS = {
     "plain": (8, (0, 0), False, 8, (0, 0), False),
     "strided_origin": (13, (3, 2), False, 11, (2, 5), False),
-    "transpose_load": (12, (1, 4), True, 10, (0, 1), False),
-    "transpose_store": (9, (0, 0), False, 16, (5, 3), True),
-    "transpose_both": (20, (7, 1), True, 17, (4, 2), True),
+    "transpose_load": (12, (0, 0), True, 10, (0, 1), False),
+    "transpose_store": (9, (4, 1), False, 16, (0, 0), True),
+    "transpose_both": (20, (0, 0), True, 17, (0, 0), True),
 }
 
 
@@ -101,6 +102,21 @@ def test_load_store(tname, layout, memory):
         buffers[3] = struct.pack("I", n)
         run(f"lang_load_store_tg_{tname}", grid=(1,), threads=(32,), buffers=buffers)
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("memory", ["device", "threadgroup"])
+def test_transpose_with_origin_is_refused(memory):
+    from torch_steel.errors import SimulatorError
+
+    src = torch.zeros(256)
+    dst = torch.zeros(256)
+    buffers = {0: src, 1: dst, 2: load_store_args(16, (1, 0), True, 8, (0, 0), False)}
+    name = "lang_load_store_f32"
+    if memory == "threadgroup":
+        buffers[3] = struct.pack("I", 256)
+        name = "lang_load_store_tg_f32"
+    with pytest.raises(SimulatorError, match="matrix_origin"):
+        run(name, grid=(1,), threads=(32,), buffers=buffers)
 
 
 def mma_reference(a, b, c, out_dtype):

@@ -109,7 +109,7 @@ def test_float_to_narrow_conversion_is_round_to_nearest_even(tname):
 def test_vector_construction_conversion_and_swizzles():
     a = torch.tensor([1.25, -2.75, 3.0009765625, 100000.0])
     out = torch.full((64,), -999.0)
-    iout = torch.full((8,), -999, dtype=torch.int32)
+    iout = torch.full((10,), -999, dtype=torch.int32)
     run("lang_vectors", grid=(1,), threads=(1,), buffers={0: a, 1: out, 2: iout})
     x, y, z, w = a.tolist()
     h = a.half().float().tolist()  # half4(a): z rounds to 3.0, w overflows to inf
@@ -134,4 +134,4 @@ def test_vector_construction_conversion_and_swizzles():
     assert out[len(expected) :].eq(-999.0).all()
     x_bits = int(a[:1].view(torch.int32))
     h_bits = int(a[:2].half().view(torch.int32))
-    assert iout.tolist() == [1, -2, 3, 100000, 1, -2, x_bits, h_bits]
+    assert iout.tolist() == [1, -2, 3, 100000, 1, -2, x_bits, h_bits, 3, 100000]

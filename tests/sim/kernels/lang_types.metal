@@ -41,7 +41,7 @@ template [[host_name("lang_convert_f16")]] [[kernel]] decltype(lang_convert<half
 template [[host_name("lang_convert_bf16")]] [[kernel]] decltype(lang_convert<bfloat>)
     lang_convert<bfloat>;
 
-// Vector construction, conversion and swizzles of in[0] = a; writes 64 floats and 8 ints.
+// Vector construction, conversion and swizzles of in[0] = a; writes 64 floats and 10 ints.
 #define PUT2(v) out[n++] = float((v).x), out[n++] = float((v).y)
 #define PUT3(v) PUT2(v), out[n++] = float((v).z)
 #define PUT4(v) PUT3(v), out[n++] = float((v).w)
@@ -75,4 +75,6 @@ template [[host_name("lang_convert_bf16")]] [[kernel]] decltype(lang_convert<bfl
   iout[k++] = c.x, iout[k++] = c.y;
   iout[k++] = int(as_type<uint>(a.x));   // bits
   iout[k++] = int(as_type<uint>(half2(h.xy)));
+  const int2 s = static_cast<int2>(a.zw);  // converts, as a constructor does
+  iout[k++] = s.x, iout[k++] = s.y;
 }
