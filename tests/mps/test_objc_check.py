@@ -7,6 +7,7 @@ files use, as Apple declares them. A misspelled selector, a wrong argument type 
 torch's C++ API fails here.
 """
 
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -87,3 +88,19 @@ def test_wrong_argument_type_fails(tmp_path):
                             "newLibraryWithURL:to_ns(path)"))
     assert result.returncode != 0
     assert "cannot initialize a parameter of type 'NSURL *" in result.stderr, result.stderr
+
+
+def test_the_sdk_subset_declares_only_what_is_used():
+    """Every method and property of apple_sdk_subset.h is used by a .mm file or torch's headers."""
+    from torch.utils.cpp_extension import include_paths
+
+    subset = (MPS_DIR / "check" / "apple_sdk_subset.h").read_text()
+    declared = re.findall(r"^[-+] \([^)]*\)\s*(\w+)", subset, re.M)
+    declared += re.findall(r"^@property\([^)]*\) [^;]*?(\w+);", subset, re.M)
+    assert len(declared) >= 15
+    torch_include = Path(include_paths()[0])
+    users = [p.read_text() for p in SOURCES]
+    users += [p.read_text() for p in (torch_include / "ATen" / "mps").glob("*.h")]
+    used = "\n".join(users)
+    unused = [name for name in declared if not re.search(rf"\b{name}\b", used)]
+    assert not unused
