@@ -143,7 +143,7 @@ std::string tg_name(uint32_t offset) {
   uint32_t me = g.cur->index;
   snprintf(buf, sizeof buf,
            "data race on threadgroup memory (%s): thread %u (simdgroup %u) %s it after %s %s it "
-           "with no barrier between",
+           "with no threadgroup_barrier(mem_threadgroup) between",
            tg_name(offset).c_str(), me, me / kSimdWidth, write ? "writes" : "reads", other,
            other_wrote ? "wrote" : "read");
   lane_fail(buf);

@@ -162,8 +162,13 @@ void complete_simd(SimdGroup& sg) {
 void complete_barrier() {
   ++g.counters.barriers;
   g.at_barrier = 0;
-  for (SimdGroup& sg : g.groups) sg.at_barrier = 0;
-  ++g.epoch;
+  for (SimdGroup& sg : g.groups) {
+    sg.at_barrier = 0;
+    sg.epoch = ++g.simd_epochs;  // every simdgroup passed it in lockstep
+  }
+  // Without mem_threadgroup it is an execution barrier only: threadgroup memory written before it
+  // is not guaranteed visible to other simdgroups after it.
+  if (g.barrier_flags & kMemThreadgroup) ++g.epoch;
   for (uint32_t i = 0; i < g.nlanes; ++i) {
     Lane& lane = g.lanes[i];
     if (lane.wait == Wait::Barrier && &lane != g.cur) push_ready(&lane);
@@ -432,8 +437,9 @@ float function_constant_float(uint32_t index) {
   return static_cast<float>(c.int_value);
 }
 
-void threadgroup_barrier() {
-  const void* site = __builtin_return_address(0);
+namespace {
+
+void barrier(uint32_t flags, const void* site) {
   Lane* me = g.cur;
   if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
   SimdGroup& sg = g.groups[me->sg];
@@ -443,6 +449,7 @@ void threadgroup_barrier() {
   }
   if (g.at_barrier == 0) {
     g.barrier_site = site;
+    g.barrier_flags = flags;
   } else if (g.checkers && site != g.barrier_site) {
     lane_fail(format("reached a different threadgroup_barrier call (at %p) than the %u threads "
                      "already waiting (at %p): divergent control flow",
@@ -456,6 +463,13 @@ void threadgroup_barrier() {
   }
   me->wait = Wait::Barrier;
   block();
+}
+}  // namespace
+
+void threadgroup_barrier() { barrier(~0u, __builtin_return_address(0)); }
+
+void threadgroup_barrier_flags(uint32_t mem_flags) {
+  barrier(mem_flags, __builtin_return_address(0));
 }
 
 namespace {

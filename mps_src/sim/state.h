@@ -27,6 +27,7 @@ constexpr uint32_t kMaxLanes = 1024;
 constexpr uint32_t kMaxBufferIndex = 30;  // Metal: [[buffer(0)]] .. [[buffer(30)]]
 constexpr uint32_t kThreadgroupLimit = 32 * 1024;
 constexpr size_t kMaxExchangeBytes = 256;  // per lane and simd_exchange
+constexpr uint32_t kMemThreadgroup = 2;  // Metal's mem_flags::mem_threadgroup
 constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
 enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
@@ -115,6 +116,7 @@ struct Sim {
   uint32_t live = 0;
   uint32_t at_barrier = 0;
   const void* barrier_site = nullptr;  // call site of the threadgroup barrier being gathered
+  uint32_t barrier_flags = 0;          // its mem_flags
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;
   StackPool stacks;

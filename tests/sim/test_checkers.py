@@ -217,3 +217,19 @@ def test_buffer_index_limit():
     with pytest.raises(SimulatorError, match=r"buffer\(31\)\]\]: Metal has 31 buffer slots"):
         run("exec_plain", grid=(1,), threads=(32,), buffers={0: torch.zeros(32),
                                                              31: torch.zeros(1)})
+
+
+SHIM_PASSES_FLAGS = "threadgroup_barrier_flags" in "".join(
+    p.read_text() for p in (ROOT / "mps_src" / "sim" / "shim").rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(not SHIM_PASSES_FLAGS, reason="the shim (sim-lang) does not pass mem_flags "
+                    "to steel_sim::threadgroup_barrier_flags yet")
+def test_mem_none_barrier_does_not_order_threadgroup_memory():
+    with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
+        run("exec_mem_none_neighbour", grid=(1,), threads=(64,),
+            buffers={0: torch.zeros(64), 1: u32(64)})
+    out = torch.zeros(64)
+    run("exec_mem_none_neighbour", grid=(1,), threads=(64,), buffers={0: out, 1: u32(32)})
+    base = torch.arange(64) // 32 * 32
+    assert torch.equal(out, (base + (torch.arange(64) + 1 - base) % 32).float())

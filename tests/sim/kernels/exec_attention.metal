@@ -37,7 +37,7 @@ kernel void exec_attention_d64(device const float* q [[buffer(0)]],
     simdgroup_float8x8 s = simdgroup_float8x8(0);
     for (uint c = 0; c < 8; ++c) {
       simdgroup_float8x8 kt;  // K[kb:kb+8, 8c:8c+8] transposed
-      simdgroup_load(kt, k + kb * 64, 64, ulong2(c * 8, 0), true);
+      simdgroup_load(kt, k + kb * 64 + c * 8, 64, ulong2(0, 0), true);
       simdgroup_multiply_accumulate(s, qf[c], kt, s);
     }
     simdgroup_store(s, tile, 8);

@@ -120,3 +120,15 @@ kernel void exec_simd_sum(device float* out [[buffer(0)]], uint gid [[thread_pos
 kernel void exec_plain(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
   out[gid] = float(gid);
 }
+
+// Like exec_simd_neighbour, across a threadgroup_barrier(mem_none): an execution barrier only,
+// so it orders the lanes of one simdgroup (lockstep) but not threadgroup memory across them.
+kernel void exec_mem_none_neighbour(device float* out [[buffer(0)]],
+                                    constant uint& wrap [[buffer(1)]],
+                                    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float values[1024];
+  values[tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_none);
+  uint base = tid / wrap * wrap;
+  out[tid] = values[base + (tid + 1 - base) % wrap];
+}
