@@ -9,6 +9,10 @@
 
 #include "math.h"
 
+namespace steel_sim {
+__attribute__((weak, convergent)) void threadgroup_barrier_flags(uint32_t mem_flags);
+}  // namespace steel_sim
+
 namespace metal {
 
 enum class mem_flags : uint {
@@ -21,7 +25,16 @@ enum class mem_flags : uint {
 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
 
-STEEL_CONVERGENT inline void threadgroup_barrier(mem_flags) { steel_sim::threadgroup_barrier(); }
+// A barrier without mem_flags::mem_threadgroup orders execution but not threadgroup memory; the
+// runtime models that when it provides threadgroup_barrier_flags (weak: the shim also works with
+// a runtime that does not, every barrier then ordering memory).
+STEEL_CONVERGENT inline void threadgroup_barrier(mem_flags flags) {
+  if (&steel_sim::threadgroup_barrier_flags != nullptr) {
+    steel_sim::threadgroup_barrier_flags(uint(flags));
+  } else {
+    steel_sim::threadgroup_barrier();
+  }
+}
 STEEL_CONVERGENT inline void simdgroup_barrier(mem_flags) { steel_sim::simdgroup_barrier(); }
 
 }  // namespace metal
