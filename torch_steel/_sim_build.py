@@ -148,7 +148,14 @@ def _ninja(out: Path, rules: str, builds: list[str], default: str) -> None:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         log = (proc.stdout + proc.stderr)[-12000:]
-        raise SimulatorError(f"simulator build failed in {out}:\n{log}")
+        raise SimulatorError(f"simulator build failed in {out}:\n{log}{_hint(log)}")
+
+
+def _hint(log: str) -> str:
+    """The install hint, when a build log says the compiler runtime is missing."""
+    if "clang_rt" in log or "compiler-rt" in log or "libclang_rt" in log:
+        return f"\n(the compiler runtime is missing: {INSTALL_HINT})"
+    return ""
 
 
 def _q(p: Path | str) -> str:
@@ -307,7 +314,8 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
     link = subprocess.run([CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}",
                            "-lsteel_sim_rt"], cwd=out, check=False, capture_output=True, text=True)
     if link.returncode != 0:
-        raise SimulatorError(f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}")
+        raise SimulatorError(f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}"
+                             + _hint(link.stderr))
     (out / "errors.txt").write_text("\n".join(errors))
     return "\n".join(errors)
 
