@@ -523,18 +523,28 @@ class _Translator:
             if host is not None:
                 raise r.error(k, "[[host_name]] on an instantiation that is not [[kernel]]")
             return semi + 1
-        if r.t(j) != "decltype" or r.t(j + 1) != "(":
-            raise r.error(
-                j,
-                "kernel instantiations must read "
-                '`template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;`',
-            )
-        close = r.match(j + 1)
-        func = r.flat(close + 1, semi)
-        name_end = close + 1
-        while name_end < semi and r.t(name_end) != "<":
-            name_end += 1
-        qual_parts = [r.t(x) for x in range(close + 1, name_end)]
+        if r.t(j) == "decltype" and r.t(j + 1) == "(":
+            close = r.match(j + 1)
+            func = r.flat(close + 1, semi)
+            name_end = close + 1
+            while name_end < semi and r.t(name_end) != "<":
+                name_end += 1
+            qual_parts = [r.t(x) for x in range(close + 1, name_end)]
+        else:
+            # The long form: template [[...]] [[kernel]] void f<...>(parameters...);
+            paren = self.signature_paren(r, j, semi)
+            if r.t(paren - 1) != ">":
+                raise r.error(
+                    j,
+                    "kernel instantiations must name the template arguments: "
+                    '`template [[host_name("x")]] [[kernel]] decltype(f<...>) f<...>;`',
+                )
+            name_end = self.match_back(r, paren - 1)
+            start = name_end - 1
+            while r.t(start - 1) == "::" and r.kind(start - 2) == "ident":
+                start -= 2
+            func = r.flat(start, paren)
+            qual_parts = [r.t(x) for x in range(start, name_end)]
         base = qual_parts[-1]
         qual = "".join(qual_parts[:-1])
         if host is None:
@@ -546,6 +556,31 @@ class _Translator:
         )
         r.sub(k, semi + 1, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
         return semi + 1
+
+    @staticmethod
+    def signature_paren(r: _Rewriter, a: int, b: int) -> int:
+        """The `(` opening the parameter list between a and b (outside template arguments)."""
+        depth = 0
+        for k in range(a, b):
+            s = r.t(k)
+            if s == "<":
+                depth += 1
+            elif s == ">":
+                depth -= 1
+            elif s == "(" and depth == 0:
+                return k
+        raise r.error(a, "cannot find the instantiated kernel's parameter list")
+
+    @staticmethod
+    def match_back(r: _Rewriter, close: int) -> int:
+        """Index of the `<` matching the `>` at close."""
+        depth = 0
+        for k in range(close, -1, -1):
+            depth += r.t(k) == ">"
+            depth -= r.t(k) == "<"
+            if depth == 0:
+                return k
+        raise r.error(close, "unbalanced '>'")
 
     @staticmethod
     def is_macro_body(r: _Rewriter) -> bool:

@@ -109,6 +109,18 @@ def test_template_kernel_instantiations_are_registered():
     assert lines[7].endswith("\\") and lines[8].endswith("\\")
 
 
+def test_long_form_instantiation_is_registered():
+    src = (
+        'template [[host_name("scale_f32")]] [[kernel]] void ns::scale<float, 4>(\n'
+        "    device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]);\n"
+    )
+    lines = tr(src).split("\n")[1:]
+    assert squash(lines[0]) == squash(
+        'STEEL_SIM_REGISTER(("scale_f32"), ns::__steel_kernel_scale::params, ns::scale<float, 4>)'
+    )
+    assert lines[1] == "" and len(lines) == 3
+
+
 @pytest.mark.parametrize(
     ("src", "message"),
     [
@@ -121,8 +133,8 @@ def test_template_kernel_instantiations_are_registered():
         ),
         ("float x = 1.0L;", "MSL has no double"),
         (
-            'template [[host_name("x")]] [[kernel]] void f<int>(int);',
-            "kernel instantiations must read",
+            'template [[host_name("x")]] [[kernel]] void f(int x [[buffer(0)]]);',
+            "kernel instantiations must name the template arguments",
         ),
     ],
 )

@@ -92,3 +92,25 @@ def test_struct_copy_across_address_spaces():
         buffers={0: x, 1: out},
     )
     assert torch.equal(out, x.flip(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mlx_style_source(dtype):
+    from torch_steel import sim
+
+    x = (torch.randn(2, 128) * 3).to(dtype)
+    out = torch.zeros(4)
+    name = "lang_softmax_stats_" + ("f16" if dtype == torch.float16 else "f32")
+    sim.run_kernel(
+        name,
+        sources=[KERNELS / "lang_features.metal"],
+        grid=(1,),
+        threads=(64,),
+        buffers={0: x, 1: out},
+    )
+    xf = x.double()
+    row_max = xf.max(1).values
+    row_sum = torch.exp(xf - row_max[:, None]).sum(1)
+    # exp2 in binary32 of each of 128 terms, summed per lane then across lanes in fp32.
+    assert torch.equal(out.view(2, 2)[:, 0].double(), row_max)
+    assert torch.allclose(out.view(2, 2)[:, 1].double(), row_sum, rtol=1e-5)
