@@ -107,16 +107,17 @@ std::string lane_list(uint32_t mask, uint32_t first) {
 
 // ---------------------------------------------------------------------------- lane switching
 
+// g.ready has a power-of-two size of at least the lane count: each lane is queued at most once.
 void push_ready(Lane* lane) {
   lane->wait = Wait::Ready;
-  g.ready[(g.ready_head + g.ready_count) % g.ready.size()] = lane->index;
+  g.ready[(g.ready_head + g.ready_count) & (g.ready.size() - 1)] = lane->index;
   ++g.ready_count;
 }
 
 Lane* pop_ready() {
   if (g.ready_count == 0) return nullptr;
   Lane* lane = &g.lanes[g.ready[g.ready_head]];
-  g.ready_head = (g.ready_head + 1) % g.ready.size();
+  g.ready_head = (g.ready_head + 1) & (g.ready.size() - 1);
   --g.ready_count;
   return lane;
 }
@@ -626,8 +627,7 @@ Counters launch(const LaunchSpec& spec) {
 
   g.stacks.reserve(kMaxLanes, stack_bytes());
   if (g.lanes.size() < g.nlanes) g.lanes.resize(g.nlanes);
-  if (g.ready.size() < g.nlanes) g.ready.resize(g.nlanes);
-  g.ready.assign(g.nlanes, 0);
+  g.ready.assign(kMaxLanes, 0);
   static std::vector<uint8_t> exchange_space(2 * (kMaxLanes / kSimdWidth) * kSimdWidth *
                                              kMaxExchangeBytes);
   g.groups.assign(g.nsimd, SimdGroup());
