@@ -122,8 +122,8 @@ class Tok:
 
 
 def _tokenize(text: str, first_line: int = 1) -> list[Tok]:
-    """C++ tokens of `text`, whitespace and comments included; preprocessor lines are single
-    `directive` tokens (continuations included) when `directives` is on."""
+    """C++ tokens of `text`, whitespace and comments included; a preprocessor line (with its
+    continuations) is one `directive` token. Lines count from first_line."""
     toks: list[Tok] = []
     line, line_start, pos = first_line, 0, 0
     at_line_start = True
@@ -184,7 +184,6 @@ class _Rewriter:
         self.sig = [
             i for i, t in enumerate(toks) if t.kind not in ("ws", "comment", "directive_done")
         ]
-        self.pos_of = {tok_i: k for k, tok_i in enumerate(self.sig)}
         self.replace: dict[int, tuple[int, str]] = {}  # first token -> (end token, text)
         self.append: dict[int, list[str]] = {}  # after token i
 
@@ -202,11 +201,10 @@ class _Rewriter:
     def error(self, k: int, message: str) -> TranslateError:
         return TranslateError(f"{self.where(k)}: {message}")
 
-    def match(self, k: int, close: str | None = None) -> int:
+    def match(self, k: int) -> int:
         """Index of the bracket closing the one at k."""
-        pairs = {"(": ")", "[": "]", "{": "}", "<": ">"}
         open_ = self.t(k)
-        close = close or pairs[open_]
+        close = {"(": ")", "[": "]", "{": "}", "<": ">"}[open_]
         depth = 0
         for j in range(k, len(self.sig)):
             s = self.t(j)
@@ -219,12 +217,6 @@ class _Rewriter:
             elif open_ == "<" and s in (";", "{", "}"):
                 break
         raise self.error(k, f"unbalanced '{open_}'")
-
-    def text(self, a: int, b: int) -> str:
-        """Source text of significant tokens a..b-1 (whitespace and comments kept)."""
-        if a >= b:
-            return ""
-        return "".join(t.text for t in self.toks[self.sig[a] : self.sig[b - 1] + 1])
 
     def flat(self, a: int, b: int) -> str:
         """Significant tokens a..b-1 joined on one line."""
@@ -275,6 +267,8 @@ def _decl_id(path: str, line: int, col: int) -> int:
 
 
 class _Translator:
+    """The rewrites of one file (see the module docstring)."""
+
     def __init__(self, path: str):
         self.path = path
         self.branches: list[bool | None] = []
@@ -550,9 +544,7 @@ class _Translator:
         if host is None:
             host = f'"{base}"'
         params = (
-            f"{qual}__steel_kernel_ ## {base}"
-            if self.is_macro_body(r)
-            else f"{qual}__steel_kernel_{base}"
+            f"{qual}__steel_kernel_ ## {base}" if r.in_directive else f"{qual}__steel_kernel_{base}"
         )
         r.sub(k, semi + 1, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
         return semi + 1
@@ -581,10 +573,6 @@ class _Translator:
             if depth == 0:
                 return k
         raise r.error(close, "unbalanced '>'")
-
-    @staticmethod
-    def is_macro_body(r: _Rewriter) -> bool:
-        return r.in_directive
 
     # ---- [[kernel]] void f(params) { body }
     def kernel(self, r: _Rewriter, marker: int, marker_end: int) -> int:
