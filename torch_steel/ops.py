@@ -181,9 +181,39 @@ def _sdpa_backward_autograd(ctx, grad_out, grad_lse):
 sdpa_forward.register_autograd(_sdpa_backward_autograd, setup_context=_sdpa_setup)
 
 
+def _broadcast_qkv(q, k, v, enable_gqa):
+    """Expands query, key, value to one rank (at least 3) and one batch shape.
+
+    F.scaled_dot_product_attention broadcasts the dims before [seq, dim] like matmul, heads
+    included unless enable_gqa groups them. Expanding here (views; autograd sums the gradients
+    back) keeps the internal ops on [*batch, heads, seq, dim]. Shapes that do not broadcast are
+    returned rank-padded only, for check_sdpa to name the mismatch.
+    """
+    rank = max(q.dim(), k.dim(), v.dim(), 3)
+    q, k, v = (t[(None,) * (rank - t.dim())] for t in (q, k, v))
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        hq, hkv = q.shape[-3], torch.broadcast_shapes(k.shape[-3:-2], v.shape[-3:-2])[0]
+        if not enable_gqa:
+            hq = hkv = torch.broadcast_shapes((hq,), (hkv,))[0]
+    except RuntimeError:
+        return q, k, v
+    return (
+        q.expand(*batch, hq, *q.shape[-2:]),
+        k.expand(*batch, hkv, *k.shape[-2:]),
+        v.expand(*batch, hkv, *v.shape[-2:]),
+    )
+
+
 def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
                  softcap, window, causal_align, seed, offset):  # fmt: skip
-    """Validates the public sdpa arguments; returns sdpa_forward's arguments."""
+    """Validates the public sdpa arguments; returns (sdpa_forward's arguments, squeeze), where
+    squeeze says that the inputs had rank 2 and the results lose the added leading dim."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not torch.is_tensor(t) or t.dim() < 2:
+            raise ValueError(f"steel.sdpa: {name} must be a tensor of rank >= 2 ([..., seq, dim])")
+    squeeze = max(query.dim(), key.dim(), value.dim()) == 2
+    query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
     check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
     attn = _resolve("sdpa", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap, window,
                     causal_align, seed, offset)  # fmt: skip
@@ -197,7 +227,7 @@ def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             "steel.sdpa: the gradient with respect to a float attn_mask is not implemented; "
             "detach the mask or use torch.nn.functional.scaled_dot_product_attention"
         )
-    return (query, key, value, attn_mask, *attn)
+    return (query, key, value, attn_mask, *attn), squeeze
 
 
 _LIB.define(
@@ -209,9 +239,11 @@ _LIB.define(
 def _sdpa_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False, *, sinks=None, softcap=0.0, window=None,
                     causal_align="top_left", seed=None, offset=0):  # fmt: skip
-    inputs = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                          sinks, softcap, window, causal_align, seed, offset)  # fmt: skip
-    return torch.ops.steel.sdpa_forward(*inputs)[0]
+    inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, sinks, softcap, window, causal_align, seed,
+                                   offset)  # fmt: skip
+    out = torch.ops.steel.sdpa_forward(*inputs)[0]
+    return out.squeeze(0) if squeeze else out
 
 
 _LIB.impl("sdpa", _sdpa_composite, "CompositeImplicitAutograd")
@@ -241,9 +273,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """torch.nn.functional.scaled_dot_product_attention, plus keyword-only extensions.
 
     Same arguments and results as F.scaled_dot_product_attention ([*batch, heads, L, E] query,
-    [*batch, heads_kv, S, E] key, [*batch, heads_kv, S, Ev] value, or [L, E] ones; bool masks
-    keep where True, float masks are added; rows that see no key are zero; is_causal together
-    with a mask applies both, where PyTorch refuses the combination), and:
+    [*batch, heads_kv, S, E] key, [*batch, heads_kv, S, Ev] value; leading dims broadcast, heads
+    too unless enable_gqa; bool masks keep where True, float masks are added; rows that see no
+    key are zero; is_causal together with a mask applies both, where PyTorch refuses the
+    combination), and:
       attn_mask:    may also be torch.nn.attention.bias.causal_lower_right(L, S) or
                     causal_upper_left(L, S) (causal with that alignment).
       sinks:        [heads] tensor; an extra logit per head in every softmax row, with no value
@@ -261,22 +294,18 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     attn_mask, is_causal, causal_align = _causal_bias(
         attn_mask, is_causal, causal_align, query, key
     )
-    flat = torch.is_tensor(query) and query.dim() == 2
-    if flat:  # [L, E] inputs: one head, no batch
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     if return_lse:
         options = (sinks, softcap, window, causal_align, seed, offset)
-        inputs = _sdpa_inputs(
+        inputs, squeeze = _sdpa_inputs(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *options
         )
         out, lse = torch.ops.steel.sdpa_forward(*inputs)
-        return (out.squeeze(0), lse.squeeze(0)) if flat else (out, lse)
-    out = torch.ops.steel.sdpa(
+        return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
+    return torch.ops.steel.sdpa(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=sinks,
         softcap=0.0 if softcap is None else softcap, window=window, causal_align=causal_align,
         seed=seed, offset=offset,
     )  # fmt: skip
-    return out.squeeze(0) if flat else out
 
 
 # ----------------------------------------------------------------------------- sdpa_varlen

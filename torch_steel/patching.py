@@ -32,12 +32,13 @@ def _serves(query, key, value, attn_mask, is_causal, enable_gqa):
         return False
     try:
         mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
-        if query.dim() >= 3:
-            validation.check_sdpa(query, key, value, mask, enable_gqa, None)
+        if min(query.dim(), key.dim(), value.dim()) < 2:
+            return False
+        q, k, v = ops._broadcast_qkv(query, key, value, enable_gqa)
+        validation.check_sdpa(q, k, v, mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
-    needs_mask_grad = torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled()
-    return query.dim() >= 2 and not needs_mask_grad
+    return not (torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled())
 
 
 def _steel_sdpa(

@@ -81,11 +81,36 @@ def test_sdpa_fully_masked_rows_have_zero_gradient():
     assert torch.isfinite(q.grad).all() and (q.grad[0, 0, 0] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "q_shape,kv_shape,gqa",
+    [
+        ((2, 3, 4, 8), (1, 3, 5, 8), False),  # batch broadcast
+        ((2, 3, 4, 8), (3, 5, 8), False),  # lower-rank key/value
+        ((2, 3, 4, 8), (2, 1, 5, 8), False),  # one key/value head broadcast to all
+        ((1, 3, 4, 8), (2, 3, 5, 8), False),  # query broadcast
+        ((3, 2, 6, 4, 8), (2, 1, 5, 8), True),  # 5-D with grouped heads
+    ],
+)
+def test_sdpa_broadcasts_leading_dims_like_torch(q_shape, kv_shape, gqa):
+    q = randn(*q_shape, requires_grad=True)
+    k, v = randn(*kv_shape, requires_grad=True), randn(*kv_shape, requires_grad=True)
+    out = torch.ops.steel.sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+    expected = torch_sdpa64(q, k, v, is_causal=True, enable_gqa=gqa)
+    torch.testing.assert_close(out, expected, **TOL64)
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
 def test_sdpa_three_and_two_dim_inputs():
     q, k, v = randn(3, 5, 8), randn(3, 6, 8), randn(3, 6, 8)  # [heads, L, E]
     torch.testing.assert_close(torch.ops.steel.sdpa(q, k, v), torch_sdpa64(q, k, v), **TOL64)
-    q2, k2, v2 = q[0], k[0], v[0]  # [L, E]: only through the Python wrapper
-    torch.testing.assert_close(torch_steel.sdpa(q2, k2, v2), torch_sdpa64(q2, k2, v2), **TOL64)
+    q2, k2, v2 = q[0], k[0], v[0]  # [L, E]
+    torch.testing.assert_close(torch.ops.steel.sdpa(q2, k2, v2), torch_sdpa64(q2, k2, v2), **TOL64)
+    out, lse = torch_steel.sdpa(q2, k2, v2, return_lse=True)
+    assert out.shape == (5, 8) and lse.shape == (5,)
 
 
 @pytest.mark.parametrize(
