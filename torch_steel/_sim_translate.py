@@ -306,7 +306,8 @@ class _Translator:
             elif s == "(" and r.t(k + 1) in VECTOR_TYPES and r.t(k + 2) == ")":
                 nxt, prev = r.t(k + 3), r.t(k - 1)
                 operand = r.kind(k + 3) in ("ident", "number") or nxt in ("(", "-", "!", "~", "+")
-                if operand and r.kind(k - 1) != "ident" and prev not in (")", "]"):
+                after_name = r.kind(k - 1) == "ident" and prev not in ("return", "else", "case")
+                if operand and not after_name and prev not in (")", "]"):
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1

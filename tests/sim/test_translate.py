@@ -227,6 +227,7 @@ void f() { struct Local { int y; }; }
         ("x = vec<T, 2>(a, b);", "x = ::steel_shim::vmake<metal::vec < T , 2 >>(a, b);"),
         ("x = (float4)h * 2;", "x = ::steel_shim::cast<float4>() ->* h * 2;"),
         ("x = (int2)(v);", "x = ::steel_shim::cast<int2>() ->* (v);"),
+        ("return (half2)v;", "return ::steel_shim::cast<half2>() ->* v;"),
         ("x = static_cast<float2>(h);", "x = ::steel_shim::vmake<float2>(h);"),
         ("x = static_cast<vec<T, 4>>(h);", "x = ::steel_shim::vmake<metal::vec < T , 4 >>(h);"),
         ("x = static_cast<float>(h);", "x = static_cast<float>(h);"),
