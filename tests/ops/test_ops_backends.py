@@ -118,3 +118,34 @@ def test_sdpa_on_sim_is_served_or_refused_with_reason(monkeypatch):
     # fp32 kernel or reference vs PyTorch's fp32 math: a few ulps of O(1) values.
     expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def pretend_mps(monkeypatch):
+    """Routes CPU tensors as if they were MPS tensors, to exercise the Metal-path decisions here
+    (the Metal host's own tests run the real thing on a Mac)."""
+    monkeypatch.setattr(backends, "_device_type", lambda tensors: "mps")
+    monkeypatch.setattr(backends, "_warned", set())
+
+
+def test_metal_refusal_falls_back(pretend_mps, monkeypatch):
+    from torch_steel import metal
+
+    def run_op(op, tensors, options):
+        raise PlanRefused("dtype float64 is not supported")
+
+    monkeypatch.setattr(backends, "metal_status", lambda: (True, ""))
+    monkeypatch.setattr(metal, "run_op", run_op)
+    a, b = torch.randn(2, 3, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with pytest.warns(torch_steel.FallbackWarning, match="Metal plan refused: dtype float64"):
+        out = torch_steel.gemm(a, b)
+    torch.testing.assert_close(out, a @ b)
+
+
+def test_metal_unavailable(pretend_mps, monkeypatch):
+    monkeypatch.setattr(backends, "metal_status", lambda: (False, "extension not built"))
+    a = torch.randn(2, 2)
+    with pytest.warns(torch_steel.FallbackWarning, match="extension not built"):
+        torch_steel.gemm(a, a)  # auto: reference math, with the reason
+    with torch_steel.backend("metal"), pytest.raises(RuntimeError, match="extension not built"):
+        torch_steel.gemm(a, a)  # asked for Metal explicitly: an error
