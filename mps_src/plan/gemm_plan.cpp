@@ -74,7 +74,11 @@ constexpr int64_t kSplitMinSlice = 128;
 constexpr int64_t kSplitTargetBlocks = 64;
 constexpr int64_t kSplitMaxPartitions = 32;
 
-constexpr uint32_t kReduceThreads = 256;
+constexpr int64_t kTileThreads = 128;  // every tile of the table has 4 simdgroups
+constexpr int64_t kReduceThreads = 256;
+static_assert(32 * kLarge.wm * kLarge.wn == kTileThreads && 32 * kSmall.wm * kSmall.wn == kTileThreads &&
+                  32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads,
+              "max_threads handling assumes one thread count for every tile");
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -274,6 +278,14 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   if (activation < 0) {
     return Plan::refuse("gemm: unknown activation '" + act_name +
                         "' (none, relu, gelu, gelu_tanh, silu)");
+  }
+  // The Metal host re-plans with the pipeline's maxTotalThreadsPerThreadgroup when it is below
+  // what a plan asked for; every tile needs 128 threads (4 simdgroups), the reduction fewer.
+  const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
+  if (max_threads < kTileThreads) {
+    return Plan::refuse("gemm: the pipeline allows " + std::to_string(max_threads) +
+                        " threads per threadgroup, the GEMM tiles need " +
+                        std::to_string(kTileThreads));
   }
   const bool use_c = c.has_value() && beta != 0.0;
   std::vector<int64_t> c_strides;
@@ -494,8 +506,9 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
                 tensor_binding(STEEL_GEMM_BUF_C, c_slot),
                 tensor_binding(STEEL_GEMM_BUF_BIAS, bias_slot),
                 tensor_binding(STEEL_GEMM_BUF_OUT, kSlotOut), params_binding(p)};
-  r.grid[0] = static_cast<uint32_t>(ceil_div(M * N, kReduceThreads));
-  r.threads[0] = kReduceThreads;
+  const int64_t reduce_threads = std::min(kReduceThreads, max_threads / 32 * 32);
+  r.grid[0] = static_cast<uint32_t>(ceil_div(M * N, reduce_threads));
+  r.threads[0] = static_cast<uint32_t>(reduce_threads);
   plan.dispatches.push_back(r);
   return plan;
 }

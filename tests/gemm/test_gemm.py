@@ -156,6 +156,18 @@ def test_gemm_beta_zero_ignores_c():
     assert_close(out, ref, mag, 10, torch.float32)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemm_epilogue_propagates_nan(activation):
+    """A NaN product stays NaN through every activation, as in torch (relu included)."""
+    a = torch.ones(8, 4)
+    a[3, 1] = float("nan")
+    b = torch.ones(4, 8)
+    out = run(a, b, activation=activation)
+    ref, _ = reference(a, b, activation=activation)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out.isnan()[3].all() and out.isnan().sum() == 8
+
+
 def test_gemm_batched_c_broadcast():
     gen = torch.Generator().manual_seed(4)
     a = rand(3, 2, 17, 8, dtype=torch.float16, gen=gen)

@@ -16,18 +16,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN_DIR = ROOT / "mps_src" / "plan"
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.int32: 3,
-                torch.int64: 4, torch.bool: 5}
+_DTYPE_CODES = {
+    torch.float16: 0,
+    torch.bfloat16: 1,
+    torch.float32: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.bool: 5,
+}
 _CONSTANT_TYPES = {0: int, 1: int, 2: int, 3: float}  # steel::FunctionConstant::Type
-
-
-def _planner_source(op: str) -> str | None:
-    """The planner .cpp registering `op`, if it has landed."""
-    for path in sorted(PLAN_DIR.glob("*.cpp")):
-        text = path.read_text()
-        if f'STEEL_PLANNER("{op}"' in text:
-            return text
-    return None
 
 
 def _compiler() -> str | None:
@@ -43,9 +40,21 @@ def recorder(tmp_path_factory):
     sources = [str(ROOT / "tests" / "mps" / "plan_record.cpp")]
     sources += [str(p) for p in sorted(PLAN_DIR.glob("*.cpp"))]
     build = subprocess.run(
-        [compiler, "-std=c++17", "-O1", "-Wall", "-I", str(ROOT / "mps_src"), "-I",
-         str(ROOT / "shaders"), *sources, "-o", str(exe)],
-        capture_output=True, text=True,
+        [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-I",
+            str(ROOT / "mps_src"),
+            "-I",
+            str(ROOT / "shaders"),
+            *sources,
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
     )
     if build.returncode != 0:
         pytest.fail(f"building the plan recorder failed:\n{build.stderr}")
@@ -71,16 +80,27 @@ def _record(exe: Path, op: str, tensors, options) -> dict:
         if t is None:
             lines.append("none")
         else:
-            lines.append(" ".join(str(x) for x in [
-                "tensor", _DTYPE_CODES[t.dtype], t.dim(), *t.shape, *t.stride(), t.storage_offset()
-            ]))
+            lines.append(
+                " ".join(
+                    str(x)
+                    for x in [
+                        "tensor",
+                        _DTYPE_CODES[t.dtype],
+                        t.dim(),
+                        *t.shape,
+                        *t.stride(),
+                        t.storage_offset(),
+                    ]
+                )
+            )
     for name, value in options.items():
         if isinstance(value, str):
             lines.append(f"string {name} {value}")
         else:
             lines.append(f"number {name} {float(value)!r}")
-    out = subprocess.run([str(exe)], input="\n".join(lines) + "\n", check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(exe)], input="\n".join(lines) + "\n", check=True, capture_output=True, text=True
+    ).stdout
     first = out.split(" ", 1)
     if first[0] == "refused":
         return {"ok": False, "reason": first[1].rstrip("\n")}
@@ -93,15 +113,17 @@ def _record(exe: Path, op: str, tensors, options) -> dict:
         elif kind == "contiguous":
             plan["contiguous"] = sorted(int(x) for x in f)
         elif kind == "allocation":
-            plan["allocations"].append((f[0], bool(int(f[1])), bool(int(f[2])),
-                                        tuple(int(x) for x in f[4:])))
+            plan["allocations"].append(
+                (f[0], bool(int(f[1])), bool(int(f[2])), tuple(int(x) for x in f[4:]))
+            )
         elif kind == "pipeline":
             constants = {}
             for i in range(int(f[1])):
-                index, ctype, value = f[2 + 3 * i: 5 + 3 * i]
+                index, ctype, value = f[2 + 3 * i : 5 + 3 * i]
                 constants[int(index)] = _CONSTANT_TYPES[int(ctype)](float(value))
-            plan["dispatches"].append({"kernel": f[0], "constants": constants, "bindings": [],
-                                       "tgmem": {}})
+            plan["dispatches"].append(
+                {"kernel": f[0], "constants": constants, "bindings": [], "tgmem": {}}
+            )
         elif kind == "tensor":
             plan["dispatches"][-1]["bindings"].append((int(f[0]), "tensor", int(f[1]), b""))
         elif kind == "bytes":
@@ -124,19 +146,38 @@ def _sim_view(p) -> dict:
         "ok": True,
         "inputs": p.inputs,
         "contiguous": sorted(p.contiguous_inputs),
-        "allocations": [(str(a.dtype).removeprefix("torch."), bool(a.zero_init),
-                         bool(a.is_output), tuple(a.sizes)) for a in p.allocations],
-        "dispatches": [{
-            "kernel": d.kernel,
-            # Bool constants compare as 0/1, like the recorder's int_value.
-            "constants": {int(i): (float(v) if isinstance(v, float) else int(v))
-                          for i, v in d.constants.items()},
-            "bindings": [(b.index, b.kind, b.slot if b.kind == "tensor" else -1,
-                          bytes(b.bytes) if b.kind == "bytes" else b"") for b in d.bindings],
-            "tgmem": {int(i): int(n) for i, n in d.threadgroup_memory.items()},
-            "grid": tuple(d.grid),
-            "threads": tuple(d.threads),
-        } for d in p.dispatches],
+        "allocations": [
+            (
+                str(a.dtype).removeprefix("torch."),
+                bool(a.zero_init),
+                bool(a.is_output),
+                tuple(a.sizes),
+            )
+            for a in p.allocations
+        ],
+        "dispatches": [
+            {
+                "kernel": d.kernel,
+                # Bool constants compare as 0/1, like the recorder's int_value.
+                "constants": {
+                    int(i): (float(v) if isinstance(v, float) else int(v))
+                    for i, v in d.constants.items()
+                },
+                "bindings": [
+                    (
+                        b.index,
+                        b.kind,
+                        b.slot if b.kind == "tensor" else -1,
+                        bytes(b.bytes) if b.kind == "bytes" else b"",
+                    )
+                    for b in d.bindings
+                ],
+                "tgmem": {int(i): int(n) for i, n in d.threadgroup_memory.items()},
+                "grid": tuple(d.grid),
+                "threads": tuple(d.threads),
+            }
+            for d in p.dispatches
+        ],
     }
 
 
@@ -147,34 +188,41 @@ def _t(*shape, dtype=torch.float16):
 # gemm tensors [a, b, bias, c]; shapes only matter (plans never read data).
 _GEMM_CASES = {
     "square_f16": ([_t(64, 64), _t(64, 64), None, None], {}),
-    "edges_f32": ([_t(1, 13, dtype=torch.float32), _t(13, 7, dtype=torch.float32), None, None],
-                  {}),
+    "edges_f32": ([_t(1, 13, dtype=torch.float32), _t(13, 7, dtype=torch.float32), None, None], {}),
     "batched_bias_gelu_bf16": (
-        [_t(3, 33, 20, dtype=torch.bfloat16), _t(20, 17, dtype=torch.bfloat16),
-         _t(17, dtype=torch.bfloat16), None], {"activation": "gelu"}),
-    "transposed_b_with_c": ([_t(40, 24), _t(30, 24).t(), None, _t(40, 30)],
-                            {"alpha": 0.5, "beta": 2.0, "activation": "relu"}),
+        [
+            _t(3, 33, 20, dtype=torch.bfloat16),
+            _t(20, 17, dtype=torch.bfloat16),
+            _t(17, dtype=torch.bfloat16),
+            None,
+        ],
+        {"activation": "gelu"},
+    ),
+    "transposed_b_with_c": (
+        [_t(40, 24), _t(30, 24).t(), None, _t(40, 30)],
+        {"alpha": 0.5, "beta": 2.0, "activation": "relu"},
+    ),
     "beta_zero_ignores_c": ([_t(16, 16), _t(16, 16), None, _t(16, 16)], {"beta": 0.0}),
-    "split_k_f32": ([_t(8, 4096, dtype=torch.float32), _t(4096, 8, dtype=torch.float32), None,
-                     None], {}),
-    "storage_offsets": ([_t(70, 50)[3:, 5:], _t(50, 40)[5:, 1:], _t(40)[1:], None],
-                        {"activation": "silu"}),
+    "split_k_f32": (
+        [_t(8, 4096, dtype=torch.float32), _t(4096, 8, dtype=torch.float32), None, None],
+        {},
+    ),
+    "storage_offsets": (
+        [_t(70, 50)[3:, 5:], _t(50, 40)[5:, 1:], _t(40)[1:], None],
+        {"activation": "silu"},
+    ),
     "strided_copy": ([_t(32, 64)[:, ::2], _t(32, 32), None, None], {}),
-    "broadcast_batches": ([_t(2, 1, 16, 8), _t(1, 3, 8, 16), _t(16), _t(16)],
-                          {"beta": 1.0, "activation": "gelu_tanh"}),
+    "broadcast_batches": (
+        [_t(2, 1, 16, 8), _t(1, 3, 8, 16), _t(16), _t(16)],
+        {"beta": 1.0, "activation": "gelu_tanh"},
+    ),
     "mixed_dtypes_refused": ([_t(8, 8), _t(8, 8, dtype=torch.float32), None, None], {}),
 }
-
-
-def _need_gemm_planner():
-    if _planner_source("gemm") is None:
-        pytest.skip("the gemm planner (issue 4) has not landed in mps_src/plan/")
 
 
 @pytest.mark.parametrize("case", sorted(_GEMM_CASES))
 def test_gemm_plans_pass_host_checks(case, recorder):
     """Every gemm plan encodes within Metal's limits (_record fails on "invalid")."""
-    _need_gemm_planner()
     tensors, options = _GEMM_CASES[case]
     record = _record(recorder, "gemm", tensors, options)
     if case.endswith("_refused"):
@@ -188,7 +236,6 @@ def test_gemm_plans_pass_host_checks(case, recorder):
 
 @pytest.mark.parametrize("case", sorted(_GEMM_CASES))
 def test_gemm_encoder_matches_simulator(case, recorder, sim):
-    _need_gemm_planner()
     tensors, options = _GEMM_CASES[case]
     record = _record(recorder, "gemm", tensors, options)
     assert record == _sim_view(sim.plan("gemm", tensors, options))
@@ -197,40 +244,6 @@ def test_gemm_encoder_matches_simulator(case, recorder, sim):
     else:
         assert record["ok"], record
         assert record["dispatches"], "an op on non-empty tensors encodes at least one dispatch"
-
-
-def _attn_options(**changes):
-    """The options the op layer passes for "sdpa" (torch_steel/ops.py)."""
-    options = {"dropout_p": 0.0, "is_causal": False, "scale": 0.125, "softcap": 0.0,
-               "window_left": -1, "window_right": -1, "bottom_right": False, "seed_lo": 0,
-               "seed_hi": 0, "offset": 0}
-    options.update(changes)
-    return options
-
-
-# sdpa tensors [q, k, v, attn_mask, sinks].
-_SDPA_CASES = {
-    "prefill_f16": ([_t(2, 4, 77, 64), _t(2, 4, 77, 64), _t(2, 4, 77, 64), None, None],
-                    _attn_options()),
-    "causal_gqa_bf16": ([_t(1, 8, 130, 64, dtype=torch.bfloat16),
-                         _t(1, 2, 130, 64, dtype=torch.bfloat16),
-                         _t(1, 2, 130, 64, dtype=torch.bfloat16), None, None],
-                        _attn_options(is_causal=True)),
-    "bool_mask_f32": ([_t(1, 2, 33, 32, dtype=torch.float32), _t(1, 2, 45, 32, dtype=torch.float32),
-                       _t(1, 2, 45, 32, dtype=torch.float32), _t(33, 45, dtype=torch.bool), None],
-                      _attn_options()),
-    "decode_f16": ([_t(4, 8, 1, 128), _t(4, 8, 4096, 128), _t(4, 8, 4096, 128), None, None],
-                   _attn_options(scale=128 ** -0.5)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(_SDPA_CASES))
-def test_sdpa_encoder_matches_simulator(case, recorder, sim):
-    if _planner_source("sdpa") is None:
-        pytest.skip("no sdpa planner in mps_src/plan/ yet")
-    tensors, options = _SDPA_CASES[case]
-    record = _record(recorder, "sdpa", tensors, options)
-    assert record == _sim_view(sim.plan("sdpa", tensors, options))
 
 
 @pytest.mark.parametrize(
@@ -251,7 +264,10 @@ def test_host_rejects_plans_metal_would_misread(recorder, defect, message):
     """The host's checks, on a test planner (plan_record.cpp) that plants one defect a plan."""
     tensors = [_t(4), None]  # slot 1 is an absent optional
     out = subprocess.run(
-        [str(recorder)], check=True, capture_output=True, text=True,
+        [str(recorder)],
+        check=True,
+        capture_output=True,
+        text=True,
         input=f"op mps_test_defect\ntensor 0 1 4 1 0\nnone\nstring defect {defect}\n",
     ).stdout
     assert out == f"invalid kernel defect_{defect}: {message}\n"
@@ -264,17 +280,19 @@ def test_unknown_op_is_refused(recorder):
     assert record == {"ok": False, "reason": "no Metal kernel for op 'no_such_op' yet"}
 
 
-@pytest.mark.parametrize("max_threads", [32, 64])
-def test_gemm_planner_honours_max_threads(recorder, max_threads):
-    """module.mm re-plans with "max_threads" when a pipeline allows fewer threads than planned."""
-    source = _planner_source("gemm")
-    if source is None or "max_threads" not in source:
-        pytest.skip("the gemm planner does not read the max_threads option yet")
-    tensors = [_t(256, 256), _t(256, 256), None, None]
+@pytest.mark.parametrize("max_threads", [32, 64, 128, 192])
+@pytest.mark.parametrize("shape", [(256, 256, 256), (16, 16, 4096)], ids=["tiled", "split_k"])
+def test_gemm_planner_honours_max_threads(recorder, max_threads, shape):
+    """module.mm re-plans with "max_threads" when a pipeline allows fewer threads than planned:
+    every GEMM tile needs 128 threads, the split-K reduction takes what it is given."""
+    m, n, k = shape
+    tensors = [_t(m, k), _t(k, n), None, None]
     record = _record(recorder, "gemm", tensors, {"max_threads": max_threads})
-    if record["ok"]:
-        for d in record["dispatches"]:
-            threads = d["threads"][0] * d["threads"][1] * d["threads"][2]
-            assert threads <= max_threads, d
-    else:
-        assert "thread" in record["reason"], record["reason"]
+    if max_threads < 128:
+        assert not record["ok"]
+        assert "threads per threadgroup" in record["reason"], record["reason"]
+        return
+    assert record["ok"], record
+    for d in record["dispatches"]:
+        threads = d["threads"][0] * d["threads"][1] * d["threads"][2]
+        assert 0 < threads <= max_threads and threads % 32 == 0, d

@@ -25,7 +25,7 @@ inline float erf_approx(float x) {
 inline float activate(float v, int activation) {
   switch (activation) {
     case kSteelActRelu:
-      return max(v, 0.0f);
+      return v < 0.0f ? 0.0f : v;  // NaN passes through, as in torch.relu (max() would drop it)
     case kSteelActGelu:
       return 0.5f * v * (1.0f + erf_approx(v * 0.70710678118654752f));
     case kSteelActGeluTanh: {
