@@ -349,6 +349,29 @@ class FaultHandlers {
   stack_t old_stack_{};
 };
 
+// Ctrl-C during a launch: Python's own handler cannot run until the launch returns, so the
+// launch watches for SIGINT itself and stops at the next threadgroup.
+volatile sig_atomic_t g_interrupted = 0;
+
+void on_interrupt(int) { g_interrupted = 1; }
+
+class InterruptHandler {
+ public:
+  InterruptHandler() {
+    g_interrupted = 0;
+    struct sigaction sa {};
+    sa.sa_handler = &on_interrupt;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_);
+  }
+  ~InterruptHandler() { sigaction(SIGINT, &old_, nullptr); }
+  InterruptHandler(const InterruptHandler&) = delete;
+  InterruptHandler& operator=(const InterruptHandler&) = delete;
+
+ private:
+  struct sigaction old_ {};
+};
+
 size_t stack_bytes() {
   const char* env = std::getenv("TORCH_STEEL_SIM_STACK_KB");
   size_t kb = env != nullptr ? std::strtoul(env, nullptr, 10) : 0;
@@ -640,11 +663,13 @@ Counters launch(const LaunchSpec& spec) {
   reset_threadgroup_memory(spec);
   bind_device(spec);
   FaultHandlers handlers;
+  InterruptHandler interrupt;
   bool ok = false;
   try {
     for (uint32_t z = 0; z < spec.grid[2]; ++z) {
       for (uint32_t y = 0; y < spec.grid[1]; ++y) {
         for (uint32_t x = 0; x < spec.grid[0]; ++x) {
+          if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
           run_threadgroup(x, y, z);
           ++g.counters.threadgroups;
         }

@@ -21,6 +21,13 @@ class SimError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// SIGINT (Ctrl-C) arrived during a launch: it stops between threadgroups; the Python module turns
+// this into KeyboardInterrupt.
+class Interrupted : public SimError {
+ public:
+  using SimError::SimError;
+};
+
 // A shared library of translated shaders; its kernels registered themselves when it was loaded.
 struct Library;
 // dlopen's `path` (once per path) and collects the kernels it registers. Throws SimError.

@@ -172,3 +172,30 @@ def test_spin_wait_on_another_thread_is_reported_not_a_hang():
     with pytest.raises(SimulatorError, match=r"exec_spin_wait.*thread \(0,0,0\).*spin-waiting"):
         run("exec_spin_wait", grid=(1,), threads=(32,),
             buffers={0: torch.zeros(32, dtype=torch.int32)})
+
+
+def test_ctrl_c_interrupts_a_long_launch():
+    # In a child process, so that a late SIGINT cannot reach pytest itself.
+    import subprocess
+    import sys
+
+    script = f"""
+import os, signal, struct, threading, time, torch
+from torch_steel import sim
+src = [{str(KERNELS / "exec_counters.metal")!r}]
+out = torch.zeros(64 * 1000)
+sim.run_kernel("exec_simd_rounds", sources=src, grid=(1,), threads=(64,),
+               buffers={{0: out[:64], 1: struct.pack("<I", 1)}})
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t = time.time()
+try:
+    sim.run_kernel("exec_simd_rounds", sources=src, grid=(1000,), threads=(64,),
+                   buffers={{0: out, 1: struct.pack("<I", 5000)}})
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted", time.time() - t)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.stdout.startswith("interrupted"), proc.stdout + proc.stderr[-3000:]
+    assert float(proc.stdout.split()[1]) < 30

@@ -155,9 +155,12 @@ py::dict launch(const LibraryHandle& lib, const std::string& kernel,
   std::tie(spec.threads[0], spec.threads[1], spec.threads[2]) = threads;
   spec.checkers = checkers;
   steel_sim::Counters counters;
-  {
+  try {
     py::gil_scoped_release release;
     counters = steel_sim::launch(spec);
+  } catch (const steel_sim::Interrupted&) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
   return counters_dict(counters);
 }
@@ -176,9 +179,12 @@ py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
     args.push_back(a);
   }
   std::vector<steel_sim::Counters> counters;
-  {
+  try {
     py::gil_scoped_release release;
     counters = steel_sim::run_plan(lib.library, plan.plan, args, checkers);
+  } catch (const steel_sim::Interrupted&) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
   py::list out;
   for (const auto& c : counters) out.append(counters_dict(c));
