@@ -446,6 +446,10 @@ class _Translator:
                     k = stmt_start = nk
                     continue
             if start_of_stmt and scopes and scopes[-1] == "block":
+                if s in ("static", "thread_local") and self.mutable_static(r, k):
+                    raise r.error(
+                        k, "static variables in functions are not MSL (all lanes would share one)"
+                    )
                 nk = self.threadgroup_decl(r, k)
                 if nk is not None:
                     k = stmt_start = nk
@@ -468,6 +472,16 @@ class _Translator:
             elif s in ("else", "do") and scopes and scopes[-1] == "block":
                 stmt_start = k + 1
             k += 1
+
+    @staticmethod
+    def mutable_static(r: _Rewriter, k: int) -> bool:
+        """Whether the block-scope declaration at k is a static variable that is not constant."""
+        j = k
+        while r.t(j) not in (";", "{", "") and r.t(j) != "=":
+            if r.t(j) in ("constexpr", "constant", "const"):
+                return False
+            j += 1
+        return True
 
     @staticmethod
     def is_control(r: _Rewriter, close: int) -> bool:

@@ -132,6 +132,7 @@ def test_long_form_instantiation_is_registered():
             "k.metal:2",
         ),
         ("float x = 1.0L;", "MSL has no double"),
+        ("void f() { static int calls = 0; }", "static variables in functions"),
         (
             'template [[host_name("x")]] [[kernel]] void f(int x [[buffer(0)]]);',
             "kernel instantiations must name the template arguments",
