@@ -1,6 +1,6 @@
 """Builds the CPU Metal simulator on first use (DESIGN.md section 4).
 
-Three kinds of artifacts, each in a directory under the cache keyed by a hash of everything that
+Four kinds of artifacts, each in a directory under the cache keyed by a hash of everything that
 goes into it, so that a changed shader, shim header, translator or flag builds a new directory
 and a library already loaded by another process (pytest-xdist) is never overwritten:
 
@@ -11,7 +11,8 @@ and a library already loaded by another process (pytest-xdist) is never overwrit
   lib-<hash>/libsteel_shaders.so  translated shaders (a mirror of shaders/ rewritten by
                                   torch_steel._sim_translate), one TU per .metal file, compiled
                                   with -fsanitize-coverage so every load and store reaches the
-                                  checkers; run_kernel's test libraries are built the same way
+                                  checkers (mps_src/sim/shader/callbacks.cpp is linked in)
+  test-<hash>/libsteel_shaders.so the same for run_kernel's test-only .metal files
 
 Shader libraries register their kernels with the runtime when dlopen'd, so the package's shaders
 and any number of test libraries share one runtime and one pybind module. Builds take a file
