@@ -5,7 +5,7 @@ The keep/drop decision of attention weight (batch, head, row, col) is a pure fun
 without storing it, and a Metal kernel can reproduce it bit for bit with 32-bit integer math.
 
 The scheme (a kernel must follow it exactly):
-  key     = (seed mod 2**32, seed // 2**32)                  seed in [0, 2**64)
+  key     = (seed mod 2**32, seed // 2**32)                  seed in [0, 2**63)
   counter = (col // 4, row, batch * heads + head, offset)    each word mod 2**32
   word    = philox4x32_10(counter, key)[col % 4]
   keep    = word >= threshold,  threshold = floor(dropout_p * 2**32)  (dropout_p == 1 keeps none)
@@ -64,8 +64,8 @@ def keep_mask(seed, offset, batch_head, rows, cols, dropout_p, device=None):
     batch_head: int64 tensor (or list) of flattened batch * heads + head indices, one per slice.
     rows, cols: ints (positions 0..rows-1, 0..cols-1) or int64 tensors of positions.
     """
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"dropout seed must be in [0, 2**64), got {seed}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"dropout seed must be in [0, 2**63) (an int64), got {seed}")
     if not 0 <= offset < 2**32:
         raise ValueError(f"dropout offset must be in [0, 2**32), got {offset}")
     bh = torch.as_tensor(batch_head, dtype=torch.int64, device=device).reshape(-1, 1, 1)

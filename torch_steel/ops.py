@@ -294,6 +294,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     attn_mask, is_causal, causal_align = _causal_bias(
         attn_mask, is_causal, causal_align, query, key
     )
+    # Checked before the dispatcher converts them (it rejects a seed >= 2**63 less clearly).
+    check.attention_options("sdpa", dropout_p, softcap, window, causal_align, seed, offset)
     if return_lse:
         options = (sinks, softcap, window, causal_align, seed, offset)
         inputs, squeeze = _sdpa_inputs(

@@ -55,8 +55,8 @@ def attention_options(op, dropout_p, softcap, window, causal_align, seed, offset
         fail(op, f"window must be (left, right) with ints >= 0, or -1 for unbounded, got {window}")
     if causal_align not in ALIGNS:
         fail(op, f"causal_align must be one of {ALIGNS}, got {causal_align!r}")
-    if seed is not None and not 0 <= seed < 2**64:
-        fail(op, f"seed must be in [0, 2**64), got {seed}")
+    if seed is not None and not 0 <= seed < 2**63:
+        fail(op, f"seed must be in [0, 2**63) (an int64), got {seed}")
     if not 0 <= offset < 2**32:
         fail(op, f"offset must be in [0, 2**32), got {offset}")
     return float(softcap), window[0], window[1], causal_align == "bottom_right"

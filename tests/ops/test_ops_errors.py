@@ -83,6 +83,7 @@ SDPA_CASES = [
         "causal_align must be one of ('top_left', 'bottom_right')",
     ),
     ("softcap", (q_(1, 2, 3, 4),) * 3, {"softcap": -1.0}, "softcap must be a finite number >= 0"),
+    ("seed", (q_(1, 2, 3, 4),) * 3 + (None, 0.5), {"seed": 2**63}, "seed must be in [0, 2**63)"),
 ]
 
 
