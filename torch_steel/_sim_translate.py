@@ -621,7 +621,7 @@ class _Translator:
         if host is None:
             host = f'"{name}"'
         close = r.match(j)
-        params = self.kernel_params(r, j + 1, close)
+        params, conditions = self.kernel_params(r, j + 1, close, f"__steel_kernel_{name}")
         after = close + 1
         if r.t(after) == ";":
             return after + 1  # a declaration: the definition carries the registration
@@ -629,8 +629,8 @@ class _Translator:
             raise r.error(after, "expected the kernel's body")
         body_end = r.match(after)
         struct = (
-            f" struct __steel_kernel_{name} {{ using params = ::steel_shim::plist<"
-            f"{', '.join(params)}>; }};"
+            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = "
+            f"::steel_shim::plist<{', '.join(params)}>; }};"
         )
         if not is_template:
             struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"
@@ -661,10 +661,15 @@ class _Translator:
             j -= 1
         return False
 
-    def kernel_params(self, r: _Rewriter, a: int, b: int) -> list[str]:
-        out = []
+    def kernel_params(
+        self, r: _Rewriter, a: int, b: int, struct: str
+    ) -> tuple[list[str], list[str]]:
+        """Each parameter's argument source, and the conditions of [[function_constant(c)]]
+        parameters as static functions of `struct`."""
+        out: list[str] = []
+        conditions: list[str] = []
         if a == b or (b == a + 1 and r.t(a) == "void"):
-            return out
+            return out, conditions
         depth = 0
         start = a
         for k in range(a, b + 1):
@@ -674,23 +679,30 @@ class _Translator:
             elif s in (")", "]", "}", ">") and depth > 0:
                 depth -= 1
             elif s == "," and depth == 0:
-                out.append(self.kernel_param(r, start, k))
+                source, condition = self.kernel_param(r, start, k)
+                if condition is not None:
+                    fn = f"steel_present_{len(out)}"
+                    conditions.append(f" static bool {fn}() {{ return bool({condition}); }}")
+                    source = f"::steel_shim::present_if<{source}, &{struct}::{fn}>"
+                out.append(source)
                 start = k + 1
-        return out
+        return out, conditions
 
-    def kernel_param(self, r: _Rewriter, a: int, b: int) -> str:
+    def kernel_param(self, r: _Rewriter, a: int, b: int) -> tuple[str, str | None]:
+        """(argument source, function-constant condition or None) of one kernel parameter."""
         for k in range(a, b):
             if r.t(k) == "[" and r.t(k + 1) == "[":
                 end = self.attribute_end(r, k)
                 items = self.attribute_items(r, k, end)
                 r.sub(k, end, "")
                 name, arg, _ = items[0]
+                condition = next((a for n, a, _ in items[1:] if n == "function_constant"), None)
                 if name == "buffer":
-                    return f"::steel_shim::buffer<({arg})>"
+                    return f"::steel_shim::buffer<({arg})>", condition
                 if name == "threadgroup":
-                    return f"::steel_shim::threadgroup_buffer<({arg})>"
+                    return f"::steel_shim::threadgroup_buffer<({arg})>", condition
                 if name in POSITION_ATTRIBUTES:
-                    return f"::steel_shim::attr<::steel_shim::{POSITION_ATTRIBUTES[name]}>"
+                    return f"::steel_shim::attr<::steel_shim::{POSITION_ATTRIBUTES[name]}>", None
                 raise r.error(k, f"kernel parameter attribute [[{name}]] is not supported")
         raise r.error(a, f"kernel parameter '{r.flat(a, b)}' has no [[...]] attribute")
 

@@ -109,6 +109,18 @@ def test_template_kernel_instantiations_are_registered():
     assert lines[7].endswith("\\") and lines[8].endswith("\\")
 
 
+def test_function_constant_parameters_are_conditional():
+    out = tr(
+        "kernel void k(device float* a [[buffer(0)]],\n"
+        "              device float* m [[buffer(3), function_constant(has_mask)]]) {}\n"
+    )
+    assert "static bool steel_present_1() { return bool(has_mask); }" in out
+    assert (
+        "::steel_shim::present_if<::steel_shim::buffer<(3)>, &__steel_kernel_k::steel_present_1>"
+        in out
+    )
+
+
 def test_long_form_instantiation_is_registered():
     src = (
         'template [[host_name("scale_f32")]] [[kernel]] void ns::scale<float, 4>(\n'

@@ -114,3 +114,24 @@ def test_mlx_style_source(dtype):
     # exp2 in binary32 of each of 128 terms, summed per lane then across lanes in fp32.
     assert torch.equal(out.view(2, 2)[:, 0].double(), row_max)
     assert torch.allclose(out.view(2, 2)[:, 1].double(), row_sum, rtol=1e-5)
+
+
+def test_parameter_present_only_with_its_function_constant():
+    out = torch.zeros(32)
+    run(
+        "lang_optional_buffer",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out},
+        constants={0: 1.0, 1: False, 2: False},
+    )
+    assert torch.equal(out, torch.arange(32.0))
+    bias = torch.randn(32)
+    run(
+        "lang_optional_buffer",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: bias},
+        constants={0: 1.0, 1: False, 2: True},
+    )
+    assert torch.equal(out, torch.arange(32.0) + bias)

@@ -38,3 +38,12 @@ kernel void lang_threadgroup_param(device uint* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[t] = scratch[n - 1 - t];
 }
+
+constant bool has_bias [[function_constant(2)]];
+
+// A parameter that exists only when a function constant is true: nothing is bound otherwise.
+kernel void lang_optional_buffer(device float* out [[buffer(0)]],
+                                 const device float* bias [[buffer(1), function_constant(has_bias)]],
+                                 uint i [[thread_position_in_grid]]) {
+  out[i] = float(i) + (has_bias ? bias[i] : 0.0f);
+}

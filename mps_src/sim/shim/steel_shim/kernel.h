@@ -87,6 +87,19 @@ struct attr {
   }
 };
 
+// A parameter with [[buffer(n), function_constant(c)]]: it exists only when c is true, and
+// nothing needs to be bound otherwise (a null pointer then).
+template <typename Source, bool (*kPresent)()>
+struct present_if {
+  template <typename Arg>
+  static Arg get() {
+    if constexpr (__is_pointer(Arg)) {
+      if (!kPresent()) return nullptr;
+    }
+    return Source::template get<Arg>();
+  }
+};
+
 template <typename... P>
 struct plist {};
 
