@@ -8,20 +8,24 @@ errors and checker reports point into the original file:
 
 - kernels: `[[kernel]] void f(... [[buffer(0)]], uint3 tid [[thread_position_in_grid]])` loses
   its attributes, and a struct `__steel_kernel_f` after its body records what each parameter
-  asks for; `template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;` (also inside a
-  #define) and every non-template kernel become a registration under the host name;
+  asks for (a `[[buffer(n), function_constant(c)]]` one only when c holds);
+  `template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;` (or `... void f<..>(...);`,
+  also inside a #define) and every non-template kernel become a registration under the host
+  name;
 - `threadgroup T a[N];` in a function body becomes a reference to storage that the runtime
   shares between the lanes of a threadgroup;
 - `constant T x [[function_constant(i)]];` becomes an object that reads the dispatch's value;
   a namespace-scope `constant T y = <expression>;` becomes one that evaluates it at each use;
 - MSL vector construction and conversion (`float4(h)`, `float4(1, 2, a.xy)`, `(float4)h`,
-  `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become calls to the shim;
+  `static_cast<float4>(h)`, `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become
+  calls to the shim;
 - floating-point literals without a suffix get `f` (MSL has no double), `h` becomes `f16`;
 - every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces);
 - other MSL attributes are removed.
 
 Constructs outside MSL (C++ standard library includes, kernels declared inside macros,
-parameters without attributes) raise TranslateError naming file:line. The shim refuses the rest
+parameters without attributes, mutable static variables in functions) raise TranslateError
+naming file:line. The shim refuses the rest
 (double, exceptions, allocation) at compile time.
 """
 
