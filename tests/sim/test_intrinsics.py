@@ -278,3 +278,22 @@ def test_atomics():
     assert ftotal.item() == n * 0.5
     assert biggest.item() == max(g * 37 % 101 for g in range(n))
     assert per_group.tolist() == [96] * 4
+
+
+def test_shuffle_and_fill():
+    x = torch.arange(32.0)
+    y = 100 + torch.arange(32.0)
+    out = torch.zeros(32, 4)
+    run("lang_simd_fill", grid=(1,), threads=(32,), buffers={0: x, 1: y, 2: out})
+
+    def fill(lane, delta, modulo):
+        base, pos = lane - lane % modulo, lane % modulo + delta
+        if 0 <= pos < modulo:
+            return x[base + pos]
+        return y[base + (pos + modulo if pos < 0 else pos - modulo)]
+
+    expected = torch.tensor(
+        [[fill(i, 3, 32), fill(i, -5, 32), fill(i, 2, 8), fill(i, -3, 16)] for i in range(32)]
+    )
+    assert torch.equal(out, expected)
+    assert out[31, 0] == 102 and out[0, 1] == 127  # filled from filling's low / high lanes

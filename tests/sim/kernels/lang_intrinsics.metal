@@ -130,3 +130,15 @@ kernel void lang_atomics(device atomic_int* total [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (t == 0) per_group[tg] = atomic_load_explicit(&group_sum, memory_order_relaxed);
 }
+
+// simd_shuffle_and_fill_down/up over the whole simdgroup and within vectors of `modulo` lanes.
+kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device float* y [[buffer(1)]],
+                           device float4* out [[buffer(2)]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  const float a = x[lane];
+  const float b = y[lane];
+  out[lane] = float4(simd_shuffle_and_fill_down(a, b, ushort(3)),
+                     simd_shuffle_and_fill_up(a, b, ushort(5)),
+                     simd_shuffle_and_fill_down(a, b, ushort(2), ushort(8)),
+                     simd_shuffle_and_fill_up(a, b, ushort(3), ushort(16)));
+}

@@ -95,6 +95,25 @@ inline T times(T a, T b) {
   return a * b;
 }
 
+// simd_shuffle_and_fill_down/up: shifts within vectors of `modulo` lanes (32 without it); the
+// lanes shifted in come from `filling` (its low lanes going down, its high lanes going up).
+template <typename T>
+struct FillPair {
+  T data;
+  T filling;
+};
+
+template <typename T>
+STEEL_CONVERGENT inline T shuffle_and_fill(T data, T filling, int delta, uint32_t modulo) {
+  const auto e = exchange(FillPair<T>{data, filling}, steel_sim::SimdKind::Shuffle);
+  const uint32_t me = simd_lane();
+  const uint32_t base = me - me % modulo;
+  const int src = int(me % modulo) + delta;
+  if (src >= 0 && src < int(modulo)) return lane_value<FillPair<T>>(e, base + src).data;
+  const uint32_t from = base + uint32_t(src < 0 ? src + int(modulo) : src - int(modulo));
+  return lane_value<FillPair<T>>(e, from).filling;
+}
+
 }  // namespace steel_shim
 
 namespace metal {
@@ -121,6 +140,17 @@ template <typename T>
 STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
   return steel_shim::lane_value<T>(e, uint32_t(__builtin_ctz(e.mask)));
+}
+
+template <typename T>
+STEEL_CONVERGENT inline T simd_shuffle_and_fill_down(T data, T filling, ushort delta,
+                                                     ushort modulo = 32) {
+  return steel_shim::shuffle_and_fill(data, filling, int(delta), modulo);
+}
+template <typename T>
+STEEL_CONVERGENT inline T simd_shuffle_and_fill_up(T data, T filling, ushort delta,
+                                                   ushort modulo = 32) {
+  return steel_shim::shuffle_and_fill(data, filling, -int(delta), modulo);
 }
 
 #define STEEL_SHIM_REDUCE(name, op)                                         \
