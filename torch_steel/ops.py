@@ -9,8 +9,9 @@ Public ops (wrapped, with a friendlier signature, as torch_steel.sdpa / sdpa_var
                       tensors; torch_steel.gemm is keyword-only.)
 Internal ops, what the Metal kernels implement; autograd connects forward to backward:
   steel::sdpa_forward(q, k, v, attn_mask, <attention options>) -> (out, lse)
-  steel::sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, <options>)
-      -> (dq, dk, dv, dsinks)   (dsinks is empty when there are no sinks)
+  steel::sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, <options>)
+      -> (dq, dk, dv, dsinks, dmask)   (dsinks is empty when there are no sinks, dmask unless
+      mask_grad asks for the gradient of a float attn_mask, in the mask's shape)
   steel::sdpa_varlen_forward / steel::sdpa_varlen_backward: the same over packed tensors, with
       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k in place of attn_mask.
   <attention options> = dropout_p, is_causal, scale, sinks, softcap, window_left, window_right,
@@ -20,7 +21,8 @@ Every op goes through torch_steel.backends.run with these run_op names and argum
 tensors are None; outputs are contiguous (the fake implementations say so, kernels must too):
   "sdpa"                  [q, k, v, attn_mask, sinks] -> [out, lse]
   "sdpa_backward"         [grad_out, q, k, v, out, lse, attn_mask, sinks, grad_lse]
-                          -> [dq, dk, dv] + [dsinks] when sinks is given
+                          -> [dq, dk, dv] + [dsinks] when sinks is given + [dmask] when the
+                          option mask_grad is true
   "sdpa_varlen"           [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] -> [out, lse]
   "sdpa_varlen_backward"  [grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks,
                           grad_lse] -> [dq, dk, dv] + [dsinks]
@@ -132,29 +134,42 @@ def _(q, k, v, attn_mask, *options):
     mutates_args=(),
     schema=(
         "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-        f"Tensor lse, Tensor? attn_mask, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)"
+        f"Tensor lse, Tensor? attn_mask, bool mask_grad, {_OPTIONS}) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
 )
-def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options):
+def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     attn = Attn(*options)
+    if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
+        raise ValueError("steel.sdpa_backward: mask_grad needs a float attn_mask")
 
     def reference():
-        dq, dk, dv, dsinks = ref.sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, *attn)
-        return [dq, dk, dv] + ([dsinks] if dsinks is not None else [])
+        dq, dk, dv, dsinks, dmask = ref.sdpa_backward(
+            grad_out, grad_lse, q, k, v, lse, attn_mask, *attn, mask_grad=mask_grad
+        )
+        return [g for g in (dq, dk, dv, dsinks, dmask) if g is not None]
 
     grads = run(
         "sdpa_backward",
         [grad_out, q, k, v, out, lse, attn_mask, attn.sinks, grad_lse],
-        attn.run_options(),
+        attn.run_options(mask_grad=bool(mask_grad)),
         reference,
     )
-    return grads[0], grads[1], grads[2], _dsinks(grads, attn, q)
+    dmask = grads[-1] if mask_grad else q.new_empty(0)
+    return grads[0], grads[1], grads[2], _dsinks(grads, attn, q), dmask
 
 
 @sdpa_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, *options):
+def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     sinks = Attn(*options).sinks
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sinks_fake(sinks, q)
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        _sinks_fake(sinks, q),
+        dmask,
+    )
 
 
 def _sdpa_setup(ctx, inputs, output):
@@ -169,13 +184,15 @@ def _sdpa_backward_autograd(ctx, grad_out, grad_lse):
     attn = ctx.attn._replace(sinks=sinks)
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
+    # The mask's gradient is an L x S tensor: computed only when the mask asks for it.
+    mask_grad = bool(ctx.needs_input_grad[3])
     with backend(ctx.backend):
-        dq, dk, dv, dsinks = torch.ops.steel.sdpa_backward(
-            grad_out, grad_lse, q, k, v, out, lse, attn_mask, *attn
+        dq, dk, dv, dsinks, dmask = torch.ops.steel.sdpa_backward(
+            grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *attn
         )
     grads = dict.fromkeys(Attn._fields)
     grads["sinks"] = dsinks if sinks is not None else None
-    return dq, dk, dv, None, *grads.values()
+    return dq, dk, dv, dmask if mask_grad else None, *grads.values()
 
 
 sdpa_forward.register_autograd(_sdpa_backward_autograd, setup_context=_sdpa_setup)
@@ -217,16 +234,6 @@ def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
     attn = _resolve("sdpa", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap, window,
                     causal_align, seed, offset)  # fmt: skip
-    if (
-        attn_mask is not None
-        and attn_mask.is_floating_point()
-        and attn_mask.requires_grad
-        and torch.is_grad_enabled()
-    ):  # returning no gradient would be silently wrong
-        raise NotImplementedError(
-            "steel.sdpa: the gradient with respect to a float attn_mask is not implemented; "
-            "detach the mask or use torch.nn.functional.scaled_dot_product_attention"
-        )
     return (query, key, value, attn_mask, *attn), squeeze
 
 
@@ -275,8 +282,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     Same arguments and results as F.scaled_dot_product_attention ([*batch, heads, L, E] query,
     [*batch, heads_kv, S, E] key, [*batch, heads_kv, S, Ev] value; leading dims broadcast, heads
     too unless enable_gqa; bool masks keep where True, float masks are added; rows that see no
-    key are zero; is_causal together with a mask applies both, where PyTorch refuses the
-    combination), and:
+    key are zero; is_causal together with a mask applies both, as PyTorch does; a float mask
+    is differentiable), and:
       attn_mask:    may also be torch.nn.attention.bias.causal_lower_right(L, S) or
                     causal_upper_left(L, S) (causal with that alignment).
       sinks:        [heads] tensor; an extra logit per head in every softmax row, with no value

@@ -3,8 +3,8 @@
 After patch(), F.scaled_dot_product_attention (and everything in torch that calls it, such as
 nn.MultiheadAttention and nn.TransformerEncoderLayer) runs steel::sdpa for calls steel serves:
 MPS tensors under the "auto" and "metal" backends, CPU tensors under "sim", any tensor under
-"reference". Every other call, and any call steel cannot serve (invalid arguments, a float mask
-that needs a gradient), runs PyTorch's original function unchanged.
+"reference". Every other call, and any call steel cannot serve (invalid arguments), runs
+PyTorch's original function unchanged.
 """
 
 import threading
@@ -38,7 +38,7 @@ def _serves(query, key, value, attn_mask, is_causal, enable_gqa):
         validation.check_sdpa(q, k, v, mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
-    return not (torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled())
+    return True
 
 
 def _steel_sdpa(

@@ -131,8 +131,10 @@ def sdpa_forward(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, softcap
 
 def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_causal, scale,
                   sinks, softcap, window_left, window_right, bottom_right, seed, offset,
-                  batch_index=0):  # fmt: skip
-    """Returns (dq, dk, dv, dsinks) in the dtypes of q, k, v, sinks (dsinks None without sinks).
+                  batch_index=0, mask_grad=False):  # fmt: skip
+    """Returns (dq, dk, dv, dsinks, dmask) in the dtypes of q, k, v, sinks, attn_mask (dsinks
+    None without sinks, dmask None unless mask_grad: the gradient of a float attn_mask, summed
+    over the dims it broadcasts along).
 
     Probabilities are rebuilt from the forward's lse, as a flash-attention backward does.
     """
@@ -158,6 +160,8 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_cau
     ds = p * (dp - delta)
     if grad_lse is not None:
         ds = ds + p * grad_lse.to(ct).unsqueeze(-1)
+    # The float mask is added after the softcap: its gradient is ds itself.
+    dmask = ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
     if softcap > 0:
         ds = ds * (1 - sc.tanh**2)
     dq = (ds @ sc.kc) * scale
@@ -171,7 +175,7 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_cau
         per_head = (p_sink * d).sum(-1)  # [*batch, H, L]
         per_head = per_head.reshape(-1, per_head.shape[-2], per_head.shape[-1]).sum((0, 2))
         dsinks = per_head.reshape(sinks.shape).to(sinks.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dmask
 
 
 def _segments(cu_seqlens_q, cu_seqlens_k):
@@ -218,7 +222,7 @@ def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seql
         gl = None if grad_lse is None else grad_lse[:, q0:q1].unsqueeze(0)
         lb = lse[:, q0:q1].unsqueeze(0)
         qs, ks, vs = (_varlen_seq(q, q0, q1), _varlen_seq(k, k0, k1), _varlen_seq(v, k0, k1))
-        gq, gk, gv, gs = sdpa_backward(go, gl, qs, ks, vs, lb, None, *options, batch_index=b)
+        gq, gk, gv, gs, _ = sdpa_backward(go, gl, qs, ks, vs, lb, None, *options, batch_index=b)
         dq[q0:q1] = gq[0].transpose(0, 1)
         dk[k0:k1] += gk[0].transpose(0, 1)
         dv[k0:k1] += gv[0].transpose(0, 1)

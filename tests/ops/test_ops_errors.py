@@ -99,11 +99,13 @@ def test_sdpa_device_mismatch():
         torch.ops.steel.sdpa(q, q.to("meta"), q)
 
 
-def test_sdpa_mask_gradient_is_refused_not_silently_zero():
+def test_sdpa_backward_mask_grad_needs_a_float_mask():
     q = q_(1, 2, 3, 4)
-    mask = torch.zeros(3, 3, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="gradient with respect to a float attn_mask"):
-        torch_steel.sdpa(q, q, q, mask)
+    lse = torch.zeros(1, 2, 3)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    args = (q, None, q, q, q, q, lse, mask, True, 0.0, False, 0.5, None, 0.0, -1, -1, False, 0, 0)
+    with pytest.raises(ValueError, match="mask_grad needs a float attn_mask"):
+        torch.ops.steel.sdpa_backward(*args)
 
 
 def test_causal_bias_length_mismatch():

@@ -67,13 +67,21 @@ def test_reference_backend_routes_cpu_calls_to_steel(calls):
 
 def test_calls_steel_cannot_serve_go_to_pytorch(calls):
     q = torch.randn(1, 2, 3, 4)
-    learned_bias = torch.zeros(3, 3, requires_grad=True)
     with torch_steel.backend("reference"), torch_steel.patch():
-        F.scaled_dot_product_attention(q, q, q, learned_bias).sum().backward()
         with pytest.raises(RuntimeError):  # PyTorch's own error for mismatched head dims
             F.scaled_dot_product_attention(q, torch.randn(1, 2, 3, 5), q)
     assert calls == []
-    assert learned_bias.grad is not None
+
+
+def test_learned_bias_trains_under_patch(calls):
+    q = torch.randn(1, 2, 3, 4)
+    learned_bias = torch.randn(3, 3, requires_grad=True)
+    with torch_steel.backend("reference"), torch_steel.patch():
+        F.scaled_dot_product_attention(q, q, q, learned_bias).sum().backward()
+    assert calls == [q.shape]
+    expected = torch.zeros(3, 3, requires_grad=True)
+    ORIGINAL(q, q, q, expected + learned_bias.detach()).sum().backward()
+    torch.testing.assert_close(learned_bias.grad, expected.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_transformer_layer_under_patch_matches(calls, monkeypatch):

@@ -149,6 +149,27 @@ def test_sdpa_backward_op_gradcheck():
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
 
 
+@pytest.mark.parametrize("mask_shape", [(4, 5), (2, 1, 5), (1, 2, 4, 5)], ids=["LS", "H1S", "1HLS"])
+def test_sdpa_float_mask_gradient(mask_shape):
+    """A learnable additive mask (T5 / ALiBi-style bias) gets its gradient, summed over the
+    dims it broadcasts along: gradcheck, and PyTorch's own gradients."""
+    q, k, v = randn(1, 2, 4, 3), randn(1, 2, 5, 3), randn(1, 2, 5, 3)
+    mask = randn(*mask_shape, requires_grad=True)
+
+    def fn(mask, q):
+        return torch.ops.steel.sdpa(q, k, v, mask, is_causal=True, softcap=3.0)
+
+    q.requires_grad_(True)
+    assert torch.autograd.gradcheck(fn, (mask, q))
+    out = torch.ops.steel.sdpa(q, k, v, mask)
+    expected = F.scaled_dot_product_attention(q, k, v, mask)
+    go = torch.randn_like(out)
+    (dmask, dq) = torch.autograd.grad(out, (mask, q), go)
+    (emask, eq) = torch.autograd.grad(expected, (mask, q), go)
+    torch.testing.assert_close(dmask, emask, rtol=1e-10, atol=1e-12)  # float64: rounding only
+    torch.testing.assert_close(dq, eq, rtol=1e-10, atol=1e-12)
+
+
 def test_sdpa_dropout_backward_gradcheck():
     """With a fixed seed the mask is a pure function: gradcheck sees the same mask each call."""
     q = randn(1, 2, 4, 3, requires_grad=True)
