@@ -60,6 +60,7 @@ struct Region {
   uintptr_t host_hi = 0;
   uintptr_t arena_lo = 0;
   bool write_back = false;
+  uint32_t* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
 };
 
 char* g_arena = nullptr;
@@ -96,6 +97,31 @@ size_t gap_for(size_t bytes) {
   lane_fail(buf);
 }
 
+std::string threadgroup_name(uint32_t tg_id) {
+  uint32_t i = tg_id - 1;
+  return fmt("(%llu,%llu,%llu)", i % g.grid[0], i / g.grid[0] % g.grid[1],
+             i / g.grid[0] / g.grid[1]);
+}
+
+// Threadgroups of one dispatch run in no guaranteed order, and nothing but device-scope atomics
+// (not instrumented, so not checked) orders them: a byte written by one threadgroup and written
+// or read by another in the same dispatch is a race.
+void check_threadgroup_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  uint32_t* w = b.writers + (a - b.lo);
+  for (size_t i = 0; i < n; ++i) {
+    if (w[i] != 0 && w[i] != g.tg_id) {
+      char buf[320];
+      snprintf(buf, sizeof buf,
+               "device memory race: %s byte offset %lld of [[buffer(%u)]], which threadgroup %s "
+               "wrote in the same dispatch (threadgroups are not ordered)",
+               write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
+               threadgroup_name(w[i]).c_str());
+      lane_fail(buf);
+    }
+    if (write) w[i] = g.tg_id;
+  }
+}
+
 void device_access(uintptr_t a, size_t n, bool write) {
   DeviceBuffer* b = g.dev_last;
   if (b == nullptr || a < b->lo || a + n > b->hi) {
@@ -113,6 +139,7 @@ void device_access(uintptr_t a, size_t n, bool write) {
     g.dev_last = b;
   }
   (write ? b->counters.written : b->counters.read) += n;
+  if (b->writers != nullptr && g.checkers) check_threadgroup_race(*b, a, n, write);
 }
 
 // ------------------------------------------------------------------------- threadgroup memory
@@ -258,6 +285,12 @@ void bind_device(const LaunchSpec& spec) {
   g_arena_bytes = offset;
   for (Region& r : g_regions) {
     r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
+    if (spec.checkers && r.write_back && r.host_hi > r.host_lo) {
+      // Untouched shadow pages cost nothing: reading them maps the zero page.
+      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(uint32_t), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (w != MAP_FAILED) r.writers = static_cast<uint32_t*>(w);
+    }
     if (r.host_hi > r.host_lo) {
       std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
                   r.host_hi - r.host_lo);
@@ -273,6 +306,7 @@ void bind_device(const LaunchSpec& spec) {
     d.index = args[i]->index;
     d.lo = lo;
     d.hi = lo + args[i]->bytes;
+    if (r.writers != nullptr) d.writers = r.writers + (lo - r.arena_lo);
     g.dev.push_back(d);
     g.buffer_base[d.index] = reinterpret_cast<void*>(lo);
     g.buffer_bound[d.index] = true;
@@ -297,6 +331,10 @@ void unbind_device(bool write_back) {
     BufferCounters& c = g.counters.buffers[d.index];
     c.read += d.counters.read;
     c.written += d.counters.written;
+  }
+  for (Region& r : g_regions) {
+    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(uint32_t));
+    r.writers = nullptr;
   }
   if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);
   g_arena = nullptr;

@@ -219,6 +219,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
   g.tg_pos[0] = x;
   g.tg_pos[1] = y;
   g.tg_pos[2] = z;
+  g.tg_id = 1 + x + g.grid[0] * (y + g.grid[1] * z);
   ++g.epoch;
   g.live = g.nlanes;
   g.at_barrier = 0;

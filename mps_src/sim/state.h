@@ -60,6 +60,9 @@ struct DeviceBuffer {
   uint32_t index = 0;
   uintptr_t lo = 0;  // in the device arena
   uintptr_t hi = 0;
+  // Cross-threadgroup race shadow of this buffer's bytes (null for inline bytes): per byte, the
+  // threadgroup (linear index + 1) that last wrote it in this dispatch, 0 if none.
+  uint32_t* writers = nullptr;
   BufferCounters counters;
 };
 
@@ -86,6 +89,7 @@ struct Sim {
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
   uint32_t tg_pos[3] = {0, 0, 0};
+  uint32_t tg_id = 0;  // linear index of the running threadgroup + 1
   uint32_t nlanes = 0;
   uint32_t nsimd = 0;
   std::map<uint32_t, steel::FunctionConstant> constants;

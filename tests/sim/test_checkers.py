@@ -139,9 +139,9 @@ def test_missing_barrier_is_a_race(threads):
 
 
 def test_barrier_twin_is_not_a_race():
-    out = torch.zeros(128)
+    out = torch.zeros(2, 128)
     run("exec_neighbour", grid=(2,), threads=(128,), buffers={0: out, 1: flag(True)})
-    assert torch.equal(out, ((torch.arange(128) + 1) % 128).float())
+    assert torch.equal(out, ((torch.arange(128) + 1) % 128).float().expand(2, 128))
 
 
 def test_simdgroup_barrier_orders_lanes_of_one_simdgroup():
@@ -233,3 +233,23 @@ def test_mem_none_barrier_does_not_order_threadgroup_memory():
     run("exec_mem_none_neighbour", grid=(1,), threads=(64,), buffers={0: out, 1: u32(32)})
     base = torch.arange(64) // 32 * 32
     assert torch.equal(out, (base + (torch.arange(64) + 1 - base) % 32).float())
+
+
+def test_threadgroups_writing_the_same_bytes_race():
+    with pytest.raises(SimulatorError, match=r"exec_overlapping_tiles.*threadgroup \(1,0,0\).*"
+                                             r"device memory race: writes byte offset 64 of "
+                                             r"\[\[buffer\(0\)\]\], which threadgroup \(0,0,0\)"):
+        run("exec_overlapping_tiles", grid=(2,), threads=(32,),
+            buffers={0: torch.zeros(64), 1: u32(16)})
+    out = torch.zeros(64)
+    run("exec_overlapping_tiles", grid=(2,), threads=(32,), buffers={0: out, 1: u32(32)})
+    assert torch.equal(out, torch.arange(64).div(32, rounding_mode="floor").float())
+
+
+def test_reading_another_threadgroups_output_races():
+    with pytest.raises(SimulatorError, match=r"exec_read_other_tile.*device memory race: reads"):
+        run("exec_read_other_tile", grid=(2,), threads=(32,), buffers={0: torch.zeros(64)})
+    # One threadgroup: ordered, fine.
+    data = torch.zeros(64)
+    run("exec_read_other_tile", grid=(1,), threads=(32,), buffers={0: data})
+    assert torch.equal(data[:32], torch.ones(32))

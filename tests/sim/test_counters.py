@@ -66,11 +66,11 @@ def test_simd_ops_per_simdgroup():
 def test_mma_count_is_one_per_simdgroup_operation():
     rounds = 3
     a = torch.eye(8).flatten()
-    c_out = torch.zeros(2 * 64)
+    c_out = torch.zeros(4 * 64)
     c = run("exec_mma_rounds", grid=(2,), threads=(64,),
             buffers={0: a, 1: c_out, 2: struct.pack("<I", rounds)})
-    # C = sum of `rounds` products I @ I.
-    assert torch.equal(c_out.view(2, 8, 8), torch.eye(8).expand(2, 8, 8) * rounds)
+    # C = sum of `rounds` products I @ I, one per simdgroup.
+    assert torch.equal(c_out.view(4, 8, 8), torch.eye(8).expand(4, 8, 8) * rounds)
     assert c["mma"] == rounds * 2 * 2  # rounds x simdgroups x threadgroups
     assert c["threadgroups"] == 2
     assert c["simd_ops"] >= c["mma"]

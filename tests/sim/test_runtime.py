@@ -106,10 +106,11 @@ def test_convergent_simd_twin_runs():
 @pytest.mark.parametrize("threads", [32, 96, 1024])
 def test_ring_of_barriers_across_simdgroups(threads):
     rounds = 5
-    out = torch.zeros(threads)
+    out = torch.zeros(2, threads)
     counters = run("exec_ring", grid=(2,), threads=(threads,), counters=True,
                    buffers={0: out, 1: rounds.to_bytes(4, "little")})
-    assert torch.equal(out, ((torch.arange(threads) + rounds) % threads).float())
+    expected = ((torch.arange(threads) + rounds) % threads).float()
+    assert torch.equal(out, expected.expand(2, threads))
     assert counters["barriers"] == 2 * 2 * rounds
     # Per simdgroup and round: one simd_shuffle_down and one simdgroup_barrier.
     assert counters["simd_ops"] == 2 * (threads // 32) * rounds * 2

@@ -46,11 +46,12 @@ kernel void exec_wild_pointer(device float* out [[buffer(0)]]) {
 kernel void exec_neighbour(device float* out [[buffer(0)]],
                            constant bool& barrier [[buffer(1)]],
                            uint tid [[thread_index_in_threadgroup]],
+                           uint tg [[threadgroup_position_in_grid]],
                            uint n [[threads_per_threadgroup]]) {
   threadgroup float values[1024];
   values[tid] = float(tid);
   if (barrier) threadgroup_barrier(mem_flags::mem_threadgroup);
-  out[tid] = values[(tid + 1) % n];
+  out[tg * n + tid] = values[(tid + 1) % n];
 }
 
 // Neighbour within the simdgroup, ordered by simdgroup_barrier only: correct when the neighbour
@@ -131,4 +132,24 @@ kernel void exec_mem_none_neighbour(device float* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_none);
   uint base = tid / wrap * wrap;
   out[tid] = values[base + (tid + 1 - base) % wrap];
+}
+
+// Every threadgroup writes the same elements: a race between threadgroups.
+kernel void exec_overlapping_tiles(device float* out [[buffer(0)]],
+                                   constant uint& tile [[buffer(1)]],
+                                   uint tid [[thread_index_in_threadgroup]],
+                                   uint tg [[threadgroup_position_in_grid]]) {
+  out[tg * tile + tid] = float(tg);
+}
+
+// Threadgroup 1 reads what threadgroup 0 wrote in the same dispatch: a race.
+kernel void exec_read_other_tile(device float* data [[buffer(0)]],
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint tg [[threadgroup_position_in_grid]],
+                                 uint n [[threads_per_threadgroup]]) {
+  if (tg == 0) {
+    data[tid] = 1.0f;
+  } else {
+    data[n + tid] = data[tid] + 1.0f;
+  }
 }

@@ -27,10 +27,12 @@ kernel void exec_simd_rounds(device float* out [[buffer(0)]],
 kernel void exec_mma_rounds(device const float* a [[buffer(0)]],
                             device float* c [[buffer(1)]],
                             constant uint& rounds [[buffer(2)]],
+                            uint tg [[threadgroup_position_in_grid]],
+                            uint sgs [[simdgroups_per_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]]) {
   simdgroup_float8x8 A;
   simdgroup_float8x8 C = simdgroup_float8x8(0);
   simdgroup_load(A, a, 8);
   for (uint r = 0; r < rounds; ++r) simdgroup_multiply_accumulate(C, A, A, C);
-  simdgroup_store(C, c + sg * 64, 8);
+  simdgroup_store(C, c + (tg * sgs + sg) * 64, 8);
 }

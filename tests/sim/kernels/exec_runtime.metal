@@ -103,6 +103,7 @@ kernel void exec_convergent_simd(device float* out [[buffer(0)]],
 // with a simdgroup_barrier and a threadgroup_barrier per round: exercises the scheduler.
 kernel void exec_ring(device float* out [[buffer(0)]],
                       constant uint& rounds [[buffer(1)]],
+                      uint tg [[threadgroup_position_in_grid]],
                       uint tid [[thread_index_in_threadgroup]],
                       uint n [[threads_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
@@ -115,7 +116,7 @@ kernel void exec_ring(device float* out [[buffer(0)]],
     v = ring[(tid + 1) % n];
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  out[tid] = v + float(lane) * 0.0f;
+  out[tg * n + tid] = v + float(lane) * 0.0f;
 }
 
 // Reads a function constant of each type; `has_offset` may be left undefined.
