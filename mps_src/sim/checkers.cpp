@@ -19,14 +19,20 @@
 //   filled with 0xFF bytes (NaN for half, bfloat and float) when a threadgroup starts, as it is
 //   uninitialized on the GPU.
 //
+// Device races. Threadgroups of one dispatch are not ordered: with the checkers on, each tensor
+// region has a shadow recording, per byte, the threadgroup that wrote it in this dispatch, and a
+// write or read of it by another threadgroup is an error. (Device-scope atomics, which could
+// order them, are not loads or stores and are not checked.)
+//
 // Race rule. Two accesses to the same threadgroup-memory byte by different lanes, at least one a
-// write, race unless a threadgroup_barrier completed between them, or the lanes belong to the
-// same simdgroup and a rendezvous of that simdgroup (any simd_* function, simdgroup-matrix
-// operation or simdgroup_barrier) completed between them: lanes of a simdgroup execute in
-// lockstep on the GPU, so once all of them have passed a simd operation, each has finished what
-// it did before it. The shadow keeps per byte the last write and the latest reads with their
-// threadgroup and simd epochs, which decides this exactly for the last writer and conservatively
-// (never missing a race, never inventing one across a barrier) for many readers.
+// write, race unless a threadgroup_barrier with mem_threadgroup completed between them, or the
+// lanes belong to the same simdgroup and a rendezvous of that simdgroup (any simd_* function,
+// simdgroup-matrix operation, simdgroup_barrier, or a threadgroup_barrier without
+// mem_threadgroup) completed between them: lanes of a simdgroup execute in lockstep on the GPU,
+// so once all of them have passed a simd operation, each has finished what it did before it.
+// The shadow keeps per byte the last write and the latest reads with their threadgroup and simd
+// epochs, which decides this exactly for the last writer and conservatively (never missing a
+// race, never inventing one across a barrier) for many readers.
 #include <sys/mman.h>
 
 #include <algorithm>
