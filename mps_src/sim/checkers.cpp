@@ -210,7 +210,8 @@ void tg_access(uintptr_t a, size_t n, bool write) {
     if (write) {
       if (sh.r_epoch == e) {
         bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
-        bool same_step = sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
+        bool same_step =
+            sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
         if (other_sg || same_step) race(i, true, sh.r_lane == lane ? -1 : sh.r_lane, false);
       }
       sh.w_epoch = e;

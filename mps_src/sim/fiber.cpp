@@ -102,8 +102,8 @@ void StackPool::reserve(size_t count, size_t size) {
   if (base_ != nullptr) munmap(base_, count_ * (size_ + guard_));
   base_ = nullptr;
   size_t total = count * (size + page);
-  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   base_ = static_cast<char*>(p);
   count_ = count;

@@ -266,8 +266,12 @@ std::string describe_waits() {
   std::string out;
   for (const SimdGroup& sg : g.groups) {
     uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
-    if (sg.at_barrier) out += " lanes " + lane_list(sg.at_barrier, first) + " at threadgroup_barrier;";
-    if (sg.arrived) out += " lanes " + lane_list(sg.arrived, first) + " at " + describe_simd(sg) + ";";
+    if (sg.at_barrier) {
+      out += " lanes " + lane_list(sg.at_barrier, first) + " at threadgroup_barrier;";
+    }
+    if (sg.arrived) {
+      out += " lanes " + lane_list(sg.arrived, first) + " at " + describe_simd(sg) + ";";
+    }
   }
   return out;
 }
@@ -284,8 +288,9 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     if (g.failed) throw SimError(g.error);
   }
   if (g.live != 0) {
-    throw SimError(format("kernel '%s' threadgroup (%u,%u,%u): lanes wait forever:", g.kernel.c_str(),
-                          x, y, z) + describe_waits());
+    throw SimError(format("kernel '%s' threadgroup (%u,%u,%u): lanes wait forever:",
+                          g.kernel.c_str(), x, y, z) +
+                   describe_waits());
   }
 }
 
@@ -551,8 +556,8 @@ const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_
   if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
   check_simd_allowed(simd_kind_name(kind));
   if (bytes > kMaxExchangeBytes) {
-    lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)", bytes,
-                     kMaxExchangeBytes));
+    lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)",
+                     bytes, kMaxExchangeBytes));
   }
   simd_arrive(SimdWait::Exchange, kind, bytes, mine, site);
   if (active_mask != nullptr) *active_mask = g.cur->exchange_mask;
@@ -596,7 +601,8 @@ namespace {
 KernelEntry find_kernel(const LaunchSpec& spec) {
   const Library* lib = spec.library;
   if (lib == nullptr) throw SimError("kernel '" + spec.kernel + "': no shader library given");
-  if (std::find(lib->duplicates.begin(), lib->duplicates.end(), spec.kernel) != lib->duplicates.end()) {
+  const auto& dups = lib->duplicates;
+  if (std::find(dups.begin(), dups.end(), spec.kernel) != dups.end()) {
     throw SimError("kernel '" + spec.kernel + "' is defined more than once in " + lib->path);
   }
   auto it = lib->kernels.find(spec.kernel);

@@ -52,7 +52,7 @@ struct SimdGroup {
   size_t bytes = 0;
   const void* site = nullptr;  // call site (return address) of the current rendezvous
   uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
-  uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for the race checker)
+  uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for races)
   uint8_t* buf[2] = {nullptr, nullptr};
 };
 

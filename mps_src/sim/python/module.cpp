@@ -83,7 +83,9 @@ py::dict describe(const PlanHandle& h) {
     py::dict d;
     d["kernel"] = x.kernel;
     py::dict constants;
-    for (const steel::FunctionConstant& c : x.constants) constants[py::int_(c.index)] = constant_value(c);
+    for (const steel::FunctionConstant& c : x.constants) {
+      constants[py::int_(c.index)] = constant_value(c);
+    }
     d["constants"] = constants;
     py::list bindings;
     for (const steel::Binding& b : x.bindings) {
@@ -98,7 +100,9 @@ py::dict describe(const PlanHandle& h) {
     d["grid"] = py::make_tuple(x.grid[0], x.grid[1], x.grid[2]);
     d["threads"] = py::make_tuple(x.threads[0], x.threads[1], x.threads[2]);
     py::dict memory;
-    for (const steel::ThreadgroupMemory& m : x.threadgroup_memory) memory[py::int_(m.index)] = m.bytes;
+    for (const steel::ThreadgroupMemory& m : x.threadgroup_memory) {
+      memory[py::int_(m.index)] = m.bytes;
+    }
     d["threadgroup_memory"] = memory;
     dispatches.append(d);
   }
