@@ -17,6 +17,9 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdarg>
@@ -378,6 +381,69 @@ class InterruptHandler {
   struct sigaction old_ {};
 };
 
+// A lane stuck in a loop that touches no device or threadgroup memory (an exit condition that is
+// never met) would hang the process. A per-launch timer on the launching thread checks every
+// second that lanes still switch; after TORCH_STEEL_SIM_LANE_TIMEOUT seconds (default 60)
+// without a switch, the running lane fails from the signal handler, like a fault.
+const int kWatchdogSignal = SIGRTMIN + 3;
+volatile uint64_t g_watchdog_seen = 0;
+volatile unsigned g_watchdog_stuck = 0;
+unsigned g_watchdog_limit = 60;
+
+void on_watchdog(int sig, siginfo_t*, void*) {
+  if (g.counters.lane_switches != g_watchdog_seen) {
+    g_watchdog_seen = g.counters.lane_switches;
+    g_watchdog_stuck = 0;
+    return;
+  }
+  if (++g_watchdog_stuck < g_watchdog_limit || g.cur == nullptr) return;
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, sig);
+  sigprocmask(SIG_UNBLOCK, &set, nullptr);
+  lane_fail(format("ran for %u s without reaching a barrier, a simd operation or its end: an "
+                   "endless loop? (TORCH_STEEL_SIM_LANE_TIMEOUT sets the limit in seconds)",
+                   g_watchdog_limit));
+}
+
+class Watchdog {
+ public:
+  Watchdog() {
+    const char* env = std::getenv("TORCH_STEEL_SIM_LANE_TIMEOUT");
+    unsigned long limit = env != nullptr ? std::strtoul(env, nullptr, 10) : 0;
+    g_watchdog_limit = limit > 0 ? static_cast<unsigned>(limit) : 60;
+    g_watchdog_seen = ~uint64_t{0};
+    g_watchdog_stuck = 0;
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_watchdog;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(kWatchdogSignal, &sa, &old_);
+    sigevent ev{};
+    ev.sigev_notify = SIGEV_THREAD_ID;
+    ev.sigev_signo = kWatchdogSignal;
+    ev._sigev_un._tid = static_cast<pid_t>(syscall(SYS_gettid));
+    armed_ = timer_create(CLOCK_MONOTONIC, &ev, &timer_) == 0;
+    if (armed_) {
+      itimerspec spec{};
+      spec.it_value.tv_sec = 1;
+      spec.it_interval.tv_sec = 1;
+      timer_settime(timer_, 0, &spec, nullptr);
+    }
+  }
+  ~Watchdog() {
+    if (armed_) timer_delete(timer_);
+    sigaction(kWatchdogSignal, &old_, nullptr);
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+ private:
+  struct sigaction old_ {};
+  timer_t timer_{};
+  bool armed_ = false;
+};
+
 size_t stack_bytes() {
   const char* env = std::getenv("TORCH_STEEL_SIM_STACK_KB");
   size_t kb = env != nullptr ? std::strtoul(env, nullptr, 10) : 0;
@@ -671,6 +737,7 @@ Counters launch(const LaunchSpec& spec) {
   bind_device(spec);
   FaultHandlers handlers;
   InterruptHandler interrupt;
+  Watchdog watchdog;
   bool ok = false;
   try {
     for (uint32_t z = 0; z < spec.grid[2]; ++z) {

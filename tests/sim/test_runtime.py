@@ -200,3 +200,14 @@ except KeyboardInterrupt:
                           text=True, timeout=300, check=False)
     assert proc.stdout.startswith("interrupted"), proc.stdout + proc.stderr[-3000:]
     assert float(proc.stdout.split()[1]) < 30
+
+
+def test_endless_loop_is_reported_not_a_hang(monkeypatch):
+    monkeypatch.setenv("TORCH_STEEL_SIM_LANE_TIMEOUT", "2")
+    out = torch.zeros(32, dtype=torch.int32)
+    run("exec_endless_loop", grid=(1,), threads=(32,),
+        buffers={0: out, 1: (8).to_bytes(4, "little")})
+    assert torch.equal(out, torch.full((32,), 8, dtype=torch.int32))
+    with pytest.raises(SimulatorError, match=r"exec_endless_loop.*ran for 2 s.*endless loop"):
+        run("exec_endless_loop", grid=(1,), threads=(32,),
+            buffers={0: out, 1: (7).to_bytes(4, "little")})

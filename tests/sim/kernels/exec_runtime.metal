@@ -154,3 +154,13 @@ kernel void exec_spin_wait(device int* out [[buffer(0)]],
   if (tid == 1) f[0] = 1;
   out[tid] = 1;
 }
+
+// An exit condition that is never met for an odd `n`, in a loop that touches only the lane's
+// own variables: the watchdog must end it.
+kernel void exec_endless_loop(device uint* out [[buffer(0)]],
+                              constant uint& n [[buffer(1)]],
+                              uint gid [[thread_position_in_grid]]) {
+  volatile uint i = 0;
+  while (i != n) i = i + 2;
+  out[gid] = i;
+}
