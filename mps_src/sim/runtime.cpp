@@ -17,9 +17,11 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cstdarg>
@@ -381,6 +383,7 @@ class InterruptHandler {
   struct sigaction old_ {};
 };
 
+#if defined(__linux__)
 // A lane stuck in a loop that touches no device or threadgroup memory (an exit condition that is
 // never met) would hang the process. A per-launch timer on the launching thread checks every
 // second that lanes still switch; after TORCH_STEEL_SIM_LANE_TIMEOUT seconds (default 60)
@@ -443,6 +446,11 @@ class Watchdog {
   timer_t timer_{};
   bool armed_ = false;
 };
+#else
+struct Watchdog {
+  Watchdog() {}  // per-thread timers are Linux-only (SIGEV_THREAD_ID): no watchdog
+};
+#endif
 
 size_t stack_bytes() {
   const char* env = std::getenv("TORCH_STEEL_SIM_STACK_KB");
