@@ -58,6 +58,7 @@ SHADER_FLAGS = [
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-Wno-unknown-attributes",
     "-fsanitize-coverage=func,trace-loads,trace-stores",
+    "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
 RUNTIME_SONAME = "libsteel_sim_rt.so"

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,12 +180,48 @@ def _checkers_default() -> bool:
     return os.environ.get("TORCH_STEEL_SIM_CHECKERS", "1") != "0"
 
 
+_PC = re.compile(r" \[pc (\S+)\+0x([0-9a-f]+)\]")
+_MAX_FRAMES = 6
+
+
+def _symbolize(message: str) -> str:
+    """Replaces the runtime's " [pc <library>+0x<offset>]" markers by the shader source lines
+    (file:line:column and function, innermost inlined frame first) using llvm-symbolizer."""
+    tool = shutil.which("llvm-symbolizer-19") or shutil.which("llvm-symbolizer")
+    if tool is None:
+        return message
+
+    def frames(m: re.Match) -> str:
+        try:
+            out = subprocess.run([tool, f"--obj={m.group(1)}", f"0x{m.group(2)}"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return m.group(0)
+        lines = [x for x in out.splitlines() if x.strip()]
+        found = []
+        for function, location in zip(lines[0::2], lines[1::2], strict=False):
+            path, _, rest = location.partition(":")
+            if path == "??" or Path(path).resolve().is_relative_to(_sim_build.SHIM):
+                continue  # the shim's own frames say nothing about the kernel
+            try:
+                path = str(Path(path).resolve().relative_to(_sim_build.ROOT))
+            except ValueError:
+                pass
+            found.append(f"{path}:{rest} ({function})")
+        if not found:
+            return m.group(0)
+        shown = found[:_MAX_FRAMES] + (["..."] if len(found) > _MAX_FRAMES else [])
+        return "\n    at " + "\n    in ".join(shown)
+
+    return _PC.sub(frames, message)
+
+
 def _call(lib: _sim_build.ShaderLibrary, fn, *args):
     ext = _sim_build.extension()
     try:
         return fn(lib.handle, *args)
     except ext.SimError as e:
-        message = str(e)
+        message = _symbolize(str(e))
         if " not found in " in message and lib.errors:
             message += "\nThese shader files did not build:\n" + lib.errors
         raise SimulatorError(message) from None

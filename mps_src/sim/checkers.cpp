@@ -93,14 +93,14 @@ size_t gap_for(size_t bytes) {
   char buf[256];
   if (best == nullptr) {
     snprintf(buf, sizeof buf, "out-of-bounds device %s of %zu bytes (no buffer is bound)", op, n);
-    lane_fail(buf);
+    lane_fail(buf, g.access_pc);
   }
   long long offset = static_cast<long long>(a) - static_cast<long long>(best->lo);
   snprintf(buf, sizeof buf,
            "out-of-bounds device %s of %zu bytes at byte offset %lld of [[buffer(%u)]] "
            "(%llu bytes bound)",
            op, n, offset, best->index, static_cast<unsigned long long>(best->hi - best->lo));
-  lane_fail(buf);
+  lane_fail(buf, g.access_pc);
 }
 
 std::string threadgroup_name(uint32_t tg_id) {
@@ -122,7 +122,7 @@ void check_threadgroup_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool w
                "wrote in the same dispatch (threadgroups are not ordered)",
                write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
                threadgroup_name(w[i]).c_str());
-      lane_fail(buf);
+      lane_fail(buf, g.access_pc);
     }
     if (write) w[i] = g.tg_id;
   }
@@ -160,7 +160,7 @@ std::string tg_name(uint32_t offset) {
   }
   for (const auto& kv : g.tg_arrays) {
     if (offset >= kv.second.first && offset < kv.second.first + kv.second.second) {
-      return fmt("threadgroup array #%llu byte %llu", kv.first, offset - kv.second.first);
+      return fmt("byte %llu of a threadgroup array", offset - kv.second.first);
     }
   }
   return fmt("threadgroup byte %llu", offset);
@@ -179,7 +179,7 @@ std::string tg_name(uint32_t offset) {
            "with no threadgroup_barrier(mem_threadgroup) between",
            tg_name(offset).c_str(), me, me / kSimdWidth, write ? "writes" : "reads", other,
            other_wrote ? "wrote" : "read");
-  lane_fail(buf);
+  lane_fail(buf, g.access_pc);
 }
 
 void tg_access(uintptr_t a, size_t n, bool write) {
@@ -191,7 +191,7 @@ void tg_access(uintptr_t a, size_t n, bool write) {
     snprintf(buf, sizeof buf,
              "out-of-bounds threadgroup %s of %zu bytes at byte offset %lld (%u bytes allocated)",
              write ? "write" : "read", n, offset, g.tg_used);
-    lane_fail(buf);
+    lane_fail(buf, g.access_pc);
   }
   const Lane* me = g.cur;
   if (me == nullptr) return;
@@ -240,16 +240,17 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   lane_fail(fmt("made %llu device and threadgroup memory accesses without reaching a barrier or "
                 "simd operation: is it spin-waiting for another thread? (Metal does not "
                 "guarantee that threads of a threadgroup make progress independently)",
-                g.run_accesses));
+                g.run_accesses),
+            g.access_pc);
 }
 
-inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write) {
+inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write,
+                                                     const void* pc) {
   auto a = reinterpret_cast<uintptr_t>(p);
   const SteelSimArenas& arenas = steel_sim_arenas;
-  if ((a - arenas.dev_lo < arenas.dev_size || a - arenas.tg_lo < arenas.tg_size) &&
-      ++g.run_accesses > kSpinLimit) {
-    spinning();
-  }
+  if (a - arenas.dev_lo >= arenas.dev_size && a - arenas.tg_lo >= arenas.tg_size) return;
+  g.access_pc = pc;
+  if (++g.run_accesses > kSpinLimit) spinning();
   if (a - arenas.dev_lo < arenas.dev_size) {
     device_access(a, n, write);
   } else if (a - arenas.tg_lo < arenas.tg_size) {
@@ -385,12 +386,13 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
 
 void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_used); }
 
-void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align) {
+void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, const void* pc) {
   auto it = g.tg_arrays.find(decl);
   if (it != g.tg_arrays.end()) {
     if (it->second.second != bytes) {
       lane_fail(fmt("threadgroup array #%llu requested with %llu bytes, earlier with %llu", decl,
-                    bytes, it->second.second));
+                    bytes, it->second.second),
+                pc);
     }
     return g.tg_base + it->second.first;
   }
@@ -399,7 +401,8 @@ void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align) {
   if (offset + bytes > kThreadgroupLimit) {
     lane_fail(fmt("threadgroup memory of %llu bytes (with threadgroup array #%llu of %llu bytes) "
                   "exceeds the 32 KiB (32768 bytes) limit",
-                  offset + bytes, decl, bytes));
+                  offset + bytes, decl, bytes),
+              pc);
   }
   g.tg_arrays[decl] = {static_cast<uint32_t>(offset), static_cast<uint32_t>(bytes)};
   g.tg_used = static_cast<uint32_t>(offset + bytes);
@@ -415,8 +418,8 @@ extern "C" {
 __attribute__((visibility("default"))) SteelSimArenas steel_sim_arenas = {0, 0, 0, 0};
 
 __attribute__((visibility("default"))) void steel_sim_access(const void* p, size_t n,
-                                                             bool write) {
-  steel_sim::detail::on_access(p, n, write);
+                                                             bool write, const void* pc) {
+  steel_sim::detail::on_access(p, n, write, pc);
 }
 
 // The coverage callbacks for shader code that does not link shader/callbacks.cpp's faster
@@ -424,10 +427,10 @@ __attribute__((visibility("default"))) void steel_sim_access(const void* p, size
 // -fsanitize-coverage).
 #define STEEL_SIM_CALLBACKS(n)                                                                  \
   __attribute__((visibility("default"))) void __sanitizer_cov_load##n(void* p) {              \
-    steel_sim::detail::on_access(p, n, false);                                               \
+    steel_sim::detail::on_access(p, n, false, __builtin_return_address(0));                  \
   }                                                                                           \
   __attribute__((visibility("default"))) void __sanitizer_cov_store##n(void* p) {             \
-    steel_sim::detail::on_access(p, n, true);                                                \
+    steel_sim::detail::on_access(p, n, true, __builtin_return_address(0));                   \
   }
 STEEL_SIM_CALLBACKS(1)
 STEEL_SIM_CALLBACKS(2)

@@ -66,12 +66,16 @@ Library& orphan_library() {  // registrations from a library loaded some other w
 }
 
 std::string format(const char* fmt, ...) {
-  char buf[512];
   va_list args;
   va_start(args, fmt);
-  vsnprintf(buf, sizeof buf, fmt, args);
+  va_list again;
+  va_copy(again, args);
+  int n = vsnprintf(nullptr, 0, fmt, args);
   va_end(args);
-  return buf;
+  std::string out(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+  vsnprintf(out.data(), out.size() + 1, fmt, again);
+  va_end(again);
+  return out;
 }
 
 const char* simd_kind_name(SimdKind kind) {
@@ -211,10 +215,10 @@ void lane_main(void* arg) {
 
 uint32_t simd_lane_bit(const Lane* lane) { return 1u << (lane->index % kSimdWidth); }
 
-void check_simd_allowed(const char* what) {
+void check_simd_allowed(const char* what, const void* site) {
   if (g.nlanes % kSimdWidth != 0) {
     lane_fail(format("%s with %u threads per threadgroup, not a whole number of 32-lane "
-                     "simdgroups", what, g.nlanes));
+                     "simdgroups", what, g.nlanes), site);
   }
 }
 
@@ -308,7 +312,18 @@ struct sigaction g_old_actions[4];
 
 pthread_t g_launch_thread;
 
-void on_fault(int sig, siginfo_t* info, void*) {
+const void* fault_pc(void* context) {
+#if defined(__x86_64__) && defined(__linux__)
+  // +1: lane_fail names the instruction before a return address; this is the faulting one.
+  return reinterpret_cast<const char*>(
+             static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]) + 1;
+#else
+  (void)context;
+  return nullptr;
+#endif
+}
+
+void on_fault(int sig, siginfo_t* info, void* context) {
   if (g.cur == nullptr || !pthread_equal(pthread_self(), g_launch_thread)) {
     for (size_t i = 0; i < 4; ++i) {
       if (kSignals[i] == sig) sigaction(sig, &g_old_actions[i], nullptr);
@@ -321,17 +336,20 @@ void on_fault(int sig, siginfo_t* info, void*) {
   sigprocmask(SIG_UNBLOCK, &set, nullptr);
   const void* addr = info->si_addr;
   if (sig == SIGFPE) {
-    lane_fail("arithmetic fault (SIGFPE: integer division by zero or overflow) in shader code");
+    lane_fail("arithmetic fault (SIGFPE: integer division by zero or overflow) in shader code",
+              fault_pc(context));
   }
-  if (sig == SIGILL) lane_fail("illegal instruction (SIGILL) in shader code");
+  if (sig == SIGILL) lane_fail("illegal instruction (SIGILL) in shader code", fault_pc(context));
   if (g.stacks.in_guard(addr)) {
     lane_fail(format("lane stack overflow (%zu KiB per lane; set TORCH_STEEL_SIM_STACK_KB to "
                      "raise it, but MSL kernels rarely need this much: recursion?)",
-                     g.stacks.size() / 1024));
+                     g.stacks.size() / 1024),
+              fault_pc(context));
   }
   lane_fail(format("invalid memory access at %p (%s) in shader code: a pointer outside every "
                    "bound buffer, threadgroup memory and the lane's own variables",
-                   addr, sig == SIGBUS ? "SIGBUS" : "SIGSEGV"));
+                   addr, sig == SIGBUS ? "SIGBUS" : "SIGSEGV"),
+            fault_pc(context));
 }
 
 class FaultHandlers {
@@ -393,7 +411,7 @@ volatile uint64_t g_watchdog_seen = 0;
 volatile unsigned g_watchdog_stuck = 0;
 unsigned g_watchdog_limit = 60;
 
-void on_watchdog(int sig, siginfo_t*, void*) {
+void on_watchdog(int sig, siginfo_t*, void* context) {
   if (g.counters.lane_switches != g_watchdog_seen) {
     g_watchdog_seen = g.counters.lane_switches;
     g_watchdog_stuck = 0;
@@ -406,7 +424,8 @@ void on_watchdog(int sig, siginfo_t*, void*) {
   sigprocmask(SIG_UNBLOCK, &set, nullptr);
   lane_fail(format("ran for %u s without reaching a barrier, a simd operation or its end: an "
                    "endless loop? (TORCH_STEEL_SIM_LANE_TIMEOUT sets the limit in seconds)",
-                   g_watchdog_limit));
+                   g_watchdog_limit),
+            fault_pc(context));
 }
 
 class Watchdog {
@@ -471,8 +490,16 @@ std::string where() {
   return out + ": ";
 }
 
-void lane_fail(std::string message) {
-  std::string full = where() + message;
+std::string pc_text(const void* pc) {
+  Dl_info info;
+  if (pc == nullptr || dladdr(pc, &info) == 0 || info.dli_fname == nullptr) return "";
+  // A return address points after the call: name the call instruction instead.
+  auto offset = reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase);
+  return format(" [pc %s+0x%zx]", info.dli_fname, static_cast<size_t>(offset - 1));
+}
+
+void lane_fail(std::string message, const void* pc) {
+  std::string full = where() + message + pc_text(pc);
   if (g.cur == nullptr) throw SimError(full);
   g.failed = true;
   g.error = std::move(full);
@@ -499,7 +526,8 @@ const LaneInfo& lane() {
 
 void* buffer(uint32_t index) {
   if (index > kMaxBufferIndex || !g.buffer_bound[index]) {
-    lane_fail(format("[[buffer(%u)]] is not bound by this dispatch", index));
+    lane_fail(format("[[buffer(%u)]] is not bound by this dispatch", index),
+              __builtin_return_address(0));
   }
   return g.buffer_base[index];
 }
@@ -508,35 +536,36 @@ void* threadgroup_buffer(uint32_t index) {
   auto it = g.tg_args.find(index);
   if (it == g.tg_args.end()) {
     lane_fail(format("[[threadgroup(%u)]] has no threadgroup memory length set by this dispatch",
-                     index));
+                     index),
+              __builtin_return_address(0));
   }
   return g.tg_base + it->second.first;
 }
 
 void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align) {
-  return allocate_threadgroup_array(decl_id, bytes, align);
+  return allocate_threadgroup_array(decl_id, bytes, align, __builtin_return_address(0));
 }
 
 bool function_constant_defined(uint32_t index) { return g.constants.count(index) != 0; }
 
 namespace {
-const steel::FunctionConstant& constant(uint32_t index) {
+const steel::FunctionConstant& constant(uint32_t index, const void* pc) {
   auto it = g.constants.find(index);
   if (it == g.constants.end()) {
-    lane_fail(format("function constant %u is used but not set by this dispatch", index));
+    lane_fail(format("function constant %u is used but not set by this dispatch", index), pc);
   }
   return it->second;
 }
 }  // namespace
 
 int64_t function_constant_int(uint32_t index) {
-  const steel::FunctionConstant& c = constant(index);
+  const steel::FunctionConstant& c = constant(index, __builtin_return_address(0));
   if (c.type == steel::FunctionConstant::Type::Float) return static_cast<int64_t>(c.float_value);
   return c.int_value;
 }
 
 float function_constant_float(uint32_t index) {
-  const steel::FunctionConstant& c = constant(index);
+  const steel::FunctionConstant& c = constant(index, __builtin_return_address(0));
   if (c.type == steel::FunctionConstant::Type::Float) return c.float_value;
   return static_cast<float>(c.int_value);
 }
@@ -549,15 +578,17 @@ void barrier(uint32_t flags, const void* site) {
   SimdGroup& sg = g.groups[me->sg];
   if (sg.arrived != 0) {
     lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
-              " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
+              " of its simdgroup wait at " + describe_simd(sg) +
+              " (divergent control flow). They wait:" + pc_text(sg.site) +
+              "\nThis thread:" + pc_text(site));
   }
   if (g.at_barrier == 0) {
     g.barrier_site = site;
     g.barrier_flags = flags;
   } else if (g.checkers && site != g.barrier_site) {
-    lane_fail(format("reached a different threadgroup_barrier call (at %p) than the %u threads "
-                     "already waiting (at %p): divergent control flow",
-                     site, g.at_barrier, g.barrier_site));
+    lane_fail(format("reached a different threadgroup_barrier call than the %u threads already "
+                     "waiting (divergent control flow). They wait:%s\nThis thread:%s",
+                     g.at_barrier, pc_text(g.barrier_site).c_str(), pc_text(site).c_str()));
   }
   sg.at_barrier |= simd_lane_bit(me);
   ++g.at_barrier;
@@ -583,7 +614,8 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
   if (sg.at_barrier != 0) {
     std::string what = wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind);
     lane_fail(what + " while lanes " + lane_list(sg.at_barrier, me->sg * kSimdWidth) +
-              " of its simdgroup wait at threadgroup_barrier (divergent control flow)");
+              " of its simdgroup wait at threadgroup_barrier (divergent control flow). They wait:" +
+              pc_text(g.barrier_site) + "\nThis thread:" + pc_text(site));
   }
   if (sg.arrived != 0) {
     if (sg.wait != wait || (wait == SimdWait::Exchange && (sg.kind != kind || sg.bytes != bytes))) {
@@ -591,13 +623,16 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
                              ? std::string("simdgroup_barrier")
                              : format("%s (%zu bytes per lane)", simd_kind_name(kind), bytes);
       lane_fail(what + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
-                " of its simdgroup wait at " + describe_simd(sg) + " (divergent control flow)");
+                " of its simdgroup wait at " + describe_simd(sg) +
+                " (divergent control flow). They wait:" + pc_text(sg.site) + "\nThis thread:" +
+                pc_text(site));
     }
     if (g.checkers && site != sg.site) {
-      lane_fail(format("reached a different %s call (at %p) than lanes %s of its simdgroup (at "
-                       "%p): divergent control flow",
+      lane_fail(format("reached a different %s call than lanes %s of its simdgroup (divergent "
+                       "control flow). They wait:%s\nThis thread:%s",
                        wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind),
-                       site, lane_list(sg.arrived, me->sg * kSimdWidth).c_str(), sg.site));
+                       lane_list(sg.arrived, me->sg * kSimdWidth).c_str(),
+                       pc_text(sg.site).c_str(), pc_text(site).c_str()));
     }
   } else {
     sg.wait = wait;
@@ -621,14 +656,14 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
 void simdgroup_barrier() {
   const void* site = __builtin_return_address(0);
   if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
-  check_simd_allowed("simdgroup_barrier");
+  check_simd_allowed("simdgroup_barrier", site);
   simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site);
 }
 
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {
   const void* site = __builtin_return_address(0);
   if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
-  check_simd_allowed(simd_kind_name(kind));
+  check_simd_allowed(simd_kind_name(kind), site);
   if (bytes > kMaxExchangeBytes) {
     lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)",
                      bytes, kMaxExchangeBytes));
@@ -643,7 +678,7 @@ void register_kernel(const char* host_name, KernelEntry entry) {
   if (!lib.kernels.emplace(host_name, entry).second) lib.duplicates.emplace_back(host_name);
 }
 
-void fail(const char* message) { lane_fail(message); }
+void fail(const char* message) { lane_fail(message, __builtin_return_address(0)); }
 
 // ------------------------------------------------------------------------------- host side
 

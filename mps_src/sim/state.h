@@ -130,6 +130,7 @@ struct Sim {
   // another lane would have to change (Metal guarantees no forward progress for that), which
   // would otherwise hang the fibers.
   uint64_t run_accesses = 0;
+  const void* access_pc = nullptr;  // shader code making the device/threadgroup access at hand
 
   // A fault inside a lane: recorded, then the lane switches to the scheduler, which throws.
   bool failed = false;
@@ -142,14 +143,18 @@ STEEL_SIM_HIDDEN extern Sim g;
 
 // "kernel 'k' threadgroup (x,y,z) thread (x,y,z): " for messages about the running lane.
 std::string where();
+// " [pc <library>+0x<offset>]" for an address in shader code (a return address), or "".
+std::string pc_text(const void* pc);
 // Reports a fault of the running lane (or throws when called on the scheduler).
-[[noreturn]] void lane_fail(std::string message);
+// `pc`, an address in shader code, is named in the message as "[pc <library>+0x<offset>]" (which
+// torch_steel/sim.py turns into file:line).
+[[noreturn]] void lane_fail(std::string message, const void* pc = nullptr);
 
 // checkers.cpp
 void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena
 void unbind_device(bool write_back);         // copies them back (on success) and unmaps
 void reset_threadgroup_memory(const LaunchSpec& spec);  // [[threadgroup(i)]] layout
 void start_threadgroup_memory();             // poisons the allocated bytes for a new threadgroup
-void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align);
+void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, const void* pc);
 
 }  // namespace steel_sim::detail

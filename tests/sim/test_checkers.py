@@ -253,3 +253,15 @@ def test_reading_another_threadgroups_output_races():
     data = torch.zeros(64)
     run("exec_read_other_tile", grid=(1,), threads=(32,), buffers={0: data})
     assert torch.equal(data[:32], torch.ones(32))
+
+
+@pytest.mark.skipif(shutil.which("llvm-symbolizer-19") is None
+                    and shutil.which("llvm-symbolizer") is None,
+                    reason="llvm-symbolizer (part of clang-19's LLVM) is not installed")
+def test_errors_name_the_shader_source_line():
+    lines = SRC[0].read_text().splitlines()
+    line = 1 + next(i for i, x in enumerate(lines) if "out[gid] = in[int(gid) + shift];" in x)
+    with pytest.raises(SimulatorError, match=rf"\n    at tests/sim/kernels/exec_checkers.metal:"
+                                             rf"{line}:\d+ \(exec_read_shifted"):
+        run("exec_read_shifted", grid=(2,), threads=(32,),
+            buffers={0: torch.zeros(60), 1: torch.zeros(64), 2: i32(0)})

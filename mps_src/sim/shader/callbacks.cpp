@@ -5,10 +5,12 @@
 
 namespace {
 
-inline __attribute__((always_inline)) void check(void* p, size_t n, bool write) {
+inline __attribute__((always_inline)) void check(void* p, size_t n, bool write, const void* pc) {
   const SteelSimArenas& a = steel_sim_arenas;
   auto addr = reinterpret_cast<uintptr_t>(p);
-  if (addr - a.dev_lo < a.dev_size || addr - a.tg_lo < a.tg_size) steel_sim_access(p, n, write);
+  if (addr - a.dev_lo < a.dev_size || addr - a.tg_lo < a.tg_size) {
+    steel_sim_access(p, n, write, pc);
+  }
 }
 
 }  // namespace
@@ -16,10 +18,10 @@ inline __attribute__((always_inline)) void check(void* p, size_t n, bool write) 
 extern "C" {
 #define STEEL_SIM_CALLBACKS(n)                                                     \
   __attribute__((visibility("hidden"))) void __sanitizer_cov_load##n(void* p) {  \
-    check(p, n, false);                                                          \
+    check(p, n, false, __builtin_return_address(0));                             \
   }                                                                              \
   __attribute__((visibility("hidden"))) void __sanitizer_cov_store##n(void* p) { \
-    check(p, n, true);                                                           \
+    check(p, n, true, __builtin_return_address(0));                              \
   }
 STEEL_SIM_CALLBACKS(1)
 STEEL_SIM_CALLBACKS(2)

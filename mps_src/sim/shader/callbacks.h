@@ -18,6 +18,7 @@ struct SteelSimArenas {
 
 extern SteelSimArenas steel_sim_arenas;
 
-// The slow path: an access inside one of the arenas (counted, checked).
-void steel_sim_access(const void* p, size_t n, bool write);
+// The slow path: an access inside one of the arenas (counted, checked); pc is the shader code
+// making it, for messages.
+void steel_sim_access(const void* p, size_t n, bool write, const void* pc);
 }
