@@ -60,6 +60,10 @@ std::map<std::string, std::unique_ptr<Library>>& libraries() {
   return libs;
 }
 Library* g_loading = nullptr;
+
+// Ctrl-C during a launch: Python's own handler cannot run until the launch returns, so the
+// launch watches for SIGINT itself and stops at the next lane switch or threadgroup.
+volatile sig_atomic_t g_interrupted = 0;
 Library& orphan_library() {  // registrations from a library loaded some other way
   static Library lib;
   return lib;
@@ -137,6 +141,7 @@ Lane* pop_ready() {
 void block() {
   Lane* me = g.cur;
   g.run_accesses = 0;
+  if (g_interrupted) lane_fail("interrupted");
   Lane* next = pop_ready();
   ++g.counters.lane_switches;
   if (next != nullptr) {
@@ -294,7 +299,10 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     ++g.counters.lane_switches;
     switch_context(&g.scheduler, &lane->ctx);
     g.cur = nullptr;
-    if (g.failed) throw SimError(g.error);
+    if (g.failed) {
+      if (g_interrupted) throw Interrupted(g.error);
+      throw SimError(g.error);
+    }
   }
   if (g.live != 0) {
     throw SimError(format("kernel '%s' threadgroup (%u,%u,%u): lanes wait forever:",
@@ -377,10 +385,6 @@ class FaultHandlers {
  private:
   stack_t old_stack_{};
 };
-
-// Ctrl-C during a launch: Python's own handler cannot run until the launch returns, so the
-// launch watches for SIGINT itself and stops at the next threadgroup.
-volatile sig_atomic_t g_interrupted = 0;
 
 void on_interrupt(int) { g_interrupted = 1; }
 

@@ -190,8 +190,9 @@ sim.run_kernel("exec_simd_rounds", sources=src, grid=(1,), threads=(64,),
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 t = time.time()
 try:
-    sim.run_kernel("exec_simd_rounds", sources=src, grid=(1000,), threads=(64,),
-                   buffers={{0: out, 1: struct.pack("<I", 5000)}})
+    # One long threadgroup: interrupted at a lane switch, not only between threadgroups.
+    sim.run_kernel("exec_simd_rounds", sources=src, grid=(1,), threads=(64,),
+                   buffers={{0: out[:64], 1: struct.pack("<I", 5000000)}})
     print("finished")
 except KeyboardInterrupt:
     print("interrupted", time.time() - t)
