@@ -366,6 +366,12 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
   std::sort(args.begin(), args.end(),
             [](const auto& x, const auto& y) { return x.index < y.index; });
   for (const steel::ThreadgroupMemory& m : args) {
+    if (m.bytes % 16 != 0) {
+      throw SimError("kernel '" + spec.kernel + "': " +
+                     fmt("[[threadgroup(%llu)]] memory length %llu is not a multiple of 16 bytes "
+                         "(Metal's setThreadgroupMemoryLength requires it)",
+                         m.index, m.bytes));
+    }
     if (g.tg_args.count(m.index)) {
       throw SimError("kernel '" + spec.kernel + "': " +
                      fmt("[[threadgroup(%llu)]] memory length set twice", m.index));

@@ -7,6 +7,8 @@ namespace steel_sim {
 
 namespace {
 
+constexpr size_t kMaxInlineBytes = 4096;  // setBytes:length:atIndex: limit
+
 class SimEncoder {
  public:
   SimEncoder(const Library* library, const std::vector<SlotArg>& slots, bool checkers)
@@ -30,6 +32,11 @@ class SimEncoder {
   }
 
   void set_bytes(uint32_t index, const void* data, size_t size) {
+    if (size > kMaxInlineBytes) {
+      throw SimError("kernel '" + spec_.kernel + "': the plan sets " + std::to_string(size) +
+                     " inline bytes for [[buffer(" + std::to_string(index) +
+                     ")]]; Metal's setBytes takes at most 4 KB, bind a buffer instead");
+    }
     // The plan outlives the launch, so its bytes can be bound in place (they are copied into the
     // device arena like any buffer and never written back).
     spec_.buffers.push_back(BufferArg{index, const_cast<void*>(data), size, false});

@@ -265,3 +265,9 @@ def test_errors_name_the_shader_source_line():
                                              rf"{line}:\d+ \(exec_read_shifted"):
         run("exec_read_shifted", grid=(2,), threads=(32,),
             buffers={0: torch.zeros(60), 1: torch.zeros(64), 2: i32(0)})
+
+
+def test_threadgroup_memory_length_must_be_a_multiple_of_16():
+    with pytest.raises(SimulatorError, match=r"exec_threadgroup_arg.*length 100 is not a multiple"):
+        run("exec_threadgroup_arg", grid=(1,), threads=(32,), threadgroup_memory={0: 100},
+            buffers={0: torch.zeros(32), 1: u32(0)})
