@@ -107,6 +107,8 @@ def _digest(files: list[Path], *extra: object) -> str:
 
 
 STALE_SECONDS = 7 * 24 * 3600
+# Test libraries are many (tests write kernels to temporary files) and cheap to rebuild.
+STALE_TEST_SECONDS = 24 * 3600
 
 
 def _locked_build(out: Path, build) -> Path:
@@ -130,15 +132,17 @@ def _locked_build(out: Path, build) -> Path:
 
 
 def _collect_stale(fresh: Path) -> None:
-    """After a new build, removes builds of the same kind unused for a week (a process that
-    still has one loaded keeps its mapped files; a deleted directory is simply rebuilt)."""
+    """After a new build, removes builds of the same kind unused for a week (test libraries: a
+    day). A process that still has one loaded keeps its mapped files; a deleted directory is
+    simply rebuilt."""
     kind = fresh.name.split("-")[0] + "-"
+    limit = STALE_TEST_SECONDS if kind == "test-" else STALE_SECONDS
     now = time.time()
     for d in fresh.parent.glob(kind + "*"):
         done = d / "done"
         if d == fresh or not d.is_dir() or not done.exists():
             continue
-        if now - done.stat().st_mtime > STALE_SECONDS:
+        if now - done.stat().st_mtime > limit:
             shutil.rmtree(d, ignore_errors=True)
             (d.parent / (d.name + ".lock")).unlink(missing_ok=True)
 
