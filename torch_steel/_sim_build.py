@@ -53,7 +53,10 @@ if os.environ.get("TORCH_STEEL_SIM_UCONTEXT") == "1":  # the portable fiber swit
 # that C++ does not know, no exceptions (MSL has none; lanes run on fibers), and every load and
 # store reported to the checkers (mps_src/sim/checkers.cpp).
 SHADER_FLAGS = [
-    "-std=c++17", "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
+    # C++23: MSL copies structs between address spaces (`*(threadgroup S*)p = *(device S*)q`),
+    # which clang accepts from C++23 on. MSL has no implicit vector conversions: neither here.
+    "-std=c++23", "-flax-vector-conversions=none",
+    "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
     "-Xclang", "-ffloat16-excess-precision=none",
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-Wno-unknown-attributes",

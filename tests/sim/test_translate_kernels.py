@@ -68,17 +68,6 @@ def test_threadgroup_parameter():
     assert out.tolist() == [(63 - t) ** 2 for t in range(64)]
 
 
-def _cxx23() -> bool:
-    from torch_steel import _sim_build
-
-    return "-std=c++23" in _sim_build.SHADER_FLAGS or "-std=c++2b" in _sim_build.SHADER_FLAGS
-
-
-@pytest.mark.skipif(
-    _missing() is None and not _cxx23(),
-    reason="struct copies across address spaces need shaders built with "
-    "-std=c++23 (SHADER_FLAGS in torch_steel/_sim_build.py)",
-)
 def test_struct_copy_across_address_spaces():
     x = torch.randn(32, 8).half()
     out = torch.zeros(32, 8).half()
