@@ -1,33 +1,23 @@
 """The simulator's checkers: every broken kernel must be caught with the kernel's name, its
 correct twin must not be flagged (kernels: tests/sim/kernels/exec_checkers.metal)."""
 
-import importlib.util
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
+from torch_steel.errors import SimulatorError
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "exec_checkers.metal"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    if importlib.util.find_spec("torch_steel._sim_translate") is None:
-        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
-    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
-        return "the <metal_stdlib> shim (sim-lang) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-from torch_steel import sim  # noqa: E402
-from torch_steel.errors import SimulatorError  # noqa: E402
+pytestmark = requires_clang
 
 
 def run(name, **kw):
@@ -51,24 +41,38 @@ def flag(v: bool) -> bytes:
 
 def test_read_past_the_end_names_kernel_buffer_and_offset():
     x = torch.arange(60, dtype=torch.float32)
-    match = (r"exec_read_shifted.*threadgroup \(1,0,0\) thread \(28,0,0\).*out-of-bounds device "
-             r"read of 4 bytes at byte offset 240 of \[\[buffer\(0\)\]\] \(240 bytes bound\)")
+    match = (
+        r"exec_read_shifted.*threadgroup \(1,0,0\) thread \(28,0,0\).*out-of-bounds device "
+        r"read of 4 bytes at byte offset 240 of \[\[buffer\(0\)\]\] \(240 bytes bound\)"
+    )
     with pytest.raises(SimulatorError, match=match):
-        run("exec_read_shifted", grid=(2,), threads=(32,),
-            buffers={0: x, 1: torch.zeros(64), 2: i32(0)})
+        run(
+            "exec_read_shifted",
+            grid=(2,),
+            threads=(32,),
+            buffers={0: x, 1: torch.zeros(64), 2: i32(0)},
+        )
 
 
 def test_read_before_the_start_has_a_negative_offset():
     with pytest.raises(SimulatorError, match=r"byte offset -4 of \[\[buffer\(0\)\]\]"):
-        run("exec_read_shifted", grid=(1,), threads=(32,),
-            buffers={0: torch.zeros(32), 1: torch.zeros(32), 2: i32(-1)})
+        run(
+            "exec_read_shifted",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32), 1: torch.zeros(32), 2: i32(-1)},
+        )
 
 
 def test_guarded_twin_is_not_flagged():
     x = torch.arange(60, dtype=torch.float32)
     out = torch.zeros(64)
-    run("exec_read_guarded", grid=(2,), threads=(32,),
-        buffers={0: x, 1: out, 2: i32(-1), 3: u32(60)})
+    run(
+        "exec_read_guarded",
+        grid=(2,),
+        threads=(32,),
+        buffers={0: x, 1: out, 2: i32(-1), 3: u32(60)},
+    )
     expected = torch.cat([torch.zeros(1), x, torch.zeros(3)])
     assert torch.equal(out, expected)
 
@@ -86,8 +90,12 @@ def test_view_is_bound_from_its_storage_offset_to_its_extent():
     storage = torch.arange(16, dtype=torch.float32)
     view = storage[4:8]
     with pytest.raises(SimulatorError, match=r"byte offset 16 of \[\[buffer\(0\)\]\] \(16 bytes"):
-        run("exec_read_shifted", grid=(1,), threads=(8,),
-            buffers={0: view, 1: torch.zeros(8), 2: i32(0)})
+        run(
+            "exec_read_shifted",
+            grid=(1,),
+            threads=(8,),
+            buffers={0: view, 1: torch.zeros(8), 2: i32(0)},
+        )
     target = torch.zeros(16)
     run("exec_write_shifted", grid=(1,), threads=(4,), buffers={0: target[8:12], 1: i32(0)})
     assert torch.equal(target, torch.tensor([0.0] * 8 + [0.0, 1.0, 2.0, 3.0] + [0.0] * 4))
@@ -98,12 +106,20 @@ def test_strided_view_extent():
     m = torch.arange(12, dtype=torch.float32).view(4, 3)
     col = m[:, 1]
     out = torch.zeros(10)
-    run("exec_read_guarded", grid=(1,), threads=(10,),
-        buffers={0: col, 1: out, 2: i32(0), 3: u32(10)})
+    run(
+        "exec_read_guarded",
+        grid=(1,),
+        threads=(10,),
+        buffers={0: col, 1: out, 2: i32(0), 3: u32(10)},
+    )
     assert torch.equal(out, torch.arange(1, 11, dtype=torch.float32))
     with pytest.raises(SimulatorError, match=r"byte offset 40 of \[\[buffer\(0\)\]\] \(40 bytes"):
-        run("exec_read_shifted", grid=(1,), threads=(11,),
-            buffers={0: col, 1: torch.zeros(11), 2: i32(0)})
+        run(
+            "exec_read_shifted",
+            grid=(1,),
+            threads=(11,),
+            buffers={0: col, 1: torch.zeros(11), 2: i32(0)},
+        )
 
 
 def test_inline_bytes_are_bounded_too():
@@ -123,8 +139,13 @@ def test_wild_pointer_is_an_error_not_a_crash():
 def test_checkers_off_lets_out_of_bounds_reads_through():
     x = torch.arange(60, dtype=torch.float32)
     out = torch.zeros(64)
-    run("exec_read_shifted", grid=(2,), threads=(32,), checkers=False,
-        buffers={0: x, 1: out, 2: i32(0)})
+    run(
+        "exec_read_shifted",
+        grid=(2,),
+        threads=(32,),
+        checkers=False,
+        buffers={0: x, 1: out, 2: i32(0)},
+    )
     assert torch.equal(out[:60], x)
 
 
@@ -134,8 +155,12 @@ def test_checkers_off_lets_out_of_bounds_reads_through():
 @pytest.mark.parametrize("threads", [32, 64])
 def test_missing_barrier_is_a_race(threads):
     with pytest.raises(SimulatorError, match=r"exec_neighbour.*data race on threadgroup memory"):
-        run("exec_neighbour", grid=(1,), threads=(threads,),
-            buffers={0: torch.zeros(threads), 1: flag(False)})
+        run(
+            "exec_neighbour",
+            grid=(1,),
+            threads=(threads,),
+            buffers={0: torch.zeros(threads), 1: flag(False)},
+        )
 
 
 def test_barrier_twin_is_not_a_race():
@@ -153,14 +178,19 @@ def test_simdgroup_barrier_orders_lanes_of_one_simdgroup():
 
 def test_simdgroup_barrier_does_not_order_other_simdgroups():
     with pytest.raises(SimulatorError, match=r"exec_simd_neighbour.*data race.*simdgroup 1"):
-        run("exec_simd_neighbour", grid=(1,), threads=(64,),
-            buffers={0: torch.zeros(64), 1: u32(64)})
+        run(
+            "exec_simd_neighbour",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: u32(64)},
+        )
 
 
 def test_write_write_race():
     with pytest.raises(SimulatorError, match=r"exec_all_write.*writes it after thread 0"):
-        run("exec_all_write", grid=(1,), threads=(64,), buffers={0: torch.zeros(64),
-                                                                 1: flag(False)})
+        run(
+            "exec_all_write", grid=(1,), threads=(64,), buffers={0: torch.zeros(64), 1: flag(False)}
+        )
     out = torch.zeros(64)
     run("exec_all_write", grid=(1,), threads=(64,), buffers={0: out, 1: flag(True)})
     assert torch.equal(out, torch.zeros(64))
@@ -168,8 +198,12 @@ def test_write_write_race():
 
 def test_read_then_write_race():
     with pytest.raises(SimulatorError, match=r"exec_read_then_write.*data race"):
-        run("exec_read_then_write", grid=(1,), threads=(64,),
-            buffers={0: torch.zeros(64), 1: flag(False)})
+        run(
+            "exec_read_then_write",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: flag(False)},
+        )
     out = torch.zeros(64)
     run("exec_read_then_write", grid=(1,), threads=(64,), buffers={0: out, 1: flag(True)})
     assert torch.equal(out, ((torch.arange(64) + 1) % 64).float() * 2)
@@ -182,19 +216,37 @@ def test_threadgroup_array_over_32k():
 
 def test_threadgroup_argument_over_32k():
     with pytest.raises(SimulatorError, match=r"exec_threadgroup_arg.*40000 bytes.*32 KiB"):
-        run("exec_threadgroup_arg", grid=(1,), threads=(32,), threadgroup_memory={0: 40000},
-            buffers={0: torch.zeros(32), 1: u32(0)})
+        run(
+            "exec_threadgroup_arg",
+            grid=(1,),
+            threads=(32,),
+            threadgroup_memory={0: 40000},
+            buffers={0: torch.zeros(32), 1: u32(0)},
+        )
 
 
 def test_threadgroup_argument_bounds():
     out = torch.zeros(32)
-    run("exec_threadgroup_arg", grid=(1,), threads=(32,), threadgroup_memory={0: 128},
-        buffers={0: out, 1: u32(0)})
+    run(
+        "exec_threadgroup_arg",
+        grid=(1,),
+        threads=(32,),
+        threadgroup_memory={0: 128},
+        buffers={0: out, 1: u32(0)},
+    )
     assert torch.equal(out, torch.arange(32).float())
-    with pytest.raises(SimulatorError, match=r"exec_threadgroup_arg.*out-of-bounds threadgroup"
-                                             r" write of 4 bytes at byte offset 128"):
-        run("exec_threadgroup_arg", grid=(1,), threads=(32,), threadgroup_memory={0: 128},
-            buffers={0: out, 1: u32(1)})
+    with pytest.raises(
+        SimulatorError,
+        match=r"exec_threadgroup_arg.*out-of-bounds threadgroup"
+        r" write of 4 bytes at byte offset 128",
+    ):
+        run(
+            "exec_threadgroup_arg",
+            grid=(1,),
+            threads=(32,),
+            threadgroup_memory={0: 128},
+            buffers={0: out, 1: u32(1)},
+        )
 
 
 # ------------------------------------------------------------------------------------ limits
@@ -215,20 +267,29 @@ def test_simd_op_needs_whole_simdgroups():
 
 def test_buffer_index_limit():
     with pytest.raises(SimulatorError, match=r"buffer\(31\)\]\]: Metal has 31 buffer slots"):
-        run("exec_plain", grid=(1,), threads=(32,), buffers={0: torch.zeros(32),
-                                                             31: torch.zeros(1)})
+        run(
+            "exec_plain", grid=(1,), threads=(32,), buffers={0: torch.zeros(32), 31: torch.zeros(1)}
+        )
 
 
 SHIM_PASSES_FLAGS = "threadgroup_barrier_flags" in "".join(
-    p.read_text() for p in (ROOT / "mps_src" / "sim" / "shim").rglob("*") if p.is_file())
+    p.read_text() for p in (ROOT / "mps_src" / "sim" / "shim").rglob("*") if p.is_file()
+)
 
 
-@pytest.mark.skipif(not SHIM_PASSES_FLAGS, reason="the shim (sim-lang) does not pass mem_flags "
-                    "to steel_sim::threadgroup_barrier_flags yet")
+@pytest.mark.skipif(
+    not SHIM_PASSES_FLAGS,
+    reason="the shim (sim-lang) does not pass mem_flags "
+    "to steel_sim::threadgroup_barrier_flags yet",
+)
 def test_mem_none_barrier_does_not_order_threadgroup_memory():
     with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
-        run("exec_mem_none_neighbour", grid=(1,), threads=(64,),
-            buffers={0: torch.zeros(64), 1: u32(64)})
+        run(
+            "exec_mem_none_neighbour",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: u32(64)},
+        )
     out = torch.zeros(64)
     run("exec_mem_none_neighbour", grid=(1,), threads=(64,), buffers={0: out, 1: u32(32)})
     base = torch.arange(64) // 32 * 32
@@ -236,11 +297,18 @@ def test_mem_none_barrier_does_not_order_threadgroup_memory():
 
 
 def test_threadgroups_writing_the_same_bytes_race():
-    with pytest.raises(SimulatorError, match=r"exec_overlapping_tiles.*threadgroup \(1,0,0\).*"
-                                             r"device memory race: writes byte offset 64 of "
-                                             r"\[\[buffer\(0\)\]\], which threadgroup \(0,0,0\)"):
-        run("exec_overlapping_tiles", grid=(2,), threads=(32,),
-            buffers={0: torch.zeros(64), 1: u32(16)})
+    with pytest.raises(
+        SimulatorError,
+        match=r"exec_overlapping_tiles.*threadgroup \(1,0,0\).*"
+        r"device memory race: writes byte offset 64 of "
+        r"\[\[buffer\(0\)\]\], which threadgroup \(0,0,0\)",
+    ):
+        run(
+            "exec_overlapping_tiles",
+            grid=(2,),
+            threads=(32,),
+            buffers={0: torch.zeros(64), 1: u32(16)},
+        )
     out = torch.zeros(64)
     run("exec_overlapping_tiles", grid=(2,), threads=(32,), buffers={0: out, 1: u32(32)})
     assert torch.equal(out, torch.arange(64).div(32, rounding_mode="floor").float())
@@ -255,19 +323,32 @@ def test_reading_another_threadgroups_output_races():
     assert torch.equal(data[:32], torch.ones(32))
 
 
-@pytest.mark.skipif(shutil.which("llvm-symbolizer-19") is None
-                    and shutil.which("llvm-symbolizer") is None,
-                    reason="llvm-symbolizer (part of clang-19's LLVM) is not installed")
+@pytest.mark.skipif(
+    shutil.which("llvm-symbolizer-19") is None and shutil.which("llvm-symbolizer") is None,
+    reason="llvm-symbolizer (part of clang-19's LLVM) is not installed",
+)
 def test_errors_name_the_shader_source_line():
     lines = SRC[0].read_text().splitlines()
     line = 1 + next(i for i, x in enumerate(lines) if "out[gid] = in[int(gid) + shift];" in x)
-    with pytest.raises(SimulatorError, match=rf"\n    at tests/sim/kernels/exec_checkers.metal:"
-                                             rf"{line}:\d+ \(exec_read_shifted"):
-        run("exec_read_shifted", grid=(2,), threads=(32,),
-            buffers={0: torch.zeros(60), 1: torch.zeros(64), 2: i32(0)})
+    with pytest.raises(
+        SimulatorError,
+        match=rf"\n    at tests/sim/kernels/exec_checkers.metal:"
+        rf"{line}:\d+ \(exec_read_shifted",
+    ):
+        run(
+            "exec_read_shifted",
+            grid=(2,),
+            threads=(32,),
+            buffers={0: torch.zeros(60), 1: torch.zeros(64), 2: i32(0)},
+        )
 
 
 def test_threadgroup_memory_length_must_be_a_multiple_of_16():
     with pytest.raises(SimulatorError, match=r"exec_threadgroup_arg.*length 100 is not a multiple"):
-        run("exec_threadgroup_arg", grid=(1,), threads=(32,), threadgroup_memory={0: 100},
-            buffers={0: torch.zeros(32), 1: u32(0)})
+        run(
+            "exec_threadgroup_arg",
+            grid=(1,),
+            threads=(32,),
+            threadgroup_memory={0: 100},
+            buffers={0: torch.zeros(32), 1: u32(0)},
+        )

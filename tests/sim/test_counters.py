@@ -1,40 +1,30 @@
 """The simulator's counters, exact on small kernels (kernels: tests/sim/kernels/exec_counters.metal)
 and on the GEMM plan."""
 
-import importlib.util
-import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "exec_counters.metal"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    if importlib.util.find_spec("torch_steel._sim_translate") is None:
-        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
-    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
-        return "the <metal_stdlib> shim (sim-lang) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-from torch_steel import sim  # noqa: E402
+pytestmark = requires_clang
 
 
 def run(name, **kw):
     return sim.run_kernel(name, sources=SRC, counters=True, **kw)
 
 
-@pytest.mark.parametrize(("kernel", "dtype"), [("exec_copy_float", torch.float32),
-                                               ("exec_copy_half", torch.float16)])
+@pytest.mark.parametrize(
+    ("kernel", "dtype"), [("exec_copy_float", torch.float32), ("exec_copy_half", torch.float16)]
+)
 def test_bytes_read_and_written_per_buffer(kernel, dtype):
     count = 100
     x = torch.randn(128).to(dtype)
@@ -56,8 +46,9 @@ def test_bytes_read_and_written_per_buffer(kernel, dtype):
 def test_simd_ops_per_simdgroup():
     rounds = 5
     out = torch.zeros(3 * 96)
-    c = run("exec_simd_rounds", grid=(3,), threads=(96,),
-            buffers={0: out, 1: struct.pack("<I", rounds)})
+    c = run(
+        "exec_simd_rounds", grid=(3,), threads=(96,), buffers={0: out, 1: struct.pack("<I", rounds)}
+    )
     assert torch.equal(out, torch.ones(3 * 96))
     assert c["simd_ops"] == rounds * 3 * 3  # rounds x simdgroups per threadgroup x threadgroups
     assert c["mma"] == 0
@@ -67,8 +58,12 @@ def test_mma_count_is_one_per_simdgroup_operation():
     rounds = 3
     a = torch.eye(8).flatten()
     c_out = torch.zeros(4 * 64)
-    c = run("exec_mma_rounds", grid=(2,), threads=(64,),
-            buffers={0: a, 1: c_out, 2: struct.pack("<I", rounds)})
+    c = run(
+        "exec_mma_rounds",
+        grid=(2,),
+        threads=(64,),
+        buffers={0: a, 1: c_out, 2: struct.pack("<I", rounds)},
+    )
     # C = sum of `rounds` products I @ I, one per simdgroup.
     assert torch.equal(c_out.view(4, 8, 8), torch.eye(8).expand(4, 8, 8) * rounds)
     assert c["mma"] == rounds * 2 * 2  # rounds x simdgroups x threadgroups
@@ -110,12 +105,23 @@ def test_attention_shaped_kernel_numerics_and_counters():
     q, k, v = (torch.randn(n, dim) for n in (queries, keys, keys))
     o = torch.zeros(queries, dim)
     c = sim.run_kernel(
-        "exec_attention_d64", sources=[KERNELS / "exec_attention.metal"], grid=(queries // 8,),
-        threads=(32,), counters=True,
-        buffers={0: q, 1: k, 2: v, 3: o, 4: struct.pack("<I", keys),
-                 5: struct.pack("<f", dim**-0.5)})
+        "exec_attention_d64",
+        sources=[KERNELS / "exec_attention.metal"],
+        grid=(queries // 8,),
+        threads=(32,),
+        counters=True,
+        buffers={
+            0: q,
+            1: k,
+            2: v,
+            3: o,
+            4: struct.pack("<I", keys),
+            5: struct.pack("<f", dim**-0.5),
+        },
+    )
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double()[None], k.double()[None], v.double()[None])[0]
+        q.double()[None], k.double()[None], v.double()[None]
+    )[0]
     # float32 throughout; exp and the online rescaling each add a few ulp.
     assert torch.allclose(o.double(), ref, rtol=1e-5, atol=1e-5)
     blocks = keys // 8

@@ -7,12 +7,12 @@ precision; reading an exited lane's value (undefined on the GPU) gives all-one b
 floating point.
 """
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from sim_helpers import requires_clang
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "lang_intrinsics.metal"]
@@ -20,19 +20,7 @@ FLOAT_RESULTS = 14
 UINT_RESULTS = 6
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    try:
-        from torch_steel import sim
-    except ImportError as e:
-        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
-    if not hasattr(sim, "run_kernel"):
-        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+pytestmark = requires_clang
 
 
 def run(name, **kw):

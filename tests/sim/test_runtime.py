@@ -2,32 +2,21 @@
 function constants, faults, and the build cache (kernels: tests/sim/kernels/exec_runtime.metal).
 """
 
-import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
+from torch_steel.errors import SimulatorError
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "exec_runtime.metal"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    if importlib.util.find_spec("torch_steel._sim_translate") is None:
-        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
-    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
-        return "the <metal_stdlib> shim (sim-lang) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-from torch_steel import sim  # noqa: E402
-from torch_steel.errors import SimulatorError  # noqa: E402
+pytestmark = requires_clang
 
 
 def run(name, **kw):
@@ -63,8 +52,12 @@ def test_exited_lanes_leave_the_barrier():
     count = 200
     x = torch.arange(256, dtype=torch.float32) + 1
     out = torch.zeros(256)
-    run("exec_early_exit", grid=(1,), threads=(256,),
-        buffers={0: x, 1: out, 2: count.to_bytes(4, "little")})
+    run(
+        "exec_early_exit",
+        grid=(1,),
+        threads=(256,),
+        buffers={0: x, 1: out, 2: count.to_bytes(4, "little")},
+    )
     expected = torch.zeros(256)
     expected[: count - 1] = x[1:count]
     expected[count - 1] = x[count - 1]
@@ -73,8 +66,12 @@ def test_exited_lanes_leave_the_barrier():
 
 def test_simd_reduction_over_the_lanes_that_did_not_exit():
     out = torch.zeros(32)
-    run("exec_simd_after_exit", grid=(1,), threads=(32,),
-        buffers={0: out, 1: (20).to_bytes(4, "little")})
+    run(
+        "exec_simd_after_exit",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: (20).to_bytes(4, "little")},
+    )
     assert torch.equal(out[:20], torch.full((20,), 210.0))
     assert torch.equal(out[20:], torch.zeros(12))
 
@@ -107,8 +104,13 @@ def test_convergent_simd_twin_runs():
 def test_ring_of_barriers_across_simdgroups(threads):
     rounds = 5
     out = torch.zeros(2, threads)
-    counters = run("exec_ring", grid=(2,), threads=(threads,), counters=True,
-                   buffers={0: out, 1: rounds.to_bytes(4, "little")})
+    counters = run(
+        "exec_ring",
+        grid=(2,),
+        threads=(threads,),
+        counters=True,
+        buffers={0: out, 1: rounds.to_bytes(4, "little")},
+    )
     expected = ((torch.arange(threads) + rounds) % threads).float()
     assert torch.equal(out, expected.expand(2, threads))
     assert counters["barriers"] == 2 * 2 * rounds
@@ -118,18 +120,33 @@ def test_ring_of_barriers_across_simdgroups(threads):
 
 def test_function_constants():
     out = torch.zeros(64)
-    run("exec_constants", grid=(2,), threads=(32,), buffers={0: out},
-        constants={0: True, 1: 3, 2: 0.5})
+    run(
+        "exec_constants",
+        grid=(2,),
+        threads=(32,),
+        buffers={0: out},
+        constants={0: True, 1: 3, 2: 0.5},
+    )
     assert torch.equal(out, -(torch.arange(64) * 3 + 0.5))
-    run("exec_constants", grid=(2,), threads=(32,), buffers={0: out},
-        constants={0: False, 1: -2, 2: 0.25})
+    run(
+        "exec_constants",
+        grid=(2,),
+        threads=(32,),
+        buffers={0: out},
+        constants={0: False, 1: -2, 2: 0.25},
+    )
     assert torch.equal(out, torch.arange(64) * -2 + 0.25)
 
 
 def test_missing_function_constant_is_an_error():
     with pytest.raises(SimulatorError, match=r"exec_constants.*function constant 1"):
-        run("exec_constants", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)},
-            constants={0: True, 2: 0.5})
+        run(
+            "exec_constants",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32)},
+            constants={0: True, 2: 0.5},
+        )
 
 
 def test_large_private_array_fits_on_a_lane_stack():
@@ -171,8 +188,12 @@ kernel void exec_cache_probe(device float* out [[buffer(0)]], uint i [[thread_po
 
 def test_spin_wait_on_another_thread_is_reported_not_a_hang():
     with pytest.raises(SimulatorError, match=r"exec_spin_wait.*thread \(0,0,0\).*spin-waiting"):
-        run("exec_spin_wait", grid=(1,), threads=(32,),
-            buffers={0: torch.zeros(32, dtype=torch.int32)})
+        run(
+            "exec_spin_wait",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32, dtype=torch.int32)},
+        )
 
 
 def test_ctrl_c_interrupts_a_long_launch():
@@ -197,8 +218,14 @@ try:
 except KeyboardInterrupt:
     print("interrupted", time.time() - t)
 """
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.stdout.startswith("interrupted"), proc.stdout + proc.stderr[-3000:]
     assert float(proc.stdout.split()[1]) < 30
 
@@ -206,9 +233,17 @@ except KeyboardInterrupt:
 def test_endless_loop_is_reported_not_a_hang(monkeypatch):
     monkeypatch.setenv("TORCH_STEEL_SIM_LANE_TIMEOUT", "2")
     out = torch.zeros(32, dtype=torch.int32)
-    run("exec_endless_loop", grid=(1,), threads=(32,),
-        buffers={0: out, 1: (8).to_bytes(4, "little")})
+    run(
+        "exec_endless_loop",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: (8).to_bytes(4, "little")},
+    )
     assert torch.equal(out, torch.full((32,), 8, dtype=torch.int32))
     with pytest.raises(SimulatorError, match=r"exec_endless_loop.*ran for 2 s.*endless loop"):
-        run("exec_endless_loop", grid=(1,), threads=(32,),
-            buffers={0: out, 1: (7).to_bytes(4, "little")})
+        run(
+            "exec_endless_loop",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: out, 1: (7).to_bytes(4, "little")},
+        )

@@ -1,14 +1,13 @@
 """The simulator's on-demand build: one build per input hash across processes, clear errors."""
 
-import importlib.util
 import multiprocessing
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
 
 from torch_steel import _sim_build
 from torch_steel.errors import SimulatorError
@@ -16,17 +15,7 @@ from torch_steel.errors import SimulatorError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    if importlib.util.find_spec("torch_steel._sim_translate") is None:
-        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
-    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
-        return "the <metal_stdlib> shim (sim-lang) is not there yet"
-    return None
-
-
-needs_sim = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+needs_sim = requires_clang
 
 
 def _slow_build(out: Path) -> None:
@@ -71,12 +60,15 @@ def test_compile_error_in_a_test_kernel_is_reported(tmp_path):
     from torch_steel import sim
 
     src = tmp_path / "exec_broken.metal"
-    src.write_text("#include <metal_stdlib>\nusing namespace metal;\n"
-                   "kernel void exec_broken(device float* out [[buffer(0)]]) {\n"
-                   "  out[0] = undeclared_name;\n}\n")
+    src.write_text(
+        "#include <metal_stdlib>\nusing namespace metal;\n"
+        "kernel void exec_broken(device float* out [[buffer(0)]]) {\n"
+        "  out[0] = undeclared_name;\n}\n"
+    )
     with pytest.raises(SimulatorError, match=r"exec_broken.metal.*undeclared_name"):
-        sim.run_kernel("exec_broken", sources=[src], grid=(1,), threads=(1,),
-                       buffers={0: torch.zeros(1)})
+        sim.run_kernel(
+            "exec_broken", sources=[src], grid=(1,), threads=(1,), buffers={0: torch.zeros(1)}
+        )
 
 
 @needs_sim
@@ -84,8 +76,9 @@ def test_missing_source_file():
     from torch_steel import sim
 
     with pytest.raises(FileNotFoundError):
-        sim.run_kernel("x", sources=["/nonexistent/exec_x.metal"], grid=(1,), threads=(1,),
-                       buffers={})
+        sim.run_kernel(
+            "x", sources=["/nonexistent/exec_x.metal"], grid=(1,), threads=(1,), buffers={}
+        )
 
 
 @needs_sim
@@ -98,9 +91,14 @@ def test_portable_ucontext_fibers(tmp_path):
 
     env = dict(os.environ, TORCH_STEEL_SIM_UCONTEXT="1", TORCH_STEEL_SIM_CACHE=str(tmp_path))
     tests = [str(ROOT / "tests" / "sim" / f) for f in ("test_runtime.py", "test_checkers.py")]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           *tests], env=env, cwd=ROOT, capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

@@ -1,30 +1,19 @@
 """Executing launch plans through torch_steel.sim: plan(), run_op() bindings, refusals."""
 
-import importlib.util
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
+from torch_steel.errors import PlanRefused
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    if importlib.util.find_spec("torch_steel._sim_translate") is None:
-        return "the shader pre-pass torch_steel/_sim_translate.py (sim-lang) is not there yet"
-    if not (ROOT / "mps_src" / "sim" / "shim" / "metal_stdlib").exists():
-        return "the <metal_stdlib> shim (sim-lang) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-from torch_steel import sim  # noqa: E402
-from torch_steel.errors import PlanRefused  # noqa: E402
+pytestmark = requires_clang
 
 
 def _gemm_ready() -> str | None:
@@ -89,8 +78,9 @@ def test_views_are_bound_at_their_storage_offset(gemm_ready):
     ref = a.double() @ b.double()
     # float32 inputs, fp32 accumulation over K = 24: a few ulp of the largest partial sums.
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert all({"kernel", "threadgroups", "mma", "simd_ops", "buffers"} <= c.keys()
-               for c in counters)
+    assert all(
+        {"kernel", "threadgroups", "mma", "simd_ops", "buffers"} <= c.keys() for c in counters
+    )
 
 
 def test_outputs_are_fresh_tensors_and_inputs_untouched(gemm_ready):

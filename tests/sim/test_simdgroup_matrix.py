@@ -6,31 +6,19 @@ states: start from C, add the eight products in index order, all in binary32, ro
 (kernels: tests/sim/kernels/lang_simdgroup_matrix.metal).
 """
 
-import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from sim_helpers import requires_clang
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "lang_simdgroup_matrix.metal"]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    try:
-        from torch_steel import sim
-    except ImportError as e:
-        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
-    if not hasattr(sim, "run_kernel"):
-        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+pytestmark = requires_clang
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 

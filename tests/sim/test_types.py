@@ -3,29 +3,17 @@ for bit with torch's float16/bfloat16, which do the same), float -> half/bfloat 
 MSL vector construction, conversion and swizzles (kernels: tests/sim/kernels/lang_types.metal).
 """
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from sim_helpers import requires_clang
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "lang_types.metal"]
 
 
-def _missing() -> str | None:
-    if shutil.which("clang++-19") is None:
-        return "clang-19 is not installed (apt-get install clang-19 libclang-rt-19-dev)"
-    try:
-        from torch_steel import sim
-    except ImportError as e:
-        return f"torch_steel.sim (sim-exec) cannot be imported: {e}"
-    if not hasattr(sim, "run_kernel"):
-        return "torch_steel.sim.run_kernel (sim-exec) is not there yet"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+pytestmark = requires_clang
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
