@@ -428,27 +428,4 @@ __attribute__((visibility("default"))) void steel_sim_access(const void* p, size
   steel_sim::detail::on_access(p, n, write, pc);
 }
 
-// The coverage callbacks for shader code that does not link shader/callbacks.cpp's faster
-// copies. They must not be instrumented themselves (this TU is host code, built without
-// -fsanitize-coverage).
-#define STEEL_SIM_CALLBACKS(n)                                                                  \
-  __attribute__((visibility("default"))) void __sanitizer_cov_load##n(void* p) {              \
-    steel_sim::detail::on_access(p, n, false, __builtin_return_address(0));                  \
-  }                                                                                           \
-  __attribute__((visibility("default"))) void __sanitizer_cov_store##n(void* p) {             \
-    steel_sim::detail::on_access(p, n, true, __builtin_return_address(0));                   \
-  }
-STEEL_SIM_CALLBACKS(1)
-STEEL_SIM_CALLBACKS(2)
-STEEL_SIM_CALLBACKS(4)
-STEEL_SIM_CALLBACKS(8)
-STEEL_SIM_CALLBACKS(16)
-#undef STEEL_SIM_CALLBACKS
-// Other coverage modes, should a flag ask for them: nothing to record.
-__attribute__((visibility("default"))) void __sanitizer_cov_trace_pc_guard_init(uint32_t*,
-                                                                              uint32_t*) {}
-__attribute__((visibility("default"))) void __sanitizer_cov_trace_pc_guard(uint32_t*) {}
-__attribute__((visibility("default"))) void __sanitizer_cov_8bit_counters_init(char*, char*) {}
-__attribute__((visibility("default"))) void __sanitizer_cov_pcs_init(const uintptr_t*,
-                                                                   const uintptr_t*) {}
 }
