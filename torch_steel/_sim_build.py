@@ -36,7 +36,12 @@ from pathlib import Path
 
 from torch_steel.errors import SimulatorError
 
-ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parent
+# A checkout (pip install -e .) has the native sources beside the package; a regular install
+# carries a copy of them in the package (setup.py, NATIVE_SOURCES).
+_CHECKOUT = PACKAGE.parent
+IN_CHECKOUT = (_CHECKOUT / "shaders").is_dir() and (_CHECKOUT / "mps_src").is_dir()
+ROOT = _CHECKOUT if IN_CHECKOUT else PACKAGE / "_native_src"
 SIM_SRC = ROOT / "mps_src" / "sim"
 PLAN_SRC = ROOT / "mps_src" / "plan"
 SHIM = SIM_SRC / "shim"
@@ -70,7 +75,12 @@ BUILD_JOBS = "2"
 
 def cache_root() -> Path:
     env = os.environ.get("TORCH_STEEL_SIM_CACHE")
-    return Path(env) if env else ROOT / "build" / "sim"
+    if env:
+        return Path(env)
+    if IN_CHECKOUT:
+        return ROOT / "build" / "sim"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "torch_steel" / "sim"
 
 
 def _clang() -> str | None:
@@ -340,7 +350,7 @@ def _load(lib_dir: Path) -> ShaderLibrary:
 
 
 def _lang_inputs() -> list[Path]:
-    translator = ROOT / "torch_steel" / "_sim_translate.py"
+    translator = PACKAGE / "_sim_translate.py"
     return _files(SHIM, "*") + ([translator] if translator.exists() else [])
 
 

@@ -112,3 +112,34 @@ def test_builds_unused_for_a_week_are_collected(tmp_path):
     _sim_build._locked_build(tmp_path / "test-new", _slow_build)
     assert not old.exists()
     assert recent.exists() and (tmp_path / "test-new" / "done").exists()
+
+
+@pytest.mark.slow
+def test_regular_install_builds_outside_a_checkout(tmp_path):
+    # `pip install .` (not -e) carries the simulator's sources in torch_steel/_native_src: the
+    # simulator must build from there, with its cache outside the package.
+    import subprocess
+    import sys
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(ROOT)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    script = (
+        "import torch\n"
+        "from torch_steel import _sim_build, sim\n"
+        "assert not _sim_build.IN_CHECKOUT, _sim_build.ROOT\n"
+        "a, b = torch.randn(33, 17), torch.randn(17, 9)\n"
+        "(out,) = sim.run_op('gemm', [a, b, None, None], {'beta': 0.0})\n"
+        "print(float((out - a @ b).abs().max()))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(target), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env.pop("TORCH_STEEL_SIM_CACHE", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert float(proc.stdout) < 1e-5  # float32, K = 17: a few ulps of the largest sum
+    assert (tmp_path / "cache" / "torch_steel" / "sim").is_dir()
