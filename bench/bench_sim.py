@@ -40,21 +40,28 @@ def report(name: str, seconds: float, counters: list[dict], extra: str = "") -> 
     mma = sum(c["mma"] for c in counters)
     switches = sum(c["lane_switches"] for c in counters)
     simd = sum(c["simd_ops"] for c in counters)
-    print(f"{name:44s} {seconds:8.3f} s  {mma / seconds / 1e3:9.1f} k MMA/s  "
-          f"{switches / seconds / 1e6:7.2f} M switches/s  ({mma} MMAs, {simd} simd ops, "
-          f"{switches} switches){extra}")
+    print(
+        f"{name:44s} {seconds:8.3f} s  {mma / seconds / 1e3:9.1f} k MMA/s  "
+        f"{switches / seconds / 1e6:7.2f} M switches/s  ({mma} MMAs, {simd} simd ops, "
+        f"{switches} switches){extra}"
+    )
 
 
 def bench_gemm(size: int, repeat: int, checkers: bool) -> None:
     a = torch.randn(size, size).half()
     b = torch.randn(size, size).half()
     sim.run_op("gemm", [a[:32, :32], b[:32, :32], None, None], {})  # build, not timed
-    seconds, (outs, counters) = best_of(repeat, lambda: sim.run_op(
-        "gemm", [a, b, None, None], {}, counters=True, checkers=checkers))
+    seconds, (outs, counters) = best_of(
+        repeat, lambda: sim.run_op("gemm", [a, b, None, None], {}, counters=True, checkers=checkers)
+    )
     err = (outs[0].double() - a.double() @ b.double()).abs().max().item()
     kernels = ",".join(sorted({c["kernel"] for c in counters}))
-    report(f"gemm f16 {size}^3 checkers={'on' if checkers else 'off'}", seconds, counters,
-           f"  max|err| {err:.3g}  [{kernels}]")
+    report(
+        f"gemm f16 {size}^3 checkers={'on' if checkers else 'off'}",
+        seconds,
+        counters,
+        f"  max|err| {err:.3g}  [{kernels}]",
+    )
 
 
 def bench_attention(queries: int, keys: int, repeat: int, checkers: bool) -> None:
@@ -64,15 +71,29 @@ def bench_attention(queries: int, keys: int, repeat: int, checkers: bool) -> Non
 
     def run():
         return sim.run_kernel(
-            "exec_attention_d64", sources=[ATTENTION], grid=(queries // 8,), threads=(32,),
-            counters=True, checkers=checkers,
-            buffers={0: q, 1: k, 2: v, 3: o, 4: struct.pack("<I", keys),
-                     5: struct.pack("<f", dim**-0.5)})
+            "exec_attention_d64",
+            sources=[ATTENTION],
+            grid=(queries // 8,),
+            threads=(32,),
+            counters=True,
+            checkers=checkers,
+            buffers={
+                0: q,
+                1: k,
+                2: v,
+                3: o,
+                4: struct.pack("<I", keys),
+                5: struct.pack("<f", dim**-0.5),
+            },
+        )
 
     run()  # build, not timed
     seconds, counters = best_of(repeat, run)
-    report(f"attention d64 {queries}x{keys} checkers={'on' if checkers else 'off'}", seconds,
-           [counters])
+    report(
+        f"attention d64 {queries}x{keys} checkers={'on' if checkers else 'off'}",
+        seconds,
+        [counters],
+    )
 
 
 def main() -> None:

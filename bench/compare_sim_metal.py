@@ -42,8 +42,11 @@ def make_inputs(args) -> dict:
         batch = [args.batch] if args.batch else []
         inputs = {"a": randn(*batch, args.m, args.k)}
         # --transpose-b: b is a transposed view, which the kernel reads without a copy.
-        b = randn(*batch, args.n, args.k).transpose(-1, -2) if args.transpose_b else randn(
-            *batch, args.k, args.n)
+        b = (
+            randn(*batch, args.n, args.k).transpose(-1, -2)
+            if args.transpose_b
+            else randn(*batch, args.k, args.n)
+        )
         inputs["b"] = b
         if args.bias:
             inputs["bias"] = randn(args.n)
@@ -51,9 +54,11 @@ def make_inputs(args) -> dict:
             inputs["c"] = randn(*batch, args.m, args.n)
         return inputs
     shape = (args.batch or 1, args.heads)
-    inputs = {"q": randn(*shape, args.q_len, args.head_dim),
-              "k": randn(*shape, args.kv_len, args.head_dim),
-              "v": randn(*shape, args.kv_len, args.head_dim)}
+    inputs = {
+        "q": randn(*shape, args.q_len, args.head_dim),
+        "k": randn(*shape, args.kv_len, args.head_dim),
+        "v": randn(*shape, args.kv_len, args.head_dim),
+    }
     if args.mask:
         inputs["attn_mask"] = torch.rand(args.q_len, args.kv_len, generator=g) > 0.2
     if args.backward:
@@ -75,8 +80,15 @@ def run(args, inputs: dict, path: str) -> dict:
     x = {name: cast(t) for name, t in inputs.items()}
     with torch_steel.backend("reference" if path == "reference" else path):
         if args.op == "gemm":
-            out = torch_steel.gemm(x["a"], x["b"], bias=x.get("bias"), c=x.get("c"),
-                                   alpha=args.alpha, beta=args.beta, activation=args.activation)
+            out = torch_steel.gemm(
+                x["a"],
+                x["b"],
+                bias=x.get("bias"),
+                c=x.get("c"),
+                alpha=args.alpha,
+                beta=args.beta,
+                activation=args.activation,
+            )
             return {"out": out.float().cpu()}
         q, k, v = (x[n].requires_grad_(args.backward) for n in ("q", "k", "v"))
         out = torch_steel.sdpa(q, k, v, attn_mask=x.get("attn_mask"), is_causal=args.causal)
@@ -113,8 +125,12 @@ def available_paths() -> list[str]:
 def environment() -> dict:
     from torch_steel import metal
 
-    env = {"torch": torch.__version__, "torch_steel": torch_steel.__version__,
-           "platform": platform.platform(), "mps": torch.backends.mps.is_available()}
+    env = {
+        "torch": torch.__version__,
+        "torch_steel": torch_steel.__version__,
+        "platform": platform.platform(),
+        "mps": torch.backends.mps.is_available(),
+    }
     if metal.available():
         metallib, sources = metal.library_sources(metal.PACKAGE_DIR)
         env["metal_library"] = str(metallib) if metallib else f"{len(sources)} runtime-compiled"
@@ -128,8 +144,11 @@ def describe_plan(args, inputs: dict) -> None:
     from torch_steel import sim
 
     x = {n: t.to(DTYPES[args.dtype]) for n, t in inputs.items()}
-    plan = sim.plan("gemm", [x["a"], x["b"], x.get("bias"), x.get("c")],
-                    {"alpha": args.alpha, "beta": args.beta, "activation": args.activation})
+    plan = sim.plan(
+        "gemm",
+        [x["a"], x["b"], x.get("bias"), x.get("c")],
+        {"alpha": args.alpha, "beta": args.beta, "activation": args.activation},
+    )
     if not plan.ok:
         print(f"plan: refused: {plan.reason}")
     for d in plan.dispatches:
@@ -148,15 +167,19 @@ def compare(results: dict, show: bool) -> None:
                 continue
             err = (outputs[name] - reference[name]).abs()
             scale = reference[name].abs().max().clamp_min(1e-30)
-            print(f"{path:>7} vs reference: max abs err {err.max():.3e} "
-                  f"(relative to max |ref| {err.max() / scale:.3e})")
+            print(
+                f"{path:>7} vs reference: max abs err {err.max():.3e} "
+                f"(relative to max |ref| {err.max() / scale:.3e})"
+            )
         if "sim" in results and "metal" in results:
             diff = results["metal"][name] - results["sim"][name]
             worst = diff.abs().argmax()
             index = tuple(int(i) for i in torch.unravel_index(worst, diff.shape))
             metal, sim = results["metal"][name][index], results["sim"][name][index]
-            print(f"  metal vs sim: max abs diff {diff.abs().max():.3e} at {index} "
-                  f"(metal {metal:.6g}, sim {sim:.6g})")
+            print(
+                f"  metal vs sim: max abs diff {diff.abs().max():.3e} at {index} "
+                f"(metal {metal:.6g}, sim {sim:.6g})"
+            )
             if show:
                 print("metal - sim:\n", diff)
         if show:
@@ -177,8 +200,9 @@ def parse(argv):
     p.add_argument("--bias", action="store_true")
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--beta", type=float, default=0.0, help="nonzero adds beta * c")
-    p.add_argument("--activation", default="none",
-                   choices=["none", "relu", "gelu", "gelu_tanh", "silu"])
+    p.add_argument(
+        "--activation", default="none", choices=["none", "relu", "gelu", "gelu_tanh", "silu"]
+    )
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--q-len", type=int, default=64)
     p.add_argument("--kv-len", type=int, default=64)
@@ -206,8 +230,9 @@ def main(argv=None) -> int:
         args = saved["args"]
         args.show, args.save, args.load = show, save, None
     inputs = saved.get("inputs") or make_inputs(args)
-    print(f"{args.op} {args.dtype}: " + ", ".join(
-        f"{n} {list(t.shape)}" for n, t in inputs.items()))
+    print(
+        f"{args.op} {args.dtype}: " + ", ".join(f"{n} {list(t.shape)}" for n, t in inputs.items())
+    )
     print(f"here: {environment()}")
     paths = available_paths()
     if "sim" in paths:
@@ -222,8 +247,10 @@ def main(argv=None) -> int:
         results.setdefault(path, outputs)  # saved Metal outputs, when replaying without Metal
     compare(results, args.show)
     if args.save:
-        torch.save({"args": args, "inputs": inputs, "results": results,
-                    "environment": environment()}, args.save)
+        torch.save(
+            {"args": args, "inputs": inputs, "results": results, "environment": environment()},
+            args.save,
+        )
         print(f"\nsaved to {args.save}")
     return 0
 

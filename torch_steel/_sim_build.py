@@ -60,10 +60,17 @@ if os.environ.get("TORCH_STEEL_SIM_UCONTEXT") == "1":  # the portable fiber swit
 SHADER_FLAGS = [
     # C++23: MSL copies structs between address spaces (`*(threadgroup S*)p = *(device S*)q`),
     # which clang accepts from C++23 on. MSL has no implicit vector conversions: neither here.
-    "-std=c++23", "-flax-vector-conversions=none",
-    "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
-    "-Xclang", "-ffloat16-excess-precision=none",
-    "-Xclang", "-fbfloat16-excess-precision=none",
+    "-std=c++23",
+    "-flax-vector-conversions=none",
+    "-O2",
+    "-fPIC",
+    "-fno-exceptions",
+    "-fno-rtti",
+    "-ffp-contract=off",
+    "-Xclang",
+    "-ffloat16-excess-precision=none",
+    "-Xclang",
+    "-fbfloat16-excess-precision=none",
     "-Wno-unknown-attributes",
     "-fsanitize-coverage=func,trace-loads,trace-stores",
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
@@ -163,8 +170,9 @@ def _collect_stale(fresh: Path) -> None:
 def _ninja(out: Path, rules: str, builds: list[str], default: str) -> None:
     text = "\n".join([f"cxx = {CXX}", rules, *builds, f"default {default}", ""])
     (out / "build.ninja").write_text(text)
-    proc = subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS], check=False,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["ninja", "-C", str(out), "-j", BUILD_JOBS], check=False, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         log = (proc.stdout + proc.stderr)[-12000:]
         raise SimulatorError(f"simulator build failed in {out}:\n{log}{_hint(log)}")
@@ -190,8 +198,9 @@ def _require_clang() -> None:
 
 
 def _runtime_inputs() -> list[Path]:
-    return (_files(SIM_SRC, "*.cpp", "*.h") + _files(PLAN_SRC, "*.cpp", "*.h")
-            + _files(SHADERS, "*.h"))
+    return (
+        _files(SIM_SRC, "*.cpp", "*.h") + _files(PLAN_SRC, "*.cpp", "*.h") + _files(SHADERS, "*.h")
+    )
 
 
 def _runtime_sources() -> list[Path]:
@@ -201,16 +210,21 @@ def _runtime_sources() -> list[Path]:
 @functools.cache
 def runtime_dir() -> Path:
     _require_clang()
-    files = [f for f in _runtime_inputs() if not f.is_relative_to(SHIM)
-             and not f.is_relative_to(SIM_SRC / "python")]
+    files = [
+        f
+        for f in _runtime_inputs()
+        if not f.is_relative_to(SHIM) and not f.is_relative_to(SIM_SRC / "python")
+    ]
     out = cache_root() / f"rt-{_digest(files, HOST_FLAGS, LINK_FLAGS)}"
 
     def build(d: Path) -> None:
         flags = " ".join(HOST_FLAGS + ["-I", _q(ROOT / "mps_src"), "-I", _q(SHADERS)])
-        rules = (f"rule cc\n  command = $cxx {flags} -MMD -MF $out.d -c $in -o $out\n"
-                 "  depfile = $out.d\n"
-                 f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} "
-                 f"-Wl,-soname,{RUNTIME_SONAME} $in -o $out -ldl -lpthread\n")
+        rules = (
+            f"rule cc\n  command = $cxx {flags} -MMD -MF $out.d -c $in -o $out\n"
+            "  depfile = $out.d\n"
+            f"rule link\n  command = $cxx {' '.join(LINK_FLAGS)} "
+            f"-Wl,-soname,{RUNTIME_SONAME} $in -o $out -ldl -lpthread\n"
+        )
         builds, objs = [], []
         for src in _runtime_sources():
             obj = f"obj/{src.parent.name}_{src.stem}.o"
@@ -297,17 +311,22 @@ class ShaderLibrary:
     errors: str  # why some .metal files are missing from it (empty when all built)
 
 
-def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path],
-                strict: bool) -> str:
+def _shader_lib(
+    out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path], strict: bool
+) -> str:
     """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
     built into libsteel_shaders.so. Returns the errors of the others (strict: raises them)."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
-    flags = (" ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
-             f" -include {_q(SIM_SRC / 'shader_prelude.h')}")
+    flags = (
+        " ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
+        f" -include {_q(SIM_SRC / 'shader_prelude.h')}"
+    )
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
-    rules = (f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
-             f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n")
+    rules = (
+        f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+        f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
+    )
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
@@ -317,24 +336,36 @@ def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], include_dirs: l
     # library with no kernels (none given, or none built) consists of.
     builds.append(f"build obj/callbacks.o: host {_q(SIM_SRC / 'shader' / 'callbacks.cpp')}")
     (out / "build.ninja").write_text("\n".join([f"cxx = {CXX}", rules, *builds, ""]))
-    subprocess.run(["ninja", "-C", str(out), "-j", BUILD_JOBS, "-k", "0"], check=False,
-                   capture_output=True, text=True)
+    subprocess.run(
+        ["ninja", "-C", str(out), "-j", BUILD_JOBS, "-k", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     errors = []
     for (original, _), obj in zip(metal_files, objs, strict=False):
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
             errors.append(f"{original}:\n{log[-6000:]}")
     if not (out / "obj" / "callbacks.o").exists():
-        raise SimulatorError(f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
-                             + (out / "obj" / "callbacks.o.log").read_text())
+        raise SimulatorError(
+            f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
+            + (out / "obj" / "callbacks.o.log").read_text()
+        )
     built = [obj for obj in [*objs, "obj/callbacks.o"] if (out / obj).exists()]
     if errors and strict:
         raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
-    link = subprocess.run([CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}",
-                           "-lsteel_sim_rt"], cwd=out, check=False, capture_output=True, text=True)
+    link = subprocess.run(
+        [CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}", "-lsteel_sim_rt"],
+        cwd=out,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if link.returncode != 0:
-        raise SimulatorError(f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}"
-                             + _hint(link.stderr))
+        raise SimulatorError(
+            f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}" + _hint(link.stderr)
+        )
     (out / "errors.txt").write_text("\n".join(errors))
     return "\n".join(errors)
 
@@ -367,8 +398,9 @@ def shader_library() -> ShaderLibrary:
     def build(d: Path) -> None:
         mirror = d / "src"
         _mirror(SHADERS, shader_files, mirror, translate)
-        metals = [(f, mirror / f.relative_to(SHADERS)) for f in shader_files
-                  if f.suffix == ".metal"]
+        metals = [
+            (f, mirror / f.relative_to(SHADERS)) for f in shader_files if f.suffix == ".metal"
+        ]
         _shader_lib(d, metals, [mirror], strict=False)
 
     return _load(_locked_build(out, build))
@@ -389,8 +421,7 @@ def test_library(sources: list[Path]) -> ShaderLibrary:
     dirs = sorted({s.parent for s in sources})
     local_headers = sorted({h for d in dirs for h in d.glob("*.h")})
     shader_headers = _files(SHADERS, "*.h")
-    key = _digest(sources + local_headers + shader_headers + _lang_inputs(), SHADER_FLAGS,
-                  rt.name)
+    key = _digest(sources + local_headers + shader_headers + _lang_inputs(), SHADER_FLAGS, rt.name)
     if key in _test_libraries:
         return _test_libraries[key]
     out = cache_root() / f"test-{key}"
@@ -401,8 +432,9 @@ def test_library(sources: list[Path]) -> ShaderLibrary:
         for i, dd in enumerate(dirs):
             mirror = d / f"src{i}"
             mine = [s for s in sources if s.parent == dd]
-            errors = _mirror(dd, mine + [h for h in local_headers if h.parent == dd], mirror,
-                             translate)
+            errors = _mirror(
+                dd, mine + [h for h in local_headers if h.parent == dd], mirror, translate
+            )
             bad = [f"{f}: {e}" for f, e in errors.items() if f in mine]
             if bad:
                 raise SimulatorError("the shader pre-pass refused:\n" + "\n".join(bad))

@@ -61,7 +61,7 @@ def refusal_reason(message: str) -> str | None:
     at = message.find(REFUSED_PREFIX)
     if at < 0:
         return None
-    return message[at + len(REFUSED_PREFIX):].split("\n", 1)[0].strip()
+    return message[at + len(REFUSED_PREFIX) :].split("\n", 1)[0].strip()
 
 
 def library_sources(package_dir: Path) -> tuple[Path | None, list[Path]]:
@@ -79,8 +79,10 @@ def _load_library(ext) -> None:
             return
         package_dir = PACKAGE_DIR
         metallib, sources = library_sources(package_dir)
-        why = ("no precompiled metallib is installed (Xcode's Metal toolchain was missing at "
-               "install time)")
+        why = (
+            "no precompiled metallib is installed (Xcode's Metal toolchain was missing at "
+            "install time)"
+        )
         if metallib is not None:
             try:
                 ext.load_metallib(str(metallib))
@@ -104,8 +106,9 @@ def _load_library(ext) -> None:
         _loaded = True
 
 
-def run_op(op: str, tensors: Sequence[torch.Tensor | None],
-           options: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+def run_op(
+    op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
+) -> list[torch.Tensor]:
     """Runs `op`'s launch plan on MPS tensors; returns the plan's outputs.
 
     tensors: the op's tensor arguments in order, None for absent optionals; options: name ->

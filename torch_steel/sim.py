@@ -123,16 +123,22 @@ def _wrap_plan(handle) -> Plan:
         inputs=d["inputs"],
         contiguous_inputs=list(d["contiguous_inputs"]),
         allocations=[
-            Allocation(a["name"], _DTYPE_NAMES[a["dtype"]], tuple(a["sizes"]), a["zero_init"],
-                       a["is_output"])
+            Allocation(
+                a["name"],
+                _DTYPE_NAMES[a["dtype"]],
+                tuple(a["sizes"]),
+                a["zero_init"],
+                a["is_output"],
+            )
             for a in d["allocations"]
         ],
         dispatches=[
             Dispatch(
                 kernel=x["kernel"],
                 constants=dict(x["constants"]),
-                bindings=[Binding(b["index"], b["kind"], b["slot"], b["bytes"])
-                          for b in x["bindings"]],
+                bindings=[
+                    Binding(b["index"], b["kind"], b["slot"], b["bytes"]) for b in x["bindings"]
+                ],
                 grid=tuple(x["grid"]),
                 threads=tuple(x["threads"]),
                 threadgroup_memory=dict(x["threadgroup_memory"]),
@@ -143,8 +149,9 @@ def _wrap_plan(handle) -> Plan:
     )
 
 
-def plan(op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
-         ) -> Plan:
+def plan(
+    op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
+) -> Plan:
     """The launch plan for `op` (refused plans have ok=False and a reason; nothing is raised)."""
     ext = _sim_build.extension()
     numbers, strings = _options(options)
@@ -193,8 +200,13 @@ def _symbolize(message: str) -> str:
 
     def frames(m: re.Match) -> str:
         try:
-            out = subprocess.run([tool, f"--obj={m.group(1)}", f"0x{m.group(2)}"],
-                                 capture_output=True, text=True, timeout=30, check=True).stdout
+            out = subprocess.run(
+                [tool, f"--obj={m.group(1)}", f"0x{m.group(2)}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return m.group(0)
         lines = [x for x in out.splitlines() if x.strip()]
@@ -231,9 +243,14 @@ def _counters(raw: list[dict]) -> list[dict]:
     return [dict(c, buffers={int(k): dict(v) for k, v in c["buffers"].items()}) for c in raw]
 
 
-def run_op(op: str, tensors: Sequence[torch.Tensor | None],
-           options: Mapping[str, Any] | None = None, *, counters: bool = False,
-           checkers: bool | None = None):
+def run_op(
+    op: str,
+    tensors: Sequence[torch.Tensor | None],
+    options: Mapping[str, Any] | None = None,
+    *,
+    counters: bool = False,
+    checkers: bool | None = None,
+):
     """Execute `op`'s launch plan on CPU tensors; returns the outputs (and per-dispatch counters).
 
     Raises PlanRefused when the plan refuses, SimulatorError when a kernel faults.
@@ -259,11 +276,18 @@ def run_op(op: str, tensors: Sequence[torch.Tensor | None],
     return (outputs, _counters(raw)) if counters else outputs
 
 
-def run_kernel(name: str, *, sources: Sequence[str | os.PathLike], grid: Sequence[int],
-               threads: Sequence[int], buffers: Mapping[int, torch.Tensor | bytes],
-               constants: Mapping[int, bool | int | float] | None = None,
-               threadgroup_memory: Mapping[int, int] | None = None, counters: bool = False,
-               checkers: bool | None = None):
+def run_kernel(
+    name: str,
+    *,
+    sources: Sequence[str | os.PathLike],
+    grid: Sequence[int],
+    threads: Sequence[int],
+    buffers: Mapping[int, torch.Tensor | bytes],
+    constants: Mapping[int, bool | int | float] | None = None,
+    threadgroup_memory: Mapping[int, int] | None = None,
+    counters: bool = False,
+    checkers: bool | None = None,
+):
     """Launch kernel `name` (its host name) from a test library built from `sources` (.metal).
 
     buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
@@ -299,8 +323,9 @@ def run_kernel(name: str, *, sources: Sequence[str | os.PathLike], grid: Sequenc
     lib = _sim_build.test_library([Path(s) for s in sources])
     ext = _sim_build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    raw = _call(lib, ext.launch, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3,
-                use_checkers)
+    raw = _call(
+        lib, ext.launch, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3, use_checkers
+    )
     del keep
     return _counters([raw])[0] if counters else None
 

@@ -117,8 +117,21 @@ def compile_metallib(shaders: Path, out: Path) -> str | None:
         try:
             for i, source in enumerate(sources):
                 air = Path(tmp) / f"{i}_{source.stem}.air"
-                _run(["xcrun", "-sdk", "macosx", "metal", *METAL_FLAGS, "-I", str(shaders),
-                      "-c", str(source), "-o", str(air)])
+                _run(
+                    [
+                        "xcrun",
+                        "-sdk",
+                        "macosx",
+                        "metal",
+                        *METAL_FLAGS,
+                        "-I",
+                        str(shaders),
+                        "-c",
+                        str(source),
+                        "-o",
+                        str(air),
+                    ]
+                )
                 airs.append(str(air))
             _run(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", str(out)])
         except FileNotFoundError as error:

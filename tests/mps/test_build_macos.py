@@ -39,11 +39,15 @@ def tree(tmp_path):
     """shaders/ with a kernel including a header twice (directly and through another one)."""
     shaders = tmp_path / "shaders"
     _write(shaders / "steel" / "base.h", "#pragma once\nstruct Base { int x; };\n")
-    _write(shaders / "steel" / "k" / "part.h",
-           '#pragma once\n#include "../base.h"\nstruct Part { Base b; };\n')
-    kernel = _write(shaders / "steel" / "k" / "k.metal",
-                    '#include <metal_stdlib>\n#include "steel/base.h"\n#include "part.h"\n'
-                    "using namespace metal;\nkernel void k() {}\n")
+    _write(
+        shaders / "steel" / "k" / "part.h",
+        '#pragma once\n#include "../base.h"\nstruct Part { Base b; };\n',
+    )
+    kernel = _write(
+        shaders / "steel" / "k" / "k.metal",
+        '#include <metal_stdlib>\n#include "steel/base.h"\n#include "part.h"\n'
+        "using namespace metal;\nkernel void k() {}\n",
+    )
     return shaders, kernel
 
 
@@ -96,9 +100,22 @@ def test_shipped_sources_preprocess_like_the_originals(source, tmp_path):
 
     def preprocess(path):
         out = subprocess.run(
-            ["clang++-19", "-E", "-P", "-x", "c++", "-D__METAL_VERSION__=310",
-             "-I", str(stub.parent), "-I", str(SHADERS), str(path)],
-            check=True, capture_output=True, text=True,
+            [
+                "clang++-19",
+                "-E",
+                "-P",
+                "-x",
+                "c++",
+                "-D__METAL_VERSION__=310",
+                "-I",
+                str(stub.parent),
+                "-I",
+                str(SHADERS),
+                str(path),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
         return [line.strip() for line in out.splitlines() if line.strip()]
 
@@ -133,7 +150,12 @@ def test_setup_options(tmp_path):
     assert planners <= sources  # every planner registers itself: all must be linked
     assert "-std=c++20" in extension.extra_compile_args
     assert "-fobjc-arc" in extension.extra_compile_args
-    assert extension.extra_link_args == ["-framework", "Metal", "-framework", "Foundation",
-                                         "-lobjc"]
+    assert extension.extra_link_args == [
+        "-framework",
+        "Metal",
+        "-framework",
+        "Foundation",
+        "-lobjc",
+    ]
     assert issubclass(options["cmdclass"]["build_ext"], BuildExtension)
     assert options["package_data"] == {"torch_steel": ["steel.metallib", "metal_src/*.metal"]}

@@ -31,8 +31,9 @@ def test_compare_points_at_the_worst_difference(script, capsys):
     metal[2, 1] = 0.5
     sim = reference.clone()
     sim[0, 0] = 0.01
-    script.compare({"reference": {"out": reference}, "sim": {"out": sim},
-                    "metal": {"out": metal}}, show=False)
+    script.compare(
+        {"reference": {"out": reference}, "sim": {"out": sim}, "metal": {"out": metal}}, show=False
+    )
     out = capsys.readouterr().out
     assert "metal vs sim: max abs diff 5.000e-01 at (2, 1) (metal 0.5, sim 0)" in out
     assert "    sim vs reference: max abs err 1.000e-02" in out
@@ -40,8 +41,25 @@ def test_compare_points_at_the_worst_difference(script, capsys):
 
 def test_save_and_replay(script, tmp_path, capsys):
     case = tmp_path / "case.pt"
-    assert script.main(["gemm", "--m", "3", "--n", "5", "--k", "4", "--bias", "--beta", "0.5",
-                        "--save", str(case)]) == 0
+    assert (
+        script.main(
+            [
+                "gemm",
+                "--m",
+                "3",
+                "--n",
+                "5",
+                "--k",
+                "4",
+                "--bias",
+                "--beta",
+                "0.5",
+                "--save",
+                str(case),
+            ]
+        )
+        == 0
+    )
     saved = torch.load(case, weights_only=False)
     assert set(saved["inputs"]) == {"a", "b", "bias", "c"}
     # A replay elsewhere compares its paths with the saved ones (here: a fake Metal result).

@@ -123,8 +123,10 @@ def test_other_errors_propagate(fake, tmp_path):
     ("message", "reason"),
     [
         ("steel plan refused: no Metal kernel for op 'x' yet", "no Metal kernel for op 'x' yet"),
-        ("steel plan refused: kernel k runs at most 512 threads\nException raised from",
-         "kernel k runs at most 512 threads"),
+        (
+            "steel plan refused: kernel k runs at most 512 threads\nException raised from",
+            "kernel k runs at most 512 threads",
+        ),
         ("torch-steel: invalid launch plan for gemm: kernel k: buffer(3) is bound twice", None),
     ],
 )

@@ -27,14 +27,28 @@ def _command(source: Path) -> list[str]:
 
     system = [*include_paths(), sysconfig.get_paths()["include"]]
     return [
-        CLANG, "-x", "objective-c++", "-fsyntax-only", "-fblocks", "-std=c++20",
+        CLANG,
+        "-x",
+        "objective-c++",
+        "-fsyntax-only",
+        "-fblocks",
+        "-std=c++20",
         # What setup.py builds with (ARC), for the Objective-C runtime of macOS.
-        "-fobjc-arc", "-fobjc-runtime=macosx-14.0",
-        "-Wall", "-Wextra", "-Werror", "-Werror=objc-method-access",
-        "-I", str(MPS_DIR / "check" / "include"), "-I", str(ROOT / "mps_src"),
-        "-I", str(ROOT / "shaders"),
+        "-fobjc-arc",
+        "-fobjc-runtime=macosx-14.0",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Werror=objc-method-access",
+        "-I",
+        str(MPS_DIR / "check" / "include"),
+        "-I",
+        str(ROOT / "mps_src"),
+        "-I",
+        str(ROOT / "shaders"),
         *[arg for path in system for arg in ("-isystem", path)],
-        "-DTORCH_EXTENSION_NAME=_C_metal", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        "-DTORCH_EXTENSION_NAME=_C_metal",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
         str(source),
     ]
 
@@ -73,19 +87,31 @@ def test_misspelled_selector_fails(tmp_path):
 
 def test_selector_of_another_protocol_fails(tmp_path):
     # Pipelines come from the device; an MTLFunction has no such method.
-    result = _check(_mutant(tmp_path, "library.mm",
-                            "[device() newComputePipelineStateWithFunction:",
-                            "[function newComputePipelineStateWithFunction:"))
+    result = _check(
+        _mutant(
+            tmp_path,
+            "library.mm",
+            "[device() newComputePipelineStateWithFunction:",
+            "[function newComputePipelineStateWithFunction:",
+        )
+    )
     assert result.returncode != 0
-    assert ("no known instance method for selector 'newComputePipelineStateWithFunction:error:'"
-            in result.stderr), result.stderr
+    assert (
+        "no known instance method for selector 'newComputePipelineStateWithFunction:error:'"
+        in result.stderr
+    ), result.stderr
 
 
 def test_wrong_argument_type_fails(tmp_path):
     # newLibraryWithURL: takes an NSURL, not a path string.
-    result = _check(_mutant(tmp_path, "library.mm",
-                            "newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]",
-                            "newLibraryWithURL:to_ns(path)"))
+    result = _check(
+        _mutant(
+            tmp_path,
+            "library.mm",
+            "newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]",
+            "newLibraryWithURL:to_ns(path)",
+        )
+    )
     assert result.returncode != 0
     assert "cannot initialize a parameter of type 'NSURL *" in result.stderr, result.stderr
 
