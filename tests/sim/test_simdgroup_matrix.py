@@ -1,9 +1,8 @@
 """simdgroup_matrix<T, 8, 8>: Apple's fragment map, simdgroup_load / simdgroup_store with
-elements_per_row, matrix_origin (x = column, y = row of the source) and transpose_matrix (the
-two together are refused: how the GPU combines them is not documented), from device and
-threadgroup memory, and simdgroup_multiply_accumulate bit-exact to the order DESIGN.md
-states: start from C, add the eight products in index order, all in binary32, round to D's type
-(kernels: tests/sim/kernels/lang_simdgroup_matrix.metal).
+elements_per_row, matrix_origin (x = column, y = row of the source, also when transposed) and
+transpose_matrix, from device and threadgroup memory, and simdgroup_multiply_accumulate bit-exact to
+the order DESIGN.md states: start from C, add the eight products in index order, all in binary32,
+round to D's type (kernels: tests/sim/kernels/lang_simdgroup_matrix.metal).
 """
 
 import struct
@@ -51,8 +50,8 @@ def load_store_args(src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t) -> b
 
 
 def expected_load_store(src, dst, src_per_row, src_xy, src_t, dst_per_row, dst_xy, dst_t):
-    """The matrix M with M[r, c] = src[(y + r) * per_row + x + c] (src[c * per_row + r] when
-    transposed, origin 0), stored the same way into a copy of dst."""
+    """The matrix M with M[r, c] = src[(y + r) * per_row + x + c] (src[(y + c) * per_row + x + r]
+    when transposed), stored the same way into a copy of dst."""
     out = dst.clone()
     sx, sy = src_xy
     dx, dy = dst_xy
@@ -70,6 +69,9 @@ LAYOUTS = {
     "transpose_load": (12, (0, 0), True, 10, (0, 1), False),
     "transpose_store": (9, (4, 1), False, 16, (0, 0), True),
     "transpose_both": (20, (0, 0), True, 17, (0, 0), True),
+    "transpose_load_origin": (13, (3, 2), True, 11, (1, 4), False),
+    "transpose_store_origin": (10, (1, 3), False, 12, (3, 1), True),
+    "transpose_both_origin": (16, (5, 2), True, 9, (0, 3), True),
 }
 
 
@@ -93,18 +95,32 @@ def test_load_store(tname, layout, memory):
 
 
 @pytest.mark.parametrize("memory", ["device", "threadgroup"])
-def test_transpose_with_origin_is_refused(memory):
-    from torch_steel.errors import SimulatorError
-
-    src = torch.zeros(256)
-    dst = torch.zeros(256)
-    buffers = {0: src, 1: dst, 2: load_store_args(16, (1, 0), True, 8, (0, 0), False)}
-    name = "lang_load_store_f32"
+@pytest.mark.parametrize("tname", list(DTYPES))
+def test_transpose_with_origin_matches_metal_jl_hardware_test(tname, memory):
+    """The case Metal.jl's test suite checks on Apple GPUs (test/device/intrinsics/simd.jl,
+    "load_store"): a column-major 20x15 array `a` is loaded with the transpose flag,
+    elements_per_row 20 and origin (3, 1) (0-based row, column of the array), stored with the
+    transpose flag into a column-major 15x20 array `b` at origin (2, 4), and then a[3:11, 1:9]
+    == b[2:10, 4:12]. So the origin addresses the source (x = column, y = row of its row-major
+    view) and the block there is transposed; the opposite convention (origin in the transposed
+    matrix's coordinates) moves both blocks.
+    """
+    dtype = DTYPES[tname]
+    a = (torch.arange(20 * 15) % 250 - 125).to(dtype).reshape(15, 20).t()  # [20, 15] col-major
+    b = torch.full((20, 15), -500.0, dtype=dtype).t()  # [15, 20] col-major
+    a_mem = a.t().contiguous().view(-1)
+    b_mem = b.t().contiguous().view(-1)
+    buffers = {0: a_mem, 1: b_mem, 2: load_store_args(20, (3, 1), True, 15, (2, 4), True)}
+    name = f"lang_load_store_{tname}"
     if memory == "threadgroup":
-        buffers[3] = struct.pack("I", 256)
-        name = "lang_load_store_tg_f32"
-    with pytest.raises(SimulatorError, match="matrix_origin"):
-        run(name, grid=(1,), threads=(32,), buffers=buffers)
+        buffers[3] = struct.pack("I", 300)
+        name = f"lang_load_store_tg_{tname}"
+    run(name, grid=(1,), threads=(32,), buffers=buffers)
+    b_out = b_mem.view(20, 15).t()
+    assert torch.equal(b_out[2:10, 4:12], a[3:11, 1:9])
+    untouched = torch.ones(15, 20, dtype=torch.bool)
+    untouched[2:10, 4:12] = False
+    assert torch.equal(b_out[untouched], torch.full((15 * 20 - 64,), -500.0, dtype=dtype))
 
 
 def mma_reference(a, b, c, out_dtype):

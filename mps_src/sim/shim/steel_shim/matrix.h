@@ -70,20 +70,18 @@ inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
 
 namespace steel_shim {
 
-// Element (r, c) of the 8x8 matrix at `matrix_origin` (x = column, y = row, in elements) in a
-// source with `elements_per_row`; transposed, the matrix's (r, c) is the source's (c, r).
-// Whether the GPU applies a nonzero origin before or after the transpose is not documented, so
-// that combination is refused rather than guessed: offset the pointer instead.
+// Element (r, c) of the 8x8 matrix at `matrix_origin` (x = column, y = row, in elements, of the
+// source) in a source with `elements_per_row`. The origin always addresses the source: with
+// transpose_matrix the 8x8 block at (x, y) is read transposed, so the matrix's (r, c) is the
+// source's (row y + c, column x + r). Metal's header hands src, elements_per_row and
+// matrix_origin unchanged to the load/store builtins, and Metal.jl's hardware tests (column-major
+// arrays, always loaded with the transpose flag, origin (row, column) of the array) check exactly
+// this for nonzero origins.
 template <typename P, typename O>
 inline P frag_element(P base, ulong elements_per_row, O origin, bool transpose, int r, int c) {
   const ulong x = ulong(origin[0]);
   const ulong y = ulong(origin[1]);
-  if (transpose && (x != 0 || y != 0)) {
-    steel_sim::fail("simdgroup_load/simdgroup_store with transpose_matrix and a nonzero "
-                    "matrix_origin: the hardware convention is unverified, offset the pointer "
-                    "instead");
-  }
-  return transpose ? base + ulong(c) * elements_per_row + ulong(r)
+  return transpose ? base + (y + ulong(c)) * elements_per_row + x + ulong(r)
                    : base + (y + ulong(r)) * elements_per_row + x + ulong(c);
 }
 
