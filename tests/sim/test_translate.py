@@ -295,6 +295,9 @@ BROKEN = {
     "new": "float* p = new float[4]; out[i] = p[0];",
     "malloc": "float* p = (float*)malloc(16); out[i] = p[0];",
     "std": "out[i] = std::max(1.0f, 2.0f);",
+    # The constant address space is read-only in MSL.
+    "write_constant": "c[i] = out[i];",
+    "write_constant_copy": "constant float* q = c + 1; *q = 0;",
 }
 
 

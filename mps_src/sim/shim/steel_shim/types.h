@@ -2,15 +2,17 @@
 //
 // Address spaces are clang address_space attributes, so that handing a device pointer to a
 // function that takes a threadgroup pointer fails to compile here as it does in Metal. `thread`
-// (the default) is the generic address space. half is _Float16 and bfloat is __bf16: built with
-// -ffloat16-excess-precision=none / -fbfloat16-excess-precision=none they round to nearest even
-// after every operation, as the GPU does.
+// (the default) is the generic address space. `constant` memory is read-only in MSL, so the
+// macro also makes the type const: a write through a constant pointer does not compile. half is
+// _Float16 and bfloat is __bf16: built with -ffloat16-excess-precision=none /
+// -fbfloat16-excess-precision=none they round to nearest even after every operation, as the GPU
+// does.
 #pragma once
 
 #include "../../runtime.h"
 
 #define device __attribute__((address_space(1)))
-#define constant __attribute__((address_space(2)))
+#define constant const __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))
 #define thread
 #define threadgroup_imageblock threadgroup
