@@ -214,6 +214,27 @@ def test_gemm_vector_loads_with_partial_k_step(dtype):
     check(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+@pytest.mark.parametrize("m,n", [(33, 64), (64, 33), (1, 96)])
+def test_gemm_edge_tiles_with_vector_loads(m, n, ta, tb, dtype):
+    # 16-byte aligned operands (vector loads allowed) with M or N, or both, ending inside a tile:
+    # an edge tile checks bounds only for the operand that crosses the edge (A for M, B for N)
+    # and streams the other one unchecked, with vector loads; K = 40 adds a partial K step.
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    k = 40
+
+    def padded(rows, cols, transposed):  # leading dim rounded up to 16 elements
+        if transposed:
+            return rand(cols, -(-rows // 16) * 16, dtype=dtype, gen=gen)[:, :rows].t()
+        return rand(rows, -(-cols // 16) * 16, dtype=dtype, gen=gen)[:, :cols]
+
+    a, b = padded(m, k, ta), padded(k, n, tb)
+    d = sim.plan("gemm", [a, b, None, None], {}).dispatches[0]
+    assert d.constants[210] and d.constants[211], (a.stride(), b.stride())  # VEC_A, VEC_B
+    check(a, b, rand(n, dtype=dtype, gen=gen), rand(m, n, dtype=dtype, gen=gen), activation="silu")
+
+
 def test_gemm_strided_bias_and_c():
     gen = torch.Generator().manual_seed(10)
     a, b = rand(20, 30, dtype=torch.float32, gen=gen), rand(30, 50, dtype=torch.float32, gen=gen)

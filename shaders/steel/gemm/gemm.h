@@ -9,8 +9,9 @@
 //     BlockMMA multiplies them into the fp32 accumulators;
 //   - a partial last K step (K % BK) is loaded with zero fill and multiplied like the others;
 //   - the epilogue runs on the accumulators in registers, then each element is stored once.
-// Interior tiles take the unchecked path; only edge tiles (where M or N ends inside the tile)
-// pay for bounds checks, and the choice is made once per threadgroup, outside the K loop.
+// Interior tiles take the unchecked path; on an edge tile only the operand that crosses the
+// edge (A where M ends inside the tile, B where N does) pays for bounds checks, and the choice
+// is made once per threadgroup, outside the K loop.
 #pragma once
 
 #include <metal_stdlib>
@@ -71,7 +72,11 @@ struct GemmBlock {
   }
 
   // k_steps full BK steps, then one partial step of k_rem (< BK) columns of A / rows of B.
-  template <bool kFull>
+  // kInsideA: the block's BM rows of A are all inside M, so A's full steps load without bounds
+  // checks (as vectors when vec_a); kInsideB the same for B's BN columns. The two are separate
+  // so that a tile on the M edge (every tile of a decode GEMM, M = 1) still streams B, the big
+  // operand, with unchecked vector loads, and a tile on the N edge still streams A.
+  template <bool kInsideA, bool kInsideB>
   static void march_k(thread LoaderA& la, thread LoaderB& lb, thread MMA& mma,
                       threadgroup T* As, threadgroup T* Bs, int k_steps, short k_rem,
                       short m_valid, short n_valid, bool vec_a, bool vec_b) {
@@ -79,11 +84,14 @@ struct GemmBlock {
     const int b_step = kTransB ? BK : BK * lb.src_ld;
     for (int k = 0; k < k_steps; ++k) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's reads are done
-      if (kFull) {
+      if (kInsideA) {
         la.load_unsafe(vec_a);
-        lb.load_unsafe(vec_b);
       } else {
         load_a_safe(la, m_valid, BK);
+      }
+      if (kInsideB) {
+        lb.load_unsafe(vec_b);
+      } else {
         load_b_safe(lb, BK, n_valid);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -144,15 +152,24 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
 
   const short m_valid = short(min(int(BM), p.M - row0));
   const short n_valid = short(min(int(BN), p.N - col0));
-  const bool full = (gemm_align_m || m_valid == BM) && (gemm_align_n || n_valid == BN);
+  // Which operand tiles lie wholly inside the matrix: decided once per threadgroup, and at
+  // compile time when the planner's ALIGN constants say every tile does.
+  const bool inside_a = gemm_align_m || m_valid == BM;
+  const bool inside_b = gemm_align_n || n_valid == BN;
   const int k_steps = k_len / BK;
   const short k_rem = gemm_align_k ? short(0) : short(k_len - k_steps * BK);
-  if (full) {
-    G::template march_k<true>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid, gemm_vec_a,
-                              gemm_vec_b);
+  if (inside_a && inside_b) {
+    G::template march_k<true, true>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid,
+                                    gemm_vec_a, gemm_vec_b);
+  } else if (inside_b) {
+    G::template march_k<false, true>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid,
+                                     false, gemm_vec_b);
+  } else if (inside_a) {
+    G::template march_k<true, false>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid,
+                                     gemm_vec_a, false);
   } else {
-    G::template march_k<false>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid, false,
-                               false);
+    G::template march_k<false, false>(la, lb, mma, As, Bs, k_steps, k_rem, m_valid, n_valid,
+                                      false, false);
   }
 
   // Epilogue in registers, then one store per element.
@@ -163,13 +180,13 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
 #pragma clang loop unroll(full)
   for (short i = 0; i < G::MMA::TM; ++i) {
     const short r = mma.row + i * (8 * WM);
-    if (!full && r >= m_valid) continue;
+    if (!inside_a && r >= m_valid) continue;
 #pragma clang loop unroll(full)
     for (short j = 0; j < G::MMA::TN; ++j) {
       const short cc = mma.col + j * (8 * WN);
 #pragma clang loop unroll(full)
       for (short e = 0; e < 2; ++e) {
-        if (!full && cc + e >= n_valid) continue;
+        if (!inside_b && cc + e >= n_valid) continue;
         float v = mma.acc.at(i, j).thread_elements()[e];
         if (!kSplitK) {
           v = epilogue(v, row0 + r, col0 + cc + e, c, bias, p, use_c, has_bias, activation);
