@@ -7,6 +7,7 @@ precision; reading an exited lane's value (undefined on the GPU) gives all-one b
 floating point.
 """
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +231,43 @@ def test_math_functions(tname):
             e = torch.where(a.isnan(), -1.0, e)  # MSL: clamp(x, lo, hi) = fmin(fmax(x, lo), hi)
         assert torch.equal(got.nan_to_num(123.0), e.nan_to_num(123.0)), f"result {j}"
     assert (out[:, 23] == fmax).all()
+
+
+FAST_MINMAX = ["max", "min", "clamp", "fmax", "fmin", "max_vector"]
+
+
+@pytest.mark.parametrize("which", range(len(FAST_MINMAX)), ids=FAST_MINMAX)
+def test_fast_min_max_clamp_refuse_nan(which):
+    """fast::min/max/clamp (and fmin/fmax) are undefined for NaN operands in Metal (only the
+    precise:: forms are IEEE minNum/maxNum), so a kernel that feeds them a NaN must not pass with
+    the IEEE answer; infinities are fine."""
+    from torch_steel.errors import SimulatorError
+
+    a = torch.tensor([1.0, -3.0, float("inf"), -float("inf")] * 8)
+    b = torch.tensor([2.0, -4.0, 0.5, float("inf")] * 8)
+    out = torch.zeros(32)
+    args = struct.pack("I", which)
+    run("lang_fast_minmax", grid=(1,), threads=(32,), buffers={0: a, 1: b, 2: out, 3: args})
+    name = FAST_MINMAX[which]
+    expected = {
+        "max": torch.maximum(a, b),
+        "min": torch.minimum(a, b),
+        "clamp": torch.minimum(torch.maximum(a, b), torch.tensor(4.0)),
+        "fmax": torch.maximum(a, b),
+        "fmin": torch.minimum(a, b),
+        "max_vector": torch.maximum(a, b),
+    }[name]
+    assert torch.equal(out, expected)
+    for nan_in in (a, b):
+        nan_in[5] = float("nan")
+        with pytest.raises(SimulatorError, match=rf"fast::{name.split('_')[0]} with a NaN"):
+            run(
+                "lang_fast_minmax",
+                grid=(1,),
+                threads=(32,),
+                buffers={0: a, 1: b, 2: out, 3: args},
+            )
+        nan_in[5] = 1.0
 
 
 def test_vector_math_and_comparison_reductions():

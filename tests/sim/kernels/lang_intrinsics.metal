@@ -88,7 +88,7 @@ template <typename T>
   o[19] = isnan(a) ? T(1) : T(0);
   o[20] = isinf(a) ? T(1) : T(0);
   o[21] = pow(abs(a), b);
-  o[22] = fast::max(a, b);
+  o[22] = isnan(a) ? b : fast::max(a, b);  // fast:: with a NaN operand is undefined
   o[23] = numeric_limits<T>::max();
 }
 
@@ -141,4 +141,23 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
                      simd_shuffle_and_fill_up(a, b, ushort(5)),
                      simd_shuffle_and_fill_down(a, b, ushort(2), ushort(8)),
                      simd_shuffle_and_fill_up(a, b, ushort(3), ushort(16)));
+}
+
+// fast::min / max / clamp / fmin / fmax of a[i] and b[i] (`which` picks one): undefined in Metal
+// for a NaN operand, an error in the simulator.
+[[kernel]] void lang_fast_minmax(const device float* a [[buffer(0)]],
+                                 const device float* b [[buffer(1)]],
+                                 device float* out [[buffer(2)]],
+                                 constant uint& which [[buffer(3)]],
+                                 uint i [[thread_position_in_grid]]) {
+  const float x = a[i];
+  const float y = b[i];
+  switch (which) {
+    case 0: out[i] = fast::max(x, y); break;
+    case 1: out[i] = fast::min(x, y); break;
+    case 2: out[i] = fast::clamp(x, y, 4.0f); break;
+    case 3: out[i] = fast::fmax(x, y); break;
+    case 4: out[i] = fast::fmin(x, y); break;
+    default: out[i] = fast::max(float2(x, 0.0f), float2(y, 0.0f)).x; break;
+  }
 }

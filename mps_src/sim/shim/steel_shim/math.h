@@ -289,8 +289,52 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
     metal::pow, metal::powr, metal::rint, metal::round, metal::rsqrt, metal::saturate,
     metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
 }  // namespace precise
+// fast::min, max, clamp, fmin and fmax are undefined for a NaN operand (only precise:: is IEEE
+// minNum/maxNum; metal:: is precise:: in a build without fast math, as this project's are), so a
+// NaN operand is an error here instead of a plausible result.
 namespace fast {
 using namespace precise;
+
+namespace steel_fast {
+template <typename T>
+inline void refuse_nan(const char* what, T x) {
+  if constexpr (steel_shim::is_fp<T>) {
+    if (metal::any(metal::isnan(x))) {
+      steel_sim::fail(what);
+    }
+  }
+}
+}  // namespace steel_fast
+
+#define STEEL_SHIM_FAST2(name)                                                              \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>                               \
+  inline T name(T x, T y) {                                                                 \
+    steel_fast::refuse_nan("fast::" #name " with a NaN operand: undefined in Metal", x);    \
+    steel_fast::refuse_nan("fast::" #name " with a NaN operand: undefined in Metal", y);    \
+    return metal::name(x, y);                                                               \
+  }                                                                                         \
+  template <typename T,                                                                     \
+            STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>        \
+  inline T name(T x, steel_shim::elem_t<T> y) {                                             \
+    return fast::name(x, T(y));                                                             \
+  }
+STEEL_SHIM_FAST2(max)
+STEEL_SHIM_FAST2(min)
+STEEL_SHIM_FAST2(fmax)
+STEEL_SHIM_FAST2(fmin)
+#undef STEEL_SHIM_FAST2
+
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T clamp(T x, T lo, T hi) {
+  steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", x);
+  steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", lo);
+  steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", hi);
+  return metal::clamp(x, lo, hi);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
+inline T clamp(T x, steel_shim::elem_t<T> lo, steel_shim::elem_t<T> hi) {
+  return fast::clamp(x, T(lo), T(hi));
+}
 }  // namespace fast
 
 }  // namespace metal
