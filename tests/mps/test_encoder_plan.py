@@ -7,6 +7,8 @@ host's checks (Metal's binding, inline-bytes, threadgroup-memory and thread limi
 every plan.
 """
 
+import importlib.util
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,7 +76,9 @@ def sim():
     return module
 
 
-def _record(exe: Path, op: str, tensors, options) -> dict:
+def _record(exe: Path, op: str, tensors, options, constant_types: bool = False) -> dict:
+    """The recorder's plan; with constant_types, each dispatch also has "constant_types":
+    {index: steel::FunctionConstant::Type code} (the simulator's view has no types)."""
     lines = [f"op {op}"]
     for t in tensors:
         if t is None:
@@ -117,13 +121,16 @@ def _record(exe: Path, op: str, tensors, options) -> dict:
                 (f[0], bool(int(f[1])), bool(int(f[2])), tuple(int(x) for x in f[4:]))
             )
         elif kind == "pipeline":
-            constants = {}
+            constants, types = {}, {}
             for i in range(int(f[1])):
                 index, ctype, value = f[2 + 3 * i : 5 + 3 * i]
                 constants[int(index)] = _CONSTANT_TYPES[int(ctype)](float(value))
+                types[int(index)] = int(ctype)
             plan["dispatches"].append(
                 {"kernel": f[0], "constants": constants, "bindings": [], "tgmem": {}}
             )
+            if constant_types:
+                plan["dispatches"][-1]["constant_types"] = types
         elif kind == "tensor":
             plan["dispatches"][-1]["bindings"].append((int(f[0]), "tensor", int(f[1]), b""))
         elif kind == "bytes":
@@ -296,3 +303,115 @@ def test_gemm_planner_honours_max_threads(recorder, max_threads, shape):
     for d in record["dispatches"]:
         threads = d["threads"][0] * d["threads"][1] * d["threads"][2]
         assert 0 < threads <= max_threads and threads % 32 == 0, d
+
+
+# ---- function-constant types ------------------------------------------------------------------
+#
+# Metal specializes a kernel with MTLFunctionConstantValues, each value given with an MTLDataType
+# that must be the type of the shader's `constant T name [[function_constant(i)]]` declaration
+# (module.mm maps Bool/Int/UInt/Float to MTLDataTypeBool/Int/UInt/Float and passes 1 or 4 bytes).
+# The simulator converts any value to the declared type, so only this check sees a planner that
+# sets, say, an int constant as Bool, or a constant at an index the kernel does not declare.
+
+SHADERS = ROOT / "shaders"
+# steel::FunctionConstant::Type code -> MSL scalar type.
+_MSL_TYPES = {0: "bool", 1: "int", 2: "uint", 3: "float"}
+# Kernel host-name prefix -> the translation unit that defines those kernels (the longest
+# matching prefix wins). A plan naming a kernel with no entry here fails the test below.
+_KERNEL_SOURCES = {"steel_gemm_": "steel/gemm/gemm.metal"}
+_DECLARATION = re.compile(
+    r"\bconstant\s+(\w+)\s+(\w+)\s*\[\[\s*function_constant\(\s*(\w+)\s*\)\s*\]\]"
+)
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)\s+(\d+)\b", re.M)
+
+
+def _build_macos():
+    spec = importlib.util.spec_from_file_location(
+        "build_macos", ROOT / "mps_src" / "mps" / "build_macos.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def function_constant_declarations(text: str) -> dict[int, tuple[str, str]]:
+    """{index: (MSL type, name)} of the function constants a (self-contained) source declares."""
+    defines = {name: int(value) for name, value in _DEFINE.findall(text)}
+    declared = {}
+    for msl_type, name, index in _DECLARATION.findall(text):
+        number = int(index) if index.isdigit() else defines.get(index)
+        assert number is not None, f"function constant {name}: index {index} is not a number"
+        assert number not in declared, f"function constant index {number} declared twice"
+        declared[number] = (msl_type, name)
+    return declared
+
+
+def constant_type_errors(dispatch: dict, declared: dict[int, tuple[str, str]]) -> list[str]:
+    """What Metal would refuse when specializing `dispatch` against `declared`."""
+    errors = []
+    for index, code in sorted(dispatch["constant_types"].items()):
+        if index not in declared:
+            errors.append(f"{dispatch['kernel']}: constant {index} is not declared by the shader")
+        elif declared[index][0] != _MSL_TYPES[code]:
+            errors.append(
+                f"{dispatch['kernel']}: constant {index} ({declared[index][1]}) is declared "
+                f"{declared[index][0]}, the plan sets it as {_MSL_TYPES[code]}"
+            )
+    return errors
+
+
+@pytest.fixture(scope="module")
+def shader_constants():
+    amalgamate = _build_macos().amalgamate
+    return {
+        source: function_constant_declarations(amalgamate(SHADERS / source, SHADERS))
+        for source in set(_KERNEL_SOURCES.values())
+    }
+
+
+def _source_of(kernel: str) -> str:
+    prefixes = [p for p in _KERNEL_SOURCES if kernel.startswith(p)]
+    assert prefixes, f"kernel {kernel}: add its source to _KERNEL_SOURCES"
+    return _KERNEL_SOURCES[max(prefixes, key=len)]
+
+
+def test_gemm_declares_its_constants(shader_constants):
+    declared = shader_constants["steel/gemm/gemm.metal"]
+    assert {t for t, _ in declared.values()} == {"bool", "int"}
+    assert declared[112] == ("int", "gemm_activation")  # STEEL_GEMM_FC_ACTIVATION
+
+
+@pytest.mark.parametrize(
+    ("case", "options"),
+    [(case, {}) for case in sorted(_GEMM_CASES) if not case.endswith("_refused")]
+    + [("split_k_f32", {"max_threads": 128}), ("square_f16", {"activation": "gelu_tanh"})],
+)
+def test_gemm_constant_types_match_the_shader(case, options, recorder, shader_constants):
+    tensors, case_options = _GEMM_CASES[case]
+    record = _record(recorder, "gemm", tensors, {**case_options, **options}, constant_types=True)
+    assert record["ok"], record
+    errors = []
+    for dispatch in record["dispatches"]:
+        assert dispatch["constant_types"], "every GEMM kernel is specialized"
+        errors += constant_type_errors(dispatch, shader_constants[_source_of(dispatch["kernel"])])
+    assert not errors
+
+
+def test_constant_type_check_catches_mismatches():
+    """The check above fails on the mistakes it exists for (the simulator accepts them all)."""
+    declared = function_constant_declarations(
+        "#define FC_FLAG 7\n"
+        "constant bool flag [[function_constant(FC_FLAG)]];\n"
+        "constant int mode [[ function_constant( 8 ) ]];\n"
+        "constant uint count [[function_constant(9)]];\n"
+    )
+    assert declared == {7: ("bool", "flag"), 8: ("int", "mode"), 9: ("uint", "count")}
+    ok = {"kernel": "k", "constant_types": {7: 0, 8: 1, 9: 2}}
+    assert constant_type_errors(ok, declared) == []
+    wrong = {"kernel": "k", "constant_types": {7: 1, 8: 2, 9: 1, 10: 0}}
+    assert constant_type_errors(wrong, declared) == [
+        "k: constant 7 (flag) is declared bool, the plan sets it as int",
+        "k: constant 8 (mode) is declared int, the plan sets it as uint",
+        "k: constant 9 (count) is declared uint, the plan sets it as int",
+        "k: constant 10 is not declared by the shader",
+    ]
