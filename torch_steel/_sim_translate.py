@@ -38,6 +38,19 @@ from dataclasses import dataclass
 __all__ = ["TranslateError", "translate"]
 
 
+# C++ that the Metal Shading Language specification lists as unavailable ("Metal restrictions")
+# and that clang would accept here; the rest (exceptions, new/delete, double, the standard
+# library) is poisoned in the shim's <metal_stdlib>.
+_NOT_MSL = {
+    "goto": "MSL has no goto",
+    "virtual": "MSL has no virtual functions",
+    "thread_local": "MSL has no thread_local storage",
+    "typeid": "MSL has no run-time type identification",
+    "dynamic_cast": "MSL has no run-time type identification",
+    "register": "MSL has no register storage class",
+}
+
+
 class TranslateError(ValueError):
     """MSL that the simulator does not support; the message starts with file:line."""
 
@@ -439,6 +452,8 @@ class _Translator:
                 k = self.instantiation(r, k)
                 stmt_start = k
                 continue
+            if s in _NOT_MSL:
+                raise r.error(k, f"'{s}' is not MSL ({_NOT_MSL[s]})")
             if s == "kernel" and r.t(k + 1) == "void" and at_ns:
                 if in_directive:
                     raise r.error(k, "a kernel defined inside a #define is not supported")

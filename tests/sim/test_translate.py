@@ -145,6 +145,12 @@ def test_long_form_instantiation_is_registered():
         ),
         ("float x = 1.0L;", "MSL has no double"),
         ("void f() { static int calls = 0; }", "static variables in functions"),
+        ("void f(int n) { again: if (--n) goto again; }", "'goto' is not MSL"),
+        ("struct S { virtual float f(); };", "'virtual' is not MSL"),
+        ("void f() { thread_local const int k = 1; }", "'thread_local' is not MSL"),
+        ("thread_local int counter;", "'thread_local' is not MSL"),
+        ("struct A {}; bool f(A a) { return typeid(a) == typeid(A); }", "'typeid' is not MSL"),
+        ("void f(int x) { register int y = x; }", "'register' is not MSL"),
         (
             'template [[host_name("x")]] [[kernel]] void f(int x [[buffer(0)]]);',
             "kernel instantiations must name the template arguments",
