@@ -51,7 +51,7 @@ struct Tile {
 //     (N <= 32), where every row block re-reads all of B.
 //   - the split-K first pass uses kSmall: split-K is only chosen when M*N is small.
 // Transposes do not change the tile: tiles are stored in threadgroup memory as they lie in
-// device memory, so every combination loads whole 16-byte vectors along its contiguous dim.
+// device memory, so every combination loads whole vectors along its contiguous dim.
 // The same two sizes serve all three dtypes: f32 doubles the threadgroup memory but stays far
 // below the 32 KiB limit.
 constexpr Tile kLarge = {64, 64, 16, 2, 2};
@@ -436,10 +436,17 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   }
   p.out_batch_stride = static_cast<int32_t>(M * N);
 
-  // 16-byte vector loads need every row start 16-byte aligned: offset, leading dim and batch
-  // strides all multiples of 16 bytes (storage itself is at least 16-byte aligned).
-  const int64_t vec = 16 / static_cast<int64_t>(dtype_size(dtype));
+  // Vector loads need every row start of the operand aligned to the loader's access size
+  // (steel_gemm_loader_vec: 16 bytes for most tiles, 8 for the f16/bf16 32-wide ones): storage
+  // offset, leading dim and batch strides all multiples of it. Storage itself (an MTLBuffer, at
+  // a byte offset of storage_offset * element size) is at least 16-byte aligned. The K slices of
+  // split-K (multiples of BK) and the tile origins (multiples of BM, BN) keep that alignment.
+  const int es = static_cast<int>(dtype_size(dtype));
+  const int threads_per_tile = 32 * t.wm * t.wn;
+  const int64_t vec_a = steel_gemm_loader_vec(t.bm * t.bk, threads_per_tile, es);
+  const int64_t vec_b = steel_gemm_loader_vec(t.bk * t.bn, threads_per_tile, es);
   auto vec_ok = [&](const TensorDesc& x, const MatrixLayout& l, bool is_a) {
+    const int64_t vec = is_a ? vec_a : vec_b;
     bool ok = x.offset % vec == 0 && l.ld % vec == 0;
     for (const BatchDim& bd : merged) ok = ok && (is_a ? bd.a : bd.b) % vec == 0;
     return ok;

@@ -25,8 +25,8 @@
 #define STEEL_GEMM_FC_ALIGN_M 200     // bool: M % BM == 0 (no edge tiles along M)
 #define STEEL_GEMM_FC_ALIGN_N 201     // bool: N % BN == 0
 #define STEEL_GEMM_FC_ALIGN_K 202     // bool: K % BK == 0 (no partial K step)
-#define STEEL_GEMM_FC_VEC_A 210       // bool: a's rows may be read as 16-byte vectors
-#define STEEL_GEMM_FC_VEC_B 211       // bool: b's rows may be read as 16-byte vectors
+#define STEEL_GEMM_FC_VEC_A 210       // bool: a's rows may be read as vectors (see below)
+#define STEEL_GEMM_FC_VEC_B 211       // bool: b's rows may be read as vectors
 
 // Buffer indices of the GEMM kernels. The split-K reduction reads the partials at
 // STEEL_GEMM_BUF_A and writes STEEL_GEMM_BUF_OUT.
@@ -36,6 +36,14 @@
 #define STEEL_GEMM_BUF_BIAS 3
 #define STEEL_GEMM_BUF_OUT 4
 #define STEEL_GEMM_BUF_PARAMS 5
+
+// Elements one thread of a GEMM block loader (shaders/steel/gemm/loader.h) copies per access:
+// its share of the tile (tile_elems / threads), at most 16 bytes. The loader moves them as one
+// unsigned vector of vec * elem_bytes bytes, so with STEEL_GEMM_FC_VEC_A/B set every row start
+// of that operand must be a multiple of vec * elem_bytes bytes; the planner checks exactly this.
+constexpr int steel_gemm_loader_vec(int tile_elems, int threads, int elem_bytes) {
+  return tile_elems / threads < 16 / elem_bytes ? tile_elems / threads : 16 / elem_bytes;
+}
 
 enum SteelActivation { kSteelActNone = 0, kSteelActRelu = 1, kSteelActGelu = 2,
                        kSteelActGeluTanh = 3, kSteelActSilu = 4 };

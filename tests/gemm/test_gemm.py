@@ -235,6 +235,23 @@ def test_gemm_edge_tiles_with_vector_loads(m, n, ta, tb, dtype):
     check(a, b, rand(n, dtype=dtype, gen=gen), rand(m, n, dtype=dtype, gen=gen), activation="silu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+def test_gemm_eight_byte_vector_loads(ta, tb, dtype):
+    # The 32x32 tile loads 4 half-width elements (8 bytes) per access, so rows that start on
+    # 8-byte but not 16-byte boundaries (storage offset 4, leading dim 68) still take the vector
+    # path. M = 60, N = 52, K = 44: edge tiles and a partial K step too.
+    gen = torch.Generator().manual_seed(11)
+    big_a, big_b = rand(64, 68, dtype=dtype, gen=gen), rand(64, 68, dtype=dtype, gen=gen)
+    a = big_a[:44, 4:64].t() if ta else big_a[:60, 4:48]
+    b = big_b[:52, 4:48].t() if tb else big_b[:44, 4:56]
+    assert a.shape == (60, 44) and b.shape == (44, 52)
+    p = sim.plan("gemm", [a, b, None, None], {})
+    d = p.dispatches[0]
+    assert "_bm32_bn32_" in d.kernel and d.constants[210] and d.constants[211], d.kernel
+    check(a, b)
+
+
 def test_gemm_strided_bias_and_c():
     gen = torch.Generator().manual_seed(10)
     a, b = rand(20, 30, dtype=torch.float32, gen=gen), rand(30, 50, dtype=torch.float32, gen=gen)

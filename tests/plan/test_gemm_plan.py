@@ -146,11 +146,37 @@ def test_operand_without_unit_stride_is_copied():
     assert params(p.dispatches[0])["lda"] == 50
 
 
-def test_vector_loads_need_16_byte_rows():
+def test_vector_loads_need_aligned_rows():
     base = t(64, 72)
     assert not plan(base[:, 1:65], t(64, 32)).dispatches[0].constants[VEC_A]  # odd offset
-    assert not plan(t(64, 60)[:, :56], t(56, 32)).dispatches[0].constants[VEC_A]  # lda 60
+    assert not plan(t(64, 58)[:, :56], t(56, 32)).dispatches[0].constants[VEC_A]  # lda 58
     assert plan(base[:, 8:72], t(64, 32)).dispatches[0].constants[VEC_A]
+
+
+def test_vector_load_alignment_is_the_access_size():
+    # Metal needs an access of N bytes aligned to N bytes. The 32x32 tile's loaders move 4
+    # elements per thread per access (32 * 16 / 128): 8 bytes in f16, so rows 8-byte aligned
+    # (lda 60, offset 4) are enough there; the 64x64 tile's move 8 (16 bytes) and need 16.
+    small = plan(t(64, 64)[:, 4:64], t(60, 32))
+    d = small.dispatches[0]
+    assert "_bm32_bn32_" in d.kernel and params(d)["lda"] == 64
+    assert d.constants[VEC_A] and d.constants[VEC_B]
+    assert plan(t(64, 60), t(60, 32)).dispatches[0].constants[VEC_A]  # lda 60: 120-byte rows
+    assert not plan(t(64, 62)[:, :60], t(60, 32)).dispatches[0].constants[VEC_A]  # lda 62
+    assert not plan(t(64, 64)[:, 2:62], t(60, 32)).dispatches[0].constants[VEC_A]  # offset 2
+    assert not plan(t(64, 64), t(64, 34)[:, :32]).dispatches[0].constants[VEC_B]  # ldb 34
+    assert plan(t(64, 64), t(64, 36)[:, :32]).dispatches[0].constants[VEC_B]  # ldb 36
+    # f32 moves 4 elements = 16 bytes: lda 60 is fine, 62 is not.
+    f32 = torch.float32
+    assert plan(t(64, 60, dtype=f32), t(60, 32, dtype=f32)).dispatches[0].constants[VEC_A]
+    d = plan(t(64, 62, dtype=f32)[:, :60], t(60, 32, dtype=f32)).dispatches[0]
+    assert not d.constants[VEC_A]
+    # The 64x64 tile in f16: 16-byte accesses, so lda 1028 (8-byte rows) is not enough.
+    d = plan(t(1024, 1028)[:, :1024], t(1024, 1024)).dispatches[0]
+    assert "_bm64_bn64_" in d.kernel
+    assert not d.constants[VEC_A] and d.constants[VEC_B]
+    d = plan(t(1024, 1032)[:, :1024], t(1024, 1024)).dispatches[0]
+    assert d.constants[VEC_A]
 
 
 def test_batch_broadcast_and_merge():

@@ -10,14 +10,17 @@
 
 #include <metal_stdlib>
 
+#include "../params.h"
+
 using namespace metal;
 
 namespace steel {
 
 // The unsigned vector type of a given size: kVec elements are moved as one access of this type
 // (bits, not values, so the same copy serves every dtype). Only used where the planner has
-// checked that the device rows are 16-byte aligned (STEEL_GEMM_FC_VEC_A/B), so each access is
-// aligned to its own size.
+// checked that every device row start is a multiple of the access size
+// (STEEL_GEMM_FC_VEC_A/B, steel_gemm_loader_vec in params.h), so each access is aligned to its
+// own size.
 template <int kBytes>
 struct Bits;
 template <>
@@ -39,9 +42,9 @@ struct Bits<16> {
 
 template <typename T, short BROWS, short BCOLS, short kDstLd, short kThreads>
 struct BlockLoader {
-  static constant constexpr short kPerThread = BROWS * BCOLS / kThreads;
-  static constant constexpr short kVecMax = short(16 / sizeof(T));
-  static constant constexpr short kVec = kPerThread < kVecMax ? kPerThread : kVecMax;
+  // kVec elements per access, the rule the planner checks alignment against (params.h).
+  static constant constexpr short kVec =
+      short(steel_gemm_loader_vec(BROWS * BCOLS, kThreads, int(sizeof(T))));
   static constant constexpr short kThreadsPerRow = BCOLS / kVec;
   static constant constexpr short kRowsPerPass = kThreads / kThreadsPerRow;
   static_assert(BROWS * BCOLS % (kThreads * kVec) == 0, "tile must split evenly over threads");
@@ -62,7 +65,7 @@ struct BlockLoader {
         dst(dst_tile + row * kDstLd + col),
         src(src_tile + row * ld + col) {}
 
-  // The whole tile is inside the operand. `vec` says the rows are 16-byte aligned.
+  // The whole tile is inside the operand. `vec`: every row start is aligned to kVec elements.
   void load_unsafe(bool vec) const {
     if (vec) {
 #pragma clang loop unroll(full)
