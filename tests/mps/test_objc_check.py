@@ -116,6 +116,38 @@ def test_wrong_argument_type_fails(tmp_path):
     assert "cannot initialize a parameter of type 'NSURL *" in result.stderr, result.stderr
 
 
+def test_arc_is_on_an_unbridged_cast_fails(tmp_path):
+    # The tensor's storage pointer is the MTLBuffer (as in PyTorch's getMTLBufferStorage); under
+    # ARC (what setup.py builds with) turning it into an object pointer must say who owns it.
+    result = _check(
+        _mutant(
+            tmp_path,
+            "module.mm",
+            "(__bridge id<MTLBuffer>)(tensor.storage().data())",
+            "(id<MTLBuffer>)(tensor.storage().data())",
+        )
+    )
+    assert result.returncode != 0
+    assert "requires a bridged cast" in result.stderr, result.stderr
+
+
+def test_nil_for_a_nonnull_argument_fails(tmp_path):
+    # Apple's headers are NS_ASSUME_NONNULL; the subset keeps that, so nil where Metal requires
+    # an object is caught (-Wnonnull under -Werror).
+    result = _check(
+        _mutant(
+            tmp_path,
+            "module.mm",
+            "[encoder_ setComputePipelineState:pipelines_.at(next_pipeline_++)];",
+            "[encoder_ setComputePipelineState:nil];",
+        )
+    )
+    assert result.returncode != 0
+    assert "null passed to a callee that requires a non-null argument" in result.stderr, (
+        result.stderr
+    )
+
+
 def test_the_sdk_subset_declares_only_what_is_used():
     """Every method and property of apple_sdk_subset.h is used by a .mm file or torch's headers."""
     from torch.utils.cpp_extension import include_paths
@@ -130,3 +162,96 @@ def test_the_sdk_subset_declares_only_what_is_used():
     used = "\n".join(users)
     unused = [name for name in declared if not re.search(rf"\b{name}\b", used)]
     assert not unused
+
+
+# ---- nothing unwinds out of a block on the MPS stream's queue --------------------------------
+#
+# A C++ exception (TORCH_CHECK, std::vector::at, ...) leaving a block that libdispatch runs has no
+# handler to reach: the process terminates. PyTorch's own kernels wrap such blocks
+# (dispatch_sync_with_rethrow, which is not exported for extensions); module.mm catches
+# everything inside the block and raises afterwards. This holds every dispatch block to that.
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _closing(text: str, open_at: int) -> int:
+    """Index of the brace closing the one at open_at (no braces in strings here)."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise AssertionError("unbalanced braces")
+
+
+def unguarded_dispatch_blocks(text: str) -> list[str]:
+    """The dispatch_sync / dispatch_async blocks whose whole body is not try { } catch (...) { },
+    optionally inside one @autoreleasepool."""
+    text = _strip_comments(text)
+    problems = []
+    for call in re.finditer(r"\bdispatch_(?:a?sync)\s*\(", text):
+        caret = text.index("^", call.end())
+        start = text.index("{", caret)
+        body = text[start + 1 : _closing(text, start)].strip()
+        pool = re.match(r"@autoreleasepool\s*\{", body)
+        if pool:
+            inner_end = _closing(body, pool.end() - 1)
+            if body[inner_end + 1 :].strip():
+                problems.append(f"offset {call.start()}: statements after the autorelease pool")
+                continue
+            body = body[pool.end() : inner_end].strip()
+        guarded = re.match(r"try\s*\{", body)
+        if not guarded:
+            problems.append(f"offset {call.start()}: the block does not start with try")
+            continue
+        rest = body[_closing(body, guarded.end() - 1) + 1 :]
+        last_catch = None
+        while clause := re.match(r"\s*catch\s*\(([^)]*)\)\s*\{", rest):
+            last_catch = clause.group(1).strip()
+            rest = rest[_closing(rest, clause.end() - 1) + 1 :]
+        if last_catch != "...":
+            problems.append(f"offset {call.start()}: the last handler is not catch (...)")
+        elif rest.strip():
+            problems.append(f"offset {call.start()}: statements after the handlers")
+    return problems
+
+
+def test_dispatch_blocks_catch_everything():
+    checked = 0
+    for source in SOURCES:
+        text = source.read_text()
+        assert not unguarded_dispatch_blocks(text), source.name
+        checked += len(re.findall(r"\bdispatch_a?sync\s*\(", _strip_comments(text)))
+    assert checked >= 1  # module.mm encodes on the stream's queue
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ("      } catch (...) {\n", "      } catch (const c10::Error&) {\n", "not catch (...)"),
+        (
+            "    @autoreleasepool {\n      try {\n",
+            "    @autoreleasepool {\n      {\n",
+            "start with try",
+        ),
+        (
+            "  dispatch_sync(stream->queue(), ^{\n",
+            '  dispatch_sync(stream->queue(), ^{\n    TORCH_CHECK(stream, "x");\n',
+            "start with try",
+        ),
+        (
+            "    }\n  });\n",
+            '    }\n    TORCH_CHECK(stream, "x");\n  });\n',
+            "after the autorelease",
+        ),
+    ],
+    ids=["narrow_handler", "no_try", "check_before", "check_after"],
+)
+def test_an_unguarded_dispatch_block_is_reported(old, new, problem):
+    text = (MPS_DIR / "module.mm").read_text()
+    assert text.count(old) == 1, old
+    problems = unguarded_dispatch_blocks(text.replace(old, new))
+    assert len(problems) == 1 and problem in problems[0], problems
