@@ -270,6 +270,53 @@ def test_fast_min_max_clamp_refuse_nan(which):
         nan_in[5] = 1.0
 
 
+SHIFTS = ["down", "up", "rotate_down", "rotate_up", "fill_down", "fill_up", "fill_modulo"]
+
+
+def shifted(x: torch.Tensor, which: str) -> torch.Tensor:
+    """Each shift with delta 1 (modulo 16 for fill_modulo), by its MSL definition."""
+    lane = torch.arange(32)
+    if which == "down":
+        return x[torch.where(lane + 1 < 32, lane + 1, lane)]
+    if which == "up":
+        return x[torch.where(lane >= 1, lane - 1, lane)]
+    if which == "rotate_down":
+        return x[(lane + 1) % 32]
+    if which == "rotate_up":
+        return x[(lane + 31) % 32]
+    fill = -x
+    if which == "fill_down":
+        return torch.where(lane + 1 < 32, x[(lane + 1) % 32], fill[(lane + 1) % 32])
+    if which == "fill_up":
+        return torch.where(lane >= 1, x[(lane + 31) % 32], fill[(lane + 31) % 32])
+    base, src = lane - lane % 16, lane % 16 + 1
+    return torch.where(src < 16, x[base + src % 16], fill[base + src % 16])
+
+
+@pytest.mark.parametrize("which", range(len(SHIFTS)), ids=SHIFTS)
+def test_shift_delta_must_be_uniform(which):
+    """Apple documents for simd_shuffle_up/down that "the value for delta must be the same for all
+    threads in the SIMD-group"; a per-lane delta (or modulo) is an error, not a per-lane shift."""
+    from torch_steel.errors import SimulatorError
+
+    x = torch.arange(32, dtype=torch.float32) + 1
+    out = torch.zeros(32)
+    run(
+        "lang_shuffle_delta",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: x, 1: out, 2: struct.pack("2I", which, 32)},
+    )
+    assert torch.equal(out, shifted(x, SHIFTS[which]))
+    with pytest.raises(SimulatorError, match="delta differs between the lanes"):
+        run(
+            "lang_shuffle_delta",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: x, 1: out, 2: struct.pack("2I", which, 16)},
+        )
+
+
 def test_vector_math_and_comparison_reductions():
     # Column 3: fma(a, b, a) rounds once, a * b + a twice, and the two differ.
     x = torch.tensor([[1.0, -2.0, 0.5, -2.3250308], [2.0, -3.0, 0.25, -0.21879166]])

@@ -161,3 +161,22 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
     default: out[i] = fast::max(float2(x, 0.0f), float2(y, 0.0f)).x; break;
   }
 }
+
+// A shift whose delta differs between lanes (lanes >= `split` use delta + 1): Metal requires the
+// same delta in every thread, so only split == 32 (or 0) is valid. `which` picks the function.
+[[kernel]] void lang_shuffle_delta(const device float* x [[buffer(0)]],
+                                   device float* out [[buffer(1)]],
+                                   constant uint2& p [[buffer(2)]],
+                                   ushort lane [[thread_index_in_simdgroup]]) {
+  const float v = x[lane];
+  const ushort delta = ushort(lane >= p.y ? 2 : 1);
+  switch (p.x) {
+    case 0: out[lane] = simd_shuffle_down(v, delta); break;
+    case 1: out[lane] = simd_shuffle_up(v, delta); break;
+    case 2: out[lane] = simd_shuffle_rotate_down(v, delta); break;
+    case 3: out[lane] = simd_shuffle_rotate_up(v, delta); break;
+    case 4: out[lane] = simd_shuffle_and_fill_down(v, -v, delta); break;
+    case 5: out[lane] = simd_shuffle_and_fill_up(v, -v, delta); break;
+    default: out[lane] = simd_shuffle_and_fill_down(v, -v, ushort(1), ushort(lane >= p.y ? 8 : 16));
+  }
+}

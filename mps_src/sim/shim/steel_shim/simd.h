@@ -95,6 +95,32 @@ inline T times(T a, T b) {
   return a * b;
 }
 
+// A shuffle operand with the lane's delta, which must be the same in every active lane.
+template <typename T>
+struct WithDelta {
+  T data;
+  uint32_t delta;
+  uint32_t modulo;
+};
+
+template <typename T>
+inline void require_uniform_delta(const Exchanged& e, const char* name) {
+  const uint32_t first = uint32_t(__builtin_ctz(e.mask));
+  const WithDelta<T> a = lane_value<WithDelta<T>>(e, first);
+  for (uint32_t l = first + 1; l < 32; ++l) {
+    if (!((e.mask >> l) & 1u)) continue;
+    const WithDelta<T> b = lane_value<WithDelta<T>>(e, l);
+    if (b.delta != a.delta || b.modulo != a.modulo) {
+      char message[200];
+      __builtin_snprintf(message, sizeof(message),
+                         "%s: delta differs between the lanes of the simdgroup (%u in lane %u, %u "
+                         "in lane %u; modulo %u, %u); Metal requires the same in every thread",
+                         name, a.delta, first, b.delta, l, a.modulo, b.modulo);
+      steel_sim::fail(message);
+    }
+  }
+}
+
 // simd_shuffle_and_fill_down/up: shifts within vectors of `modulo` lanes (32 without it); the
 // lanes shifted in come from `filling` (its low lanes going down, its high lanes going up).
 template <typename T>
@@ -104,14 +130,20 @@ struct FillPair {
 };
 
 template <typename T>
-STEEL_CONVERGENT inline T shuffle_and_fill(T data, T filling, int delta, uint32_t modulo) {
-  const auto e = exchange(FillPair<T>{data, filling}, steel_sim::SimdKind::Shuffle);
+STEEL_CONVERGENT inline T shuffle_and_fill(T data, T filling, int delta, uint32_t modulo,
+                                           const char* name) {
+  const auto e = exchange(
+      WithDelta<FillPair<T>>{FillPair<T>{data, filling}, uint32_t(delta < 0 ? -delta : delta),
+                             modulo},
+      steel_sim::SimdKind::Shuffle);
+  require_uniform_delta<FillPair<T>>(e, name);
   const uint32_t me = simd_lane();
   const uint32_t base = me - me % modulo;
   const int src = int(me % modulo) + delta;
-  if (src >= 0 && src < int(modulo)) return lane_value<FillPair<T>>(e, base + src).data;
+  using Lane = WithDelta<FillPair<T>>;
+  if (src >= 0 && src < int(modulo)) return lane_value<Lane>(e, base + src).data.data;
   const uint32_t from = base + uint32_t(src < 0 ? src + int(modulo) : src - int(modulo));
-  return lane_value<FillPair<T>>(e, from).filling;
+  return lane_value<Lane>(e, from).data.filling;
 }
 
 }  // namespace steel_shim
@@ -129,11 +161,25 @@ namespace metal {
 STEEL_SHIM_SHUFFLE(simd_shuffle, lane, uint32_t(lane))
 STEEL_SHIM_SHUFFLE(simd_broadcast, lane, uint32_t(lane))
 STEEL_SHIM_SHUFFLE(simd_shuffle_xor, mask, me ^ uint32_t(mask))
-STEEL_SHIM_SHUFFLE(simd_shuffle_up, delta, me >= delta ? me - delta : me)
-STEEL_SHIM_SHUFFLE(simd_shuffle_down, delta, me + delta < 32 ? me + delta : me)
-STEEL_SHIM_SHUFFLE(simd_shuffle_rotate_up, delta, (me + 32 - delta % 32) % 32)
-STEEL_SHIM_SHUFFLE(simd_shuffle_rotate_down, delta, (me + delta) % 32)
 #undef STEEL_SHIM_SHUFFLE
+
+// "The value for delta must be the same for all threads in the SIMD-group" (Apple's
+// documentation of simd_shuffle_up / simd_shuffle_down; the rotate and fill forms shift the same
+// way): a delta that differs between the active lanes is an error, not a per-lane shift.
+#define STEEL_SHIM_SHUFFLE_UNIFORM(name, src_expr)                                         \
+  template <typename T>                                                                    \
+  STEEL_CONVERGENT inline T name(T data, ushort delta) {                                   \
+    const auto e = steel_shim::exchange(steel_shim::WithDelta<T>{data, delta, 32},         \
+                                        steel_sim::SimdKind::Shuffle);                     \
+    steel_shim::require_uniform_delta<T>(e, #name);                                        \
+    const uint32_t me = steel_shim::simd_lane();                                           \
+    return steel_shim::lane_value<steel_shim::WithDelta<T>>(e, src_expr).data;             \
+  }
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_up, me >= delta ? me - delta : me)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_down, me + delta < 32 ? me + delta : me)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_up, (me + 32 - delta % 32) % 32)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_down, (me + delta) % 32)
+#undef STEEL_SHIM_SHUFFLE_UNIFORM
 
 // The first (lowest) active lane's value.
 template <typename T>
@@ -145,12 +191,14 @@ STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
 template <typename T>
 STEEL_CONVERGENT inline T simd_shuffle_and_fill_down(T data, T filling, ushort delta,
                                                      ushort modulo = 32) {
-  return steel_shim::shuffle_and_fill(data, filling, int(delta), modulo);
+  return steel_shim::shuffle_and_fill(data, filling, int(delta), modulo,
+                                      "simd_shuffle_and_fill_down");
 }
 template <typename T>
 STEEL_CONVERGENT inline T simd_shuffle_and_fill_up(T data, T filling, ushort delta,
                                                    ushort modulo = 32) {
-  return steel_shim::shuffle_and_fill(data, filling, -int(delta), modulo);
+  return steel_shim::shuffle_and_fill(data, filling, -int(delta), modulo,
+                                      "simd_shuffle_and_fill_up");
 }
 
 #define STEEL_SHIM_REDUCE(name, op)                                         \
