@@ -24,7 +24,11 @@ namespace steel::mps {
 // Limits from Apple's Metal feature set tables and the MTLComputeCommandEncoder documentation.
 inline constexpr uint32_t kMaxBufferBindings = 31;      // buffer argument table entries
 inline constexpr size_t kMaxInlineBytes = 4096;         // setBytes: "data smaller than 4 KB"
+inline constexpr uint32_t kMaxThreadgroupBindings = 31;  // threadgroup memory argument table
 inline constexpr uint32_t kThreadgroupMemoryAlign = 16;  // setThreadgroupMemoryLength
+// Total threadgroup memory of a threadgroup on every Apple GPU family. The host also checks the
+// device's own maxThreadgroupMemoryLength, static (in-kernel) memory included, and refuses.
+inline constexpr uint64_t kMaxThreadgroupMemory = 32768;
 inline constexpr uint64_t kMaxThreadsPerThreadgroup = 1024;
 
 // A plan that Metal would reject or misread: a planner bug, never a refusal.
@@ -44,6 +48,8 @@ class CheckedEncoder {
   void set_pipeline(const Dispatch& dispatch) {
     kernel_ = dispatch.kernel;
     bound_.assign(kMaxBufferBindings, false);
+    threadgroup_bound_.assign(kMaxThreadgroupBindings, false);
+    threadgroup_bytes_ = 0;
     for (const FunctionConstant& constant : dispatch.constants) check_constant(constant);
     backend_.set_pipeline(dispatch);
   }
@@ -67,9 +73,21 @@ class CheckedEncoder {
   }
 
   void set_threadgroup_memory(uint32_t index, uint32_t bytes) {
+    const std::string name = "threadgroup(" + std::to_string(index) + ")";
+    if (index >= kMaxThreadgroupBindings) {
+      fail(name + " is beyond Metal's " + std::to_string(kMaxThreadgroupBindings) +
+           " threadgroup memory bindings");
+    }
+    if (threadgroup_bound_[index]) fail(name + " is set twice");
+    threadgroup_bound_[index] = true;
     if (bytes == 0 || bytes % kThreadgroupMemoryAlign != 0) {
-      fail("threadgroup(" + std::to_string(index) + ") length " + std::to_string(bytes) +
-           " is not a positive multiple of " + std::to_string(kThreadgroupMemoryAlign));
+      fail(name + " length " + std::to_string(bytes) + " is not a positive multiple of " +
+           std::to_string(kThreadgroupMemoryAlign));
+    }
+    threadgroup_bytes_ += bytes;
+    if (threadgroup_bytes_ > kMaxThreadgroupMemory) {
+      fail(std::to_string(threadgroup_bytes_) + " bytes of threadgroup memory, more than " +
+           std::to_string(kMaxThreadgroupMemory));
     }
     backend_.set_threadgroup_memory(index, bytes);
   }
@@ -127,6 +145,8 @@ class CheckedEncoder {
   std::vector<bool> present_;
   std::string kernel_;
   std::vector<bool> bound_;
+  std::vector<bool> threadgroup_bound_;
+  uint64_t threadgroup_bytes_ = 0;
 };
 
 // A backend that does nothing: running CheckedEncoder over it validates a whole plan before

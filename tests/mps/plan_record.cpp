@@ -84,6 +84,9 @@ steel::Plan plan_with_defect(const steel::TensorList& tensors, const steel::Opti
   const size_t bytes = defect == "bytes" ? steel::mps::kMaxInlineBytes + 1 : 16;
   d.bindings.push_back({3, steel::Binding::Kind::Bytes, -1, std::vector<uint8_t>(bytes, 7)});
   d.threadgroup_memory.push_back({0, defect == "tgmem" ? 1000u : 1024u});
+  if (defect == "tgindex") d.threadgroup_memory.push_back({31, 16});
+  if (defect == "tgtwice") d.threadgroup_memory.push_back({0, 16});
+  if (defect == "tgtotal") d.threadgroup_memory.push_back({1, 32768 - 1024 + 16});
   d.threads[0] = defect == "threads" ? 1025 : 1024;
   if (defect == "grid") d.grid[1] = 0;
   plan.dispatches.push_back(d);
