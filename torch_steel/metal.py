@@ -48,9 +48,19 @@ def _extension():
         return None
 
 
+# The kernels need Metal 3.1 (bfloat): the metallib is built for macOS 14 and the runtime compiler
+# is asked for MTLLanguageVersion3_1, which macOS 13 lacks (mps_src/mps/build_macos.py, library.mm).
+MIN_MACOS = (14, 0)
+
+
 def available() -> bool:
-    """True when the Metal extension is built and an MPS device is usable."""
-    return _extension() is not None and torch.backends.mps.is_available()
+    """True when the Metal extension is built, an MPS device is usable and macOS can run the
+    kernels (on macOS 13, where PyTorch's MPS works, the ops keep to reference math)."""
+    return (
+        _extension() is not None
+        and torch.backends.mps.is_available()
+        and torch.backends.mps.is_macos_or_newer(*MIN_MACOS)
+    )
 
 
 def refusal_reason(message: str) -> str | None:

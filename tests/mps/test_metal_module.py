@@ -60,6 +60,23 @@ def test_without_the_extension():
         metal.run_op("gemm", [torch.zeros(2, 2), torch.zeros(2, 2), None, None], {})
 
 
+@pytest.mark.parametrize("macos_14", [True, False])
+def test_available_needs_macos_14(fake, monkeypatch, macos_14):
+    """On macOS 13 PyTorch's MPS works, but neither the metallib (built for macOS 14) nor the
+    runtime compiler (Metal 3.1) can serve the kernels: the ops must keep to reference math
+    instead of failing in run_op."""
+    asked = []
+
+    def is_macos_or_newer(major, minor):
+        asked.append((major, minor))
+        return macos_14
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", is_macos_or_newer)
+    assert metal.available() is macos_14
+    assert asked == [(14, 0)]
+
+
 def test_loads_the_metallib_once(fake, tmp_path):
     (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
     _sources(tmp_path, ["a.metal"])  # the metallib wins over the sources
