@@ -252,6 +252,20 @@ def test_gemm_eight_byte_vector_loads(ta, tb, dtype):
     check(a, b)
 
 
+@pytest.mark.parametrize("k,barriers", [(16, 1), (64, 7), (40, 5), (7, 1)])
+def test_gemm_barriers_per_k_step(k, barriers):
+    # Per BK = 16 step: one barrier after the tile loads (before the fragment reads) and one
+    # before the next step's loads overwrite the tiles; the first loads need none before them,
+    # since nothing has read the tiles yet. K = 40: two full steps and a partial one.
+    gen = torch.Generator().manual_seed(k)
+    a, b = rand(32, k, dtype=torch.float16, gen=gen), rand(k, 32, dtype=torch.float16, gen=gen)
+    (out,), counters = sim.run_op("gemm", [a, b, None, None], {}, counters=True)
+    assert counters[0]["threadgroups"] == 1
+    assert counters[0]["barriers"] == barriers
+    ref, mag = reference(a, b)
+    assert_close(out, ref, mag, k, torch.float16)
+
+
 def test_gemm_strided_bias_and_c():
     gen = torch.Generator().manual_seed(10)
     a, b = rand(20, 30, dtype=torch.float32, gen=gen), rand(30, 50, dtype=torch.float32, gen=gen)

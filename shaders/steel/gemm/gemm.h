@@ -5,8 +5,8 @@
 //   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch or partitions);
 //     consecutive threadgroups walk a band of 2^swizzle_log tile rows column by column, so the
 //     A rows and B columns they share are still in L2 when the neighbours ask for them;
-//   - per BK step: barrier, BlockLoader copies the A and B tiles to threadgroup memory, barrier,
-//     BlockMMA multiplies them into the fp32 accumulators;
+//   - per BK step: barrier (from the second step on), BlockLoader copies the A and B tiles to
+//     threadgroup memory, barrier, BlockMMA multiplies them into the fp32 accumulators;
 //   - a partial last K step (K % BK) is loaded with zero fill and multiplied like the others;
 //   - the epilogue runs on the accumulators in registers, then each element is stored once.
 // Interior tiles take the unchecked path; on an edge tile only the operand that crosses the
@@ -82,8 +82,10 @@ struct GemmBlock {
                       short m_valid, short n_valid, bool vec_a, bool vec_b) {
     const int a_step = kTransA ? BK * la.src_ld : BK;
     const int b_step = kTransB ? BK : BK * lb.src_ld;
+    // Two barriers a step: before the loads overwrite the tiles (the previous step's fragment
+    // reads are done; nothing was read before the first step, so it needs none) and after them.
     for (int k = 0; k < k_steps; ++k) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's reads are done
+      if (k > 0) threadgroup_barrier(mem_flags::mem_threadgroup);
       if (kInsideA) {
         la.load_unsafe(vec_a);
       } else {
@@ -100,7 +102,7 @@ struct GemmBlock {
       lb.advance(b_step);
     }
     if (k_rem > 0) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (k_steps > 0) threadgroup_barrier(mem_flags::mem_threadgroup);
       load_a_safe(la, m_valid, k_rem);
       load_b_safe(lb, k_rem, n_valid);
       threadgroup_barrier(mem_flags::mem_threadgroup);
