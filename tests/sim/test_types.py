@@ -3,6 +3,7 @@ for bit with torch's float16/bfloat16, which do the same), float -> half/bfloat 
 MSL vector construction, conversion and swizzles (kernels: tests/sim/kernels/lang_types.metal).
 """
 
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,54 @@ def test_vector_construction_conversion_and_swizzles():
     x_bits = int(a[:1].view(torch.int32))
     h_bits = int(a[:2].half().view(torch.int32))
     assert iout.tolist() == [1, -2, 3, 100000, 1, -2, x_bits, h_bits, 3, 100000]
+
+
+def round_exact(x: Fraction, bits: int, emin: int) -> Fraction:
+    """x rounded to nearest even in a binary format with `bits` significant bits and smallest
+    normal exponent emin (subnormals below it); no overflow handling (the cases stay in range)."""
+    if x == 0:
+        return x
+    sign, a = (-1 if x < 0 else 1), abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    quantum = Fraction(2) ** (max(e, emin) - bits + 1)
+    n = a / quantum
+    q, r = divmod(n.numerator, n.denominator)
+    if 2 * r > n.denominator or (2 * r == n.denominator and q % 2 == 1):
+        q += 1
+    return sign * q * quantum
+
+
+FMA_FORMATS = {"f16": (11, -14), "bf16": (8, -126)}
+# Cases where rounding to binary32 first (fmaf) and then to T differs from rounding once.
+FMA_TIES = {
+    "f16": [(-54.75, -1088.0, -0.0004341602325439453), (1.5, 35040.0, 0.0018100738525390625)],
+    "bf16": [
+        (0.140625, 4.299870835974154e33, 6.8833827526759706e-15),
+        (-10200547328.0, 34.0, 6.9375),
+    ],
+}
+
+
+@pytest.mark.parametrize("tname", ["f16", "bf16"])
+def test_fma_rounds_once(tname):
+    """MSL's fma is the correctly rounded a * b + c; the reference rounds the exact rational."""
+    dtype = DTYPES[tname]
+    bits, emin = FMA_FORMATS[tname]
+    g = torch.Generator().manual_seed(3)
+    n = 256
+    a, b, c = ((torch.randn(n, generator=g) * 8).to(dtype) for _ in range(3))
+    for k, (x, y, z) in enumerate(FMA_TIES[tname]):
+        a[k], b[k], c[k] = x, y, z
+    out = torch.zeros(n, dtype=dtype)
+    run(f"lang_fma_{tname}", grid=(n // 64,), threads=(64,), buffers={0: a, 1: b, 2: c, 3: out})
+    exact = [
+        Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)
+    ]
+    expected = torch.tensor([float(round_exact(e, bits, emin)) for e in exact]).to(dtype)
+    twice = [float(round_exact(round_exact(e, 24, -126), bits, emin)) for e in exact]
+    for k in range(len(FMA_TIES[tname])):
+        assert twice[k] != float(expected[k])  # the cases do tell the two roundings apart
+    assert_same_bits(out, expected)

@@ -78,3 +78,18 @@ template [[host_name("lang_convert_bf16")]] [[kernel]] decltype(lang_convert<bfl
   const int2 s = static_cast<int2>(a.zw);  // converts, as a constructor does
   iout[k++] = s.x, iout[k++] = s.y;
 }
+
+// fma(a, b, c) in T, rounded once; lanes 0-1 also through the two-component vector form.
+template <typename T>
+[[kernel]] void lang_fma(const device T* a [[buffer(0)]], const device T* b [[buffer(1)]],
+                         const device T* c [[buffer(2)]], device T* out [[buffer(3)]],
+                         uint i [[thread_position_in_grid]]) {
+  out[i] = fma(a[i], b[i], c[i]);
+  if (i < 2) {
+    const vec<T, 2> v = fma(vec<T, 2>(a[i], a[i]), vec<T, 2>(b[i], b[i]), vec<T, 2>(c[i], c[i]));
+    if (v.x != out[i] && !(isnan(v.x) && isnan(out[i]))) out[i] = T(-1);
+  }
+}
+
+template [[host_name("lang_fma_f16")]] [[kernel]] decltype(lang_fma<half>) lang_fma<half>;
+template [[host_name("lang_fma_bf16")]] [[kernel]] decltype(lang_fma<bfloat>) lang_fma<bfloat>;

@@ -131,11 +131,43 @@ STEEL_SHIM_BINARY(divide, a / b)
 STEEL_SHIM_BINARY(step, b < a ? 0.0f : 1.0f)
 #undef STEEL_SHIM_BINARY
 
-// fma rounds once (the exact a * b + c), as on the GPU.
+}  // namespace metal
+
+namespace steel_shim {
+// fma rounds once (MSL: "the correctly rounded ... sum of c with the infinitely precise product
+// of a and b"), in half and bfloat too: binary32's fmaf would round to 24 bits first and then
+// again to T, which misses ties. For half and bfloat operands, a * b is exact in binary64; the
+// sum is made round-to-odd in binary64 and then in binary32 (TwoSum gives its exact error), from
+// where rounding to nearest even into T's 11 or 8 bits equals rounding the exact value once.
+template <typename E>
+inline float fma_rounding_once_to(float x, float y, float z) {
+  if constexpr (__is_same(E, float)) {
+    return __builtin_fmaf(x, y, z);
+  } else {
+    const double p = double(x) * double(y);
+    const double zd = z;
+    double sum = p + zd;
+    if (!__builtin_isfinite(sum)) return float(sum);
+    const double bv = sum - p;
+    const double err = (p - (sum - bv)) + (zd - bv);
+    if (err != 0.0 && !(__builtin_bit_cast(unsigned long, sum) & 1ul)) {
+      sum = __builtin_nextafter(sum, err > 0.0 ? __builtin_inf() : -__builtin_inf());
+    }
+    float f = float(sum);
+    if (double(f) != sum && !(__builtin_bit_cast(unsigned int, f) & 1u)) {
+      f = __builtin_nextafterf(f, sum > double(f) ? __builtin_inff() : -__builtin_inff());
+    }
+    return f;
+  }
+}
+}  // namespace steel_shim
+
+namespace metal {
+
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fma(T a, T b, T c) {
   return steel_shim::map3(a, b, c, [](float x, float y, float z) {
-    return __builtin_fmaf(x, y, z);
+    return steel_shim::fma_rounding_once_to<steel_shim::elem_t<T>>(x, y, z);
   });
 }
 
