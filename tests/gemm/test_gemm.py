@@ -168,6 +168,22 @@ def test_gemm_epilogue_propagates_nan(activation):
     assert out.isnan()[3].all() and out.isnan().sum() == 8
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemm_epilogue_infinities_and_large_values(activation):
+    """Pre-activation values of +-inf and of magnitudes where exp and x**3 overflow in fp32
+    give what float64 torch gives: inf stays inf, -inf gives 0 (relu) or NaN (0 * inf in the
+    gelu and silu formulas, as in torch), and large negative values give a signed zero."""
+    vals = [float("inf"), float("-inf"), 3e38, -3e38, 1e13, -1e13, 100.0, -100.0, -89.0, 89.0]
+    pre = torch.tensor(vals, dtype=torch.float32)
+    c = pre[:, None].expand(len(vals), 8)  # out = 0 @ 0 + c: the epilogue sees exactly `pre`
+    out = run(torch.zeros(len(vals), 4), torch.zeros(4, 8), c=c, activation=activation)
+    ref, _ = reference(torch.zeros(len(vals), 4), torch.zeros(4, 8), c=c, activation=activation)
+    assert torch.equal(out.isnan(), ref.isnan()), (out[:, 0], ref[:, 0])
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite].isinf(), ref[finite].isinf())
+    torch.testing.assert_close(out[finite].double(), ref[finite], rtol=1e-6, atol=1e-30)
+
+
 def test_gemm_batched_c_broadcast():
     gen = torch.Generator().manual_seed(4)
     a = rand(3, 2, 17, 8, dtype=torch.float16, gen=gen)
