@@ -308,6 +308,38 @@ def test_gemm_planner_honours_max_threads(recorder, max_threads, shape):
         assert 0 < threads <= max_threads and threads % 32 == 0, d
 
 
+def _odd_layouts():
+    """Operand layouts at the edges of "has a unit stride": size-1 dims with any stride, offsets,
+    expanded (stride-0) dims, slices."""
+    base = _t(8, 8, 8)
+    return {
+        "offset_contiguous": base.reshape(-1)[5:69].view(8, 8),
+        "one_row_odd_stride": base[2, :1, :],
+        "one_col_odd_stride": base[:, 3, :1],
+        "one_by_one": base[1:2, 2:3, 3],
+        "expanded_rows": _t(1, 8).expand(8, 8),
+        "expanded_cols": _t(8, 1).expand(8, 8),
+        "every_other_col": base[0, :, ::2],
+        "batched_slice": base[1:, 2:, 1:],
+    }
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+@pytest.mark.parametrize("layout", sorted(_odd_layouts()))
+def test_copied_inputs_are_not_contiguous_in_torch(recorder, side, layout):
+    """module.mm (like torch_steel.sim) makes the plan's copies with Tensor.contiguous(), which
+    returns a tensor torch already calls contiguous as it is, storage offset included. The
+    planner describes a copy as TensorDesc::contiguous(): offset 0, so it may assume 16-byte
+    alignment. The two agree only while planners copy nothing torch calls contiguous."""
+    x = _odd_layouts()[layout]
+    other = _t(x.shape[-1], 8) if side == "a" else _t(8, x.shape[-2])
+    tensors = [x, other, None, None] if side == "a" else [other, x, None, None]
+    record = _record(recorder, "gemm", tensors, {})
+    assert record["ok"], record
+    for slot in record["contiguous"]:
+        assert not tensors[slot].is_contiguous(), (layout, slot, tensors[slot].stride())
+
+
 # ---- function-constant types ------------------------------------------------------------------
 #
 # Metal specializes a kernel with MTLFunctionConstantValues, each value given with an MTLDataType
