@@ -35,6 +35,9 @@ SOURCE_DIR = "metal_src"
 
 _load_lock = threading.Lock()
 _loaded = False
+# Why the library could not be loaded, once that failed: later calls raise it again at once
+# instead of recompiling every shader (seconds) on every op call.
+_load_failure: str | None = None
 
 
 @functools.cache
@@ -82,38 +85,47 @@ def library_sources(package_dir: Path) -> tuple[Path | None, list[Path]]:
 
 
 def _load_library(ext) -> None:
-    """Gives the extension its kernels, once per process."""
-    global _loaded
+    """Gives the extension its kernels, once per process (a failure is final too)."""
+    global _load_failure
     with _load_lock:
         if _loaded:
             return
-        package_dir = PACKAGE_DIR
-        metallib, sources = library_sources(package_dir)
-        why = (
-            "no precompiled metallib is installed (Xcode's Metal toolchain was missing at "
-            "install time)"
+        if _load_failure is not None:
+            raise RuntimeError(_load_failure)
+        try:
+            _load_library_locked(ext)
+        except Exception as error:
+            _load_failure = f"torch-steel: the Metal kernels are unavailable: {error}"
+            raise
+
+
+def _load_library_locked(ext) -> None:
+    """_load_library's work, under its lock; raises when no library loads."""
+    global _loaded
+    package_dir = PACKAGE_DIR
+    metallib, sources = library_sources(package_dir)
+    why = "no precompiled metallib is installed (Xcode's Metal toolchain was missing)"
+    if metallib is not None:
+        try:
+            ext.load_metallib(str(metallib))
+            _loaded = True
+            return
+        except RuntimeError as error:  # e.g. built by a newer Xcode than this macOS runs
+            if not sources:
+                raise
+            why = f"the installed metallib does not load ({error})"
+    if not sources:
+        raise RuntimeError(
+            f"torch-steel: neither {METALLIB} nor {SOURCE_DIR}/*.metal is installed in "
+            f"{package_dir}; reinstall torch-steel"
         )
-        if metallib is not None:
-            try:
-                ext.load_metallib(str(metallib))
-                _loaded = True
-                return
-            except RuntimeError as error:  # e.g. built by a newer Xcode than this macOS runs
-                if not sources:
-                    raise
-                why = f"the installed metallib does not load ({error})"
-        if not sources:
-            raise RuntimeError(
-                f"torch-steel: neither {METALLIB} nor {SOURCE_DIR}/*.metal is installed in "
-                f"{package_dir}; reinstall torch-steel"
-            )
-        warnings.warn(
-            f"torch-steel: {why}; compiling the shaders with the Metal runtime compiler now, "
-            "once per process. Install Xcode and reinstall torch-steel to skip this.",
-            stacklevel=3,
-        )
-        ext.compile_sources([path.read_text() for path in sources])
-        _loaded = True
+    warnings.warn(
+        f"torch-steel: {why}; compiling the shaders with the Metal runtime compiler now, "
+        "once per process. Install Xcode and reinstall torch-steel to skip this.",
+        stacklevel=4,
+    )
+    ext.compile_sources([path.read_text() for path in sources])
+    _loaded = True
 
 
 def run_op(

@@ -21,6 +21,7 @@ class FakeExtension:
         self.calls = []
         self.error = None
         self.metallib_error = None
+        self.compile_error = None
 
     def load_metallib(self, path):
         self.calls.append(("load_metallib", path))
@@ -29,6 +30,8 @@ class FakeExtension:
 
     def compile_sources(self, sources):
         self.calls.append(("compile_sources", sources))
+        if self.compile_error is not None:
+            raise self.compile_error
 
     def run_op(self, op, tensors, options):
         self.calls.append(("run_op", op, len(tensors), options))
@@ -42,6 +45,7 @@ def fake(monkeypatch, tmp_path):
     ext = FakeExtension()
     monkeypatch.setattr(metal, "_extension", lambda: ext)
     monkeypatch.setattr(metal, "_loaded", False)
+    monkeypatch.setattr(metal, "_load_failure", None)
     monkeypatch.setattr(metal, "PACKAGE_DIR", tmp_path)
     return ext
 
@@ -109,6 +113,27 @@ def test_a_metallib_that_does_not_load_without_sources_is_an_error(fake, tmp_pat
     fake.metallib_error = RuntimeError("torch-steel: cannot load the Metal library: version")
     with pytest.raises(RuntimeError, match="cannot load the Metal library"):
         metal.run_op("gemm", [None], {})
+
+
+def test_a_failed_load_is_not_retried_on_every_op(fake, tmp_path):
+    """Compiling every shader takes seconds: a library that does not compile must not be
+    compiled again by each later op call, which raise the same error at once."""
+    _sources(tmp_path, ["a.metal"])
+    fake.compile_error = RuntimeError("torch-steel: the Metal runtime compiler rejected x")
+    with pytest.warns(UserWarning, match="runtime compiler"):
+        with pytest.raises(RuntimeError, match="rejected x"):
+            metal.run_op("gemm", [None], {})
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Metal kernels are unavailable: .*rejected x"):
+            metal.run_op("gemm", [None], {})
+    assert [c[0] for c in fake.calls] == ["compile_sources"]
+
+
+def test_the_compile_warning_points_at_the_caller(fake, tmp_path):
+    _sources(tmp_path, ["a.metal"])
+    with pytest.warns(UserWarning, match="runtime compiler") as record:
+        metal.run_op("gemm", [None], {})
+    assert record[0].filename == __file__
 
 
 def test_no_library_installed(fake):
