@@ -350,3 +350,47 @@ def test_msl_violations_do_not_compile(tmp_path, name):
     assert proc.returncode != 0
     # The error points at the kernel's own line in the original file.
     assert "k.metal:15:" in proc.stderr, proc.stderr
+
+
+KERNEL_WITH = (
+    "#include <metal_stdlib>\nusing namespace metal;\n"
+    "kernel void k(device float* out [[buffer(0)]], DECL) { out[0] = float(USE); }\n"
+)
+ON_DEVICE = "points to device or constant memory"
+BAD_PARAMETERS = {
+    "thread_pointer_buffer": ("thread float* p [[buffer(1)]]", "p[0]", ON_DEVICE),
+    "threadgroup_pointer_buffer": ("threadgroup float* p [[buffer(1)]]", "p[0]", ON_DEVICE),
+    "by_value_buffer": ("float p [[buffer(1)]]", "p", "is a pointer or a reference"),
+    "device_pointer_threadgroup": (
+        "device float* p [[threadgroup(0)]]",
+        "p[0]",
+        "is a threadgroup pointer",
+    ),
+    "float_position": ("float p [[thread_position_in_grid]]", "p", "is uint or ushort"),
+    "int_lane": ("int p [[thread_index_in_simdgroup]]", "p", "is uint or ushort"),
+}
+GOOD_PARAMETERS = [
+    ("constant float* p [[buffer(1)]]", "p[0]"),
+    ("const device float& p [[buffer(1)]]", "p"),
+    ("threadgroup float* p [[threadgroup(0)]]", "p[0]"),
+    ("ushort2 p [[thread_position_in_grid]]", "p.x"),
+    ("const uint p [[thread_index_in_simdgroup]]", "p"),
+]
+
+
+@needs_clang
+@pytest.mark.parametrize("name", list(BAD_PARAMETERS))
+def test_kernel_parameters_of_types_msl_refuses_do_not_compile(tmp_path, name):
+    """MSL's buffer arguments are device or constant pointers or references, [[threadgroup(n)]]
+    ones threadgroup pointers, and thread-position attributes uint or ushort (or vectors)."""
+    decl, use, message = BAD_PARAMETERS[name]
+    proc = syntax_check(tmp_path, KERNEL_WITH.replace("DECL", decl).replace("USE", use))
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+@needs_clang
+@pytest.mark.parametrize(("decl", "use"), GOOD_PARAMETERS)
+def test_kernel_parameters_msl_allows_compile(tmp_path, decl, use):
+    proc = syntax_check(tmp_path, KERNEL_WITH.replace("DECL", decl).replace("USE", use))
+    assert proc.returncode == 0, proc.stderr

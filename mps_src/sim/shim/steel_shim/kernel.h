@@ -44,16 +44,26 @@ inline const uint32_t* attr_value(const steel_sim::LaneInfo& l) {
 template <int kAttr>
 constexpr int attr_dims = kAttr <= kThreadsPerGrid ? 3 : 1;
 
-// [[buffer(I)]]: a pointer or a reference into the bound buffer.
+// The address space (types.h: 1 device, 2 constant, 3 threadgroup) of what a pointer or
+// reference parameter refers to.
+template <typename Arg>
+constexpr int pointee_space = metal::remove_address_space<
+    __remove_pointer(__remove_reference_t(Arg))>::value;
+
+// [[buffer(I)]]: a pointer or a reference into the bound buffer, in the device or constant
+// address space, as MSL requires of buffer arguments.
 template <uint32_t I>
 struct buffer {
   template <typename Arg>
   static Arg get() {
+    static_assert(__is_pointer(Arg) || __is_reference(Arg),
+                  "a [[buffer(n)]] parameter is a pointer or a reference");
+    static_assert(pointee_space<Arg> == 1 || pointee_space<Arg> == 2,
+                  "a [[buffer(n)]] parameter points to device or constant memory");
     void* p = steel_sim::buffer(I);
     if constexpr (__is_reference(Arg)) {
       return *(__remove_reference_t(Arg)*)p;
     } else {
-      static_assert(__is_pointer(Arg), "a [[buffer(n)]] parameter is a pointer or a reference");
       return (Arg)p;
     }
   }
@@ -64,7 +74,8 @@ template <uint32_t I>
 struct threadgroup_buffer {
   template <typename Arg>
   static Arg get() {
-    static_assert(__is_pointer(Arg), "a [[threadgroup(n)]] parameter is a threadgroup pointer");
+    static_assert(__is_pointer(Arg) && pointee_space<Arg> == 3,
+                  "a [[threadgroup(n)]] parameter is a threadgroup pointer");
     return (Arg)steel_sim::threadgroup_buffer(I);
   }
 };
@@ -75,7 +86,10 @@ struct attr {
   template <typename Arg>
   static Arg get() {
     const uint32_t* v = attr_value<kAttr>(steel_sim::lane());
-    using Info = metal::steel_traits::vector_info<Arg>;
+    using Info = metal::steel_traits::vector_info<metal::remove_cv_t<Arg>>;
+    static_assert(__is_same(typename Info::element, uint) ||
+                      __is_same(typename Info::element, ushort),
+                  "a thread-position attribute is uint or ushort (or a vector of them)");
     if constexpr (Info::is_vector) {
       static_assert(Info::size <= attr_dims<kAttr>, "this attribute has fewer components");
       Arg out;
