@@ -123,6 +123,26 @@ def test_transpose_with_origin_matches_metal_jl_hardware_test(tname, memory):
     assert torch.equal(b_out[untouched], torch.full((15 * 20 - 64,), -500.0, dtype=dtype))
 
 
+LANE_ARGS = ["load_pointer", "load_elements_per_row", "load_origin", "load_transpose", "store"]
+
+
+@pytest.mark.parametrize("what", range(len(LANE_ARGS)), ids=LANE_ARGS)
+def test_load_store_arguments_must_be_the_same_in_every_lane(what):
+    """A simdgroup_load / simdgroup_store is one matrix operation of the simdgroup: arguments that
+    differ between lanes are an error, not a per-lane gather or scatter."""
+    from torch_steel.errors import SimulatorError
+
+    src = torch.arange(128, dtype=torch.float32)
+    dst = torch.zeros(128)
+    buffers = {0: src, 1: dst, 2: struct.pack("2I", what, 32)}
+    run("lang_matrix_lane_args", grid=(1,), threads=(32,), buffers=buffers)
+    assert torch.equal(dst[:64], src[:64])
+    buffers[2] = struct.pack("2I", what, 16)
+    op = "simdgroup_store" if LANE_ARGS[what] == "store" else "simdgroup_load"
+    with pytest.raises(SimulatorError, match=f"{op}: the lanes of the simdgroup pass different"):
+        run("lang_matrix_lane_args", grid=(1,), threads=(32,), buffers=buffers)
+
+
 def mma_reference(a, b, c, out_dtype):
     """D = A B + C as DESIGN.md states: acc = C[r, c]; acc += A[r, k] * B[k, c] for k = 0..7,
     every product and sum rounded to binary32; then rounded to D's type."""

@@ -133,3 +133,21 @@ template [[host_name("lang_mma_inplace_f16")]] [[kernel]] decltype(lang_mma_inpl
   simdgroup_multiply_accumulate(m, m, m, m);
   simdgroup_store(m, out, 8);
 }
+
+// simdgroup_load / simdgroup_store with arguments that differ between lanes when `split` < 32
+// (lanes >= split pass another pointer, stride, origin or transpose flag, as `what` says).
+[[kernel]] void lang_matrix_lane_args(const device float* src [[buffer(0)]],
+                                      device float* dst [[buffer(1)]],
+                                      constant uint2& p [[buffer(2)]],
+                                      ushort lane [[thread_index_in_simdgroup]]) {
+  const bool other = lane >= p.y;
+  const uint what = p.x;
+  const device float* s = src + (what == 0 && other ? 1 : 0);
+  const ulong per_row = what == 1 && other ? 9 : 8;
+  const ulong2 origin = ulong2(what == 2 && other ? 1 : 0, 0);
+  const bool transpose = what == 3 && other;
+  simdgroup_float8x8 m;
+  simdgroup_load(m, s, per_row, origin, transpose);
+  device float* d = dst + (what == 4 && other ? 1 : 0);
+  simdgroup_store(m, d, 8);
+}

@@ -85,11 +85,40 @@ inline P frag_element(P base, ulong elements_per_row, O origin, bool transpose, 
                    : base + (y + ulong(r)) * elements_per_row + x + ulong(c);
 }
 
+// The arguments of a simdgroup_load / simdgroup_store describe one matrix for the whole
+// simdgroup: a pointer, stride, origin or transpose flag that differs between the lanes has no
+// meaning on the GPU, so it is an error here rather than a per-lane gather.
+struct MatrixArgs {
+  ulong address;
+  ulong elements_per_row;
+  ulong x;
+  ulong y;
+  ulong transpose;
+};
+
+template <typename P, typename O>
+STEEL_CONVERGENT inline void matrix_args_uniform(P p, ulong elements_per_row, O origin,
+                                                 bool transpose, steel_sim::SimdKind kind,
+                                                 const char* name) {
+  const MatrixArgs mine{ulong(__builtin_bit_cast(__UINTPTR_TYPE__, p)), elements_per_row,
+                        ulong(origin[0]), ulong(origin[1]), ulong(transpose)};
+  const auto e = exchange(mine, kind);
+  for (uint32_t l = 0; l < 32; ++l) {
+    if (!((e.mask >> l) & 1u)) continue;
+    const MatrixArgs other = lane_value<MatrixArgs>(e, l);
+    if (__builtin_memcmp(&other, &mine, sizeof(MatrixArgs)) != 0) {
+      steel_sim::fail(name);
+    }
+  }
+}
+
 template <typename T, typename P, typename O>
 STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P src,
                                          ulong elements_per_row, O origin, bool transpose) {
-  uint32_t mask;
-  steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixLoad, &mask);
+  matrix_args_uniform(src, elements_per_row, origin, transpose,
+                      steel_sim::SimdKind::MatrixLoad,
+                      "simdgroup_load: the lanes of the simdgroup pass different arguments "
+                      "(pointer, elements_per_row, matrix_origin or transpose_matrix)");
   const uint32_t l = simd_lane();
   const int r = frag_row(l);
   const int c = frag_col(l);
@@ -100,8 +129,10 @@ STEEL_CONVERGENT inline void matrix_load(metal::simdgroup_matrix<T, 8, 8>& d, P 
 template <typename T, typename P, typename O>
 STEEL_CONVERGENT inline void matrix_store(const metal::simdgroup_matrix<T, 8, 8>& a, P dst,
                                           ulong elements_per_row, O origin, bool transpose) {
-  uint32_t mask;
-  steel_sim::simd_exchange(nullptr, 0, steel_sim::SimdKind::MatrixStore, &mask);
+  matrix_args_uniform(dst, elements_per_row, origin, transpose,
+                      steel_sim::SimdKind::MatrixStore,
+                      "simdgroup_store: the lanes of the simdgroup pass different arguments "
+                      "(pointer, elements_per_row, matrix_origin or transpose_matrix)");
   const uint32_t l = simd_lane();
   const int r = frag_row(l);
   const int c = frag_col(l);
