@@ -104,6 +104,14 @@ Options to_options(const py::dict& options) {
   return result;
 }
 
+// Which plan slots hold a tensor: the op's arguments that are present, then every allocation.
+std::vector<bool> slots_present(const TensorList& descs, const Plan& plan) {
+  std::vector<bool> present;
+  for (const auto& desc : descs) present.push_back(desc.has_value());
+  present.resize(present.size() + plan.allocations.size(), true);
+  return present;
+}
+
 // Plans the op and builds the pipelines of its dispatches. Metal may cap a pipeline below the
 // plan's threadgroup size (the compiler lowers maxTotalThreadsPerThreadgroup when a kernel needs
 // many registers): then the op is planned again with "max_threads", which planners honour.
@@ -112,6 +120,13 @@ Plan plan_with_pipelines(const std::string& op, const TensorList& descs, Options
   for (int attempt = 1;; ++attempt) {
     Plan plan = make_plan(op, descs, options);
     TORCH_CHECK(plan.ok, kRefused, plan.reason);
+    // A plan that Metal would reject or misread (a planner bug, not a refusal) is stopped before
+    // any Metal call: no pipeline is specialized with its constants, nothing is encoded.
+    try {
+      validate_plan(plan, slots_present(descs, plan));
+    } catch (const InvalidPlan& e) {
+      TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
+    }
     pipelines.clear();
     uint64_t cap = std::numeric_limits<uint64_t>::max();
     const Dispatch* capped = nullptr;
@@ -182,7 +197,15 @@ class MetalBackend {
 };
 
 // Encodes on the current MPS stream. Nothing may unwind out of a block running on the stream's
-// dispatch queue, so errors are carried out as a string and raised on the caller's thread.
+// dispatch queue, so errors are carried out as a string and raised on the caller's thread
+// (PyTorch's dispatch_sync_with_rethrow does the same but is not exported to extensions;
+// tests/mps/test_objc_check.py holds every dispatch block to this).
+//
+// No commit, as PyTorch's own Metal kernels: the dispatches join the stream's current command
+// buffer and shared compute encoder, and the stream commits when something synchronizes (a copy
+// to the CPU, torch.mps.synchronize) or adaptively. Encoders on one queue run in order and the
+// compute encoder dispatches serially with hazard tracking, so a split-K reduction sees the
+// partials of the dispatch before it and later work sees our outputs.
 void encode_on_stream(const std::string& op, const Plan& plan,
                       const std::vector<id<MTLComputePipelineState>>& pipelines,
                       const std::vector<at::Tensor>& slots, const std::vector<bool>& present) {
@@ -231,17 +254,13 @@ std::vector<at::Tensor> run_op(const std::string& op,
 
   std::vector<id<MTLComputePipelineState>> pipelines;
   const Plan plan = plan_with_pipelines(op, descs, to_options(options), pipelines);
-  // Checked before anything is allocated or encoded: a bad plan must not half-run.
-  std::vector<bool> present;
-  for (const auto& desc : descs) present.push_back(desc.has_value());
-  present.resize(present.size() + plan.allocations.size(), true);
-  try {
-    validate_plan(plan, present);
-  } catch (const InvalidPlan& e) {
-    TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
-  }
+  const std::vector<bool> present = slots_present(descs, plan);  // the plan was validated with it
 
   // Slots: the inputs (contiguous copies where the plan asks), then the plan's allocations.
+  // Copies and scratch die when run_op returns, before the GPU has run: as for the temporaries
+  // of PyTorch's own MPS ops, that is safe. The caching allocator hands a freed buffer only to
+  // later work, which runs after ours on the same stream, and releases a buffer to Metal only
+  // when no command buffer retains it (PyTorch's command buffers retain what they use).
   std::vector<at::Tensor> slots;
   for (const std::optional<at::Tensor>& tensor : tensors) {
     slots.push_back(tensor.has_value() ? *tensor : at::Tensor());
