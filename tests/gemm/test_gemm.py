@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gemm_helpers import DTYPES, assert_close, rand, reference, requires_simulator
 
 from torch_steel import sim
@@ -200,6 +201,18 @@ def test_gemm_gelu_negative_tail_is_relatively_accurate():
     rel = ((out.double() - ref) / ref).abs()
     assert bool((rel < 0.04).all()), list(zip(vals, out.tolist(), ref.tolist(), strict=True))
     assert bool((rel[:4] < 2e-3).all()), rel[:4]  # |v| <= 5: the approximation's 0.16%
+
+
+def test_gemm_gelu_tanh_negative_tail_is_relatively_accurate():
+    """gelu_tanh(v) = 0.5 v (1 + tanh(u)) for v in -2..-6 (-0.045 down to -1e-12) to 1e-4 of
+    float64 torch: in fp32, 1 + tanh(u) cancels to a few ulps of 1 (30% off at v = -5)."""
+    vals = [-2.0, -3.0, -4.0, -5.0, -5.5, -6.0, 0.5, 2.0, 4.0]
+    pre = torch.tensor(vals, dtype=torch.float32)
+    c = pre[:, None].expand(len(vals), 8)
+    out = run(torch.zeros(len(vals), 4), torch.zeros(4, 8), c=c, activation="gelu_tanh")[:, 0]
+    ref = F.gelu(pre.double(), approximate="tanh")
+    rel = ((out.double() - ref) / ref).abs()
+    assert bool((rel < 1e-4).all()), list(zip(vals, out.tolist(), ref.tolist(), strict=True))
 
 
 def test_gemm_batched_c_broadcast():

@@ -38,9 +38,12 @@ inline float activate(float v, int activation) {
     case kSteelActGelu:
       return gelu_erf(v);
     case kSteelActGeluTanh: {
-      // tanh saturates to +-1 in fp32 well before |u| = 10; clamping keeps fast tanh in range.
-      const float u = clamp(0.7978845608028654f * (v + 0.044715f * v * v * v), -10.0f, 10.0f);
-      return 0.5f * v * (1.0f + tanh(u));
+      // 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)). The first form cancels for u < 0 (1 + tanh
+      // is a few ulps of 1 near u = -8: 30% off at v = -5, 0 below v = -5.3); the second keeps
+      // exp's relative accuracy. u = +-inf (v^3 overflows) gives v or a signed zero, v = -inf
+      // NaN (-inf / inf, as torch's 0.5 * -inf * 0).
+      const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+      return v / (1.0f + exp(-2.0f * u));
     }
     case kSteelActSilu:
       return v / (1.0f + exp(-v));
