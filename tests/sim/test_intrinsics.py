@@ -270,7 +270,17 @@ def test_fast_min_max_clamp_refuse_nan(which):
         nan_in[5] = 1.0
 
 
-SHIFTS = ["down", "up", "rotate_down", "rotate_up", "fill_down", "fill_up", "fill_modulo"]
+SHIFTS = [
+    "down",
+    "up",
+    "rotate_down",
+    "rotate_up",
+    "fill_down",
+    "fill_up",
+    "fill_modulo",
+    "xor",
+    "broadcast",
+]
 
 
 def shifted(x: torch.Tensor, which: str) -> torch.Tensor:
@@ -284,6 +294,10 @@ def shifted(x: torch.Tensor, which: str) -> torch.Tensor:
         return x[(lane + 1) % 32]
     if which == "rotate_up":
         return x[(lane + 31) % 32]
+    if which == "xor":
+        return x[lane ^ 1]
+    if which == "broadcast":
+        return x[torch.ones(32, dtype=torch.long)]
     fill = -x
     if which == "fill_down":
         return torch.where(lane + 1 < 32, x[(lane + 1) % 32], fill[(lane + 1) % 32])
@@ -295,8 +309,10 @@ def shifted(x: torch.Tensor, which: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("which", range(len(SHIFTS)), ids=SHIFTS)
 def test_shift_delta_must_be_uniform(which):
-    """Apple documents for simd_shuffle_up/down that "the value for delta must be the same for all
-    threads in the SIMD-group"; a per-lane delta (or modulo) is an error, not a per-lane shift."""
+    """MSL: "the value for delta needs to be the same for all threads in the SIMD-group" (the
+    shifts, rotations and fills), likewise simd_shuffle_xor's mask, and simd_broadcast's lane is
+    undefined otherwise: one that differs between lanes (here: 1 below lane 16, 2 from lane 16)
+    is an error, not a per-lane shift."""
     from torch_steel.errors import SimulatorError
 
     x = torch.arange(32, dtype=torch.float32) + 1
@@ -308,13 +324,52 @@ def test_shift_delta_must_be_uniform(which):
         buffers={0: x, 1: out, 2: struct.pack("2I", which, 32)},
     )
     assert torch.equal(out, shifted(x, SHIFTS[which]))
-    with pytest.raises(SimulatorError, match="delta differs between the lanes"):
+    with pytest.raises(SimulatorError, match="differs between the lanes"):
         run(
             "lang_shuffle_delta",
             grid=(1,),
             threads=(32,),
             buffers={0: x, 1: out, 2: struct.pack("2I", which, 16)},
         )
+
+
+@pytest.mark.parametrize("modulo", [2, 4, 8, 16, 32, 3, 12, 64])
+def test_fill_modulo_must_be_a_power_of_two_up_to_32(modulo):
+    from torch_steel.errors import SimulatorError
+
+    x = torch.arange(32, dtype=torch.float32) + 1
+    out = torch.zeros(32)
+    args = struct.pack("2I", 100 + modulo, 32)
+    kw = dict(grid=(1,), threads=(32,), buffers={0: x, 1: out, 2: args})
+    if modulo in (2, 4, 8, 16, 32):
+        run("lang_shuffle_delta", **kw)
+        lane = torch.arange(32)
+        base, src = lane - lane % modulo, lane % modulo + 1
+        expected = torch.where(src < modulo, x[base + src % modulo], -x[base + src % modulo])
+        assert torch.equal(out, expected)
+    else:
+        with pytest.raises(SimulatorError, match="modulo must be 2, 4, 8, 16 or 32"):
+            run("lang_shuffle_delta", **kw)
+
+
+@pytest.mark.parametrize("active", [32, 20])
+def test_vote_all_and_any_look_at_every_thread(active):
+    """MSL 6.9.2: "simd_ballot(expr).all() returns true if all threads were active and evaluated
+    the expr to true. (simd_vote::all() does not look at which threads are active.)", unlike
+    simd_all; the ballot sets the bits of inactive threads to 0."""
+    out = torch.full((32 * 8,), 7, dtype=torch.int32)
+    run(
+        "lang_votes",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: struct.pack("I", active)},
+    )
+    got = out.view(32, 8)[:active]
+    evens = sum(1 << lane for lane in range(0, active, 2))
+    everyone = int(active == 32)
+    expected = [everyone, 1, 1, 1, evens - (1 << 32 if evens >= 1 << 31 else 0), 1, 0, everyone]
+    assert got.tolist() == [expected] * active
+    assert (out.view(32, 8)[active:] == 7).all()
 
 
 def test_vector_math_and_comparison_reductions():

@@ -304,6 +304,9 @@ BROKEN = {
     # The constant address space is read-only in MSL.
     "write_constant": "c[i] = out[i];",
     "write_constant_copy": "constant float* q = c + 1; *q = 0;",
+    # simd_* functions take no bool, long or ulong operands (MSL 6.9.2).
+    "simd_sum_long": "out[i] = float(simd_sum(long(i)));",
+    "simd_shuffle_bool": "out[i] = simd_shuffle(i > 3, ushort(0)) ? 1 : 0;",
 }
 
 

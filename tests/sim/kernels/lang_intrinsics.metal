@@ -163,7 +163,8 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
 }
 
 // A shift whose delta differs between lanes (lanes >= `split` use delta + 1): Metal requires the
-// same delta in every thread, so only split == 32 (or 0) is valid. `which` picks the function.
+// same delta in every thread, so only split == 32 (or 0) is valid. `which` picks the function
+// (100 + m: simd_shuffle_and_fill_down with modulo m).
 [[kernel]] void lang_shuffle_delta(const device float* x [[buffer(0)]],
                                    device float* out [[buffer(1)]],
                                    constant uint2& p [[buffer(2)]],
@@ -177,6 +178,27 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
     case 3: out[lane] = simd_shuffle_rotate_up(v, delta); break;
     case 4: out[lane] = simd_shuffle_and_fill_down(v, -v, delta); break;
     case 5: out[lane] = simd_shuffle_and_fill_up(v, -v, delta); break;
-    default: out[lane] = simd_shuffle_and_fill_down(v, -v, ushort(1), ushort(lane >= p.y ? 8 : 16));
+    case 6:
+      out[lane] = simd_shuffle_and_fill_down(v, -v, ushort(1), ushort(lane >= p.y ? 8 : 16));
+      break;
+    case 7: out[lane] = simd_shuffle_xor(v, delta); break;
+    case 8: out[lane] = simd_broadcast(v, delta); break;
+    default: out[lane] = simd_shuffle_and_fill_down(v, -v, ushort(1), ushort(p.x - 100));
   }
+}
+
+// Votes with lanes >= `active` exited: simd_ballot(e).all() / any() look at all 32 bits, simd_all
+// / simd_any at the active lanes only; the low 32 bits of the ballot are written too.
+[[kernel]] void lang_votes(device uint* out [[buffer(0)]], constant uint& active [[buffer(1)]],
+                           ushort lane [[thread_index_in_simdgroup]]) {
+  if (lane >= active) return;
+  device uint* o = out + lane * 8;
+  o[0] = simd_ballot(true).all() ? 1 : 0;
+  o[1] = simd_all(true) ? 1 : 0;
+  o[2] = simd_ballot(lane == 0).any() ? 1 : 0;
+  o[3] = simd_any(lane == 0) ? 1 : 0;
+  o[4] = uint(ulong(simd_ballot(lane % 2 == 0)));
+  o[5] = simd_vote(0xffffffffu).all() ? 1 : 0;
+  o[6] = simd_vote(ulong(1) << 40).any() ? 1 : 0;
+  o[7] = simd_active_threads_mask().all() ? 1 : 0;
 }

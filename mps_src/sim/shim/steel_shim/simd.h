@@ -104,22 +104,35 @@ struct WithDelta {
 };
 
 template <typename T>
-inline void require_uniform_delta(const Exchanged& e, const char* name) {
+inline void require_uniform_delta(const Exchanged& e, const char* name, const char* what) {
   const uint32_t first = uint32_t(__builtin_ctz(e.mask));
   const WithDelta<T> a = lane_value<WithDelta<T>>(e, first);
   for (uint32_t l = first + 1; l < 32; ++l) {
     if (!((e.mask >> l) & 1u)) continue;
     const WithDelta<T> b = lane_value<WithDelta<T>>(e, l);
     if (b.delta != a.delta || b.modulo != a.modulo) {
-      char message[200];
+      char message[220];
       __builtin_snprintf(message, sizeof(message),
-                         "%s: delta differs between the lanes of the simdgroup (%u in lane %u, %u "
+                         "%s: %s differs between the lanes of the simdgroup (%u in lane %u, %u "
                          "in lane %u; modulo %u, %u); Metal requires the same in every thread",
-                         name, a.delta, first, b.delta, l, a.modulo, b.modulo);
+                         name, what, a.delta, first, b.delta, l, a.modulo, b.modulo);
       steel_sim::fail(message);
     }
   }
 }
+
+// MSL's simd_* functions take "a scalar or vector of any integer or floating-point type, except
+// bool, long, ulong, void, size_t, ptrdiff_t" (size_t and ptrdiff_t are ulong and long here).
+template <typename T>
+constexpr bool simd_operand_ok = !__is_same(typename vinfo<T>::element, bool) &&
+                                 !__is_same(typename vinfo<T>::element, long) &&
+                                 !__is_same(typename vinfo<T>::element, ulong) &&
+                                 !__is_same(typename vinfo<T>::element, long long) &&
+                                 !__is_same(typename vinfo<T>::element, unsigned long long);
+#define STEEL_SHIM_SIMD_OPERAND(T)                                               \
+  static_assert(::steel_shim::simd_operand_ok<T>,                                \
+                "simd_* functions take integer or floating-point scalars or vectors, " \
+                "not bool, long or ulong")
 
 // simd_shuffle_and_fill_down/up: shifts within vectors of `modulo` lanes (32 without it); the
 // lanes shifted in come from `filling` (its low lanes going down, its high lanes going up).
@@ -136,7 +149,10 @@ STEEL_CONVERGENT inline T shuffle_and_fill(T data, T filling, int delta, uint32_
       WithDelta<FillPair<T>>{FillPair<T>{data, filling}, uint32_t(delta < 0 ? -delta : delta),
                              modulo},
       steel_sim::SimdKind::Shuffle);
-  require_uniform_delta<FillPair<T>>(e, name);
+  require_uniform_delta<FillPair<T>>(e, name, "delta");
+  if (modulo != 2 && modulo != 4 && modulo != 8 && modulo != 16 && modulo != 32) {
+    steel_sim::fail("simd_shuffle_and_fill_*: modulo must be 2, 4, 8, 16 or 32");
+  }
   const uint32_t me = simd_lane();
   const uint32_t base = me - me % modulo;
   const int src = int(me % modulo) + delta;
@@ -150,40 +166,40 @@ STEEL_CONVERGENT inline T shuffle_and_fill(T data, T filling, int delta, uint32_
 
 namespace metal {
 
-#define STEEL_SHIM_SHUFFLE(name, arg, src_expr)                              \
-  template <typename T>                                                      \
-  STEEL_CONVERGENT inline T name(T data, ushort arg) {                       \
-    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle); \
-    const uint32_t me = steel_shim::simd_lane();                             \
-    (void)me;                                                                \
-    return steel_shim::lane_value<T>(e, src_expr);                           \
-  }
-STEEL_SHIM_SHUFFLE(simd_shuffle, lane, uint32_t(lane))
-STEEL_SHIM_SHUFFLE(simd_broadcast, lane, uint32_t(lane))
-STEEL_SHIM_SHUFFLE(simd_shuffle_xor, mask, me ^ uint32_t(mask))
-#undef STEEL_SHIM_SHUFFLE
+template <typename T>
+STEEL_CONVERGENT inline T simd_shuffle(T data, ushort simd_lane_id) {
+  STEEL_SHIM_SIMD_OPERAND(T);
+  const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
+  return steel_shim::lane_value<T>(e, uint32_t(simd_lane_id));
+}
 
-// "The value for delta must be the same for all threads in the SIMD-group" (Apple's
-// documentation of simd_shuffle_up / simd_shuffle_down; the rotate and fill forms shift the same
-// way): a delta that differs between the active lanes is an error, not a per-lane shift.
-#define STEEL_SHIM_SHUFFLE_UNIFORM(name, src_expr)                                         \
+// MSL requires these arguments to be the same in every thread of the SIMD-group ("the value for
+// delta needs to be the same for all threads"; likewise the mask of simd_shuffle_xor, and
+// simd_broadcast's lane is undefined otherwise): one that differs between the active lanes is an
+// error, not a per-lane shift.
+#define STEEL_SHIM_SHUFFLE_UNIFORM(name, arg, src_expr)                                    \
   template <typename T>                                                                    \
-  STEEL_CONVERGENT inline T name(T data, ushort delta) {                                   \
-    const auto e = steel_shim::exchange(steel_shim::WithDelta<T>{data, delta, 32},         \
+  STEEL_CONVERGENT inline T name(T data, ushort arg) {                                     \
+    STEEL_SHIM_SIMD_OPERAND(T);                                                            \
+    const auto e = steel_shim::exchange(steel_shim::WithDelta<T>{data, arg, 32},           \
                                         steel_sim::SimdKind::Shuffle);                     \
-    steel_shim::require_uniform_delta<T>(e, #name);                                        \
+    steel_shim::require_uniform_delta<T>(e, #name, #arg);                                  \
     const uint32_t me = steel_shim::simd_lane();                                           \
+    (void)me;                                                                              \
     return steel_shim::lane_value<steel_shim::WithDelta<T>>(e, src_expr).data;             \
   }
-STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_up, me >= delta ? me - delta : me)
-STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_down, me + delta < 32 ? me + delta : me)
-STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_up, (me + 32 - delta % 32) % 32)
-STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_down, (me + delta) % 32)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_broadcast, broadcast_lane_id, uint32_t(broadcast_lane_id))
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_xor, mask, me ^ uint32_t(mask))
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_up, delta, me >= delta ? me - delta : me)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_down, delta, me + delta < 32 ? me + delta : me)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_up, delta, (me + 32 - delta % 32) % 32)
+STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_rotate_down, delta, (me + delta) % 32)
 #undef STEEL_SHIM_SHUFFLE_UNIFORM
 
 // The first (lowest) active lane's value.
 template <typename T>
 STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
   return steel_shim::lane_value<T>(e, uint32_t(__builtin_ctz(e.mask)));
 }
@@ -191,12 +207,14 @@ STEEL_CONVERGENT inline T simd_broadcast_first(T data) {
 template <typename T>
 STEEL_CONVERGENT inline T simd_shuffle_and_fill_down(T data, T filling, ushort delta,
                                                      ushort modulo = 32) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   return steel_shim::shuffle_and_fill(data, filling, int(delta), modulo,
                                       "simd_shuffle_and_fill_down");
 }
 template <typename T>
 STEEL_CONVERGENT inline T simd_shuffle_and_fill_up(T data, T filling, ushort delta,
                                                    ushort modulo = 32) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   return steel_shim::shuffle_and_fill(data, filling, -int(delta), modulo,
                                       "simd_shuffle_and_fill_up");
 }
@@ -204,6 +222,7 @@ STEEL_CONVERGENT inline T simd_shuffle_and_fill_up(T data, T filling, ushort del
 #define STEEL_SHIM_REDUCE(name, op)                                         \
   template <typename T>                                                     \
   STEEL_CONVERGENT inline T name(T data) {                                  \
+    STEEL_SHIM_SIMD_OPERAND(T);                                             \
     const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce); \
     return steel_shim::fold(e, 32, data, op);                               \
   }
@@ -219,11 +238,13 @@ STEEL_SHIM_REDUCE(simd_xor, [](T a, T b) { return T(a ^ b); })
 // Prefix sums over the active lanes below (exclusive) or up to (inclusive) this lane.
 template <typename T>
 STEEL_CONVERGENT inline T simd_prefix_inclusive_sum(T data) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::plus<T>);
 }
 template <typename T>
 STEEL_CONVERGENT inline T simd_prefix_exclusive_sum(T data) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   const uint32_t me = steel_shim::simd_lane();
   if (!(e.mask & ((1u << me) - 1u))) return T(0);
@@ -231,51 +252,69 @@ STEEL_CONVERGENT inline T simd_prefix_exclusive_sum(T data) {
 }
 template <typename T>
 STEEL_CONVERGENT inline T simd_prefix_inclusive_product(T data) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   return steel_shim::fold(e, steel_shim::simd_lane() + 1, data, steel_shim::times<T>);
 }
 template <typename T>
 STEEL_CONVERGENT inline T simd_prefix_exclusive_product(T data) {
+  STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);
   const uint32_t me = steel_shim::simd_lane();
   if (!(e.mask & ((1u << me) - 1u))) return T(1);
   return steel_shim::fold(e, me, data, steel_shim::times<T>);
 }
 
-// A ballot: bit l is set when active lane l voted true.
+// A ballot: bit l is set when active lane l voted true. As MSL specifies, all() and any() look at
+// the bits of the 32 threads of the simdgroup, not at which were active (simd_ballot(e).all() is
+// false when a thread has exited; simd_all(e) is not), and the top 32 bits of vote_t are
+// undefined on 32-wide hardware: here they are set, so code that assumes zeros shows it.
 class simd_vote {
  public:
   using vote_t = ulong;
-  explicit constexpr simd_vote(vote_t v = 0, vote_t active = 0xffffffffu)
-      : v_(v), active_(active) {}
+  explicit constexpr simd_vote(vote_t v = 0) : v_(v) {}
   explicit constexpr operator vote_t() const { return v_; }
-  constexpr bool all() const { return (v_ & active_) == active_; }
-  constexpr bool any() const { return v_ != 0; }
+  constexpr bool all() const { return (v_ & 0xffffffffu) == 0xffffffffu; }
+  constexpr bool any() const { return (v_ & 0xffffffffu) != 0; }
 
  private:
   vote_t v_;
-  vote_t active_;
 };
 
 namespace steel_votes {
-STEEL_CONVERGENT inline simd_vote ballot(bool b) {
+// (bits of the active lanes that voted true, mask of the active lanes)
+struct Votes {
+  uint32_t yes;
+  uint32_t active;
+};
+STEEL_CONVERGENT inline Votes collect(bool b) {
   const unsigned char mine = b ? 1 : 0;
   const auto e = steel_shim::exchange(mine, steel_sim::SimdKind::Ballot);
-  ulong v = 0;
+  uint32_t v = 0;
   for (uint32_t l = 0; l < 32; ++l) {
-    if (((e.mask >> l) & 1u) && e.all[l]) v |= ulong(1) << l;
+    if (((e.mask >> l) & 1u) && e.all[l]) v |= 1u << l;
   }
-  return simd_vote(v, e.mask);
+  return Votes{v, e.mask};
+}
+inline simd_vote as_vote(uint32_t bits) {
+  return simd_vote(ulong(bits) | (ulong(0xffffffffu) << 32));
 }
 }  // namespace steel_votes
 
-STEEL_CONVERGENT inline simd_vote simd_ballot(bool b) { return steel_votes::ballot(b); }
-STEEL_CONVERGENT inline simd_vote simd_active_threads_mask() { return steel_votes::ballot(true); }
-STEEL_CONVERGENT inline bool simd_all(bool b) { return steel_votes::ballot(b).all(); }
-STEEL_CONVERGENT inline bool simd_any(bool b) { return steel_votes::ballot(b).any(); }
+STEEL_CONVERGENT inline simd_vote simd_ballot(bool b) {
+  return steel_votes::as_vote(steel_votes::collect(b).yes);
+}
+STEEL_CONVERGENT inline simd_vote simd_active_threads_mask() {
+  return steel_votes::as_vote(steel_votes::collect(true).yes);
+}
+STEEL_CONVERGENT inline bool simd_all(bool b) {
+  const steel_votes::Votes v = steel_votes::collect(b);
+  return v.yes == v.active;
+}
+STEEL_CONVERGENT inline bool simd_any(bool b) { return steel_votes::collect(b).yes != 0; }
 STEEL_CONVERGENT inline bool simd_is_first() {
-  const ulong active = ulong(steel_votes::ballot(true));
-  return steel_shim::simd_lane() == uint32_t(__builtin_ctzll(active));
+  const steel_votes::Votes v = steel_votes::collect(true);
+  return steel_shim::simd_lane() == uint32_t(__builtin_ctz(v.active));
 }
 
 }  // namespace metal
