@@ -233,7 +233,7 @@ def test_math_functions(tname):
     assert (out[:, 23] == fmax).all()
 
 
-FAST_MINMAX = ["max", "min", "clamp", "fmax", "fmin", "max_vector"]
+FAST_MINMAX = ["max", "min", "clamp", "fmax", "fmin", "max_vector", "saturate"]
 
 
 @pytest.mark.parametrize("which", range(len(FAST_MINMAX)), ids=FAST_MINMAX)
@@ -256,6 +256,7 @@ def test_fast_min_max_clamp_refuse_nan(which):
         "fmax": torch.maximum(a, b),
         "fmin": torch.minimum(a, b),
         "max_vector": torch.maximum(a, b),
+        "saturate": a.clamp(0, 1) + b.clamp(0, 1),
     }[name]
     assert torch.equal(out, expected)
     for nan_in in (a, b):

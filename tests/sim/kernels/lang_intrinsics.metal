@@ -158,7 +158,8 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
     case 2: out[i] = fast::clamp(x, y, 4.0f); break;
     case 3: out[i] = fast::fmax(x, y); break;
     case 4: out[i] = fast::fmin(x, y); break;
-    default: out[i] = fast::max(float2(x, 0.0f), float2(y, 0.0f)).x; break;
+    case 5: out[i] = fast::max(float2(x, 0.0f), float2(y, 0.0f)).x; break;
+    default: out[i] = fast::saturate(x) + fast::saturate(y); break;
   }
 }
 

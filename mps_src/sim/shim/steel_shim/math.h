@@ -321,8 +321,8 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
     metal::pow, metal::powr, metal::rint, metal::round, metal::rsqrt, metal::saturate,
     metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
 }  // namespace precise
-// fast::min, max, clamp, fmin and fmax are undefined for a NaN operand (only precise:: is IEEE
-// minNum/maxNum; metal:: is precise:: in a build without fast math, as this project's are), so a
+// fast::min, max, clamp, saturate, fmin and fmax are undefined for a NaN operand (MSL 6.2: "in
+// the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum; metal:: is precise:: in a build without fast math, as this project's are), so a
 // NaN operand is an error here instead of a plausible result.
 namespace fast {
 using namespace precise;
@@ -366,6 +366,11 @@ inline T clamp(T x, T lo, T hi) {
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
 inline T clamp(T x, steel_shim::elem_t<T> lo, steel_shim::elem_t<T> hi) {
   return fast::clamp(x, T(lo), T(hi));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T saturate(T x) {
+  steel_fast::refuse_nan("fast::saturate with a NaN operand: undefined in Metal", x);
+  return metal::saturate(x);
 }
 }  // namespace fast
 
