@@ -322,8 +322,9 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
     metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
 }  // namespace precise
 // fast::min, max, clamp, saturate, fmin and fmax are undefined for a NaN operand (MSL 6.2: "in
-// the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum; metal:: is precise:: in a build without fast math, as this project's are), so a
-// NaN operand is an error here instead of a plausible result.
+// the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum;
+// metal:: is precise:: in a build without fast math, as this project's are), so a NaN operand is
+// an error here instead of a plausible result.
 namespace fast {
 using namespace precise;
 
