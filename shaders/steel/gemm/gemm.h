@@ -50,6 +50,10 @@ struct GemmBlock {
   static constant constexpr short kLdB = kBCols + kPad;
   static constant constexpr int kATileElems = kARows * kLdA;
   static constant constexpr int kBTileElems = kBRows * kLdB;
+  // Whole 16-byte units, so that if the compiler packs As and Bs back to back, the second still
+  // starts 16-byte aligned, as the loaders' vector stores need.
+  static_assert(kATileElems * sizeof(T) % 16 == 0 && kBTileElems * sizeof(T) % 16 == 0,
+                "tile sizes must be multiples of 16 bytes");
 
   using LoaderA = BlockLoader<T, kARows, kACols, kLdA, kThreads>;
   using LoaderB = BlockLoader<T, kBRows, kBCols, kLdB, kThreads>;

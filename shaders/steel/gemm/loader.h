@@ -51,6 +51,10 @@ struct BlockLoader {
   static_assert(kRowsPerPass <= BROWS && BROWS % kRowsPerPass == 0, "tile rows vs threads");
 
   using Chunk = typename Bits<kVec * sizeof(T)>::type;
+  // The vector stores into threadgroup memory are aligned too, given a 16-byte aligned tile start
+  // (as MLX's loaders assume; the simulator allocates threadgroup arrays so): every destination
+  // row starts a multiple of the access size after it.
+  static_assert(kDstLd * sizeof(T) % sizeof(Chunk) == 0, "padded tile rows break alignment");
 
   const int src_ld;
   const short row;  // this thread's first row in the tile
