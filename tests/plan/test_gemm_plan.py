@@ -156,7 +156,7 @@ def test_vector_loads_need_aligned_rows():
 def test_vector_load_alignment_is_the_access_size():
     # Metal needs an access of N bytes aligned to N bytes. The 32x32 tile's loaders move 4
     # elements per thread per access (32 * 16 / 128): 8 bytes in f16, so rows 8-byte aligned
-    # (lda 60, offset 4) are enough there; the 64x64 tile's move 8 (16 bytes) and need 16.
+    # (storage offset 4, or lda 60) are enough there; the 64x64 tile's move 8 (16 bytes).
     small = plan(t(64, 64)[:, 4:64], t(60, 32))
     d = small.dispatches[0]
     assert "_bm32_bn32_" in d.kernel and params(d)["lda"] == 64
