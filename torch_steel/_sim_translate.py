@@ -622,6 +622,7 @@ class _Translator:
         # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
         is_template = self.follows_template_head(r, marker)
         j = marker_end
+        declared: list[str] = []  # the tokens before the parameter list, attributes left out
         while r.t(j) != "(":
             if r.t(j) in (";", "{", "}") or j >= len(r.sig):
                 raise r.error(marker, "cannot find the kernel's parameter list")
@@ -633,10 +634,13 @@ class _Translator:
                 r.sub(j, end, "")
                 j = end
                 continue
+            declared.append(r.t(j))
             j += 1
         name = r.t(j - 1)
         if r.kind(j - 1) != "ident":
             raise r.error(j, "cannot find the kernel's name")
+        if declared[-2:-1] != ["void"]:
+            raise r.error(j - 1, "a kernel function returns void (MSL)")
         if host is None:
             host = f'"{name}"'
         close = r.match(j)

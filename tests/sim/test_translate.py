@@ -151,6 +151,8 @@ def test_long_form_instantiation_is_registered():
         ("thread_local int counter;", "'thread_local' is not MSL"),
         ("struct A {}; bool f(A a) { return typeid(a) == typeid(A); }", "'typeid' is not MSL"),
         ("void f(int x) { register int y = x; }", "'register' is not MSL"),
+        ("[[kernel]] int f(device float* o [[buffer(0)]]) { return 0; }", "returns void"),
+        ("[[kernel]] float4 f(uint i [[thread_position_in_grid]]) { return 0; }", "returns void"),
         (
             'template [[host_name("x")]] [[kernel]] void f(int x [[buffer(0)]]);',
             "kernel instantiations must name the template arguments",
