@@ -166,4 +166,69 @@ inline void validate_plan(const Plan& plan, const std::vector<bool>& present) {
   encode_plan(encoder, plan);
 }
 
+// Which plan slots hold a tensor: the op's arguments that are present, then every allocation.
+inline std::vector<bool> slots_present(const TensorList& tensors, const Plan& plan) {
+  std::vector<bool> present;
+  for (const auto& tensor : tensors) present.push_back(tensor.has_value());
+  present.resize(present.size() + plan.allocations.size(), true);
+  return present;
+}
+
+// What Metal reports about a dispatch's compute pipeline.
+struct PipelineLimits {
+  uint64_t max_threads = kMaxThreadsPerThreadgroup;  // maxTotalThreadsPerThreadgroup
+  uint64_t static_threadgroup_memory = 0;            // staticThreadgroupMemoryLength
+};
+
+// A pipeline whose compiler-chosen thread limit is below the plan's threadgroup size triggers a
+// re-plan under "max_threads"; a planner that honours it converges on the second attempt.
+inline constexpr int kPlanAttempts = 3;
+
+// Plans `op` within the limits of the pipelines it gets. Metal may cap a pipeline below the
+// plan's threadgroup size (the compiler lowers maxTotalThreadsPerThreadgroup when a kernel needs
+// many registers): then the op is planned again with "max_threads" = that cap, which planners
+// honour or refuse. Threadgroup memory, static and dynamic, beyond the device's is a refusal.
+//
+// limits_of(dispatch, i) builds (or finds) the pipeline of the i-th dispatch of a candidate plan
+// and returns its limits; it is called for every dispatch of every attempt, in order, after the
+// attempt passed validate_plan. Returns the plan, or a refused Plan whose reason names the limit;
+// throws InvalidPlan for a plan that Metal would reject or misread (a planner bug), before any
+// limits_of call for it.
+template <class LimitsOf>
+Plan plan_within_limits(const std::string& op, const TensorList& tensors, Options options,
+                        uint64_t device_threadgroup_memory, LimitsOf&& limits_of) {
+  for (int attempt = 1;; ++attempt) {
+    Plan plan = make_plan(op, tensors, options);
+    if (!plan.ok) return plan;
+    validate_plan(plan, slots_present(tensors, plan));
+    uint64_t cap = std::numeric_limits<uint64_t>::max();
+    std::string capped;
+    for (size_t i = 0; i < plan.dispatches.size(); ++i) {
+      const Dispatch& dispatch = plan.dispatches[i];
+      const PipelineLimits limits = limits_of(dispatch, i);
+      const uint64_t threads =
+          uint64_t{dispatch.threads[0]} * dispatch.threads[1] * dispatch.threads[2];
+      if (threads > limits.max_threads && limits.max_threads < cap) {
+        cap = limits.max_threads;
+        capped = dispatch.kernel;
+      }
+      uint64_t memory = limits.static_threadgroup_memory;
+      for (const ThreadgroupMemory& entry : dispatch.threadgroup_memory) memory += entry.bytes;
+      if (memory > device_threadgroup_memory) {
+        return Plan::refuse("kernel " + dispatch.kernel + " needs " + std::to_string(memory) +
+                            " bytes of threadgroup memory, the device has " +
+                            std::to_string(device_threadgroup_memory));
+      }
+    }
+    if (capped.empty()) return plan;
+    const double asked = options.number("max_threads", 1e9);
+    if (attempt >= kPlanAttempts || asked <= static_cast<double>(cap)) {
+      return Plan::refuse("kernel " + capped + " runs at most " + std::to_string(cap) +
+                          " threads per threadgroup on this device and the planner found no "
+                          "smaller plan");
+    }
+    options.numbers["max_threads"] = static_cast<double>(cap);
+  }
+}
+
 }  // namespace steel::mps

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,9 +29,6 @@ namespace steel::mps {
 namespace {
 
 constexpr const char* kRefused = "steel plan refused: ";
-// A pipeline whose compiler-chosen thread limit is below the plan's threadgroup size triggers a
-// re-plan under "max_threads"; a planner that honours it converges on the second attempt.
-constexpr int kPlanAttempts = 3;
 
 std::optional<DType> to_dtype(c10::ScalarType type) {
   switch (type) {
@@ -104,54 +100,31 @@ Options to_options(const py::dict& options) {
   return result;
 }
 
-// Which plan slots hold a tensor: the op's arguments that are present, then every allocation.
-std::vector<bool> slots_present(const TensorList& descs, const Plan& plan) {
-  std::vector<bool> present;
-  for (const auto& desc : descs) present.push_back(desc.has_value());
-  present.resize(present.size() + plan.allocations.size(), true);
-  return present;
-}
-
-// Plans the op and builds the pipelines of its dispatches. Metal may cap a pipeline below the
-// plan's threadgroup size (the compiler lowers maxTotalThreadsPerThreadgroup when a kernel needs
-// many registers): then the op is planned again with "max_threads", which planners honour.
-Plan plan_with_pipelines(const std::string& op, const TensorList& descs, Options options,
+// Plans the op within the limits of its pipelines (steel::mps::plan_within_limits, which
+// tests/mps runs with made-up limits) and leaves the final plan's pipelines in `pipelines`.
+Plan plan_with_pipelines(const std::string& op, const TensorList& descs, const Options& options,
                          std::vector<id<MTLComputePipelineState>>& pipelines) {
-  for (int attempt = 1;; ++attempt) {
-    Plan plan = make_plan(op, descs, options);
-    TORCH_CHECK(plan.ok, kRefused, plan.reason);
-    // A plan that Metal would reject or misread (a planner bug, not a refusal) is stopped before
-    // any Metal call: no pipeline is specialized with its constants, nothing is encoded.
-    try {
-      validate_plan(plan, slots_present(descs, plan));
-    } catch (const InvalidPlan& e) {
-      TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
-    }
-    pipelines.clear();
-    uint64_t cap = std::numeric_limits<uint64_t>::max();
-    const Dispatch* capped = nullptr;
-    for (const Dispatch& dispatch : plan.dispatches) {
-      id<MTLComputePipelineState> state = pipeline(dispatch);
-      pipelines.push_back(state);
-      const uint64_t threads = uint64_t{dispatch.threads[0]} * dispatch.threads[1] *
-                               dispatch.threads[2];
-      const uint64_t limit = [state maxTotalThreadsPerThreadgroup];
-      if (threads > limit && limit < cap) {
-        cap = limit;
-        capped = &dispatch;
-      }
-      uint64_t memory = [state staticThreadgroupMemoryLength];
-      for (const ThreadgroupMemory& entry : dispatch.threadgroup_memory) memory += entry.bytes;
-      TORCH_CHECK(memory <= max_threadgroup_memory(), kRefused, "kernel ", dispatch.kernel,
-                  " needs ", memory, " bytes of threadgroup memory, the device has ",
-                  max_threadgroup_memory());
-    }
-    if (capped == nullptr) return plan;
-    TORCH_CHECK(attempt < kPlanAttempts && options.number("max_threads", 1e9) > cap, kRefused,
-                "kernel ", capped->kernel, " runs at most ", cap,
-                " threads per threadgroup on this device and the planner found no smaller plan");
-    options.numbers["max_threads"] = static_cast<double>(cap);
+  Plan plan;
+  pipelines.clear();
+  try {
+    plan = plan_within_limits(op, descs, options, max_threadgroup_memory(),
+                              [&pipelines](const Dispatch& dispatch, size_t index) {
+                                if (index == 0) pipelines.clear();  // a new attempt
+                                id<MTLComputePipelineState> state = pipeline(dispatch);
+                                pipelines.push_back(state);
+                                PipelineLimits limits;
+                                limits.max_threads = [state maxTotalThreadsPerThreadgroup];
+                                limits.static_threadgroup_memory =
+                                    [state staticThreadgroupMemoryLength];
+                                return limits;
+                              });
+  } catch (const InvalidPlan& e) {
+    // Metal would reject or misread the plan (a planner bug, not a refusal): stopped before any
+    // pipeline is specialized with its constants or anything is encoded.
+    TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
   }
+  TORCH_CHECK(plan.ok, kRefused, plan.reason);
+  return plan;
 }
 
 // The Metal calls behind CheckedEncoder: one per call of steel::encode_plan, nothing else.

@@ -10,6 +10,11 @@
 //   tensor <dtype code> <ndim> <sizes...> <strides...> <offset>   (an op tensor argument)
 //   none                                                          (an absent optional)
 //   number <name> <value> | string <name> <value>
+//   limit <kernel prefix> <max threads> <static threadgroup bytes>   (a made-up pipeline)
+//   device_tgmem <bytes>                             (the device's threadgroup memory)
+// Planning goes through plan_within_limits, the host's re-plan loop, with pipelines whose limits
+// are the longest matching "limit" line (default: 1024 threads, no static memory); with any
+// limit or device_tgmem line, "attempts <n>" (how many plans were made) follows "inputs".
 // Output: "refused <reason>", or "invalid <what>" for a plan the host would reject, or the plan:
 //   inputs <n> / contiguous <slots...> / allocation <dtype> <zero> <output> <ndim> <sizes...>
 //   pipeline <kernel> <n> {<index> <type> <value>} / tensor <index> <slot> / bytes <index> <hex>
@@ -96,10 +101,18 @@ STEEL_PLANNER("mps_test_defect", plan_with_defect);
 
 }  // namespace
 
+struct Limit {
+  std::string prefix;
+  steel::mps::PipelineLimits limits;
+};
+
 int main() {
   std::string op;
   steel::TensorList tensors;
   steel::Options options;
+  std::vector<Limit> limits;
+  uint64_t device_tgmem = steel::mps::kMaxThreadgroupMemory;
+  bool report_attempts = false;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -130,32 +143,58 @@ int main() {
       std::string name, value;
       in >> name >> value;
       options.strings[name] = value;
+    } else if (kind == "limit") {
+      Limit limit;
+      in >> limit.prefix >> limit.limits.max_threads >> limit.limits.static_threadgroup_memory;
+      limits.push_back(limit);
+      report_attempts = true;
+    } else if (kind == "device_tgmem") {
+      in >> device_tgmem;
+      report_attempts = true;
     } else if (!kind.empty()) {
       std::cerr << "plan_record: bad input line: " << line << "\n";
       return 2;
     }
   }
 
-  const steel::Plan plan = steel::make_plan(op, tensors, options);
+  int attempts = 0;
+  steel::Plan plan;
+  try {
+    plan = steel::mps::plan_within_limits(
+        op, tensors, options, device_tgmem, [&](const steel::Dispatch& d, size_t index) {
+          if (index == 0) ++attempts;
+          const Limit* best = nullptr;
+          for (const Limit& limit : limits) {
+            if (d.kernel.rfind(limit.prefix, 0) == 0 &&
+                (best == nullptr || limit.prefix.size() > best->prefix.size())) {
+              best = &limit;
+            }
+          }
+          return best != nullptr ? best->limits : steel::mps::PipelineLimits{};
+        });
+  } catch (const steel::mps::InvalidPlan& e) {
+    std::cout << "invalid " << e.what() << "\n";
+    return 0;
+  }
   if (!plan.ok) {
     std::cout << "refused " << plan.reason << "\n";
     return 0;
   }
   std::ostringstream record;
-  record << "inputs " << plan.inputs << "\ncontiguous";
+  record << "inputs " << plan.inputs << "\n";
+  if (report_attempts) record << "attempts " << attempts << "\n";
+  record << "contiguous";
   for (int32_t slot : plan.contiguous_inputs) record << " " << slot;
   record << "\n";
-  std::vector<bool> present;
-  for (const auto& tensor : tensors) present.push_back(tensor.has_value());
   for (const steel::Allocation& a : plan.allocations) {
     record << "allocation " << steel::dtype_name(a.dtype) << " " << a.zero_init << " "
            << a.is_output << " " << a.sizes.size();
     for (int64_t size : a.sizes) record << " " << size;
     record << "\n";
-    present.push_back(true);
   }
   PrintingBackend backend{record};
-  steel::mps::CheckedEncoder<PrintingBackend> encoder(backend, present);
+  steel::mps::CheckedEncoder<PrintingBackend> encoder(backend,
+                                                      steel::mps::slots_present(tensors, plan));
   try {
     steel::encode_plan(encoder, plan);
   } catch (const steel::mps::InvalidPlan& e) {

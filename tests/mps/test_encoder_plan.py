@@ -76,9 +76,15 @@ def sim():
     return module
 
 
-def _record(exe: Path, op: str, tensors, options, constant_types: bool = False) -> dict:
+def _record(
+    exe: Path, op: str, tensors, options, constant_types: bool = False, pipelines=None
+) -> dict:
     """The recorder's plan; with constant_types, each dispatch also has "constant_types":
-    {index: steel::FunctionConstant::Type code} (the simulator's view has no types)."""
+    {index: steel::FunctionConstant::Type code} (the simulator's view has no types).
+
+    pipelines: made-up pipeline limits, {"kernel prefix": (max threads, static threadgroup
+    bytes), "device_tgmem": bytes}; the host's re-plan loop plans against them and the record
+    has "attempts"."""
     lines = [f"op {op}"]
     for t in tensors:
         if t is None:
@@ -102,6 +108,11 @@ def _record(exe: Path, op: str, tensors, options, constant_types: bool = False) 
             lines.append(f"string {name} {value}")
         else:
             lines.append(f"number {name} {float(value)!r}")
+    for prefix, limit in (pipelines or {}).items():
+        if prefix == "device_tgmem":
+            lines.append(f"device_tgmem {limit}")
+        else:
+            lines.append(f"limit {prefix} {limit[0]} {limit[1]}")
     out = subprocess.run(
         [str(exe)], input="\n".join(lines) + "\n", check=True, capture_output=True, text=True
     ).stdout
@@ -114,6 +125,8 @@ def _record(exe: Path, op: str, tensors, options, constant_types: bool = False) 
         kind, *f = line.split(" ")
         if kind == "inputs":
             plan["inputs"] = int(f[0])
+        elif kind == "attempts":
+            plan["attempts"] = int(f[0])
         elif kind == "contiguous":
             plan["contiguous"] = sorted(int(x) for x in f)
         elif kind == "allocation":
@@ -338,6 +351,101 @@ def test_copied_inputs_are_not_contiguous_in_torch(recorder, side, layout):
     assert record["ok"], record
     for slot in record["contiguous"]:
         assert not tensors[slot].is_contiguous(), (layout, slot, tensors[slot].stride())
+
+
+# ---- the re-plan loop (module.mm's plan_with_pipelines runs plan_within_limits) ---------------
+
+_SPLIT_K = [_t(16, 4096), _t(4096, 16), None, None]  # split-K: a tile pass and a reduction
+
+
+def _threads(dispatch):
+    x, y, z = dispatch["threads"]
+    return x * y * z
+
+
+def test_replan_when_a_pipeline_allows_fewer_threads(recorder):
+    planned = _record(recorder, "gemm", _SPLIT_K, {})
+    reduce = planned["dispatches"][-1]
+    assert reduce["kernel"].startswith("steel_gemm_splitk_reduce_") and _threads(reduce) > 200
+    record = _record(
+        recorder, "gemm", _SPLIT_K, {}, pipelines={"steel_gemm_splitk_reduce_": (200, 0)}
+    )
+    assert record["ok"], record
+    assert record["attempts"] == 2
+    tile, reduce = record["dispatches"]
+    assert _threads(reduce) == 192  # the largest multiple of 32 within the pipeline's 200
+    assert tile == planned["dispatches"][0]  # the tile pass had room: unchanged
+    assert reduce["grid"][0] * 192 >= 16 * 16  # still one thread per output element
+
+
+def test_within_limits_plans_once(recorder):
+    record = _record(recorder, "gemm", _SPLIT_K, {}, pipelines={"steel_gemm_": (1024, 4096)})
+    assert record["ok"] and record["attempts"] == 1
+    assert record["dispatches"] == _record(recorder, "gemm", _SPLIT_K, {})["dispatches"]
+
+
+def test_a_pipeline_below_the_tile_threads_is_a_refusal(recorder):
+    record = _record(recorder, "gemm", _SPLIT_K, {}, pipelines={"steel_gemm_splitk_": (96, 0)})
+    assert record == {
+        "ok": False,
+        "reason": "gemm: the pipeline allows 96 threads per threadgroup, the GEMM tiles need 128",
+    }
+
+
+def test_a_planner_that_ignores_max_threads_is_refused(recorder):
+    """The test planner always asks for 1024 threads: the loop gives up instead of looping."""
+    record = _record(
+        recorder,
+        "mps_test_defect",
+        [_t(4), None],
+        {"defect": "none"},
+        pipelines={"defect_": (512, 0)},
+    )
+    assert record == {
+        "ok": False,
+        "reason": "kernel defect_none runs at most 512 threads per threadgroup on this device "
+        "and the planner found no smaller plan",
+    }
+
+
+def test_threadgroup_memory_beyond_the_device_is_a_refusal(recorder):
+    """Static (in-kernel) plus dynamic threadgroup memory against the device's limit."""
+    tensors = [_t(4), None]
+    options = {"defect": "none"}  # one dispatch with 1024 dynamic bytes at threadgroup(0)
+    fits = _record(
+        recorder,
+        "mps_test_defect",
+        tensors,
+        options,
+        pipelines={"defect_": (1024, 31744), "device_tgmem": 32768},
+    )
+    assert fits["ok"], fits
+    record = _record(
+        recorder,
+        "mps_test_defect",
+        tensors,
+        options,
+        pipelines={"defect_": (1024, 31760), "device_tgmem": 32768},
+    )
+    assert record == {
+        "ok": False,
+        "reason": "kernel defect_none needs 32784 bytes of threadgroup memory, the device has "
+        "32768",
+    }
+
+
+def test_an_invalid_plan_is_stopped_before_any_pipeline(recorder):
+    """validate_plan runs on each attempt before its pipelines are asked for: a planner bug is
+    an error, not a refusal and not a Metal call (the made-up pipeline would refuse it)."""
+    out = subprocess.run(
+        [str(recorder)],
+        check=True,
+        capture_output=True,
+        text=True,
+        input="op mps_test_defect\ntensor 0 1 4 1 0\nnone\nstring defect twice\n"
+        "limit defect_ 32 0\n",
+    ).stdout
+    assert out == "invalid kernel defect_twice: buffer(0) is bound twice\n"
 
 
 # ---- function-constant types ------------------------------------------------------------------
