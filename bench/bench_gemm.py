@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import struct
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ SHAPES = [
     ("square 4096", 1, 4096, 4096, 4096),
     ("LLM proj 4096x4096x4096", 1, 4096, 4096, 4096),
     ("decode 1x4096x4096", 1, 1, 4096, 4096),
+    ("decode x8 8x1x4096x4096", 8, 1, 4096, 4096),
     ("MLP 32x11008x4096", 1, 32, 11008, 4096),
     ("split-K 16x16x4096", 1, 16, 16, 4096),
     ("batched 8x128x128x64", 8, 128, 128, 64),
@@ -57,6 +59,11 @@ def tile_of(kernel: str) -> tuple[int, int]:
 
 def model(plan, batch, m, n, k, es, use_c, use_bias):
     """Predicted {dispatch index: {binding: {"read": bytes, "written": bytes}}}."""
+    # The plan may fold a batch into M (b shared by every entry, a's entries row after row):
+    # the kernel then runs one [batch * m, k] @ [k, n] GEMM. Its M is the params' first field.
+    params = next(b.bytes for b in plan.dispatches[0].bindings if b.index == BUF_PARAMS)
+    kernel_m = struct.unpack_from("<i", params, 0)[0]
+    batch, m = batch * m // kernel_m, kernel_m
     out = []
     for d in plan.dispatches:
         buffers: dict[int, dict[str, int]] = {}

@@ -370,24 +370,52 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   plan.ok = true;
   if (out_numel == 0) return plan;  // nothing to compute
 
+  // ---- batch folded into M ----
+  // When b is the same matrix for every batch entry and a's batch entries follow each other
+  // row after row (x @ W with x [B, T, K], as torch_steel.linear calls it), the batch is one
+  // [B * T, K] @ [K, N] GEMM: W is then read once per BM rows of all entries instead of once per
+  // entry and row block (8 decode rows, T = 1: once instead of 8 times, and in one 32-row tile
+  // instead of 8 mostly empty ones), and split-K becomes possible. Needs a read row by row
+  // (n layout), one merged batch dim with a's stride M * lda (any stride when M = 1, which then
+  // becomes the row stride), and c, when added, laid out the same way. out is contiguous, so its
+  // rows follow each other anyway.
+  int64_t Mk = M;
+  int64_t batches = batch_count;
+  const int64_t cd = static_cast<int64_t>(out_sizes.size());
+  int64_t c_rs = use_c ? c_strides[cd - 2] : 0;
+  if (merged.size() == 1 && merged[0].b == 0 && !la.transposed) {
+    const BatchDim& bd = merged[0];
+    const bool a_rows = M == 1 || bd.a == M * la.ld;
+    const bool c_rows = !use_c || M == 1 || bd.c == M * c_rs;
+    if (a_rows && c_rows) {
+      if (M == 1) {
+        la.ld = bd.a;
+        c_rs = bd.c;
+      }
+      Mk = bd.size * M;
+      batches = 1;
+      merged.clear();
+    }
+  }
+
   // ---- tile and split-K ----
-  const int64_t blocks_large = ceil_div(M, kLarge.bm) * ceil_div(N, kLarge.bn) * batch_count;
-  const int64_t blocks_small = ceil_div(M, kSmall.bm) * ceil_div(N, kSmall.bn) * batch_count;
-  const int64_t blocks_thin = ceil_div(N, kThin.bn) * batch_count;
-  const int64_t blocks_tall = ceil_div(M, kTall.bm) * batch_count;
+  const int64_t blocks_large = ceil_div(Mk, kLarge.bm) * ceil_div(N, kLarge.bn) * batches;
+  const int64_t blocks_small = ceil_div(Mk, kSmall.bm) * ceil_div(N, kSmall.bn) * batches;
+  const int64_t blocks_thin = ceil_div(N, kThin.bn) * batches;
+  const int64_t blocks_tall = ceil_div(Mk, kTall.bm) * batches;
   Tile tile = kLarge;
-  if (M <= kThin.bm && blocks_thin >= kMinThinBlocks) {
+  if (Mk <= kThin.bm && blocks_thin >= kMinThinBlocks) {
     tile = kThin;
   } else if (N <= kTall.bn && blocks_tall >= kMinThinBlocks) {
     tile = kTall;
-  } else if (blocks_large < kMinLargeBlocks || M <= kSmall.bm || N <= kSmall.bn) {
+  } else if (blocks_large < kMinLargeBlocks || Mk <= kSmall.bm || N <= kSmall.bn) {
     tile = kSmall;
   }
 
   int64_t partitions = 1;
   int64_t k_split = K;
-  if (batch_count == 1 && blocks_small <= kSplitMaxBlocks && K >= kSplitMinK &&
-      K >= kSplitKRatio * std::max(M, N)) {
+  if (batches == 1 && blocks_small <= kSplitMaxBlocks && K >= kSplitMinK &&
+      K >= kSplitKRatio * std::max(Mk, N)) {
     partitions = std::min({ceil_div(kSplitTargetBlocks, blocks_small), K / kSplitMinSlice,
                            kSplitMaxPartitions});
     if (partitions >= 2) {
@@ -397,7 +425,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   }
   const bool split = partitions >= 2;
   const Tile t = split ? kSmall : tile;
-  if (split && partitions * M * N > kInt32Max) {
+  if (split && partitions * Mk * N > kInt32Max) {
     return Plan::refuse("gemm: split-K partials beyond 32-bit indexing");
   }
   if (tile_threadgroup_bytes(t, dtype, la.transposed, lb.transposed) > 32 * 1024) {
@@ -407,22 +435,21 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   // ---- params ----
   GemmParams p;
   std::memset(&p, 0, sizeof(p));
-  p.M = static_cast<int32_t>(M);
+  p.M = static_cast<int32_t>(Mk);
   p.N = static_cast<int32_t>(N);
   p.K = static_cast<int32_t>(K);
   p.lda = static_cast<int32_t>(la.ld);
   p.ldb = static_cast<int32_t>(lb.ld);
   p.ldd = static_cast<int32_t>(N);
-  p.tiles_m = static_cast<int32_t>(ceil_div(M, t.bm));
+  p.tiles_m = static_cast<int32_t>(ceil_div(Mk, t.bm));
   p.tiles_n = static_cast<int32_t>(ceil_div(N, t.bn));
   // Bands of 2 or 4 tile rows once the grid is big enough that neighbours would otherwise have
   // left L2 (a band costs at most 2^swizzle_log - 1 idle rows of threadgroups).
   p.swizzle_log = (p.tiles_m >= 16 && p.tiles_n >= 16) ? 2 : (p.tiles_m >= 4 && p.tiles_n >= 4);
   p.k_split = static_cast<int32_t>(k_split);
-  p.partial_stride = static_cast<int32_t>(M * N);
+  p.partial_stride = static_cast<int32_t>(Mk * N);
   p.partitions = static_cast<int32_t>(partitions);
-  const int64_t cd = static_cast<int64_t>(out_sizes.size());
-  p.c_rs = use_c ? static_cast<int32_t>(c_strides[cd - 2]) : 0;
+  p.c_rs = static_cast<int32_t>(c_rs);
   p.c_cs = use_c ? static_cast<int32_t>(c_strides[cd - 1]) : 0;
   p.bias_stride = bias ? static_cast<int32_t>(bias->strides[0]) : 0;
   p.alpha = static_cast<float>(alpha);
@@ -434,7 +461,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
     p.b_batch_strides[d] = static_cast<int32_t>(merged[d].b);
     p.c_batch_strides[d] = static_cast<int32_t>(merged[d].c);
   }
-  p.out_batch_stride = static_cast<int32_t>(M * N);
+  p.out_batch_stride = static_cast<int32_t>(Mk * N);
 
   // Vector loads need every row start of the operand aligned to the loader's access size
   // (steel_gemm_loader_vec: 16 bytes for most tiles, 8 for the f16/bf16 32-wide ones): storage
@@ -452,9 +479,9 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
     return ok;
   };
 
-  const bool align_m = M % t.bm == 0, align_n = N % t.bn == 0, align_k = K % t.bk == 0;
+  const bool align_m = Mk % t.bm == 0, align_n = N % t.bn == 0, align_k = K % t.bk == 0;
   std::vector<FunctionConstant> tile_constants = {
-      fc_bool(STEEL_GEMM_FC_HAS_BATCH, !split && batch_count > 1),
+      fc_bool(STEEL_GEMM_FC_HAS_BATCH, !split && batches > 1),
       fc_bool(STEEL_GEMM_FC_USE_C, use_c && !split),
       fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value() && !split),
       fc_int(STEEL_GEMM_FC_ACTIVATION, split ? kSteelActNone : activation),
@@ -481,7 +508,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   d.threads[0] = threads;
   if (!split) {
     d.kernel = "steel_gemm_" + tile_suffix(trans, dtype, t);
-    d.grid[2] = static_cast<uint32_t>(batch_count);
+    d.grid[2] = static_cast<uint32_t>(batches);
     d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA),
                   tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
                   tensor_binding(STEEL_GEMM_BUF_C, c_slot),
@@ -494,7 +521,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   Allocation scratch;
   scratch.name = "splitk_partials";
   scratch.dtype = DType::Float32;
-  scratch.sizes = {partitions, M, N};
+  scratch.sizes = {partitions, Mk, N};
   plan.allocations.push_back(scratch);
   const int32_t kSlotScratch = n_inputs + 1;
 
@@ -514,7 +541,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
                 tensor_binding(STEEL_GEMM_BUF_BIAS, bias_slot),
                 tensor_binding(STEEL_GEMM_BUF_OUT, kSlotOut), params_binding(p)};
   const int64_t reduce_threads = std::min(kReduceThreads, max_threads / 32 * 32);
-  r.grid[0] = static_cast<uint32_t>(ceil_div(M * N, reduce_threads));
+  r.grid[0] = static_cast<uint32_t>(ceil_div(Mk * N, reduce_threads));
   r.threads[0] = static_cast<uint32_t>(reduce_threads);
   plan.dispatches.push_back(r);
   return plan;

@@ -215,6 +215,28 @@ def test_gemm_gelu_tanh_negative_tail_is_relatively_accurate():
     assert bool((rel < 1e-4).all()), list(zip(vals, out.tolist(), ref.tolist(), strict=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_batch_folded_into_m(dtype):
+    # x @ W with W shared by the batch runs as one GEMM over the batch's rows: W (b) is read
+    # once per 32-row block of all rows, not once per batch entry (8 decode rows: once, not 8
+    # times). Rows strided by the batch stride (M = 1), a full c and a row-broadcast c.
+    gen = torch.Generator().manual_seed(21)
+    k, n = 40, 72
+    w = rand(k, n, dtype=dtype, gen=gen)
+    x = rand(8, 1, k + 8, dtype=dtype, gen=gen)[:, :, :k]  # 8 decode rows, row stride k + 8
+    (out,), counters = sim.run_op("gemm", [x, w, None, None], {}, counters=True)
+    (reads,) = [c["buffers"][1]["read"] for c in counters]
+    assert reads == k * n * w.element_size()
+    ref, mag = reference(x, w)
+    assert_close(out, ref, mag, k, dtype)
+    x = rand(3, 2, 11, k, dtype=dtype, gen=gen)
+    bias = rand(n, dtype=dtype, gen=gen)
+    check(x, w, bias, rand(3, 2, 11, n, dtype=dtype, gen=gen), beta=0.5, activation="gelu")
+    check(x, w, None, rand(n, dtype=dtype, gen=gen), alpha=2.0)
+    # Not folded: an entry's 7 rows do not end where the next entry's begin.
+    check(x[:, :, :7], w, bias, rand(2, 7, n, dtype=dtype, gen=gen))
+
+
 def test_gemm_batched_c_broadcast():
     gen = torch.Generator().manual_seed(4)
     a = rand(3, 2, 17, 8, dtype=torch.float16, gen=gen)

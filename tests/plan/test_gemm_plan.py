@@ -179,16 +179,44 @@ def test_vector_load_alignment_is_the_access_size():
     assert d.constants[VEC_A]
 
 
-def test_batch_broadcast_and_merge():
-    p = plan(t(2, 3, 16, 8), t(8, 24))
+def test_batch_dims_merge():
+    p = plan(t(2, 3, 16, 8), t(2, 3, 8, 24))
     (d,) = p.dispatches
     prm = params(d)
     assert d.grid[2] == 6 and d.constants[HAS_BATCH]
-    # [2, 3] with a contiguous and b broadcast merge into one dim of 6.
+    # [2, 3] with a and b contiguous merge into one dim of 6.
     assert prm["batch_ndim"] == 1 and prm["batch_shape"][0] == 6
-    assert prm["a_batch_strides"][0] == 128 and prm["b_batch_strides"][0] == 0
+    assert prm["a_batch_strides"][0] == 128 and prm["b_batch_strides"][0] == 192
     assert prm["out_batch_stride"] == 16 * 24
     assert p.allocations[0].sizes == (2, 3, 16, 24)
+
+
+def test_batch_folds_into_m_when_b_is_shared():
+    # x [2, 3, 16, 8] @ W [8, 24]: one [96, 8] @ [8, 24] GEMM, W read once per row block.
+    p = plan(t(2, 3, 16, 8), t(8, 24))
+    (d,) = p.dispatches
+    prm = params(d)
+    assert d.grid[2] == 1 and not d.constants[HAS_BATCH] and prm["batch_ndim"] == 0
+    assert (prm["M"], prm["lda"], prm["tiles_m"]) == (96, 8, 3)
+    assert p.allocations[0].sizes == (2, 3, 16, 24)
+    # Decode: 8 sequences of one row each (row stride = the batch stride, 4096 + 64 here) are
+    # one 8-row tile, not 8 mostly empty ones each reading all of W.
+    x = t(8, 1, 4160)[:, :, :4096]
+    d = plan(x, t(4096, 4096)).dispatches[0]
+    assert (params(d)["M"], params(d)["lda"], d.grid[2]) == (8, 4160, 1)
+    # c laid out row after row folds along (full c, or a row broadcast); c broadcast over the
+    # batch does not, and neither does a batched b or a transposed a.
+    assert params(plan(t(4, 5, 8), t(8, 24), c=t(4, 5, 24)).dispatches[0])["M"] == 20
+    assert params(plan(t(4, 5, 8), t(8, 24), c=t(24)).dispatches[0])["c_rs"] == 0
+    assert params(plan(t(4, 1, 8), t(8, 24), c=t(4, 1, 24)).dispatches[0])["c_rs"] == 24
+    for a, b, c in [
+        (t(4, 5, 8), t(8, 24), t(5, 24)),
+        (t(4, 5, 8), t(4, 8, 24), None),
+        (t(4, 8, 5).transpose(1, 2), t(8, 24), None),
+        (t(4, 6, 8)[:, :5], t(8, 24), None),
+    ]:
+        d = plan(a, b, c=c).dispatches[0]
+        assert params(d)["M"] == 5 and d.grid[2] == 4 and d.constants[HAS_BATCH]
 
 
 def test_batch_broadcast_both_sides_not_merged():
@@ -235,7 +263,7 @@ def test_split_k_small_output_long_k():
 
 
 @pytest.mark.parametrize(
-    "shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4096, 64)), ((64, 300), (300, 64))]
+    "shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4, 4096, 64)), ((64, 300), (300, 64))]
 )
 def test_no_split_k(shape):
     p = plan(t(*shape[0]), t(*shape[1]))
