@@ -237,6 +237,17 @@ def test_gemm_batch_folded_into_m(dtype):
     check(x[:, :, :7], w, bias, rand(2, 7, n, dtype=dtype, gen=gen))
 
 
+def test_gemm_batch_folded_into_m_then_split_k():
+    # 4 x [4, 1024] @ [1024, 16]: folded to one 16 x 16 x 1024 GEMM, which split-K takes.
+    gen = torch.Generator().manual_seed(22)
+    dtype = torch.float16
+    x, w = rand(4, 4, 1024, dtype=dtype, gen=gen), rand(1024, 16, dtype=dtype, gen=gen)
+    c, bias = rand(4, 4, 16, dtype=dtype, gen=gen), rand(16, dtype=dtype, gen=gen)
+    p = sim.plan("gemm", [x, w, bias, c], {})
+    assert [d.kernel.split("_")[2] for d in p.dispatches] == ["splitk", "splitk"]
+    check(x, w, bias, c, beta=0.5, activation="silu")
+
+
 def test_gemm_batched_c_broadcast():
     gen = torch.Generator().manual_seed(4)
     a = rand(3, 2, 17, 8, dtype=torch.float16, gen=gen)
