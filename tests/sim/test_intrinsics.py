@@ -252,7 +252,7 @@ def test_fast_min_max_clamp_refuse_nan(which):
     expected = {
         "max": torch.maximum(a, b),
         "min": torch.minimum(a, b),
-        "clamp": torch.minimum(torch.maximum(a, b), torch.tensor(4.0)),
+        "clamp": torch.maximum(a, b),  # fast::clamp(a, b, INFINITY)
         "fmax": torch.maximum(a, b),
         "fmin": torch.minimum(a, b),
         "max_vector": torch.maximum(a, b),
@@ -371,6 +371,20 @@ def test_vote_all_and_any_look_at_every_thread(active):
     expected = [everyone, 1, 1, 1, evens - (1 << 32 if evens >= 1 << 31 else 0), 1, 0, everyone]
     assert got.tolist() == [expected] * active
     assert (out.view(32, 8)[active:] == 7).all()
+
+
+def test_clamp_with_an_empty_range_is_an_error():
+    """MSL 6.2 / 6.3: clamp's "results are undefined if minval > maxval" (for example
+    clamp(i, 0, n - 1) with n == 0)."""
+    from torch_steel.errors import SimulatorError
+
+    ok = torch.tensor([[5.0, 0.0, 3.0, -1.0], [2.0, 2.0, 2.0, 9.0], [-1.0, -3.0, 0.0, 1.0]])
+    out = torch.zeros(6)
+    run("lang_clamp", grid=(3,), threads=(1,), buffers={0: ok, 1: out})
+    assert out.tolist() == [3.0, 0.0, 2.0, 2.0, -1.0, 0.0]
+    for bad in ([1.0, 1.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0]):
+        with pytest.raises(SimulatorError, match="clamp with minval > maxval"):
+            run("lang_clamp", grid=(1,), threads=(1,), buffers={0: torch.tensor([bad]), 1: out})
 
 
 def test_vector_math_and_comparison_reductions():

@@ -3,6 +3,7 @@ for bit with torch's float16/bfloat16, which do the same), float -> half/bfloat 
 MSL vector construction, conversion and swizzles (kernels: tests/sim/kernels/lang_types.metal).
 """
 
+import math
 from fractions import Fraction
 from pathlib import Path
 
@@ -175,3 +176,24 @@ def test_fma_rounds_once(tname):
     for k in range(len(FMA_TIES[tname])):
         assert twice[k] != float(expected[k])  # the cases do tell the two roundings apart
     assert_same_bits(out, expected)
+
+
+def test_math_constants():
+    """MSL tables 6.5-6.7: the float, half and bfloat constants, each the format's rounding."""
+    out = torch.zeros(15)
+    run("lang_constants", grid=(1,), threads=(1,), buffers={0: out})
+    inf = float("inf")
+    pi, ln2, e = math.pi, math.log(2), math.e
+
+    def r(x, dtype):
+        return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+
+    expected = [
+        inf, -inf, None, torch.finfo(torch.float32).max, inf, r(pi, torch.float32),
+        r(math.sqrt(0.5), torch.float32),
+        torch.finfo(torch.float16).max, inf, r(pi, torch.float16), r(ln2, torch.float16),
+        torch.finfo(torch.bfloat16).max, inf, r(pi, torch.bfloat16), r(e, torch.bfloat16),
+    ]  # fmt: skip
+    got = out.tolist()
+    assert math.isnan(got[2])
+    assert [g for k, g in enumerate(got) if k != 2] == [x for x in expected if x is not None]

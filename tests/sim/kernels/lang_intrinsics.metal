@@ -155,7 +155,7 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
   switch (which) {
     case 0: out[i] = fast::max(x, y); break;
     case 1: out[i] = fast::min(x, y); break;
-    case 2: out[i] = fast::clamp(x, y, 4.0f); break;
+    case 2: out[i] = fast::clamp(x, y, INFINITY); break;
     case 3: out[i] = fast::fmax(x, y); break;
     case 4: out[i] = fast::fmin(x, y); break;
     case 5: out[i] = fast::max(float2(x, 0.0f), float2(y, 0.0f)).x; break;
@@ -202,4 +202,12 @@ kernel void lang_simd_fill(const device float* x [[buffer(0)]], const device flo
   o[5] = simd_vote(0xffffffffu).all() ? 1 : 0;
   o[6] = simd_vote(ulong(1) << 40).any() ? 1 : 0;
   o[7] = simd_active_threads_mask().all() ? 1 : 0;
+}
+
+// clamp(x, lo, hi) on a scalar and on a vector; undefined in Metal when lo > hi.
+[[kernel]] void lang_clamp(const device float4* lohi [[buffer(0)]], device float* out [[buffer(1)]],
+                           uint i [[thread_position_in_grid]]) {
+  const float4 p = lohi[i];
+  out[2 * i] = clamp(p.x, p.y, p.z);
+  out[2 * i + 1] = clamp(float2(p.x, p.w), float2(p.y), float2(p.z)).y;
 }

@@ -93,3 +93,11 @@ template <typename T>
 
 template [[host_name("lang_fma_f16")]] [[kernel]] decltype(lang_fma<half>) lang_fma<half>;
 template [[host_name("lang_fma_bf16")]] [[kernel]] decltype(lang_fma<bfloat>) lang_fma<bfloat>;
+
+// MSL's math constants (tables 6.5 to 6.7), as float.
+[[kernel]] void lang_constants(device float* out [[buffer(0)]]) {
+  const float c[] = {INFINITY, -INFINITY, NAN, MAXFLOAT, HUGE_VALF, M_PI_F, M_SQRT1_2_F,
+                     float(MAXHALF), float(HUGE_VALH), float(M_PI_H), float(M_LN2_H),
+                     float(MAXBFLOAT), float(HUGE_VALBF), float(M_PI_BF), float(M_E_BF)};
+  for (uint k = 0; k < 15; ++k) out[k] = c[k];
+}

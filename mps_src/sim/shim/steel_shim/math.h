@@ -7,6 +7,55 @@
 
 #include "construct.h"
 
+// The math constants of MSL (tables 6.5 to 6.7): float, half and bfloat constant expressions.
+#define MAXFLOAT 0x1.fffffep127f
+#define HUGE_VALF __builtin_huge_valf()
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
+#define M_E_F 2.71828182845904523536f
+#define M_LOG2E_F 1.44269504088896340736f
+#define M_LOG10E_F 0.434294481903251827651f
+#define M_LN2_F 0.693147180559945309417f
+#define M_LN10_F 2.30258509299404568402f
+#define M_PI_F 3.14159265358979323846f
+#define M_PI_2_F 1.57079632679489661923f
+#define M_PI_4_F 0.785398163397448309616f
+#define M_1_PI_F 0.318309886183790671538f
+#define M_2_PI_F 0.636619772367581343076f
+#define M_2_SQRTPI_F 1.12837916709551257390f
+#define M_SQRT2_F 1.41421356237309504880f
+#define M_SQRT1_2_F 0.707106781186547524401f
+#define MAXHALF 0x1.ffcp15f16
+#define HUGE_VALH ((half)__builtin_inff())
+#define M_E_H 2.71828182845904523536f16
+#define M_LOG2E_H 1.44269504088896340736f16
+#define M_LOG10E_H 0.434294481903251827651f16
+#define M_LN2_H 0.693147180559945309417f16
+#define M_LN10_H 2.30258509299404568402f16
+#define M_PI_H 3.14159265358979323846f16
+#define M_PI_2_H 1.57079632679489661923f16
+#define M_PI_4_H 0.785398163397448309616f16
+#define M_1_PI_H 0.318309886183790671538f16
+#define M_2_PI_H 0.636619772367581343076f16
+#define M_2_SQRTPI_H 1.12837916709551257390f16
+#define M_SQRT2_H 1.41421356237309504880f16
+#define M_SQRT1_2_H 0.707106781186547524401f16
+#define MAXBFLOAT __builtin_bit_cast(bfloat, (unsigned short)0x7f7f)
+#define HUGE_VALBF ((bfloat)__builtin_inff())
+#define M_E_BF ((bfloat)M_E_F)
+#define M_LOG2E_BF ((bfloat)M_LOG2E_F)
+#define M_LOG10E_BF ((bfloat)M_LOG10E_F)
+#define M_LN2_BF ((bfloat)M_LN2_F)
+#define M_LN10_BF ((bfloat)M_LN10_F)
+#define M_PI_BF ((bfloat)M_PI_F)
+#define M_PI_2_BF ((bfloat)M_PI_2_F)
+#define M_PI_4_BF ((bfloat)M_PI_4_F)
+#define M_1_PI_BF ((bfloat)M_1_PI_F)
+#define M_2_PI_BF ((bfloat)M_2_PI_F)
+#define M_2_SQRTPI_BF ((bfloat)M_2_SQRTPI_F)
+#define M_SQRT2_BF ((bfloat)M_SQRT2_F)
+#define M_SQRT1_2_BF ((bfloat)M_SQRT1_2_F)
+
 namespace steel_shim {
 
 template <typename T>
@@ -55,6 +104,19 @@ inline T map3(T x, T y, T z, F f) {
     return r;
   } else {
     return T(f(float(x), float(y), float(z)));
+  }
+}
+
+// Whether lo > hi (in any component).
+template <typename T>
+inline bool range_empty(T lo, T hi) {
+  if constexpr (vinfo<T>::is_vector) {
+    for (int k = 0; k < vinfo<T>::size; ++k) {
+      if (lo[k] > hi[k]) return true;
+    }
+    return false;
+  } else {
+    return lo > hi;
   }
 }
 
@@ -209,8 +271,13 @@ template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T
 inline T min(T x, steel_shim::elem_t<T> y) {
   return min(x, T(y));
 }
+// MSL: "Results are undefined if minval > maxval" (an empty range, say clamp(i, 0, n - 1) with
+// n == 0): an error here.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T clamp(T x, T lo, T hi) {
+  if (steel_shim::range_empty(lo, hi)) {
+    steel_sim::fail("clamp with minval > maxval: undefined in Metal");
+  }
   return min(max(x, lo), hi);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
