@@ -63,6 +63,9 @@ SHADER_FLAGS = [
     "-std=c++23",
     "-flax-vector-conversions=none",
     "-O2",
+    # Keep the shader's own accesses: merged neighbouring loads would hide their alignment from
+    # the checkers (a misaligned vector access is an error: mps_src/sim/checkers.cpp).
+    "-fno-slp-vectorize",
     "-fPIC",
     "-fno-exceptions",
     "-fno-rtti",

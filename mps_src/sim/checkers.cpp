@@ -50,6 +50,8 @@ namespace {
 constexpr size_t kTgGuardLo = 16 * 1024;
 constexpr size_t kTgGuardHi = 32 * 1024;
 constexpr size_t kMinGap = 64 * 1024;
+// What both PyTorch's CPU allocator and Metal's buffers guarantee at least.
+constexpr size_t kHostAlignment = 64;
 constexpr size_t kMaxGap = 64 * 1024 * 1024;
 
 std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0,
@@ -103,6 +105,20 @@ size_t gap_for(size_t bytes) {
   lane_fail(buf, g.access_pc);
 }
 
+// A vector or scalar of 2, 4, 8 or 16 bytes must sit at a multiple of its size in device memory
+// (MSL: pointers are aligned to their type). x86 forgives a misaligned load; an Apple GPU may
+// read the wrong bytes. Addresses here keep the real binding's alignment (bind_device).
+void check_alignment(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  if ((n & (n - 1)) != 0 || n > 16 || a % n == 0) return;
+  char buf[256];
+  snprintf(buf, sizeof buf,
+           "misaligned device %s of %zu bytes at byte offset %lld of [[buffer(%u)]] (address "
+           "%% %zu = %llu): Metal needs %zu-byte accesses %zu-byte aligned",
+           write ? "write" : "read", n, static_cast<long long>(a - b.lo), b.index, n,
+           static_cast<unsigned long long>(a % n), n, n);
+  lane_fail(buf, g.access_pc);
+}
+
 std::string threadgroup_name(uint32_t tg_id) {
   uint32_t i = tg_id - 1;
   return fmt("(%llu,%llu,%llu)", i % g.grid[0], i / g.grid[0] % g.grid[1],
@@ -145,6 +161,7 @@ void device_access(uintptr_t a, size_t n, bool write) {
     g.dev_last = b;
   }
   (write ? b->counters.written : b->counters.read) += n;
+  if (g.checkers) check_alignment(*b, a, n, write);
   if (b->writers != nullptr && g.checkers) check_threadgroup_race(*b, a, n, write);
 }
 
@@ -280,10 +297,13 @@ void bind_device(const LaunchSpec& spec) {
     }
     region_of[i] = g_regions.size() - 1;
   }
+  // A region starts at the same address modulo kHostAlignment as its host memory: a tensor's
+  // storage is kHostAlignment-aligned on the CPU as an MTLBuffer is on the GPU, so a binding at
+  // a storage offset keeps the alignment it has on the Mac (which check_alignment relies on).
   size_t offset = kMinGap;
   for (Region& r : g_regions) {
-    r.arena_lo = offset;
-    size_t bytes = r.host_hi - r.host_lo;
+    r.arena_lo = offset + (r.host_lo % kHostAlignment);
+    size_t bytes = (r.arena_lo - offset) + (r.host_hi - r.host_lo);
     offset += ((bytes + 255) & ~size_t{255}) + gap_for(bytes);
   }
   void* p = mmap(nullptr, offset, PROT_READ | PROT_WRITE,

@@ -352,3 +352,23 @@ def test_threadgroup_memory_length_must_be_a_multiple_of_16():
             threadgroup_memory={0: 100},
             buffers={0: torch.zeros(32), 1: u32(0)},
         )
+
+
+@pytest.mark.parametrize("offset", [0, 4, 8])
+def test_vector_loads_keep_the_bindings_alignment(offset):
+    # A tensor bound at storage offset 4 or 8 floats is 16-byte aligned on the GPU (MTLBuffer
+    # contents, like CPU storage, are at least 64-byte aligned): float4 loads are fine.
+    src = torch.arange(64.0)[offset : offset + 16]
+    dst = torch.zeros(16)
+    run("exec_vector_copy", grid=(1,), threads=(4,), buffers={0: src, 1: dst})
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_misaligned_vector_load_is_an_error(offset):
+    # At storage offset 1 to 3 floats the same binding is only 4- or 8-byte aligned on the GPU,
+    # where a float4 load may read the wrong bytes; on x86 it would silently work.
+    src = torch.arange(64.0)[offset : offset + 16]
+    dst = torch.zeros(16)
+    with pytest.raises(SimulatorError, match=r"misaligned device read of 16 bytes .*buffer\(0\)"):
+        run("exec_vector_copy", grid=(1,), threads=(4,), buffers={0: src, 1: dst})

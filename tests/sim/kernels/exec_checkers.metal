@@ -153,3 +153,11 @@ kernel void exec_read_other_tile(device float* data [[buffer(0)]],
     data[n + tid] = data[tid] + 1.0f;
   }
 }
+
+// Each thread copies one float4 (16-byte loads and stores): the binding must be 16-byte aligned
+// on the GPU, as it is for a tensor at a storage offset that is a multiple of 4 floats.
+kernel void exec_vector_copy(const device float4* src [[buffer(0)]],
+                             device float4* dst [[buffer(1)]],
+                             uint tid [[thread_position_in_grid]]) {
+  dst[tid] = src[tid];
+}
