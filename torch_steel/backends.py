@@ -111,6 +111,8 @@ def metal_status():
     metal = _optional_module("metal")
     if metal is None:
         return False, "torch_steel.metal is not installed"
+    if not torch.backends.mps.is_macos_or_newer(*metal.MIN_MACOS):
+        return False, "the kernels need macOS {}.{} or newer (Metal 3.1)".format(*metal.MIN_MACOS)
     if not metal.available():
         return False, "the torch_steel Metal extension is not built or failed to load"
     return True, ""

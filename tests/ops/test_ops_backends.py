@@ -142,6 +142,12 @@ def test_metal_refusal_falls_back(pretend_mps, monkeypatch):
     torch.testing.assert_close(out, a @ b)
 
 
+def test_metal_status_names_an_old_macos(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: major < 14)
+    assert backends.metal_status() == (False, "the kernels need macOS 14.0 or newer (Metal 3.1)")
+
+
 def test_metal_unavailable(pretend_mps, monkeypatch):
     monkeypatch.setattr(backends, "metal_status", lambda: (False, "extension not built"))
     a = torch.randn(2, 2)
