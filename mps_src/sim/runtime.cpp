@@ -135,13 +135,8 @@ Lane* pop_ready() {
   return lane;
 }
 
-// The running lane waits (its `wait` is already set): run the next ready lane, or go back to the
-// scheduler when there is none. Returns when some lane completes the rendezvous and this lane's
-// turn comes.
-void block() {
-  Lane* me = g.cur;
-  g.run_accesses = 0;
-  if (g_interrupted) lane_fail("interrupted");
+// Leaves lane `me`: runs the next ready lane, or goes back to the scheduler when there is none.
+void switch_from(Lane* me) {
   Lane* next = pop_ready();
   ++g.counters.lane_switches;
   if (next != nullptr) {
@@ -152,6 +147,14 @@ void block() {
     g.cur = nullptr;
     switch_context(&me->ctx, &g.scheduler);
   }
+}
+
+// The running lane waits (its `wait` is already set). Returns when some lane completes the
+// rendezvous and this lane's turn comes.
+void block() {
+  g.run_accesses = 0;
+  if (g_interrupted) lane_fail("interrupted");
+  switch_from(g.cur);
 }
 
 void complete_simd(SimdGroup& sg) {
@@ -200,15 +203,7 @@ void complete_barrier() {
   g.cur = nullptr;  // so that completing a rendezvous queues every waiting lane
   if (sg.arrived != 0 && sg.arrived == sg.live) complete_simd(sg);
   if (g.at_barrier != 0 && g.at_barrier == g.live) complete_barrier();
-  Lane* next = pop_ready();
-  ++g.counters.lane_switches;
-  if (next != nullptr) {
-    next->wait = Wait::Running;
-    g.cur = next;
-    switch_context(&me->ctx, &next->ctx);
-  } else {
-    switch_context(&me->ctx, &g.scheduler);
-  }
+  switch_from(me);
   __builtin_unreachable();
 }
 
