@@ -49,7 +49,7 @@ SHADERS = ROOT / "shaders"
 
 CXX = "clang++-19"
 CC = "clang-19"
-INSTALL_HINT = "apt-get install clang-19 libclang-rt-19-dev"
+INSTALL_HINT = "apt-get install clang-19 libclang-rt-19-dev llvm-19"
 # Host code: the runtime and the planners (portable C++17).
 HOST_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 if os.environ.get("TORCH_STEEL_SIM_UCONTEXT") == "1":  # the portable fiber switch, for testing
