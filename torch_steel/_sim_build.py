@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -328,12 +329,15 @@ def _shader_lib(
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
     rules = (
         f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+        # Unoptimized IR, for the recursion check (the optimizer may turn recursion into loops).
+        f"rule ir\n  command = $cxx -x c++ {flags} -O0 -S -emit-llvm $in -o $out 2> $out.log\n"
         f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
     )
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
         builds.append(f"build {obj}: cc {_q(mirrored)}")
+        builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}")
         objs.append(obj)
     # The load/store callbacks, so that shader code calls them without the PLT; also what a
     # library with no kernels (none given, or none built) consists of.
@@ -350,6 +354,16 @@ def _shader_lib(
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
             errors.append(f"{original}:\n{log[-6000:]}")
+            continue
+        ir = out / (obj[:-2] + ".ll")
+        cycles = recursion(ir.read_text()) if ir.exists() else []
+        if cycles:
+            (out / obj).unlink()  # left out of the library like a file that does not compile
+            names = _demangle(sorted({name for cycle in cycles for name in cycle}))
+            errors.append(
+                f"{original}: recursion, which Metal does not allow: "
+                + "; ".join(" -> ".join(names[n] for n in [*c, c[0]]) for c in cycles)
+            )
     if not (out / "obj" / "callbacks.o").exists():
         raise SimulatorError(
             f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
@@ -371,6 +385,78 @@ def _shader_lib(
         )
     (out / "errors.txt").write_text("\n".join(errors))
     return "\n".join(errors)
+
+
+_IR_NAME = r'@("(?:[^"\\]|\\.)*"|[-\w$.]+)'
+_IR_DEFINE = re.compile(r"^define [^@]*" + _IR_NAME)
+_IR_CALL = re.compile(r"\b(?:call|invoke)\b[^@]*" + _IR_NAME)
+
+
+def recursion(ir: str) -> list[list[str]]:
+    """The call cycles among the functions an LLVM IR module defines (MSL has no recursion): each
+    a list of mangled names, a function calling itself as a list of one."""
+    calls: dict[str, set[str]] = {}
+    current = None
+    for line in ir.splitlines():
+        if current is None:
+            m = _IR_DEFINE.match(line)
+            if m:
+                current = calls.setdefault(m.group(1), set())
+        elif line.startswith("}"):
+            current = None
+        else:
+            current.update(_IR_CALL.findall(line))
+    # Tarjan's strongly connected components, iteratively (shader TUs define ~1000 functions).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in calls:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(calls[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, callees = work[-1]
+            for callee in callees:
+                if callee not in calls:
+                    continue  # declared only: the runtime, libm
+                if callee not in index:
+                    index[callee] = low[callee] = len(index)
+                    stack.append(callee)
+                    on_stack.add(callee)
+                    work.append((callee, iter(sorted(calls[callee]))))
+                    break
+                if callee in on_stack:
+                    low[node] = min(low[node], index[callee])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in calls[node]:
+                        cycles.append(component[::-1])
+    return cycles
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    plain = [n.strip('"') for n in names]
+    tool = shutil.which("c++filt")
+    if tool is None:
+        return dict(zip(names, plain, strict=True))
+    done = subprocess.run([tool], input="\n".join(plain), capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    return dict(zip(names, lines if len(lines) == len(names) else plain, strict=True))
 
 
 def _load(lib_dir: Path) -> ShaderLibrary:

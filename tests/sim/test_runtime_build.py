@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 import time
 from pathlib import Path
 
@@ -68,6 +69,38 @@ def test_compile_error_in_a_test_kernel_is_reported(tmp_path):
     with pytest.raises(SimulatorError, match=r"exec_broken.metal.*undeclared_name"):
         sim.run_kernel(
             "exec_broken", sources=[src], grid=(1,), threads=(1,), buffers={0: torch.zeros(1)}
+        )
+
+
+_RECURSIVE = {
+    "direct": "uint fact(uint n) { return n <= 1 ? 1 : n * fact(n - 1); }\n",
+    "mutual": (
+        "bool odd(uint n);\n"
+        "bool even(uint n) { return n == 0 ? true : odd(n - 1); }\n"
+        "bool odd(uint n) { return n == 0 ? false : even(n - 1); }\n"
+        "uint fact(uint n) { return even(n) ? 1 : 0; }\n"
+    ),
+}
+
+
+@needs_sim
+@pytest.mark.parametrize("kind", sorted(_RECURSIVE))
+def test_recursion_is_refused(tmp_path, kind):
+    # MSL has no recursion: a kernel that recurses must not build, whatever the optimizer would
+    # make of it (the check reads unoptimized IR).
+    from torch_steel import sim
+
+    src = tmp_path / f"lang_recursive_{kind}.metal"
+    src.write_text(
+        "#include <metal_stdlib>\nusing namespace metal;\n"
+        + _RECURSIVE[kind]
+        + "kernel void lang_recursive(device uint* out [[buffer(0)]]) { out[0] = fact(out[0]); }\n"
+    )
+    cycle = "fact(unsigned int) -> fact" if kind == "direct" else "even(unsigned int) -> odd"
+    match = "recursion, which Metal does not allow: .*" + re.escape(cycle)
+    with pytest.raises(SimulatorError, match=match):
+        sim.run_kernel(
+            "lang_recursive", sources=[src], grid=(1,), threads=(1,), buffers={0: torch.ones(1)}
         )
 
 
