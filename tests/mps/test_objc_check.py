@@ -79,73 +79,53 @@ def _mutant(tmp_path: Path, name: str, old: str, new: str) -> Path:
     return path
 
 
-def test_misspelled_selector_fails(tmp_path):
-    result = _check(_mutant(tmp_path, "module.mm", "[encoder_ setBuffer:", "[encoder_ setBufer:"))
-    assert result.returncode != 0
-    assert "'setBufer:offset:atIndex:' not found" in result.stderr, result.stderr
-
-
-def test_selector_of_another_protocol_fails(tmp_path):
+# One mistake each that the check must catch: (file, original text, mutated text, error).
+_MUTANTS = {
+    "misspelled_selector": (
+        "module.mm",
+        "[encoder_ setBuffer:",
+        "[encoder_ setBufer:",
+        "'setBufer:offset:atIndex:' not found",
+    ),
     # Pipelines come from the device; an MTLFunction has no such method.
-    result = _check(
-        _mutant(
-            tmp_path,
-            "library.mm",
-            "[device() newComputePipelineStateWithFunction:",
-            "[function newComputePipelineStateWithFunction:",
-        )
-    )
-    assert result.returncode != 0
-    assert (
-        "no known instance method for selector 'newComputePipelineStateWithFunction:error:'"
-        in result.stderr
-    ), result.stderr
-
-
-def test_wrong_argument_type_fails(tmp_path):
+    "selector_of_another_protocol": (
+        "library.mm",
+        "[device() newComputePipelineStateWithFunction:",
+        "[function newComputePipelineStateWithFunction:",
+        "no known instance method for selector 'newComputePipelineStateWithFunction:error:'",
+    ),
     # newLibraryWithURL: takes an NSURL, not a path string.
-    result = _check(
-        _mutant(
-            tmp_path,
-            "library.mm",
-            "newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]",
-            "newLibraryWithURL:to_ns(path)",
-        )
-    )
-    assert result.returncode != 0
-    assert "cannot initialize a parameter of type 'NSURL *" in result.stderr, result.stderr
-
-
-def test_arc_is_on_an_unbridged_cast_fails(tmp_path):
+    "wrong_argument_type": (
+        "library.mm",
+        "newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]",
+        "newLibraryWithURL:to_ns(path)",
+        "cannot initialize a parameter of type 'NSURL *",
+    ),
     # The tensor's storage pointer is the MTLBuffer (as in PyTorch's getMTLBufferStorage); under
     # ARC (what setup.py builds with) turning it into an object pointer must say who owns it.
-    result = _check(
-        _mutant(
-            tmp_path,
-            "module.mm",
-            "(__bridge id<MTLBuffer>)(tensor.storage().data())",
-            "(id<MTLBuffer>)(tensor.storage().data())",
-        )
-    )
-    assert result.returncode != 0
-    assert "requires a bridged cast" in result.stderr, result.stderr
-
-
-def test_nil_for_a_nonnull_argument_fails(tmp_path):
+    "arc_unbridged_cast": (
+        "module.mm",
+        "(__bridge id<MTLBuffer>)(tensor.storage().data())",
+        "(id<MTLBuffer>)(tensor.storage().data())",
+        "requires a bridged cast",
+    ),
     # Apple's headers are NS_ASSUME_NONNULL; the subset keeps that, so nil where Metal requires
     # an object is caught (-Wnonnull under -Werror).
-    result = _check(
-        _mutant(
-            tmp_path,
-            "module.mm",
-            "[encoder_ setComputePipelineState:pipelines_.at(next_pipeline_++)];",
-            "[encoder_ setComputePipelineState:nil];",
-        )
-    )
+    "nil_for_a_nonnull_argument": (
+        "module.mm",
+        "[encoder_ setComputePipelineState:pipelines_.at(next_pipeline_++)];",
+        "[encoder_ setComputePipelineState:nil];",
+        "null passed to a callee that requires a non-null argument",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(_MUTANTS))
+def test_mistake_fails_the_check(tmp_path, mutant):
+    name, old, new, error = _MUTANTS[mutant]
+    result = _check(_mutant(tmp_path, name, old, new))
     assert result.returncode != 0
-    assert "null passed to a callee that requires a non-null argument" in result.stderr, (
-        result.stderr
-    )
+    assert error in result.stderr, result.stderr
 
 
 def test_the_sdk_subset_declares_only_what_is_used():
