@@ -75,6 +75,7 @@ class Allocation:
     sizes: tuple[int, ...]
     zero_init: bool
     is_output: bool
+    order: tuple[int, ...] = ()  # memory order of the dims, outermost first; () is row-major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ def _wrap_plan(handle) -> Plan:
                 tuple(a["sizes"]),
                 a["zero_init"],
                 a["is_output"],
+                tuple(a["order"]),
             )
             for a in d["allocations"]
         ],
@@ -171,16 +173,24 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 
 def _allocate(a: Allocation) -> torch.Tensor:
-    """A plan allocation. Metal buffers start uninitialized: unless the plan asks for zeros, fill
-    them with NaN (or all-one bits for integers), so that an element a kernel forgets to write
-    shows up in the results instead of passing as a plausible 0."""
+    """A plan allocation, laid out in its memory order (Allocation.order). Metal buffers start
+    uninitialized: unless the plan asks for zeros, fill them with NaN (or all-one bits for
+    integers), so that an element a kernel forgets to write shows up in the results instead of
+    passing as a plausible 0."""
+    order = a.order or tuple(range(len(a.sizes)))
+    stored = [a.sizes[d] for d in order]
     if a.zero_init:
-        return torch.zeros(a.sizes, dtype=a.dtype)
-    if a.dtype.is_floating_point:
-        return torch.full(a.sizes, float("nan"), dtype=a.dtype)
-    if a.dtype == torch.bool:
-        return torch.ones(a.sizes, dtype=a.dtype)
-    return torch.full(a.sizes, -1, dtype=a.dtype)
+        t = torch.zeros(stored, dtype=a.dtype)
+    elif a.dtype.is_floating_point:
+        t = torch.full(stored, float("nan"), dtype=a.dtype)
+    elif a.dtype == torch.bool:
+        t = torch.ones(stored, dtype=a.dtype)
+    else:
+        t = torch.full(stored, -1, dtype=a.dtype)
+    back = [0] * len(order)
+    for i, d in enumerate(order):
+        back[d] = i
+    return t.permute(back)
 
 
 def _checkers_default() -> bool:

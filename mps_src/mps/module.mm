@@ -246,8 +246,15 @@ std::vector<at::Tensor> run_op(const std::string& op,
   std::vector<at::Tensor> outputs;
   for (const Allocation& allocation : plan.allocations) {
     const auto like = at::TensorOptions().dtype(to_scalar_type(allocation.dtype)).device(*device);
-    at::Tensor buffer = allocation.zero_init ? at::zeros(allocation.sizes, like)
-                                             : at::empty(allocation.sizes, like);
+    // Allocated in the plan's memory order, handed out permuted back (see Allocation::order).
+    std::vector<int64_t> stored = allocation.sizes;
+    std::vector<int64_t> back(allocation.order.size());
+    for (size_t i = 0; i < allocation.order.size(); ++i) {
+      stored[i] = allocation.sizes[allocation.order[i]];
+      back[allocation.order[i]] = static_cast<int64_t>(i);
+    }
+    at::Tensor buffer = allocation.zero_init ? at::zeros(stored, like) : at::empty(stored, like);
+    if (!back.empty()) buffer = buffer.permute(back);
     slots.push_back(buffer);
     if (allocation.is_output) outputs.push_back(buffer);
   }

@@ -22,8 +22,6 @@
 namespace steel {
 namespace {
 
-constexpr int64_t kInt32Max = 2147483647;
-
 // One kernel configuration of gemm.metal: BM x BN block, BK step, WM x WN simdgroups.
 struct Tile {
   int bm, bn, bk, wm, wn;
@@ -80,33 +78,6 @@ static_assert(32 * kLarge.wm * kLarge.wn == kTileThreads && 32 * kSmall.wm * kSm
                   32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads,
               "max_threads handling assumes one thread count for every tile");
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-bool supported_dtype(DType d) {
-  return d == DType::Float16 || d == DType::BFloat16 || d == DType::Float32;
-}
-
-const char* dtype_tag(DType d) {
-  switch (d) {
-    case DType::Float16:
-      return "f16";
-    case DType::BFloat16:
-      return "bf16";
-    default:
-      return "f32";
-  }
-}
-
-// One past the largest element offset a tensor can touch (0 when empty).
-int64_t extent(const TensorDesc& t) {
-  int64_t last = t.offset;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.sizes[d] == 0) return 0;
-    last += (t.sizes[d] - 1) * t.strides[d];
-  }
-  return last + 1;
-}
-
 // How the kernel reads a 2-D operand (the last two dims of `t`).
 struct MatrixLayout {
   bool ok = false;
@@ -137,61 +108,8 @@ constexpr Activation kActivations[] = {{"none", kSteelActNone},
                                        {"gelu_tanh", kSteelActGeluTanh},
                                        {"silu", kSteelActSilu}};
 
-std::string shape_str(const std::vector<int64_t>& sizes) {
-  std::string s = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
-  return s + "]";
-}
-
-// Strides of `t` aligned to the trailing dims of a `shape`-shaped broadcast, 0 where broadcast;
-// empty when `t` does not broadcast to `shape`.
-bool broadcast_strides(const TensorDesc& t, const std::vector<int64_t>& shape,
-                       std::vector<int64_t>* strides) {
-  const int64_t nd = static_cast<int64_t>(shape.size());
-  if (t.dim() > nd) return false;
-  strides->assign(nd, 0);
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    const int64_t d = nd - t.dim() + i;
-    if (t.sizes[i] == shape[d]) {
-      (*strides)[d] = shape[d] == 1 ? 0 : t.strides[i];
-    } else if (t.sizes[i] != 1) {
-      return false;
-    }
-  }
-  return true;
-}
-
-FunctionConstant fc_bool(uint32_t index, bool value) {
-  FunctionConstant c;
-  c.index = index;
-  c.type = FunctionConstant::Type::Bool;
-  c.int_value = value ? 1 : 0;
-  return c;
-}
-
-FunctionConstant fc_int(uint32_t index, int64_t value) {
-  FunctionConstant c;
-  c.index = index;
-  c.type = FunctionConstant::Type::Int;
-  c.int_value = value;
-  return c;
-}
-
-Binding tensor_binding(uint32_t index, int32_t slot) {
-  Binding b;
-  b.index = index;
-  b.kind = Binding::Kind::Tensor;
-  b.slot = slot;
-  return b;
-}
-
 Binding params_binding(const GemmParams& params) {
-  Binding b;
-  b.index = STEEL_GEMM_BUF_PARAMS;
-  b.kind = Binding::Kind::Bytes;
-  b.bytes.resize(sizeof(GemmParams));
-  std::memcpy(b.bytes.data(), &params, sizeof(GemmParams));
-  return b;
+  return bytes_binding(STEEL_GEMM_BUF_PARAMS, &params, sizeof(GemmParams));
 }
 
 std::string tile_suffix(const char* trans, DType dtype, const Tile& t) {

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <utility>
 
@@ -115,6 +116,85 @@ Plan make_plan(const std::string& op, const TensorList& tensors, const Options& 
   Plan plan = planner(tensors, options);
   plan.inputs = static_cast<int32_t>(tensors.size());
   return plan;
+}
+
+bool supported_dtype(DType d) {
+  return d == DType::Float16 || d == DType::BFloat16 || d == DType::Float32;
+}
+
+const char* dtype_tag(DType d) {
+  switch (d) {
+    case DType::Float16:
+      return "f16";
+    case DType::BFloat16:
+      return "bf16";
+    default:
+      return "f32";
+  }
+}
+
+int64_t extent(const TensorDesc& t) {
+  int64_t last = t.offset;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.sizes[d] == 0) return 0;
+    last += (t.sizes[d] - 1) * t.strides[d];
+  }
+  return last + 1;
+}
+
+std::string shape_str(const std::vector<int64_t>& sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+bool broadcast_strides(const TensorDesc& t, const std::vector<int64_t>& shape,
+                       std::vector<int64_t>* strides) {
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  if (t.dim() > nd) return false;
+  strides->assign(nd, 0);
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t d = nd - t.dim() + i;
+    if (t.sizes[i] == shape[d]) {
+      (*strides)[d] = shape[d] == 1 ? 0 : t.strides[i];
+    } else if (t.sizes[i] != 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+FunctionConstant fc_bool(uint32_t index, bool value) {
+  FunctionConstant c;
+  c.index = index;
+  c.type = FunctionConstant::Type::Bool;
+  c.int_value = value ? 1 : 0;
+  return c;
+}
+
+FunctionConstant fc_int(uint32_t index, int64_t value) {
+  FunctionConstant c;
+  c.index = index;
+  c.type = FunctionConstant::Type::Int;
+  c.int_value = value;
+  return c;
+}
+
+Binding tensor_binding(uint32_t index, int32_t slot) {
+  Binding b;
+  b.index = index;
+  b.kind = Binding::Kind::Tensor;
+  b.slot = slot;
+  return b;
+}
+
+Binding bytes_binding(uint32_t index, const void* data, size_t size) {
+  Binding b;
+  b.index = index;
+  b.kind = Binding::Kind::Bytes;
+  b.bytes.resize(size);
+  std::memcpy(b.bytes.data(), data, size);
+  return b;
 }
 
 }  // namespace steel

@@ -86,6 +86,10 @@ struct Allocation {
   std::vector<int64_t> sizes;
   bool zero_init = false;
   bool is_output = false;
+  // The dims in memory order, outermost first; empty for row-major. The host allocates the
+  // sizes in this order contiguously and hands out the view permuted back to `sizes`, so that an
+  // output can follow an input's memory layout (attention's output follows the query's).
+  std::vector<int64_t> order;
 };
 
 struct Plan {
@@ -108,6 +112,30 @@ using Planner = Plan (*)(const TensorList& tensors, const Options& options);
 void register_planner(const char* op, Planner planner);
 // Plans `op`; an unknown op is refused with a reason, never an exception.
 Plan make_plan(const std::string& op, const TensorList& tensors, const Options& options);
+
+// ---- Helpers shared by the planners ----
+
+constexpr int64_t kInt32Max = 2147483647;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The floating dtypes the kernels take (float16, bfloat16, float32).
+bool supported_dtype(DType d);
+// The dtype's tag in kernel host names: f16, bf16, f32.
+const char* dtype_tag(DType d);
+// One past the largest element offset a tensor can touch (0 when empty).
+int64_t extent(const TensorDesc& t);
+// "[2, 3, 4]".
+std::string shape_str(const std::vector<int64_t>& sizes);
+// Strides of `t` aligned to the trailing dims of a `shape`-shaped broadcast, 0 where broadcast;
+// false when `t` does not broadcast to `shape`.
+bool broadcast_strides(const TensorDesc& t, const std::vector<int64_t>& shape,
+                       std::vector<int64_t>* strides);
+FunctionConstant fc_bool(uint32_t index, bool value);
+FunctionConstant fc_int(uint32_t index, int64_t value);
+Binding tensor_binding(uint32_t index, int32_t slot);
+// [[buffer(index)]] = a copy of `size` bytes at `data` (a params struct).
+Binding bytes_binding(uint32_t index, const void* data, size_t size);
 
 }  // namespace steel
 

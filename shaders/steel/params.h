@@ -84,3 +84,128 @@ static_assert(offsetof(GemmParams, batch_shape) == 72, "GemmParams.batch_shape m
 static_assert(offsetof(GemmParams, c_batch_strides) == 120, "GemmParams.c_batch_strides moved");
 static_assert(offsetof(GemmParams, out_batch_stride) == 136, "GemmParams.out_batch_stride moved");
 #endif
+
+// ---- Attention (prefill forward) -------------------------------------------------------------
+
+// 64-bit fields: attention offsets are products of batch, heads, length and head dim, which pass
+// 2^31 elements in real models (PyTorch's MPS kernels corrupt output silently there).
+#ifdef __METAL_VERSION__
+typedef long steel_i64;
+#else
+typedef int64_t steel_i64;
+#endif
+
+// Batch dims of an attention call after the planner merges the ones it can.
+#define STEEL_ATTN_MAX_BATCH_DIMS 4
+
+// Function-constant indices of the attention kernels (shaders/steel/attn/attention.metal).
+#define STEEL_ATTN_FC_ALIGN_L 300    // bool: L % BQ == 0 (no query rows past L in any block)
+#define STEEL_ATTN_FC_ALIGN_S 301    // bool: S % BK == 0 (no partial key tile)
+#define STEEL_ATTN_FC_ALIGN_E 302    // bool: E == the kernel's head dim (no head-dim bound)
+#define STEEL_ATTN_FC_ALIGN_EV 303   // bool: Ev == the kernel's value head dim
+#define STEEL_ATTN_FC_VEC_K 304      // bool: every key row start is 16-byte aligned
+#define STEEL_ATTN_FC_VEC_V 305      // bool: every value row start is 16-byte aligned
+#define STEEL_ATTN_FC_MASK 310       // int: a SteelAttnMask value
+#define STEEL_ATTN_FC_HAS_HI 311     // bool: keys beyond a diagonal are hidden (causal, right window)
+#define STEEL_ATTN_FC_HAS_LO 312     // bool: keys before a diagonal are hidden (left window)
+#define STEEL_ATTN_FC_SINKS 313      // int: a SteelAttnOperand value for the sinks buffer (0: none)
+#define STEEL_ATTN_FC_SOFTCAP 314    // bool: scores pass through softcap * tanh(s / softcap)
+#define STEEL_ATTN_FC_HAS_BATCH 315  // bool: batch offsets are computed from tg.z
+
+// Buffer indices of the attention kernels.
+#define STEEL_ATTN_BUF_Q 0
+#define STEEL_ATTN_BUF_K 1
+#define STEEL_ATTN_BUF_V 2
+#define STEEL_ATTN_BUF_MASK 3
+#define STEEL_ATTN_BUF_SINKS 4
+#define STEEL_ATTN_BUF_OUT 5
+#define STEEL_ATTN_BUF_LSE 6
+#define STEEL_ATTN_BUF_PARAMS 7
+
+// What the mask buffer holds. Additive masks are the query's dtype or float32, as F.sdpa takes
+// them; the kernel reads the buffer as bytes and converts (one kernel serves every mask dtype).
+enum SteelAttnMask { kSteelAttnMaskNone = 0, kSteelAttnMaskBool = 1, kSteelAttnMaskAdd = 2,
+                     kSteelAttnMaskAddF32 = 3 };
+// The element type of a small float operand (sinks): the query's dtype or float32.
+enum SteelAttnOperand { kSteelAttnOperandNone = 0, kSteelAttnOperandT = 1,
+                        kSteelAttnOperandF32 = 2 };
+
+// The tiling of the prefill forward. A threadgroup owns BQ = 8 * kSteelAttnSimdgroups query
+// rows (8 per simdgroup, every simdgroup holding its rows' Q and O fragments for the whole head
+// dim in registers) and streams K and V through threadgroup memory BK keys at a time. Rows of
+// the K and V tiles are padded by 16 bytes against bank conflicts of the column-wise fragment
+// reads. BK is the largest of 32 and 16 for which separate K and V tiles fit the budget (two
+// barriers per key tile); failing that, K and V share one buffer (four barriers per tile) with
+// the largest BK of 32, 16, 8 that fits. The budget keeps two threadgroups per GPU core.
+#define STEEL_ATTN_SIMDGROUPS 4
+#define STEEL_ATTN_BQ (8 * STEEL_ATTN_SIMDGROUPS)
+#define STEEL_ATTN_TG_BUDGET 20480
+
+constexpr int steel_attn_ld(int d, int elem_bytes) { return d + 16 / elem_bytes; }
+constexpr int steel_attn_separate_bytes(int bk, int de, int dv, int elem_bytes) {
+  return bk * (steel_attn_ld(de, elem_bytes) + steel_attn_ld(dv, elem_bytes)) * elem_bytes;
+}
+constexpr int steel_attn_shared_bytes(int bk, int de, int dv, int elem_bytes) {
+  return bk * (de > dv ? steel_attn_ld(de, elem_bytes) : steel_attn_ld(dv, elem_bytes)) *
+         elem_bytes;
+}
+// True when K and V take turns in one buffer.
+constexpr bool steel_attn_shared_kv(int de, int dv, int elem_bytes) {
+  return steel_attn_separate_bytes(16, de, dv, elem_bytes) > STEEL_ATTN_TG_BUDGET;
+}
+constexpr int steel_attn_bk(int de, int dv, int elem_bytes) {
+  return !steel_attn_shared_kv(de, dv, elem_bytes)
+             ? (steel_attn_separate_bytes(32, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 32 : 16)
+         : steel_attn_shared_bytes(32, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 32
+         : steel_attn_shared_bytes(16, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 16
+                                                                                  : 8;
+}
+// Threadgroup memory of one threadgroup of the kernel for (de, dv, elem_bytes).
+constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
+  return steel_attn_shared_kv(de, dv, elem_bytes)
+             ? steel_attn_shared_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes)
+             : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
+}
+
+// Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;
+// strides and offsets are 64-bit (see steel_i64). Strides are in elements.
+struct AttnParams {
+  int32_t L;           // query rows
+  int32_t S;           // keys
+  int32_t E;           // head dim of q and k
+  int32_t Ev;          // head dim of v and out
+  int32_t Hq;          // query heads
+  int32_t group;       // query heads per key/value head (GQA; 1 without)
+  int32_t shift;       // S - L for bottom-right causal alignment, else 0
+  int32_t hi_off;      // row i sees keys j <= i + shift + hi_off (STEEL_ATTN_FC_HAS_HI)
+  int32_t lo_off;      // row i sees keys j >= i + shift - lo_off (STEEL_ATTN_FC_HAS_LO)
+  float q_scale;       // multiplies q: scale times the score unit, or scale / softcap
+  float softcap;       // softcap times the score unit (see forward.h); 0 when off
+  int32_t batch_ndim;  // merged batch dims (0 when there is no batch)
+  int32_t batch_shape[STEEL_ATTN_MAX_BATCH_DIMS];  // outermost first
+  steel_i64 q_bs[STEEL_ATTN_MAX_BATCH_DIMS];  // batch strides, 0 where broadcast
+  steel_i64 k_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 v_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 m_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 q_hs;  // head and row strides
+  steel_i64 q_rs;
+  steel_i64 k_hs;
+  steel_i64 k_rs;
+  steel_i64 v_hs;
+  steel_i64 v_rs;
+  steel_i64 m_hs;  // mask: over query heads, rows, keys (0 where broadcast)
+  steel_i64 m_rs;
+  steel_i64 m_cs;
+  steel_i64 o_bs;  // out: per flattened batch entry, head, row (last dim contiguous)
+  steel_i64 o_hs;
+  steel_i64 o_rs;
+};
+
+static_assert(sizeof(AttnParams) == 288, "AttnParams layout changed: update both sides");
+#ifndef __METAL_VERSION__
+static_assert(offsetof(AttnParams, q_scale) == 36, "AttnParams.q_scale moved");
+static_assert(offsetof(AttnParams, batch_shape) == 48, "AttnParams.batch_shape moved");
+static_assert(offsetof(AttnParams, q_bs) == 64, "AttnParams.q_bs moved");
+static_assert(offsetof(AttnParams, q_hs) == 192, "AttnParams.q_hs moved");
+static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
+#endif

@@ -75,6 +75,7 @@ py::dict describe(const PlanHandle& h) {
     d["sizes"] = a.sizes;
     d["zero_init"] = a.zero_init;
     d["is_output"] = a.is_output;
+    d["order"] = a.order;
     allocations.append(d);
   }
   out["allocations"] = allocations;

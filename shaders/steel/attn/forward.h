@@ -1,0 +1,206 @@
+// The attention forward block (flash attention, prefill): one threadgroup computes BQ query rows
+// of one (batch, head) against every key it may see, and stores their output and log-sum-exp.
+//
+// Shape of the work (mps_src/plan/attention_plan.cpp chooses the kernel and the constants):
+//   - grid (ceil(L / BQ), Hq, batch); STEEL_ATTN_SIMDGROUPS simdgroups, each owning 8 query rows
+//     whose Q (prescaled, fp32) and O accumulators stay in registers for the whole head dim;
+//   - keys are walked in tiles of BK: the K and V tiles are copied to threadgroup memory by
+//     AttnTileLoader (zero fill on the ragged last tile and past the head dim), S = Q K^T is
+//     born in 8x8 fp32 fragments, transformed (score.h), turned into probabilities by the online
+//     softmax (softmax.h), and O += P V without leaving registers;
+//   - causal and window limits are loop bounds: tiles wholly hidden from every row of the block
+//     are never visited, and only tiles that cross a boundary test elements (score.h);
+//   - GQA is a stride: query head h reads key/value head h / group.
+// Barriers: separate K and V tiles take two per key tile (before the loads overwrite the
+// previous tile, after them); when K and V share one buffer (large head dims) four.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../fragment.h"
+#include "../params.h"
+#include "loader.h"
+#include "score.h"
+#include "softmax.h"
+
+using namespace metal;
+
+constant bool attn_align_l [[function_constant(STEEL_ATTN_FC_ALIGN_L)]];
+constant bool attn_align_s [[function_constant(STEEL_ATTN_FC_ALIGN_S)]];
+constant bool attn_align_e [[function_constant(STEEL_ATTN_FC_ALIGN_E)]];
+constant bool attn_align_ev [[function_constant(STEEL_ATTN_FC_ALIGN_EV)]];
+constant bool attn_vec_k [[function_constant(STEEL_ATTN_FC_VEC_K)]];
+constant bool attn_vec_v [[function_constant(STEEL_ATTN_FC_VEC_V)]];
+constant int attn_sinks [[function_constant(STEEL_ATTN_FC_SINKS)]];
+constant bool attn_has_batch [[function_constant(STEEL_ATTN_FC_HAS_BATCH)]];
+
+namespace steel {
+
+// Tile sizes of the kernel for head dims DE (q, k) and DV (v, out); params.h has the rules.
+template <typename T, short DE, short DV>
+struct AttnForward {
+  static constant constexpr short BQ = STEEL_ATTN_BQ;
+  static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
+  static constant constexpr short BK = short(steel_attn_bk(DE, DV, int(sizeof(T))));
+  static constant constexpr bool kShared = steel_attn_shared_kv(DE, DV, int(sizeof(T)));
+  static constant constexpr short kLdK = short(steel_attn_ld(DE, int(sizeof(T))));
+  static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
+  static constant constexpr int kKElems = BK * kLdK;
+  static constant constexpr int kVElems = BK * kLdV;
+  static constant constexpr int kTileElems =
+      kShared ? (kKElems > kVElems ? kKElems : kVElems) : kKElems + kVElems;
+  static constant constexpr short TD = DE / 8;  // Q fragments per row block
+  static constant constexpr short TV = DV / 8;  // O fragments
+  static constant constexpr short TK = BK / 8;  // score fragments per key tile
+  static_assert(DE % 8 == 0 && DV % 8 == 0, "head dims are instantiated in multiples of 8");
+  static_assert(kTileElems * int(sizeof(T)) ==
+                    steel_attn_threadgroup_bytes(DE, DV, int(sizeof(T))),
+                "the planner's threadgroup-memory figure must match the kernel's");
+  // The V tile follows the K tile: keep it 16-byte aligned for the loader's chunk stores.
+  static_assert(kKElems * int(sizeof(T)) % 16 == 0, "V tile alignment");
+
+  using LoaderK = AttnTileLoader<T, BK, DE, kLdK, kThreads>;
+  using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
+};
+
+template <typename T, short DE, short DV>
+inline void attention_forward_block(const device T* q, const device T* k, const device T* v,
+                                    const device uchar* mask, const device uchar* sinks,
+                                    device T* out, device float* lse, constant AttnParams& p,
+                                    threadgroup T* smem, uint3 tg, ushort simdgroup,
+                                    ushort lane) {
+  using A = AttnForward<T, DE, DV>;
+  const int row0 = int(tg.x) * A::BQ;
+  const int h = int(tg.y);
+  const int zb = int(tg.z);
+
+  // Batch, head and row offsets in 64 bits: B * H * L * E passes 2^31 in real models.
+  steel_i64 q_off = 0, k_off = 0, v_off = 0, m_off = 0;
+  if (attn_has_batch) {
+    int z = zb;
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      const int idx = z % p.batch_shape[d];
+      z /= p.batch_shape[d];
+      q_off += idx * p.q_bs[d];
+      k_off += idx * p.k_bs[d];
+      v_off += idx * p.v_bs[d];
+      m_off += idx * p.m_bs[d];
+    }
+  }
+  const int hk = h / p.group;
+  q += q_off + h * p.q_hs;
+  k += k_off + hk * p.k_hs;
+  v += v_off + hk * p.v_hs;
+
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  const int row = row0 + simdgroup * 8 + fr;  // this lane's query row
+  const bool row_ok = attn_align_l || row < p.L;
+
+  // Q in registers, prescaled (score.h), zero past L and past E so that padded head-dim columns
+  // add nothing to the scores.
+  FragTile<1, A::TD> qf;
+  const device T* q_row = q + row * p.q_rs;
+  for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      const bool in = row_ok && (attn_align_e || col < p.E);
+      qf.frag[d].thread_elements()[e] = in ? float(q_row[col]) * p.q_scale : 0.0f;
+    }
+  }
+
+  OnlineSoftmax sm;
+  if (attn_sinks != kSteelAttnOperandNone) {
+    const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, h);
+    sm.init(true, sink / attn_unit_nats);
+  } else {
+    sm.init(false, 0.0f);
+  }
+  FragTile<1, A::TV> o;
+  o.clear();
+
+  // The key tiles any row of the block may see (causal / window bounds, score.h's rule).
+  const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+  int key_begin = 0;
+  int key_end = p.S;
+  if (attn_has_hi) key_end = min(key_end, last_row + p.shift + p.hi_off + 1);
+  if (attn_has_lo) key_begin = max(0, row0 + p.shift - p.lo_off);
+  const int t_begin = key_begin / A::BK;
+  const int t_end = key_end > key_begin ? (key_end + A::BK - 1) / A::BK : t_begin;
+
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+  const steel_i64 mask_row = m_off + h * p.m_hs + row * p.m_rs;
+
+  for (int t = t_begin; t < t_end; ++t) {
+    const int key0 = t * A::BK;
+    const short valid = short(min(int(A::BK), p.S - key0));
+    const bool whole = attn_align_s || valid == A::BK;
+    // Does the tile cross a boundary of some row's visible range? (uniform per threadgroup)
+    const bool edge = !whole ||
+                      (attn_has_hi && key0 + A::BK - 1 > row0 + p.shift + p.hi_off) ||
+                      (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+
+    if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
+    A::LoaderK::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
+                     attn_vec_k, thread_index);
+    if (!A::kShared) {
+      A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+                       whole && attn_align_ev, attn_vec_v, thread_index);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // S = Q K^T: the K tile read transposed (lane element (d, key) at Ks[key * ld + d]).
+    FragTile<1, A::TK> s;
+    s.clear();
+    for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+        simdgroup_matrix<float, 8, 8> kt;
+        frag_load(kt, Ks + (j * 8 + fc) * A::kLdK + d * 8 + fr, A::kLdK);
+        simdgroup_multiply_accumulate(s.frag[j], qf.frag[d], kt, s.frag[j]);
+      }
+    }
+
+    attn_transform_scores<T, A::TK>(s, p, row, key0, row_ok, mask, mask_row, edge, lane);
+    const float factor = sm.update<A::TK>(s);
+    for (short n = 0; n < A::TV; ++n) {
+      o.frag[n].thread_elements()[0] *= factor;
+      o.frag[n].thread_elements()[1] *= factor;
+    }
+
+    if (A::kShared) {  // V takes K's place once every simdgroup has its scores
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+                       whole && attn_align_ev, attn_vec_v, thread_index);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    // O += P V: the probabilities are already in the A-operand layout of a fragment.
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+      for (short n = 0; n < A::TV; ++n) {
+        simdgroup_matrix<float, 8, 8> vf;
+        frag_load(vf, Vs + (j * 8 + fr) * A::kLdV + n * 8 + fc, short(1));
+        simdgroup_multiply_accumulate(o.frag[n], s.frag[j], vf, o.frag[n]);
+      }
+    }
+  }
+
+  if (!row_ok) return;  // no barrier follows
+  const float inv = sm.inverse_sum();
+  device T* o_row = out + zb * p.o_bs + h * p.o_hs + row * p.o_rs;
+  for (short n = 0; n < A::TV; ++n) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = n * 8 + fc + e;
+      if (attn_align_ev || col < p.Ev) o_row[col] = T(o.frag[n].thread_elements()[e] * inv);
+    }
+  }
+  // One lane of the four that share a row writes its log-sum-exp.
+  if ((lane & 9) == 0) lse[(steel_i64(zb) * p.Hq + h) * p.L + row] = sm.lse();
+}
+
+}  // namespace steel

@@ -1,0 +1,78 @@
+// Score transforms of the attention forward: what happens to a tile of scores between Q K^T and
+// the softmax, element by element in the fp32 fragments, in the order the reference applies it
+// (torch_steel/reference.py): softcap, then the additive mask, then everything that hides a key
+// (bool mask, causal and window diagonals, keys past S) as -inf.
+//
+// Score units. Without an additive mask, q is prescaled by scale * log2(e), so scores are in
+// units of log2(e) nats and the softmax uses exp2 directly. With an additive mask, scores stay in
+// nats (q is prescaled by scale alone) and exp2 gets the factor log2(e) after the row max is
+// subtracted: a mask of finfo.min (Hugging Face's padding) multiplied by log2(e) first would
+// overflow to -inf, and a row of equal huge scores must come out uniform, as in the reference.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../fragment.h"
+#include "../params.h"
+
+using namespace metal;
+
+constant bool attn_softcap [[function_constant(STEEL_ATTN_FC_SOFTCAP)]];
+constant int attn_mask [[function_constant(STEEL_ATTN_FC_MASK)]];
+constant bool attn_has_hi [[function_constant(STEEL_ATTN_FC_HAS_HI)]];
+constant bool attn_has_lo [[function_constant(STEEL_ATTN_FC_HAS_LO)]];
+constant bool attn_additive = attn_mask == kSteelAttnMaskAdd || attn_mask == kSteelAttnMaskAddF32;
+// exp(x) = exp2(x * attn_exp_unit) for a score difference x in the current unit.
+constant float attn_exp_unit = attn_additive ? M_LOG2E_F : 1.0f;
+// The score unit in nats (log(e) = 1 nat per unit with an additive mask, ln 2 without).
+constant float attn_unit_nats = attn_additive ? 1.0f : M_LN2_F;
+
+namespace steel {
+
+// Element `i` of a buffer holding T, or float when `is_f32` (the mask's and sinks' dtypes).
+template <typename T>
+inline float attn_read(const device uchar* buffer, bool is_f32, steel_i64 i) {
+  return is_f32 ? ((const device float*)buffer)[i] : float(((const device T*)buffer)[i]);
+}
+
+// Which keys query row `row` may see: [row + shift - lo_off, row + shift + hi_off] within
+// [0, S), each side only where its function constant is set. Tile-level culling uses the same
+// bounds (forward.h); this is the element-level test for tiles that cross a boundary.
+inline bool attn_visible(constant AttnParams& p, int row, int key) {
+  bool keep = key < p.S;
+  if (attn_has_hi) keep = keep && key <= row + p.shift + p.hi_off;
+  if (attn_has_lo) keep = keep && key >= row + p.shift - p.lo_off;
+  return keep;
+}
+
+// Transforms one lane's elements of a 8 x (8 * TK) score tile in place. `row` is the lane's
+// query row, `key0` the tile's first key, `row_ok` says the row is inside L, `mask_row` is the
+// mask's element offset of (row, key 0), `edge` says the tile crosses a visibility boundary
+// (decided once per threadgroup).
+template <typename T, short TK>
+inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams& p, int row,
+                                  int key0, bool row_ok, const device uchar* mask,
+                                  steel_i64 mask_row, bool edge, ushort lane) {
+  const short fc = frag_col(lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int key = key0 + j * 8 + fc + e;
+      float x = s.frag[j].thread_elements()[e];
+      if (attn_softcap) x = precise::tanh(x) * p.softcap;
+      if (attn_mask != kSteelAttnMaskNone && row_ok && key < p.S) {
+        const steel_i64 at = mask_row + key * p.m_cs;
+        if (attn_mask == kSteelAttnMaskBool) {
+          if (mask[at] == 0) x = -INFINITY;
+        } else {
+          x += attn_read<T>(mask, attn_mask == kSteelAttnMaskAddF32, at);
+        }
+      }
+      if (edge && !attn_visible(p, row, key)) x = -INFINITY;
+      s.frag[j].thread_elements()[e] = x;
+    }
+  }
+}
+
+}  // namespace steel
