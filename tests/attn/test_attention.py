@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attn_helpers import (
-    OUT_ROUNDING,
     DTYPES,
+    OUT_ROUNDING,
     assert_attention_close,
     check,
     oracle,
