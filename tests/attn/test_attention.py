@@ -282,3 +282,19 @@ def test_instantiations_sweep(E, Ev, dtype, causal, mask):
 def test_lengths_sweep(L, S, align):
     q, k, v = qkv(1, 2, L, S, 96, dtype=torch.bfloat16)
     check(q, k, v, is_causal=True, causal_align=align, window=(31, -1))
+
+
+@pytest.mark.slow
+def test_offsets_past_two_to_the_31():
+    """q, k and v whose batch entries lie 2^32 elements apart in one buffer (8 GiB of address
+    space, only the touched pages backed): 32-bit offsets would wrap onto the first entry."""
+    storage = torch.empty(2**32 + 3 * 4096, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(6)
+
+    def view(at):
+        x = storage.as_strided((2, 2, 9, 64), (2**32, 9 * 64, 64, 1), at)
+        x.copy_(rand(2, 2, 9, 64, dtype=torch.float16, gen=gen))
+        return x
+
+    q, k, v = view(0), view(4096), view(2 * 4096)
+    check(q, k, v, is_causal=True)
