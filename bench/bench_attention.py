@@ -1,0 +1,320 @@
+"""Attention benchmark (issue 8, item 12): device traffic and MMAs of the chosen plan against the
+minimum, checked against the simulator's counters; on a Mac, steel against F.sdpa on MPS.
+
+For every shape of the table:
+  - the plan (torch_steel.sim.plan, the same plan the Mac encodes) and a model of it: the bytes
+    each buffer moves, derived from the kernel's tile sizes and its loop bounds (each
+    threadgroup reads its BQ query rows once, the K and V rows of every key tile it visits,
+    bounded at S and at the head dims; the mask element by element for its rows and visited
+    keys; out and lse once), and its simdgroup MMAs;
+  - the minimum: q, k, v, the mask once each, out and lse written once; the ideal MMA count
+    (the visible (row, key) pairs times (E + Ev), in 8x8x8 units);
+  - the fraction of key tiles visited (causal: tends to 1/2);
+  - the intermediate memory of the plan (allocations besides out and lse): 0, no L x S buffer;
+  - on shapes the simulator runs in seconds (--sim-limit on B*H*L*S*(E+Ev)), the simulator's
+    counters next to the model (they must agree exactly; a mismatch fails the run);
+  - on a Mac with MPS (--mps): steel.sdpa against F.sdpa, median of --iters runs, and peak
+    memory, for B 1..8, H 8..32, L 128..16384, D 64 and 128, causal and not, as a table and
+    (with matplotlib) a plot bench/attention_mps.png.
+
+    python bench/bench_attention.py [--dtype float16] [--sim-limit 3e8] [--mps] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch_steel import sim  # noqa: E402
+
+BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS = range(8)
+FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS = 301, 310, 311, 312, 313
+BQ = 32
+THREADS = 128
+BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
+
+# (name, B, Hq, Hkv, L, S, E, Ev, options, mask shape or None)
+SHAPES = [
+    ("prefill 512 d64", 1, 8, 8, 512, 512, 64, 64, {}, None),
+    ("prefill 512 d64 causal", 1, 8, 8, 512, 512, 64, 64, {"is_causal": True}, None),
+    ("prefill 2048 d128 causal", 1, 8, 8, 2048, 2048, 128, 128, {"is_causal": True}, None),
+    ("prefill 4096 d128 causal", 2, 16, 16, 4096, 4096, 128, 128, {"is_causal": True}, None),
+    ("GQA 8/2 1024 d128 causal", 1, 8, 2, 1024, 1024, 128, 128, {"is_causal": True}, None),
+    ("SD1.5 4096x77 d40", 2, 8, 8, 4096, 77, 40, 40, {}, None),
+    ("SD1.5 1024 d80", 2, 8, 8, 1024, 1024, 80, 80, {}, None),
+    ("MLA 192/128 causal", 1, 16, 16, 1024, 1024, 192, 128, {"is_causal": True}, None),
+    ("window 4096 (512, 0)", 1, 8, 8, 4096, 4096, 64, 64,
+     {"window_left": 512, "window_right": 0}, None),
+    ("key padding mask", 2, 8, 8, 256, 256, 64, 64, {}, (2, 1, 1, 256)),
+    ("small ragged 33x47 d64", 1, 2, 2, 33, 47, 64, 64, {}, None),
+    ("small causal mask 100x257", 1, 2, 1, 100, 257, 96, 96, {"is_causal": True},
+     (100, 257)),
+]  # fmt: skip
+
+
+def bk_of(de, dv, es):
+    """steel_attn_bk (params.h): the key tile of the kernel for head dims (de, dv)."""
+
+    def ld(d):
+        return d + 16 // es
+
+    def separate(bk):
+        return bk * (ld(de) + ld(dv)) * es
+
+    def shared(bk):
+        return bk * max(ld(de), ld(dv)) * es
+
+    if separate(16) <= BUDGET:
+        return 32 if separate(32) <= BUDGET else 16
+    return next(bk for bk in (32, 16, 8) if shared(bk) <= BUDGET or bk == 8)
+
+
+def params(dispatch):
+    raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
+    L, S, E, Ev, Hq, group, shift, hi_off, lo_off = struct.unpack_from("9i", raw, 0)
+    return {"L": L, "S": S, "E": E, "Ev": Ev, "Hq": Hq, "group": group, "shift": shift,
+            "hi_off": hi_off, "lo_off": lo_off}  # fmt: skip
+
+
+def visited_tiles(p, bk, has_hi, has_lo):
+    """[(first row, valid rows, [key tile starts])] per query block, as forward.h bounds them."""
+    blocks = []
+    for row0 in range(0, p["L"], BQ):
+        last = min(row0 + BQ, p["L"]) - 1
+        begin, end = 0, p["S"]
+        if has_hi:
+            end = min(end, last + p["shift"] + p["hi_off"] + 1)
+        if has_lo:
+            begin = max(0, row0 + p["shift"] - p["lo_off"])
+        t0 = begin // bk
+        t1 = -(-end // bk) if end > begin else t0
+        blocks.append((row0, last - row0 + 1, [t * bk for t in range(t0, t1)]))
+    return blocks
+
+
+def model(plan, batch, es, mask_es, sinks_es):
+    """Predicted {binding: {"read": bytes, "written": bytes}} and MMAs of the one dispatch."""
+    d = plan.dispatches[0]
+    p = params(d)
+    de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+    bk = bk_of(de, dv, es)
+    heads = batch * p["Hq"]
+    blocks = visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
+    keys = sum(min(bk, p["S"] - k0) for _, _, tiles in blocks for k0 in tiles)
+    tiles = sum(len(t) for _, _, t in blocks)
+    buffers = {
+        BUF_Q: {"read": heads * p["L"] * p["E"] * es, "written": 0},
+        BUF_K: {"read": heads * keys * p["E"] * es, "written": 0},
+        BUF_V: {"read": heads * keys * p["Ev"] * es, "written": 0},
+        BUF_OUT: {"read": 0, "written": heads * p["L"] * p["Ev"] * es},
+        BUF_LSE: {"read": 0, "written": heads * p["L"] * 4},
+    }
+    if d.constants[FC_MASK]:
+        reads = sum(rows * min(bk, p["S"] - k0) for _, rows, t in blocks for k0 in t)
+        buffers[BUF_MASK] = {"read": heads * reads * mask_es, "written": 0}
+    if d.constants[FC_SINKS]:
+        buffers[BUF_SINKS] = {"read": heads * len(blocks) * THREADS * sinks_es, "written": 0}
+    simdgroups = THREADS // 32
+    mma = heads * tiles * simdgroups * (bk // 8) * (de // 8 + dv // 8)
+    return buffers, mma, tiles, len(blocks) * -(-p["S"] // bk)
+
+
+def visible_pairs(L, S, options):
+    """(row, key) pairs the options let a row see (causal, window, alignment)."""
+    shift = S - L if options.get("bottom_right") else 0
+    hi = options.get("window_right", -1)
+    lo = options.get("window_left", -1)
+    total = 0
+    for i in range(L):
+        end = S - 1
+        if options.get("is_causal"):
+            end = min(end, i + shift)
+        if hi >= 0:
+            end = min(end, i + shift + hi)
+        begin = max(0, i + shift - lo) if lo >= 0 else 0
+        total += max(0, end - begin + 1)
+    return total
+
+
+def total(buffers) -> int:
+    return sum(v["read"] + v["written"] for v in buffers.values())
+
+
+def counted(counters) -> dict[int, dict[str, int]]:
+    """The simulator's per-binding bytes of the one dispatch, without the params struct (set
+    with setBytes: constant memory read from cache by every thread, not device traffic)."""
+    (c,) = counters
+    return {
+        i: dict(v)
+        for i, v in c["buffers"].items()
+        if (v["read"] or v["written"]) and i != BUF_PARAMS
+    }
+
+
+def inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, device):
+    q = torch.randn(B, Hq, L, E, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, S, E, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, S, Ev, dtype=dtype, device=device)
+    mask = None
+    if mask_shape is not None:
+        mask = torch.rand(mask_shape, device=device) > 0.1
+    return q, k, v, mask
+
+
+def run_options(E, options):
+    base = {"dropout_p": 0.0, "is_causal": False, "scale": 1 / math.sqrt(E), "softcap": 0.0,
+            "window_left": -1, "window_right": -1, "bottom_right": False}  # fmt: skip
+    return {**base, **options}
+
+
+def traffic_table(dtype, sim_limit) -> int:
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    failures = 0
+    print(f"steel attention forward, {dtype}; traffic in MB; MMAs in thousands")
+    print(
+        f"{'shape':28} {'kernel':30} {'model MB':>9} {'min MB':>8} {'ratio':>6} {'sim MB':>9} "
+        f"{'kMMA':>9} {'ideal':>9} {'tiles':>6} {'scratch':>7}"
+    )
+    for name, B, Hq, Hkv, L, S, E, Ev, options, mask_shape in SHAPES:
+        q, k, v, mask = inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "meta")
+        opts = run_options(E, options)
+        p = sim.plan("sdpa", [q, k, v, mask, None], opts)
+        if not p.ok:
+            print(f"{name:28} refused: {p.reason}")
+            continue
+        predicted, mma, tiles, dense_tiles = model(p, B, es, 1, 0)
+        minimum = (q.numel() + k.numel()) * es + v.numel() * es + B * Hq * L * (Ev * es + 4)
+        if mask is not None:
+            minimum += mask.numel()
+        ideal = B * Hq * visible_pairs(L, S, options) * (E + Ev) / 512
+        scratch = sum(math.prod(a.sizes) for a in p.allocations if a.name not in ("out", "lse"))
+        moved = total(predicted)
+        kernel = p.dispatches[0].kernel.replace("steel_attention_", "")
+        sim_col = "-"
+        if run_sim and B * Hq * L * S * (E + Ev) <= sim_limit:
+            cq, ck, cv, cmask = inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "cpu")
+            _, counters = sim.run_op(
+                "sdpa", [cq, ck, cv, cmask, None], opts, counters=True, checkers=False
+            )
+            got = counted(counters)
+            sim_col = f"{total(got) / 1e6:.3f}"
+            if got != predicted or counters[0]["mma"] != mma:
+                failures += 1
+                sim_col += " MISMATCH"
+                print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}",
+                      file=sys.stderr)  # fmt: skip
+        print(
+            f"{name:28} {kernel:30} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
+            f"{moved / minimum:6.2f} {sim_col:>9} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} "
+            f"{tiles / dense_tiles:6.2f} {scratch:7d}"
+        )
+    if failures:
+        print(f"{failures} shape(s) where the model and the simulator disagree")
+    return failures
+
+
+def time_ms(fn, iters):
+    fn()
+    torch.mps.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.mps.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def peak_mb(fn):
+    torch.mps.synchronize()
+    torch.mps.empty_cache()
+    base = torch.mps.driver_allocated_memory()
+    fn()
+    torch.mps.synchronize()
+    return (torch.mps.driver_allocated_memory() - base) / 1e6
+
+
+def time_mps(B, H, L, D, causal, dtype, iters):
+    """(steel ms, F.sdpa ms, steel MB, F.sdpa MB) for one shape on MPS."""
+    import torch.nn.functional as F
+
+    import torch_steel
+
+    q, k, v, _ = inputs(B, H, H, L, L, D, D, None, dtype, "mps")
+
+    def ours():
+        return torch_steel.sdpa(q, k, v, is_causal=causal)
+
+    def theirs():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return time_ms(ours, iters), time_ms(theirs, iters), peak_mb(ours), peak_mb(theirs)
+
+
+def mps_table(dtype, iters) -> None:
+    rows = []
+    print(f"\nMPS: steel.sdpa against F.sdpa, {dtype}, median of {iters} runs")
+    print(f"{'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'steel ms':>9} {'F.sdpa ms':>9} "
+          f"{'speedup':>7} {'steel MB':>9} {'F.sdpa MB':>9}")  # fmt: skip
+    for B in (1, 4, 8):
+        for H in (8, 32):
+            for L in (128, 1024, 4096, 16384):
+                for D in (64, 128):
+                    for causal in (False, True):
+                        shape = f"{B:2} {H:3} {L:6} {D:4} {causal!s:>6}"
+                        try:
+                            t_ours, t_theirs, m_ours, m_theirs = time_mps(
+                                B, H, L, D, causal, dtype, iters
+                            )
+                        except RuntimeError as error:  # out of memory on the larger shapes
+                            print(f"{shape} failed: {error}")
+                            continue
+                        rows.append((B, H, L, D, causal, t_ours, t_theirs))
+                        print(f"{shape} {t_ours:9.3f} {t_theirs:9.3f} {t_theirs / t_ours:7.2f} "
+                              f"{m_ours:9.1f} {m_theirs:9.1f}")  # fmt: skip
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots()
+    for D in (64, 128):
+        for causal in (False, True):
+            pts = [(r[2], r[6] / r[5]) for r in rows if r[0] == 1 and r[1] == 8 and r[3] == D
+                   and r[4] == causal]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"D {D} causal {causal}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (B 1, H 8)")
+    ax.set_ylabel("speedup over F.sdpa (MPS)")
+    ax.axhline(1.2, linestyle="--", color="gray")
+    ax.legend()
+    fig.savefig(Path(__file__).with_name("attention_mps.png"), dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--sim-limit", type=float, default=3e8,
+                        help="run the simulator where B*H*L*S*(E+Ev) is at most this")  # fmt: skip
+    parser.add_argument("--mps", action="store_true", help="time against F.sdpa on MPS")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    failures = traffic_table(dtype, args.sim_limit)
+    if args.mps and torch.backends.mps.is_available():
+        mps_table(dtype, args.iters)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

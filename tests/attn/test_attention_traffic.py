@@ -1,0 +1,53 @@
+"""The traffic model of bench/bench_attention.py against the simulator's counters: the bytes each
+buffer of an attention plan moves and its MMAs, predicted from the plan alone, must equal what the
+simulator counts; causal plans visit about half the key tiles, and no plan allocates anything
+besides out and lse (no L x S intermediate)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from attn_helpers import requires_simulator
+
+from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_attention  # noqa: E402
+
+pytestmark = requires_simulator
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,Ev,options,mask_shape,sinks",
+    [
+        (1, 2, 2, 33, 47, 64, 64, {}, None, False),
+        (2, 4, 2, 70, 100, 40, 40, {"is_causal": True}, (70, 100), True),
+        (1, 2, 1, 50, 30, 96, 96, {"is_causal": True, "bottom_right": True}, (1, 2, 1, 30), False),
+        (1, 1, 1, 64, 200, 256, 256, {"window_left": 20, "window_right": 5}, None, True),
+        (1, 2, 2, 9, 17, 192, 128, {}, (1, 2, 9, 17), False),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, options, mask_shape, sinks,
+                                        dtype):  # fmt: skip
+    q, k, v, mask = bench_attention.inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "cpu")
+    s = torch.randn(Hq, dtype=dtype) if sinks else None
+    opts = bench_attention.run_options(E, options)
+    p = sim.plan("sdpa", [q, k, v, mask, s], opts)
+    es = torch.finfo(dtype).bits // 8
+    predicted, mma, _, _ = bench_attention.model(p, B, es, 1, es)
+    _, counters = sim.run_op("sdpa", [q, k, v, mask, s], opts, counters=True, checkers=False)
+    assert bench_attention.counted(counters) == predicted
+    assert counters[0]["mma"] == mma
+
+
+def test_causal_visits_about_half_the_tiles_and_allocates_no_score_matrix():
+    q, k, v, _ = bench_attention.inputs(1, 8, 8, 4096, 4096, 128, 128, None, torch.float16,
+                                        "meta")  # fmt: skip
+    p = sim.plan("sdpa", [q, k, v, None, None], bench_attention.run_options(128, {"is_causal": 1}))
+    _, _, tiles, dense = bench_attention.model(p, 1, 2, 1, 0)
+    assert 0.5 <= tiles / dense < 0.51
+    assert [a.name for a in p.allocations] == ["out", "lse"]
