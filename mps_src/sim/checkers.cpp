@@ -74,6 +74,12 @@ struct Region {
 char* g_arena = nullptr;
 size_t g_arena_bytes = 0;
 std::vector<Region> g_regions;
+// After the regions, one poison slot per buffer index for buffers disabled by a function
+// constant (runtime.h: disabled_buffer), each followed by a gap as large. A dead read through such
+// a parameter (a params struct read before the branch that a false constant removes) is
+// usually small; 256 KiB also covers per-thread reads of a modest grid.
+constexpr size_t kPoisonBytes = 256 * 1024;
+size_t g_poison_offset = 0;
 
 size_t gap_for(size_t bytes) {
   size_t gap = std::min(std::max(bytes, kMinGap), kMaxGap);
@@ -92,7 +98,16 @@ size_t gap_for(size_t bytes) {
     }
   }
   const char* op = write ? "write" : "read";
-  char buf[256];
+  char buf[320];
+  if (best != nullptr && best->disabled) {
+    snprintf(buf, sizeof buf,
+             "out-of-bounds device %s of %zu bytes at byte offset %lld of [[buffer(%u)]], which "
+             "a function constant disables (the simulator backs it with %zu bytes of poison so "
+             "that reads whose value is unused do not fault)",
+             op, n, static_cast<long long>(a) - static_cast<long long>(best->lo), best->index,
+             kPoisonBytes);
+    lane_fail(buf, g.access_pc);
+  }
   if (best == nullptr) {
     snprintf(buf, sizeof buf, "out-of-bounds device %s of %zu bytes (no buffer is bound)", op, n);
     lane_fail(buf, g.access_pc);
@@ -144,6 +159,25 @@ void check_threadgroup_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool w
   }
 }
 
+// An access through a parameter that a function constant disables. Metal has no buffer there:
+// a write is an error; a read is what the compiler removes when its value is unused, which
+// launch() finds out by running the dispatch again with other poison (state.h).
+void disabled_access(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  if (write) {
+    char buf[256];
+    snprintf(buf, sizeof buf,
+             "device write of %zu bytes at byte offset %lld of [[buffer(%u)]], which a function "
+             "constant disables (no buffer is bound to it)",
+             n, static_cast<long long>(a - b.lo), b.index);
+    lane_fail(buf, g.access_pc);
+  }
+  if (g.disabled_reads++ == 0) {
+    g.disabled_index = b.index;
+    g.disabled_where = where();
+    g.disabled_pc = g.access_pc;
+  }
+}
+
 void device_access(uintptr_t a, size_t n, bool write) {
   DeviceBuffer* b = g.dev_last;
   if (b == nullptr || a < b->lo || a + n > b->hi) {
@@ -159,6 +193,10 @@ void device_access(uintptr_t a, size_t n, bool write) {
       return;
     }
     g.dev_last = b;
+  }
+  if (b->disabled) {
+    disabled_access(*b, a, n, write);
+    return;
   }
   (write ? b->counters.written : b->counters.read) += n;
   if (g.checkers) check_alignment(*b, a, n, write);
@@ -306,6 +344,8 @@ void bind_device(const LaunchSpec& spec) {
     size_t bytes = (r.arena_lo - offset) + (r.host_hi - r.host_lo);
     offset += ((bytes + 255) & ~size_t{255}) + gap_for(bytes);
   }
+  g_poison_offset = offset;
+  offset += (kMaxBufferIndex + 1) * 2 * kPoisonBytes;
   void* p = mmap(nullptr, offset, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw SimError("kernel '" + spec.kernel + "': cannot map the device arena");
@@ -325,7 +365,12 @@ void bind_device(const LaunchSpec& spec) {
     }
   }
   g.dev.clear();
+  g.dev.reserve(args.size() + kMaxBufferIndex + 1);  // bind_disabled keeps pointers valid
   std::fill(std::begin(g.buffer_bound), std::end(g.buffer_bound), false);
+  std::fill(std::begin(g.disabled_base), std::end(g.disabled_base), nullptr);
+  g.disabled_reads = 0;
+  g.disabled_pc = nullptr;
+  g.disabled_where.clear();
   for (size_t i = 0; i < args.size(); ++i) {
     const Region& r = g_regions[region_of[i]];
     uintptr_t lo = r.arena_lo + (reinterpret_cast<uintptr_t>(args[i]->host) - r.host_lo);
@@ -344,6 +389,35 @@ void bind_device(const LaunchSpec& spec) {
   steel_sim_arenas.dev_size = g_arena_bytes;
 }
 
+void* bind_disabled(uint32_t index) {
+  if (index > kMaxBufferIndex) {
+    lane_fail(fmt("[[buffer(%llu)]]: Metal has 31 buffer slots (0-30)", index));
+  }
+  if (g.disabled_base[index] == nullptr) {
+    char* p = g_arena + g_poison_offset + index * 2 * kPoisonBytes;
+    std::memset(p, g.poison, kPoisonBytes);
+    DeviceBuffer d;
+    d.index = index;
+    d.lo = reinterpret_cast<uintptr_t>(p);
+    d.hi = d.lo + kPoisonBytes;
+    d.disabled = true;
+    g.dev.push_back(d);
+    g.dev_last = nullptr;
+    g.disabled_base[index] = p;
+  }
+  return g.disabled_base[index];
+}
+
+std::vector<uint8_t> snapshot_outputs() {
+  std::vector<uint8_t> out;
+  for (const Region& r : g_regions) {
+    if (!r.write_back || r.host_hi <= r.host_lo) continue;
+    const auto* p = reinterpret_cast<const uint8_t*>(r.arena_lo);
+    out.insert(out.end(), p, p + (r.host_hi - r.host_lo));
+  }
+  return out;
+}
+
 void unbind_device(bool write_back) {
   steel_sim_arenas.dev_size = 0;
   steel_sim_arenas.tg_size = 0;
@@ -356,6 +430,7 @@ void unbind_device(bool write_back) {
     }
   }
   for (const DeviceBuffer& d : g.dev) {
+    if (d.disabled) continue;
     BufferCounters& c = g.counters.buffers[d.index];
     c.read += d.counters.read;
     c.written += d.counters.written;

@@ -531,6 +531,8 @@ void* buffer(uint32_t index) {
   return g.buffer_base[index];
 }
 
+void* disabled_buffer(uint32_t index) { return bind_disabled(index); }
+
 void* threadgroup_buffer(uint32_t index) {
   auto it = g.tg_args.find(index);
   if (it == g.tg_args.end()) {
@@ -742,6 +744,18 @@ void validate(const LaunchSpec& spec) {
   }
 }
 
+void run_grid(const LaunchSpec& spec) {
+  for (uint32_t z = 0; z < spec.grid[2]; ++z) {
+    for (uint32_t y = 0; y < spec.grid[1]; ++y) {
+      for (uint32_t x = 0; x < spec.grid[0]; ++x) {
+        if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
+        run_threadgroup(x, y, z);
+        ++g.counters.threadgroups;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 Counters launch(const LaunchSpec& spec) {
@@ -776,27 +790,42 @@ Counters launch(const LaunchSpec& spec) {
   }
 
   reset_threadgroup_memory(spec);
+  g.poison = 0xFF;
   bind_device(spec);
   FaultHandlers handlers;
   InterruptHandler interrupt;
   Watchdog watchdog;
-  bool ok = false;
   try {
-    for (uint32_t z = 0; z < spec.grid[2]; ++z) {
-      for (uint32_t y = 0; y < spec.grid[1]; ++y) {
-        for (uint32_t x = 0; x < spec.grid[0]; ++x) {
-          if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
-          run_threadgroup(x, y, z);
-          ++g.counters.threadgroups;
-        }
+    run_grid(spec);
+    if (g.disabled_reads != 0 && g.checkers) {
+      // A buffer disabled by a function constant was read. Metal's compiler removes such a read
+      // when its value is unused; whether it is, shows in the results: run again with other
+      // poison bytes and compare everything the dispatch wrote.
+      std::vector<uint8_t> first = snapshot_outputs();
+      std::string where = g.disabled_where;
+      const void* pc = g.disabled_pc;
+      uint32_t index = g.disabled_index;
+      unbind_device(false);
+      reset_threadgroup_memory(spec);
+      g.counters = Counters();
+      g.counters.kernel = spec.kernel;
+      g.poison = 0x00;
+      bind_device(spec);
+      run_grid(spec);
+      if (snapshot_outputs() != first) {
+        throw SimError(where +
+                       format("reads [[buffer(%u)]], which a function constant disables (no "
+                              "buffer is bound to it), and the value read changes the results: "
+                              "Metal leaves out only reads whose value is unused",
+                              index) +
+                       pc_text(pc));
       }
     }
-    ok = true;
   } catch (...) {
     unbind_device(false);
     throw;
   }
-  unbind_device(ok);
+  unbind_device(true);
   g.counters.lanes = g.counters.threadgroups * g.nlanes;
   return g.counters;
 }

@@ -32,6 +32,12 @@ const LaneInfo& lane();
 
 // [[buffer(index)]]: the bound buffer's base (tensor storage + its offset, or inline bytes).
 void* buffer(uint32_t index);
+// A [[buffer(index), function_constant(c)]] parameter whose constant is false. Metal's compiler
+// removes the parameter and, with it, any read whose value is then unused; here the parameter
+// points into a poison region instead of nothing, so that such reads do not fault. A write there
+// is an error; reads are noted, and launch() runs the dispatch again with other poison bytes: if
+// the results differ, the value of a disabled buffer was used, which is an error too.
+void* disabled_buffer(uint32_t index);
 // [[threadgroup(index)]]: memory sized by the dispatch's threadgroup_memory entry.
 void* threadgroup_buffer(uint32_t index);
 // A `threadgroup T name[N];` declared in a kernel body. decl_id is unique per declaration in the

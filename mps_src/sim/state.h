@@ -64,6 +64,7 @@ struct DeviceBuffer {
   // threadgroup (linear index + 1) that last wrote it in this dispatch, 0 if none.
   uint32_t* writers = nullptr;
   BufferCounters counters;
+  bool disabled = false;  // the poison region of a buffer a function constant disables
 };
 
 // Race-checker shadow of one threadgroup-memory byte: the last write and the latest reads, each
@@ -100,6 +101,15 @@ struct Sim {
   DeviceBuffer* dev_last = nullptr;
   void* buffer_base[kMaxBufferIndex + 1] = {};
   bool buffer_bound[kMaxBufferIndex + 1] = {};
+  // Buffers disabled by function constants (runtime.h: disabled_buffer): their poison regions
+  // (null until a lane first asks), the byte they are filled with in this run, and the first
+  // read of one (where and which), for the second run that tells a dead read from a used one.
+  void* disabled_base[kMaxBufferIndex + 1] = {};
+  uint8_t poison = 0xFF;
+  uint64_t disabled_reads = 0;
+  uint32_t disabled_index = 0;
+  std::string disabled_where;
+  const void* disabled_pc = nullptr;
 
   // Threadgroup memory (steel_sim_arenas.tg_*): [guard][32 KiB][guard];
   // [tg_base, tg_base + tg_used) is allocated.
@@ -152,6 +162,9 @@ std::string pc_text(const void* pc);
 
 // checkers.cpp
 void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena
+void* bind_disabled(uint32_t index);         // the poison region of a disabled buffer
+// The bytes of every region that is written back, for comparing two runs of one dispatch.
+std::vector<uint8_t> snapshot_outputs();
 void unbind_device(bool write_back);         // copies them back (on success) and unmaps
 void reset_threadgroup_memory(const LaunchSpec& spec);  // [[threadgroup(i)]] layout
 void start_threadgroup_memory();             // poisons the allocated bytes for a new threadgroup

@@ -372,3 +372,43 @@ def test_misaligned_vector_load_is_an_error(offset):
     dst = torch.zeros(16)
     with pytest.raises(SimulatorError, match=r"misaligned device read of 16 bytes .*buffer\(0\)"):
         run("exec_vector_copy", grid=(1,), threads=(4,), buffers={0: src, 1: dst})
+
+
+# ---------------------------------------------------------------------------- function constants
+
+
+def test_dead_read_through_a_disabled_buffer_does_not_fault():
+    out = torch.zeros(64)
+    run("exec_fc_dead_read", grid=(2,), threads=(32,), buffers={0: out}, constants={0: False})
+    assert torch.equal(out, torch.arange(64.0))
+    params = struct.pack("<fi", 2.0, 1)
+    run(
+        "exec_fc_dead_read",
+        grid=(2,),
+        threads=(32,),
+        buffers={0: out, 1: params},
+        constants={0: True},
+    )
+    assert torch.equal(out, torch.arange(64.0) * 2 + 1)
+
+
+def test_used_read_through_a_disabled_buffer_is_reported():
+    out = torch.zeros(64)
+    match = (
+        r"exec_fc_used_read.*reads \[\[buffer\(1\)\]\], which a function constant disables.*"
+        r"changes the results"
+    )
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_fc_used_read", grid=(2,), threads=(32,), buffers={0: out}, constants={0: False})
+    assert torch.equal(out, torch.zeros(64))  # nothing written back
+
+
+def test_write_through_a_disabled_buffer_is_reported():
+    with pytest.raises(SimulatorError, match=r"write of 4 bytes .*\[\[buffer\(1\)\]\], which a"):
+        run(
+            "exec_fc_write",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32)},
+            constants={0: False},
+        )

@@ -161,3 +161,41 @@ kernel void exec_vector_copy(const device float4* src [[buffer(0)]],
                              uint tid [[thread_position_in_grid]]) {
   dst[tid] = src[tid];
 }
+
+// Function constants. Metal specializes a pipeline for its constant values: a parameter whose
+// constant is false does not exist, and a read through it whose value is then unused is removed
+// with it. The read comes before a barrier, so that it cannot be sunk into the branch here either.
+constant bool fc_has_params [[function_constant(0)]];
+
+struct FcParams {
+  float scale;
+  int offset;
+};
+
+kernel void exec_fc_dead_read(device float* out [[buffer(0)]],
+                              constant FcParams& params [[buffer(1), function_constant(fc_has_params)]],
+                              uint i [[thread_position_in_grid]]) {
+  const float scale = params.scale;
+  const int offset = params.offset;
+  threadgroup_barrier(mem_flags::mem_none);
+  float v = float(i);
+  if (fc_has_params) v = v * scale + float(offset);
+  out[i] = v;
+}
+
+// The broken twin: the disabled buffer's value reaches the result.
+kernel void exec_fc_used_read(device float* out [[buffer(0)]],
+                              constant FcParams& params [[buffer(1), function_constant(fc_has_params)]],
+                              uint i [[thread_position_in_grid]]) {
+  const float scale = params.scale;
+  threadgroup_barrier(mem_flags::mem_none);
+  out[i] = fc_has_params ? float(i) * scale : float(i) + scale * 0.0f + 1.0f;
+}
+
+// Writing through a disabled buffer is an error whatever happens next.
+kernel void exec_fc_write(device float* out [[buffer(0)]],
+                          device float* extra [[buffer(1), function_constant(fc_has_params)]],
+                          uint i [[thread_position_in_grid]]) {
+  extra[i] = 1.0f;
+  out[i] = float(i);
+}

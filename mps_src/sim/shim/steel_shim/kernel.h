@@ -67,6 +67,16 @@ struct buffer {
       return (Arg)p;
     }
   }
+  // Disabled by a function constant: the runtime's poison region (runtime.h).
+  template <typename Arg>
+  static Arg disabled() {
+    void* p = steel_sim::disabled_buffer(I);
+    if constexpr (__is_reference(Arg)) {
+      return *(__remove_reference_t(Arg)*)p;
+    } else {
+      return (Arg)p;
+    }
+  }
 };
 
 // [[threadgroup(I)]]: a pointer into the dispatch's threadgroup memory entry I.
@@ -77,6 +87,10 @@ struct threadgroup_buffer {
     static_assert(__is_pointer(Arg) && pointee_space<Arg> == 3,
                   "a [[threadgroup(n)]] parameter is a threadgroup pointer");
     return (Arg)steel_sim::threadgroup_buffer(I);
+  }
+  template <typename Arg>
+  static Arg disabled() {
+    return nullptr;
   }
 };
 
@@ -102,14 +116,13 @@ struct attr {
 };
 
 // A parameter with [[buffer(n), function_constant(c)]]: it exists only when c is true, and
-// nothing needs to be bound otherwise (a null pointer then).
+// nothing needs to be bound otherwise. A disabled buffer points into poison (runtime.h:
+// disabled_buffer), so that a read Metal's compiler would remove as dead does not fault here.
 template <typename Source, bool (*kPresent)()>
 struct present_if {
   template <typename Arg>
   static Arg get() {
-    if constexpr (__is_pointer(Arg)) {
-      if (!kPresent()) return nullptr;
-    }
+    if (!kPresent()) return Source::template disabled<Arg>();
     return Source::template get<Arg>();
   }
 };
