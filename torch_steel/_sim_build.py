@@ -327,8 +327,14 @@ def _shader_lib(
         f" -include {_q(SIM_SRC / 'shader_prelude.h')}"
     )
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
+    # Optimized IR, its memory intrinsics made visible to the checkers (_sim_ir.py), then
+    # machine code from that IR without optimizing it again.
+    memops = f"{_q(sys.executable)} {_q(PACKAGE / '_sim_ir.py')}"
     rules = (
-        f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+        f"rule ll\n  command = $cxx -x c++ {flags} -S -emit-llvm $in -o $out 2> $log\n"
+        f"rule memops\n  command = {memops} $in $out 2>> $log\n"
+        f"rule cc\n  command = $cxx -fPIC -O2 -Xclang -disable-llvm-passes -c $in -o $out"
+        " 2>> $log\n"
         # Unoptimized IR, for the recursion check (the optimizer may turn recursion into loops).
         f"rule ir\n  command = $cxx -x c++ {flags} -O0 -S -emit-llvm $in -o $out 2> $out.log\n"
         f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
@@ -336,7 +342,10 @@ def _shader_lib(
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
-        builds.append(f"build {obj}: cc {_q(mirrored)}")
+        log = f"  log = {obj}.log"
+        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}")
+        builds.append(f"build {obj[:-2]}.mem.ll: memops {obj[:-2]}.opt.ll\n{log}")
+        builds.append(f"build {obj}: cc {obj[:-2]}.mem.ll\n{log}")
         builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}")
         objs.append(obj)
     # The load/store callbacks, so that shader code calls them without the PLT; also what a
@@ -470,8 +479,8 @@ def _load(lib_dir: Path) -> ShaderLibrary:
 
 
 def _lang_inputs() -> list[Path]:
-    translator = PACKAGE / "_sim_translate.py"
-    return _files(SHIM, "*") + ([translator] if translator.exists() else [])
+    helpers = [PACKAGE / "_sim_translate.py", PACKAGE / "_sim_ir.py"]
+    return _files(SHIM, "*") + [h for h in helpers if h.exists()]
 
 
 @functools.cache

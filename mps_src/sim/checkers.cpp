@@ -178,7 +178,7 @@ void disabled_access(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
   }
 }
 
-void device_access(uintptr_t a, size_t n, bool write) {
+void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   DeviceBuffer* b = g.dev_last;
   if (b == nullptr || a < b->lo || a + n > b->hi) {
     b = nullptr;
@@ -199,7 +199,7 @@ void device_access(uintptr_t a, size_t n, bool write) {
     return;
   }
   (write ? b->counters.written : b->counters.read) += n;
-  if (g.checkers) check_alignment(*b, a, n, write);
+  if (g.checkers && !bytes) check_alignment(*b, a, n, write);
   if (b->writers != nullptr && g.checkers) check_threadgroup_race(*b, a, n, write);
 }
 
@@ -300,14 +300,21 @@ void tg_access(uintptr_t a, size_t n, bool write) {
 }
 
 inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write,
-                                                     const void* pc) {
+                                                     const void* pc, bool bytes = false) {
   auto a = reinterpret_cast<uintptr_t>(p);
   const SteelSimArenas& arenas = steel_sim_arenas;
+  if (bytes) {
+    // A range may start just outside an arena and end inside it: blame it where it lands.
+    uintptr_t last = a + n - 1;
+    if (a - arenas.dev_lo >= arenas.dev_size && a - arenas.tg_lo >= arenas.tg_size) a = last;
+  }
   if (a - arenas.dev_lo >= arenas.dev_size && a - arenas.tg_lo >= arenas.tg_size) return;
+  a = reinterpret_cast<uintptr_t>(p);
   g.access_pc = pc;
   if (++g.run_accesses > kSpinLimit) spinning();
-  if (a - arenas.dev_lo < arenas.dev_size) {
-    device_access(a, n, write);
+  if (a - arenas.dev_lo < arenas.dev_size || (bytes && a + n - 1 - arenas.dev_lo <
+                                                           arenas.dev_size)) {
+    device_access(a, n, write, bytes);
   } else if (a - arenas.tg_lo < arenas.tg_size) {
     tg_access(a, n, write);
   }
@@ -521,6 +528,11 @@ __attribute__((visibility("default"))) SteelSimArenas steel_sim_arenas = {0, 0, 
 __attribute__((visibility("default"))) void steel_sim_access(const void* p, size_t n,
                                                              bool write, const void* pc) {
   steel_sim::detail::on_access(p, n, write, pc);
+}
+
+__attribute__((visibility("default"))) void steel_sim_access_range(const void* p, size_t n,
+                                                                   bool write, const void* pc) {
+  steel_sim::detail::on_access(p, n, write, pc, true);
 }
 
 }

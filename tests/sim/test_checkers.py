@@ -412,3 +412,57 @@ def test_write_through_a_disabled_buffer_is_reported():
             buffers={0: torch.zeros(32)},
             constants={0: False},
         )
+
+
+# ------------------------------------------------------------------------- memory intrinsics
+
+
+def test_fill_loop_past_the_end_is_reported_and_counted():
+    out = torch.ones(64)
+    c = run("exec_fill_loop", grid=(1,), threads=(32,), buffers={0: out, 1: u32(64)}, counters=True)
+    assert torch.equal(out, torch.zeros(64))
+    assert c["buffers"][0]["written"] == 256
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device write of \d+ bytes"):
+        run("exec_fill_loop", grid=(1,), threads=(32,), buffers={0: torch.ones(64), 1: u32(65)})
+
+
+def test_copy_loop_past_the_end_is_reported_and_counted():
+    src = torch.arange(64.0)
+    out = torch.zeros(64)
+    c = run(
+        "exec_copy_loop",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: src, 2: u32(64)},
+        counters=True,
+    )
+    assert torch.equal(out, src)
+    assert c["buffers"][1]["read"] == 256 and c["buffers"][0]["written"] == 256
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device (read|write) of \d+ bytes"):
+        run(
+            "exec_copy_loop",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(80), 1: src, 2: u32(80)},
+        )
+
+
+def test_struct_copy_past_the_end_is_reported():
+    src = torch.arange(32 * 16.0)
+    out = torch.zeros(32 * 16)
+    c = run("exec_struct_copy", grid=(1,), threads=(32,), buffers={0: out, 1: src}, counters=True)
+    assert torch.equal(out, src)
+    assert c["buffers"][1]["read"] == 32 * 64
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device read of 64 bytes"):
+        run("exec_struct_copy", grid=(1,), threads=(32,), buffers={0: out, 1: src[: 31 * 16]})
+
+
+def test_struct_copy_into_threadgroup_memory_races():
+    src = torch.arange(32 * 16.0)
+    with pytest.raises(SimulatorError, match=r"data race on threadgroup memory"):
+        run(
+            "exec_struct_copy_race",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32 * 16), 1: src},
+        )

@@ -13,9 +13,31 @@ inline __attribute__((always_inline)) void check(void* p, size_t n, bool write, 
   }
 }
 
+// A range of bytes (a memcpy, memmove or memset): reported when either end is watched.
+inline void range(const void* p, size_t n, bool write, const void* pc) {
+  const SteelSimArenas& a = steel_sim_arenas;
+  auto lo = reinterpret_cast<uintptr_t>(p);
+  uintptr_t hi = lo + n - 1;
+  if (lo - a.dev_lo < a.dev_size || lo - a.tg_lo < a.tg_size || hi - a.dev_lo < a.dev_size ||
+      hi - a.tg_lo < a.tg_size) {
+    steel_sim_access_range(p, n, write, pc);
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// The memory intrinsics of shader code (torch_steel/_sim_ir.py redirects every llvm.memcpy,
+// memmove and memset to a wrapper that calls this first): kind 1 copies from src, kind 0 fills.
+__attribute__((visibility("hidden"))) void steel_sim_memop(void* dst, const void* src,
+                                                           uint64_t n, int kind,
+                                                           const void* pc) {
+  if (n == 0) return;
+  if (kind == 1) range(src, n, false, pc);
+  range(dst, n, true, pc);
+}
+
 #define STEEL_SIM_CALLBACKS(n)                                                     \
   __attribute__((visibility("hidden"))) void __sanitizer_cov_load##n(void* p) {  \
     check(p, n, false, __builtin_return_address(0));                             \

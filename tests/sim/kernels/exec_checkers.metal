@@ -199,3 +199,40 @@ kernel void exec_fc_write(device float* out [[buffer(0)]],
   extra[i] = 1.0f;
   out[i] = float(i);
 }
+
+// Memory intrinsics: clang turns the fill and copy loops into llvm.memset / llvm.memcpy at -O2
+// and copies a struct with llvm.memcpy; their bytes are checked and counted like any access.
+kernel void exec_fill_loop(device float* out [[buffer(0)]],
+                           constant uint& n [[buffer(1)]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = 0.0f;
+}
+
+kernel void exec_copy_loop(device float* out [[buffer(0)]],
+                           const device float* in [[buffer(1)]],
+                           constant uint& n [[buffer(2)]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = in[i];
+}
+
+struct Wide {
+  float4 a, b, c, d;
+};
+
+kernel void exec_struct_copy(device Wide* out [[buffer(0)]],
+                             const device Wide* in [[buffer(1)]],
+                             uint gid [[thread_position_in_grid]]) {
+  out[gid] = in[gid];
+}
+
+// A struct copied into threadgroup memory by every lane to the same slot: a race.
+kernel void exec_struct_copy_race(device Wide* out [[buffer(0)]],
+                                  const device Wide* in [[buffer(1)]],
+                                  uint gid [[thread_position_in_grid]]) {
+  threadgroup Wide slot[1];
+  slot[0] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = slot[0];
+}
