@@ -61,6 +61,63 @@ std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0,
   return buf;
 }
 
+// The race rule on one shadowed byte (threadgroup or device memory of the running threadgroup)
+// for an access by `lane` of simdgroup `sg`, whose memory epochs are `s` (its simdgroup's) and
+// `e` (the threadgroup's). Returns kOrdered, or the lane it races with (>= 0), or kManyReaders
+// (one of several readers, not recorded which); records the access.
+constexpr int kOrdered = -1;
+constexpr int kManyReaders = -2;
+// (A read by lane l that conflicts is returned as -100 - l.)
+
+inline int order(Shadow& sh, uint32_t lane, uint32_t sg, uint32_t s, uint32_t e, bool write) {
+  // The last write conflicts unless it is ours or ordered by a barrier.
+  if (sh.w_epoch == e && sh.w_lane != lane &&
+      (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
+    return sh.w_lane;
+  }
+  if (write) {
+    if (sh.r_epoch == e) {
+      bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
+      bool same_step = sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
+      if (other_sg || same_step) return sh.r_lane == lane ? kManyReaders : -100 - int(sh.r_lane);
+    }
+    sh.w_epoch = e;
+    sh.w_sepoch = s;
+    sh.w_lane = static_cast<uint16_t>(lane);
+  } else if (sh.r_epoch != e) {
+    sh.r_epoch = e;
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+    sh.r_flags = 0;
+  } else if (sh.r_lane / kSimdWidth != sg) {
+    sh.r_flags = kReadersManySimdgroups;
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+  } else if (sh.r_sepoch != s) {
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+    sh.r_flags &= kReadersManySimdgroups;
+  } else if (sh.r_lane != lane) {
+    sh.r_flags |= kReadersManyLanes;
+  }
+  return kOrdered;
+}
+
+// Decodes order()'s result for a message: the other lane (-1: one of several readers) and
+// whether it wrote.
+inline void other_access(int r, int* other_lane, bool* other_wrote) {
+  if (r >= 0) {
+    *other_lane = r;
+    *other_wrote = true;
+  } else if (r == kManyReaders) {
+    *other_lane = -1;
+    *other_wrote = false;
+  } else {
+    *other_lane = -100 - r;
+    *other_wrote = false;
+  }
+}
+
 // ----------------------------------------------------------------------------- device memory
 
 struct Region {
@@ -68,7 +125,7 @@ struct Region {
   uintptr_t host_hi = 0;
   uintptr_t arena_lo = 0;
   bool write_back = false;
-  uint32_t* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
+  DevShadow* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
 };
 
 char* g_arena = nullptr;
@@ -140,22 +197,45 @@ std::string threadgroup_name(uint32_t tg_id) {
              i / g.grid[0] / g.grid[1]);
 }
 
-// Threadgroups of one dispatch run in no guaranteed order, and nothing but device-scope atomics
-// (not instrumented, so not checked) orders them: a byte written by one threadgroup and written
-// or read by another in the same dispatch is a race.
-void check_threadgroup_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
-  uint32_t* w = b.writers + (a - b.lo);
+[[noreturn]] void device_race(const DeviceBuffer& b, uintptr_t a, bool write, int r) {
+  int other;
+  bool wrote;
+  other_access(r, &other, &wrote);
+  char who[64] = "another thread";
+  if (other >= 0) snprintf(who, sizeof who, "thread %d (simdgroup %d)", other, other / 32);
+  uint32_t me = g.cur->index;
+  char buf[400];
+  snprintf(buf, sizeof buf,
+           "data race on device memory (byte offset %lld of [[buffer(%u)]]): thread %u "
+           "(simdgroup %u) %s it after %s of its threadgroup %s it with no "
+           "threadgroup_barrier(mem_device) between",
+           static_cast<long long>(a - b.lo), b.index, me, me / kSimdWidth,
+           write ? "writes" : "reads", who, wrote ? "wrote" : "read");
+  lane_fail(buf, g.access_pc);
+}
+
+// Races on device memory. Threadgroups of one dispatch run in no guaranteed order, and nothing
+// but device-scope atomics (not instrumented, so not checked) orders them: a byte written by one
+// threadgroup and written or read by another in the same dispatch is a race. Within a
+// threadgroup, lanes are ordered as for threadgroup memory, by barriers with mem_device.
+void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  DevShadow* w = b.writers + (a - b.lo);
+  const Lane* me = g.cur;
   for (size_t i = 0; i < n; ++i) {
-    if (w[i] != 0 && w[i] != g.tg_id) {
+    if (w[i].tg != 0 && w[i].tg != g.tg_id) {
       char buf[320];
       snprintf(buf, sizeof buf,
                "device memory race: %s byte offset %lld of [[buffer(%u)]], which threadgroup %s "
                "wrote in the same dispatch (threadgroups are not ordered)",
                write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
-               threadgroup_name(w[i]).c_str());
+               threadgroup_name(w[i].tg).c_str());
       lane_fail(buf, g.access_pc);
     }
-    if (write) w[i] = g.tg_id;
+    if (write) w[i].tg = g.tg_id;
+    if (me != nullptr) {
+      int r = order(w[i].in_tg, me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
+      if (r != kOrdered) device_race(b, a + i, write, r);
+    }
   }
 }
 
@@ -200,10 +280,12 @@ void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   }
   (write ? b->counters.written : b->counters.read) += n;
   if (g.checkers && !bytes) check_alignment(*b, a, n, write);
-  if (b->writers != nullptr && g.checkers) check_threadgroup_race(*b, a, n, write);
+  if (b->writers != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
 
 // ------------------------------------------------------------------------- threadgroup memory
+
+
 
 char* g_tg_arena = nullptr;
 
@@ -250,43 +332,15 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   }
   const Lane* me = g.cur;
   if (me == nullptr) return;
-  const uint32_t lane = me->index;
-  const uint32_t sg = me->sg;
-  const uint32_t s = g.groups[sg].epoch;
-  const uint32_t e = g.epoch;
+  const uint32_t s = g.groups[me->sg].epoch;
   auto offset = static_cast<uint32_t>(a - base);
   for (uint32_t i = offset; i < offset + n; ++i) {
-    Shadow& sh = g.shadow[i];
-    // The last write conflicts unless it is ours or ordered by a barrier or a simd rendezvous.
-    if (sh.w_epoch == e && sh.w_lane != lane &&
-        (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
-      race(i, write, sh.w_lane, true);
-    }
-    if (write) {
-      if (sh.r_epoch == e) {
-        bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
-        bool same_step =
-            sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
-        if (other_sg || same_step) race(i, true, sh.r_lane == lane ? -1 : sh.r_lane, false);
-      }
-      sh.w_epoch = e;
-      sh.w_sepoch = s;
-      sh.w_lane = static_cast<uint16_t>(lane);
-    } else if (sh.r_epoch != e) {
-      sh.r_epoch = e;
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-      sh.r_flags = 0;
-    } else if (sh.r_lane / kSimdWidth != sg) {
-      sh.r_flags = kReadersManySimdgroups;
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-    } else if (sh.r_sepoch != s) {
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-      sh.r_flags &= kReadersManySimdgroups;
-    } else if (sh.r_lane != lane) {
-      sh.r_flags |= kReadersManyLanes;
+    int r = order(g.shadow[i], me->index, me->sg, s, g.epoch, write);
+    if (r != kOrdered) {
+      int other;
+      bool wrote;
+      other_access(r, &other, &wrote);
+      race(i, write, other, wrote);
     }
   }
 }
@@ -362,9 +416,9 @@ void bind_device(const LaunchSpec& spec) {
     r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
     if (spec.checkers && r.write_back && r.host_hi > r.host_lo) {
       // Untouched shadow pages cost nothing: reading them maps the zero page.
-      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(uint32_t), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (w != MAP_FAILED) r.writers = static_cast<uint32_t*>(w);
+      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(DevShadow),
+                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (w != MAP_FAILED) r.writers = static_cast<DevShadow*>(w);
     }
     if (r.host_hi > r.host_lo) {
       std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
@@ -443,7 +497,7 @@ void unbind_device(bool write_back) {
     c.written += d.counters.written;
   }
   for (Region& r : g_regions) {
-    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(uint32_t));
+    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(DevShadow));
     r.writers = nullptr;
   }
   if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);

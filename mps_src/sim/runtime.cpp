@@ -166,7 +166,10 @@ void complete_simd(SimdGroup& sg) {
   sg.parity ^= 1;
   sg.arrived = 0;
   sg.wait = SimdWait::None;
-  sg.epoch = ++g.simd_epochs;
+  // Only a simdgroup_barrier with memory flags orders memory between the lanes of a simdgroup
+  // (MSL); a simd_sum or a simdgroup-matrix operation synchronizes execution only.
+  if (!exchange && (sg.flags & kMemThreadgroup)) sg.epoch = ++g.simd_epochs;
+  if (!exchange && (sg.flags & kMemDevice)) sg.dev_epoch = ++g.simd_epochs;
   uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
   for (uint32_t i = 0; i < kSimdWidth; ++i) {
     if (!(mask & (1u << i))) continue;
@@ -180,13 +183,12 @@ void complete_simd(SimdGroup& sg) {
 void complete_barrier() {
   ++g.counters.barriers;
   g.at_barrier = 0;
-  for (SimdGroup& sg : g.groups) {
-    sg.at_barrier = 0;
-    sg.epoch = ++g.simd_epochs;  // every simdgroup passed it in lockstep
-  }
-  // Without mem_threadgroup it is an execution barrier only: threadgroup memory written before it
-  // is not guaranteed visible to other simdgroups after it.
+  for (SimdGroup& sg : g.groups) sg.at_barrier = 0;
+  // Each memory flag orders its own memory for every lane; without flags (mem_none) it is an
+  // execution barrier only: memory written before it is not guaranteed visible after it, not
+  // even to lanes of the writer's simdgroup.
   if (g.barrier_flags & kMemThreadgroup) ++g.epoch;
+  if (g.barrier_flags & kMemDevice) ++g.dev_epoch;
   for (uint32_t i = 0; i < g.nlanes; ++i) {
     Lane& lane = g.lanes[i];
     if (lane.wait == Wait::Barrier && &lane != g.cur) push_ready(&lane);
@@ -230,6 +232,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
   g.tg_pos[2] = z;
   g.tg_id = 1 + x + g.grid[0] * (y + g.grid[1] * z);
   ++g.epoch;
+  ++g.dev_epoch;
   g.live = g.nlanes;
   g.at_barrier = 0;
   g.ready_head = 0;
@@ -242,6 +245,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     sg.at_barrier = 0;
     sg.wait = SimdWait::None;
     sg.epoch = ++g.simd_epochs;
+    sg.dev_epoch = ++g.simd_epochs;
   }
   const uint32_t* t = g.threads;
   for (uint32_t i = 0; i < g.nlanes; ++i) {
@@ -609,7 +613,8 @@ void threadgroup_barrier_flags(uint32_t mem_flags) {
 }
 
 namespace {
-void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, const void* site) {
+void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, const void* site,
+                 uint32_t flags = 0) {
   Lane* me = g.cur;
   SimdGroup& sg = g.groups[me->sg];
   if (sg.at_barrier != 0) {
@@ -640,6 +645,7 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
     sg.kind = kind;
     sg.bytes = bytes;
     sg.site = site;
+    sg.flags = flags;
   }
   if (mine != nullptr) {
     std::memcpy(sg.buf[sg.parity] + (me->index % kSimdWidth) * bytes, mine, bytes);
@@ -654,11 +660,18 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
 }
 }  // namespace
 
-void simdgroup_barrier() {
-  const void* site = __builtin_return_address(0);
+namespace {
+void simd_barrier(uint32_t flags, const void* site) {
   if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
   check_simd_allowed("simdgroup_barrier", site);
-  simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site);
+  simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site, flags);
+}
+}  // namespace
+
+void simdgroup_barrier() { simd_barrier(~0u, __builtin_return_address(0)); }
+
+void simdgroup_barrier_flags(uint32_t mem_flags) {
+  simd_barrier(mem_flags, __builtin_return_address(0));
 }
 
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {

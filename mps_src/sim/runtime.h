@@ -57,6 +57,9 @@ void simdgroup_barrier();
 // ...): only a barrier whose flags include mem_threadgroup orders threadgroup memory for the race
 // checker (mem_none is an execution barrier only). threadgroup_barrier() means all flags.
 void threadgroup_barrier_flags(uint32_t mem_flags);
+// simdgroup_barrier(mem_flags): orders the memory its flags name between the simdgroup's lanes
+// (mem_none: execution only). simd_* functions and simdgroup-matrix operations order no memory.
+void simdgroup_barrier_flags(uint32_t mem_flags);
 
 // What a rendezvous was for, for the counters and for divergence errors.
 enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5 };

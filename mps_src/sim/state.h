@@ -27,6 +27,7 @@ constexpr uint32_t kMaxLanes = 1024;
 constexpr uint32_t kMaxBufferIndex = 30;  // Metal: [[buffer(0)]] .. [[buffer(30)]]
 constexpr uint32_t kThreadgroupLimit = 32 * 1024;
 constexpr size_t kMaxExchangeBytes = 256;  // per lane and simd_exchange
+constexpr uint32_t kMemDevice = 1;       // Metal's mem_flags::mem_device
 constexpr uint32_t kMemThreadgroup = 2;  // Metal's mem_flags::mem_threadgroup
 constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
@@ -51,8 +52,13 @@ struct SimdGroup {
   SimdKind kind = SimdKind::Shuffle;
   size_t bytes = 0;
   const void* site = nullptr;  // call site (return address) of the current rendezvous
+  uint32_t flags = 0;   // mem_flags of the simdgroup_barrier being gathered
   uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
-  uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for races)
+  // Advance at every completed simdgroup_barrier with mem_threadgroup (epoch) or mem_device
+  // (dev_epoch): what orders the memory accesses of this simdgroup's lanes for the race checker.
+  // Other simd operations do not order memory in MSL.
+  uint32_t epoch = 0;
+  uint32_t dev_epoch = 0;
   uint8_t* buf[2] = {nullptr, nullptr};
 };
 
@@ -60,9 +66,8 @@ struct DeviceBuffer {
   uint32_t index = 0;
   uintptr_t lo = 0;  // in the device arena
   uintptr_t hi = 0;
-  // Cross-threadgroup race shadow of this buffer's bytes (null for inline bytes): per byte, the
-  // threadgroup (linear index + 1) that last wrote it in this dispatch, 0 if none.
-  uint32_t* writers = nullptr;
+  // Race shadow of this buffer's bytes (null for inline bytes), see DevShadow.
+  struct DevShadow* writers = nullptr;
   BufferCounters counters;
   bool disabled = false;  // the poison region of a buffer a function constant disables
 };
@@ -78,6 +83,13 @@ struct Shadow {
   uint16_t w_lane = 0;
   uint16_t r_lane = 0;
   uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes
+};
+// Race-checker shadow of one device-memory byte: the threadgroup (linear index + 1) that last
+// wrote it in this dispatch (0 if none), for races between threadgroups, and the accesses of the
+// running threadgroup as for threadgroup memory, with device epochs (mem_device barriers).
+struct DevShadow {
+  uint32_t tg = 0;
+  Shadow in_tg;
 };
 constexpr uint8_t kReadersManySimdgroups = 1;
 constexpr uint8_t kReadersManyLanes = 2;
@@ -119,6 +131,7 @@ struct Sim {
   std::unordered_map<uint32_t, std::pair<uint32_t, uint32_t>> tg_arrays;  // decl -> offset, bytes
   Shadow* shadow = nullptr;
   uint32_t epoch = 0;          // threadgroup epoch, never reset (so the shadow never is either)
+  uint32_t dev_epoch = 0;      // the same for device memory (mem_device barriers)
   uint32_t simd_epochs = 0;    // source of fresh simd epochs
 
   // Lanes of the running threadgroup.

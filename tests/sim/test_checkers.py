@@ -283,17 +283,15 @@ SHIM_PASSES_FLAGS = "threadgroup_barrier_flags" in "".join(
     "to steel_sim::threadgroup_barrier_flags yet",
 )
 def test_mem_none_barrier_does_not_order_threadgroup_memory():
-    with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
-        run(
-            "exec_mem_none_neighbour",
-            grid=(1,),
-            threads=(64,),
-            buffers={0: torch.zeros(64), 1: u32(64)},
-        )
-    out = torch.zeros(64)
-    run("exec_mem_none_neighbour", grid=(1,), threads=(64,), buffers={0: out, 1: u32(32)})
-    base = torch.arange(64) // 32 * 32
-    assert torch.equal(out, (base + (torch.arange(64) + 1 - base) % 32).float())
+    # Not across simdgroups, and not within one either: only mem_threadgroup orders memory.
+    for wrap in (64, 32):
+        with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
+            run(
+                "exec_mem_none_neighbour",
+                grid=(1,),
+                threads=(64,),
+                buffers={0: torch.zeros(64), 1: u32(wrap)},
+            )
 
 
 def test_threadgroups_writing_the_same_bytes_race():
@@ -466,3 +464,42 @@ def test_struct_copy_into_threadgroup_memory_races():
             threads=(32,),
             buffers={0: torch.zeros(32 * 16), 1: src},
         )
+
+
+# ------------------------------------------------------------------------- memory ordering
+
+
+@pytest.mark.parametrize("stride", [63, 1])
+def test_device_memory_inside_a_threadgroup_needs_a_mem_device_barrier(stride):
+    for kind in (0, 2):
+        with pytest.raises(
+            SimulatorError, match=r"data race on device memory.*\[\[buffer\(0\)\]\]"
+        ):
+            run(
+                "exec_device_neighbour",
+                grid=(1,),
+                threads=(64,),
+                buffers={0: torch.zeros(64), 1: torch.zeros(64), 2: u32(kind), 3: u32(stride)},
+            )
+    out = torch.zeros(64)
+    run(
+        "exec_device_neighbour",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: torch.zeros(64), 1: out, 2: u32(1), 3: u32(stride)},
+    )
+    assert torch.equal(out, ((torch.arange(64) + stride) % 64).float())
+
+
+def test_only_barriers_with_mem_threadgroup_order_a_simdgroup():
+    for kind in (0, 1):
+        with pytest.raises(SimulatorError, match=r"exec_simd_op_neighbour.*data race"):
+            run(
+                "exec_simd_op_neighbour",
+                grid=(1,),
+                threads=(32,),
+                buffers={0: torch.zeros(32), 1: u32(kind)},
+            )
+    out = torch.zeros(32)
+    run("exec_simd_op_neighbour", grid=(1,), threads=(32,), buffers={0: out, 1: u32(2)})
+    assert torch.equal(out, ((torch.arange(32) + 1) % 32).float())

@@ -236,3 +236,33 @@ kernel void exec_struct_copy_race(device Wide* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[gid] = slot[0];
 }
+
+// Device memory inside a threadgroup: each thread writes its element, then reads another
+// thread's (`stride` ahead), across a barrier chosen by `kind`: 0 none, 1 mem_device,
+// 2 mem_threadgroup (which does not order device memory).
+kernel void exec_device_neighbour(device float* data [[buffer(0)]],
+                                  device float* out [[buffer(1)]],
+                                  constant uint& kind [[buffer(2)]],
+                                  constant uint& stride [[buffer(3)]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint n [[threads_per_threadgroup]]) {
+  data[tid] = float(tid);
+  if (kind == 1) threadgroup_barrier(mem_flags::mem_device);
+  if (kind == 2) threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = data[(tid + stride) % n];
+}
+
+// Threadgroup memory between the lanes of one simdgroup across a simd operation chosen by
+// `kind`: 0 simd_sum, 1 simdgroup_barrier(mem_none), 2 simdgroup_barrier(mem_threadgroup).
+// Only the last orders memory (MSL); lockstep execution is not a memory order.
+kernel void exec_simd_op_neighbour(device float* out [[buffer(0)]],
+                                   constant uint& kind [[buffer(1)]],
+                                   uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float values[32];
+  values[tid] = float(tid);
+  float s = 0.0f;
+  if (kind == 0) s = simd_sum(1.0f);
+  if (kind == 1) simdgroup_barrier(mem_flags::mem_none);
+  if (kind == 2) simdgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = values[(tid + 1) % 32] + s;
+}
