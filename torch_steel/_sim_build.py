@@ -77,6 +77,11 @@ SHADER_FLAGS = [
     "-fbfloat16-excess-precision=none",
     "-Wno-unknown-attributes",
     "-fsanitize-coverage=func,trace-loads,trace-stores",
+    # Frame pointers, and no sibling calls that would drop a frame: a barrier or simd operation
+    # is identified by its whole call chain (mps_src/sim/runtime.cpp, call_chain).
+    "-fno-omit-frame-pointer",
+    "-mno-omit-leaf-frame-pointer",
+    "-fno-optimize-sibling-calls",
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]

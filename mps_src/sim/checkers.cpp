@@ -49,6 +49,11 @@ namespace {
 
 constexpr size_t kTgGuardLo = 16 * 1024;
 constexpr size_t kTgGuardHi = 32 * 1024;
+// Threadgroup allocations are laid out with a gap after each, as large as the allocation (at
+// least 64 bytes), so that an index past one allocation lands in a gap instead of the next one
+// (Metal counts only the allocations themselves against the 32 KiB).
+constexpr size_t kTgSpan = 4 * kThreadgroupLimit;
+constexpr uint32_t kTgMinGap = 64;
 constexpr size_t kMinGap = 64 * 1024;
 // What both PyTorch's CPU allocator and Metal's buffers guarantee at least.
 constexpr size_t kHostAlignment = 64;
@@ -319,15 +324,43 @@ std::string tg_name(uint32_t offset) {
   lane_fail(buf, g.access_pc);
 }
 
+// Which allocation (1-based; 0: none, a gap) each byte of the layout belongs to.
+uint16_t* g_tg_owner = nullptr;
+uint32_t g_tg_allocations = 0;
+
+// The allocation nearest to layout offset `offset`: its name and the offset relative to it.
+std::string tg_nearest(long long offset) {
+  std::string best = "no threadgroup memory is allocated";
+  long long best_dist = -1;
+  auto consider = [&](const std::string& name, uint32_t lo, uint32_t bytes) {
+    long long dist = offset < lo ? lo - offset : (offset >= lo + bytes ? offset - lo - bytes + 1 : 0);
+    if (best_dist < 0 || dist < best_dist) {
+      best_dist = dist;
+      best = fmt("at byte offset %lld of ", offset - lo) + name + fmt(" (%llu bytes)", bytes);
+    }
+  };
+  for (const auto& kv : g.tg_args) {
+    consider(fmt("[[threadgroup(%llu)]]", kv.first), kv.second.first, kv.second.second);
+  }
+  for (const auto& kv : g.tg_arrays) {
+    consider("a threadgroup array", kv.second.first, kv.second.second);
+  }
+  return best;
+}
+
 void tg_access(uintptr_t a, size_t n, bool write) {
   if (!g.checkers) return;
   auto base = reinterpret_cast<uintptr_t>(g.tg_base);
-  if (a < base || a + n > base + g.tg_used) {
+  uint16_t owner = 0;
+  if (a >= base && a + n <= base + kTgSpan) {
+    owner = g_tg_owner[a - base];
+    if (g_tg_owner[a - base + n - 1] != owner) owner = 0;
+  }
+  if (owner == 0) {
     long long offset = static_cast<long long>(a) - static_cast<long long>(base);
-    char buf[200];
-    snprintf(buf, sizeof buf,
-             "out-of-bounds threadgroup %s of %zu bytes at byte offset %lld (%u bytes allocated)",
-             write ? "write" : "read", n, offset, g.tg_used);
+    char buf[300];
+    snprintf(buf, sizeof buf, "out-of-bounds threadgroup %s of %zu bytes %s",
+             write ? "write" : "read", n, tg_nearest(offset).c_str());
     lane_fail(buf, g.access_pc);
   }
   const Lane* me = g.cur;
@@ -506,14 +539,34 @@ void unbind_device(bool write_back) {
   g.dev_last = nullptr;
 }
 
+namespace {
+// Places an allocation of `bytes` in the layout (after the last one and its gap).
+uint32_t place_threadgroup(size_t bytes, size_t align) {
+  uint64_t offset = (uint64_t{g.tg_layout} + align - 1) / align * align;
+  uint64_t gap = std::max<uint64_t>((bytes + 15) & ~uint64_t{15}, kTgMinGap);
+  if (offset + bytes + gap > kTgSpan) {
+    lane_fail("too many threadgroup allocations for the simulator's layout");
+  }
+  ++g_tg_allocations;
+  std::fill(g_tg_owner + offset, g_tg_owner + offset + bytes,
+            static_cast<uint16_t>(g_tg_allocations));
+  g.tg_layout = static_cast<uint32_t>(offset + bytes + gap);
+  return static_cast<uint32_t>(offset);
+}
+}  // namespace
+
 void reset_threadgroup_memory(const LaunchSpec& spec) {
   if (g_tg_arena == nullptr) {
-    size_t total = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+    size_t total = kTgGuardLo + kTgSpan + kTgGuardHi;
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     g_tg_arena = static_cast<char*>(p);
-    g.shadow = new Shadow[kThreadgroupLimit];
+    g.shadow = new Shadow[kTgSpan];
+    g_tg_owner = new uint16_t[kTgSpan];
   }
+  std::fill(g_tg_owner, g_tg_owner + kTgSpan, uint16_t{0});
+  g_tg_allocations = 0;
+  g.tg_layout = 0;
   g.tg_base = g_tg_arena + kTgGuardLo;
   g.tg_args.clear();
   g.tg_arrays.clear();
@@ -533,20 +586,20 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
                      fmt("[[threadgroup(%llu)]] memory length set twice", m.index));
     }
     used = (used + 15) & ~uint64_t{15};
-    g.tg_args[m.index] = {static_cast<uint32_t>(used), m.bytes};
     used += m.bytes;
     if (used > kThreadgroupLimit) {
       throw SimError("kernel '" + spec.kernel + "': " +
                      fmt("threadgroup memory of %llu bytes exceeds the 32 KiB (32768 bytes) limit",
                          used));
     }
+    g.tg_args[m.index] = {place_threadgroup(m.bytes, 16), m.bytes};
   }
   g.tg_used = static_cast<uint32_t>(used);
   steel_sim_arenas.tg_lo = reinterpret_cast<uintptr_t>(g_tg_arena);
-  steel_sim_arenas.tg_size = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+  steel_sim_arenas.tg_size = kTgGuardLo + kTgSpan + kTgGuardHi;
 }
 
-void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_used); }
+void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_layout); }
 
 void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, const void* pc) {
   auto it = g.tg_arrays.find(decl);
@@ -559,15 +612,16 @@ void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, cons
     return g.tg_base + it->second.first;
   }
   align = std::max<size_t>(align, 16);
-  uint64_t offset = (uint64_t{g.tg_used} + align - 1) / align * align;
-  if (offset + bytes > kThreadgroupLimit) {
+  uint64_t used = (uint64_t{g.tg_used} + align - 1) / align * align;
+  if (used + bytes > kThreadgroupLimit) {
     lane_fail(fmt("threadgroup memory of %llu bytes (with threadgroup array #%llu of %llu bytes) "
                   "exceeds the 32 KiB (32768 bytes) limit",
-                  offset + bytes, decl, bytes),
+                  used + bytes, decl, bytes),
               pc);
   }
-  g.tg_arrays[decl] = {static_cast<uint32_t>(offset), static_cast<uint32_t>(bytes)};
-  g.tg_used = static_cast<uint32_t>(offset + bytes);
+  g.tg_used = static_cast<uint32_t>(used + bytes);
+  uint32_t offset = place_threadgroup(bytes, align);
+  g.tg_arrays[decl] = {offset, static_cast<uint32_t>(bytes)};
   std::memset(g.tg_base + offset, 0xFF, bytes);
   return g.tg_base + offset;
 }

@@ -211,6 +211,9 @@ void complete_barrier() {
 
 void lane_main(void* arg) {
   (void)arg;
+  // Taking the frame address keeps a frame pointer here, so the call chains of rendezvous
+  // (call_chain) end in this frame, whose caller's frame pointer is null.
+  __asm__ volatile("" : : "r"(__builtin_frame_address(0)));
   g.entry();
   lane_exit();
 }
@@ -577,23 +580,56 @@ float function_constant_float(uint32_t index) {
 
 namespace {
 
-void barrier(uint32_t flags, const void* site) {
+// The call chain of the running lane from `frame`, the frame of the runtime function that shader
+// code called (its __builtin_frame_address(0)). Shader code keeps frame pointers
+// (-fno-omit-frame-pointer), so the chain runs from frame to frame up to lane_main, whose caller's
+// frame pointer is null (fiber.cpp). Only frames on the lane's own stack are followed. Without
+// the checkers only the innermost return address counts, as divergence is not checked then.
+__attribute__((always_inline)) inline CallChain call_chain(void* frame) {
+  CallChain chain;
+  auto** fp = static_cast<void**>(frame);
+  chain.pc[0] = fp[1];
+  chain.n = 1;
+  chain.key = reinterpret_cast<uintptr_t>(fp[1]);
+  if (!g.checkers || g.cur == nullptr) return chain;
+  const auto lo = reinterpret_cast<uintptr_t>(g.stacks.stack(g.cur->index));
+  const uintptr_t hi = lo + g.stacks.size();
+  for (uint32_t depth = 0; depth < 64; ++depth) {
+    auto** next = static_cast<void**>(fp[0]);
+    auto n = reinterpret_cast<uintptr_t>(next);
+    if (n <= reinterpret_cast<uintptr_t>(fp) || n + 16 > hi || n < lo || (n & 7) != 0) break;
+    fp = next;
+    if (chain.n < CallChain::kMax) chain.pc[chain.n++] = fp[1];
+    chain.key = chain.key * 0x9E3779B97F4A7C15ull + reinterpret_cast<uintptr_t>(fp[1]);
+  }
+  return chain;
+}
+
+// " at <where a waits>\nThis thread: at <where this lane is>", naming the innermost frame in
+// which the two chains differ (a helper's call site rather than the barrier inside the helper).
+std::string two_sites(const CallChain& waiting, const CallChain& mine) {
+  uint32_t i = 0;
+  while (i + 1 < waiting.n && i + 1 < mine.n && waiting.pc[i] == mine.pc[i]) ++i;
+  return pc_text(waiting.pc[i]) + "\nThis thread:" + pc_text(mine.pc[i]);
+}
+
+void barrier(uint32_t flags, const CallChain& site) {
   Lane* me = g.cur;
   if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
   SimdGroup& sg = g.groups[me->sg];
   if (sg.arrived != 0) {
     lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
               " of its simdgroup wait at " + describe_simd(sg) +
-              " (divergent control flow). They wait:" + pc_text(sg.site) +
-              "\nThis thread:" + pc_text(site));
+              " (divergent control flow). They wait:" + two_sites(sg.site, site));
   }
   if (g.at_barrier == 0) {
     g.barrier_site = site;
     g.barrier_flags = flags;
-  } else if (g.checkers && site != g.barrier_site) {
+  } else if (g.checkers && site.key != g.barrier_site.key) {
     lane_fail(format("reached a different threadgroup_barrier call than the %u threads already "
-                     "waiting (divergent control flow). They wait:%s\nThis thread:%s",
-                     g.at_barrier, pc_text(g.barrier_site).c_str(), pc_text(site).c_str()));
+                     "waiting (divergent control flow). They wait:",
+                     g.at_barrier) +
+              two_sites(g.barrier_site, site));
   }
   sg.at_barrier |= simd_lane_bit(me);
   ++g.at_barrier;
@@ -606,22 +642,22 @@ void barrier(uint32_t flags, const void* site) {
 }
 }  // namespace
 
-void threadgroup_barrier() { barrier(~0u, __builtin_return_address(0)); }
+void threadgroup_barrier() { barrier(~0u, call_chain(__builtin_frame_address(0))); }
 
 void threadgroup_barrier_flags(uint32_t mem_flags) {
-  barrier(mem_flags, __builtin_return_address(0));
+  barrier(mem_flags, call_chain(__builtin_frame_address(0)));
 }
 
 namespace {
-void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, const void* site,
-                 uint32_t flags = 0) {
+void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine,
+                 const CallChain& site, uint32_t flags = 0) {
   Lane* me = g.cur;
   SimdGroup& sg = g.groups[me->sg];
   if (sg.at_barrier != 0) {
     std::string what = wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind);
     lane_fail(what + " while lanes " + lane_list(sg.at_barrier, me->sg * kSimdWidth) +
               " of its simdgroup wait at threadgroup_barrier (divergent control flow). They wait:" +
-              pc_text(g.barrier_site) + "\nThis thread:" + pc_text(site));
+              two_sites(g.barrier_site, site));
   }
   if (sg.arrived != 0) {
     if (sg.wait != wait || (wait == SimdWait::Exchange && (sg.kind != kind || sg.bytes != bytes))) {
@@ -630,15 +666,14 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
                              : format("%s (%zu bytes per lane)", simd_kind_name(kind), bytes);
       lane_fail(what + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
                 " of its simdgroup wait at " + describe_simd(sg) +
-                " (divergent control flow). They wait:" + pc_text(sg.site) + "\nThis thread:" +
-                pc_text(site));
+                " (divergent control flow). They wait:" + two_sites(sg.site, site));
     }
-    if (g.checkers && site != sg.site) {
+    if (g.checkers && site.key != sg.site.key) {
       lane_fail(format("reached a different %s call than lanes %s of its simdgroup (divergent "
-                       "control flow). They wait:%s\nThis thread:%s",
+                       "control flow). They wait:",
                        wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind),
-                       lane_list(sg.arrived, me->sg * kSimdWidth).c_str(),
-                       pc_text(sg.site).c_str(), pc_text(site).c_str()));
+                       lane_list(sg.arrived, me->sg * kSimdWidth).c_str()) +
+                two_sites(sg.site, site));
     }
   } else {
     sg.wait = wait;
@@ -661,23 +696,23 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine, c
 }  // namespace
 
 namespace {
-void simd_barrier(uint32_t flags, const void* site) {
+void simd_barrier(uint32_t flags, const CallChain& site) {
   if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
-  check_simd_allowed("simdgroup_barrier", site);
+  check_simd_allowed("simdgroup_barrier", site.pc[0]);
   simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site, flags);
 }
 }  // namespace
 
-void simdgroup_barrier() { simd_barrier(~0u, __builtin_return_address(0)); }
+void simdgroup_barrier() { simd_barrier(~0u, call_chain(__builtin_frame_address(0))); }
 
 void simdgroup_barrier_flags(uint32_t mem_flags) {
-  simd_barrier(mem_flags, __builtin_return_address(0));
+  simd_barrier(mem_flags, call_chain(__builtin_frame_address(0)));
 }
 
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {
-  const void* site = __builtin_return_address(0);
+  const CallChain site = call_chain(__builtin_frame_address(0));
   if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
-  check_simd_allowed(simd_kind_name(kind), site);
+  check_simd_allowed(simd_kind_name(kind), site.pc[0]);
   if (bytes > kMaxExchangeBytes) {
     lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)",
                      bytes, kMaxExchangeBytes));

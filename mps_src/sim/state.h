@@ -32,6 +32,16 @@ constexpr uint32_t kMemThreadgroup = 2;  // Metal's mem_flags::mem_threadgroup
 constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
 enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
+
+// Where a lane reached a rendezvous: the return addresses of the call chain in shader code
+// (innermost first, through frame pointers), so that a non-inlined helper holding a barrier that
+// is reached from two call sites counts as two barriers. `key` hashes the whole chain.
+struct CallChain {
+  static constexpr uint32_t kMax = 12;
+  const void* pc[kMax] = {};
+  uint32_t n = 0;
+  uint64_t key = 0;
+};
 enum class SimdWait : uint8_t { None, Exchange, Barrier };
 
 struct Lane {
@@ -51,7 +61,7 @@ struct SimdGroup {
   SimdWait wait = SimdWait::None;
   SimdKind kind = SimdKind::Shuffle;
   size_t bytes = 0;
-  const void* site = nullptr;  // call site (return address) of the current rendezvous
+  CallChain site;  // where the current rendezvous was first reached
   uint32_t flags = 0;   // mem_flags of the simdgroup_barrier being gathered
   uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
   // Advance at every completed simdgroup_barrier with mem_threadgroup (epoch) or mem_device
@@ -124,9 +134,11 @@ struct Sim {
   const void* disabled_pc = nullptr;
 
   // Threadgroup memory (steel_sim_arenas.tg_*): [guard][32 KiB][guard];
-  // [tg_base, tg_base + tg_used) is allocated.
+  // tg_used bytes are allocated as Metal counts them; in the simulator's layout they lie in
+  // [tg_base, tg_base + tg_layout), each allocation followed by a gap (checkers.cpp).
   char* tg_base = nullptr;
   uint32_t tg_used = 0;
+  uint32_t tg_layout = 0;
   std::map<uint32_t, std::pair<uint32_t, uint32_t>> tg_args;  // [[threadgroup(i)]] -> offset, bytes
   std::unordered_map<uint32_t, std::pair<uint32_t, uint32_t>> tg_arrays;  // decl -> offset, bytes
   Shadow* shadow = nullptr;
@@ -142,7 +154,7 @@ struct Sim {
   size_t ready_count = 0;
   uint32_t live = 0;
   uint32_t at_barrier = 0;
-  const void* barrier_site = nullptr;  // call site of the threadgroup barrier being gathered
+  CallChain barrier_site;  // where the threadgroup barrier being gathered was first reached
   uint32_t barrier_flags = 0;          // its mem_flags
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;

@@ -503,3 +503,35 @@ def test_only_barriers_with_mem_threadgroup_order_a_simdgroup():
     out = torch.zeros(32)
     run("exec_simd_op_neighbour", grid=(1,), threads=(32,), buffers={0: out, 1: u32(2)})
     assert torch.equal(out, ((torch.arange(32) + 1) % 32).float())
+
+
+def test_index_past_a_threadgroup_array_into_the_next_is_reported():
+    out = torch.zeros(33)
+    run("exec_tg_overflow", grid=(1,), threads=(32,), buffers={0: out, 1: u32(31)})
+    assert out[0] == 1 and torch.equal(out[1:], torch.full((32,), 2.0))
+    match = r"out-of-bounds threadgroup read of 4 bytes at byte offset 160 of a threadgroup array"
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_tg_overflow", grid=(1,), threads=(32,), buffers={0: out, 1: u32(40)})
+
+
+def test_index_past_a_threadgroup_argument_into_the_next_is_reported():
+    out = torch.zeros(33)
+    tg = {0: 128, 1: 128}
+    run(
+        "exec_tg_arg_overflow",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: u32(31)},
+        threadgroup_memory=tg,
+    )
+    match = (
+        r"out-of-bounds threadgroup read .* offset 160 of \[\[threadgroup\(0\)\]\] \(128 bytes\)"
+    )
+    with pytest.raises(SimulatorError, match=match):
+        run(
+            "exec_tg_arg_overflow",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: out, 1: u32(40)},
+            threadgroup_memory=tg,
+        )

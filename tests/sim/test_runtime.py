@@ -247,3 +247,24 @@ def test_endless_loop_is_reported_not_a_hang(monkeypatch):
             threads=(32,),
             buffers={0: out, 1: (7).to_bytes(4, "little")},
         )
+
+
+@pytest.mark.parametrize("what", [0, 1], ids=["barrier", "simd_sum"])
+def test_helper_reached_from_two_divergent_call_sites_is_reported(what):
+    import struct
+
+    out = torch.zeros(64)
+    run(
+        "exec_helper_divergent",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: out, 1: struct.pack("<II", what, 64)},
+    )
+    with pytest.raises(SimulatorError, match=r"exec_helper_divergent.*divergent control flow"):
+        split = 16 if what == 1 else 32
+        run(
+            "exec_helper_divergent",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: struct.pack("<II", what, split)},
+        )

@@ -266,3 +266,29 @@ kernel void exec_simd_op_neighbour(device float* out [[buffer(0)]],
   if (kind == 2) simdgroup_barrier(mem_flags::mem_threadgroup);
   out[tid] = values[(tid + 1) % 32] + s;
 }
+
+// An index past one threadgroup allocation that would land in the next one: A[40] on
+// `threadgroup float A[32]` is B[8] when B follows A; the same for [[threadgroup(n)]] arguments.
+kernel void exec_tg_overflow(device float* out [[buffer(0)]],
+                             constant uint& index [[buffer(1)]],
+                             uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float A[32];
+  threadgroup float B[32];
+  A[tid] = 1.0f;
+  B[tid] = 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) out[0] = A[index];
+  out[tid + 1] = B[tid];
+}
+
+kernel void exec_tg_arg_overflow(device float* out [[buffer(0)]],
+                                 constant uint& index [[buffer(1)]],
+                                 threadgroup float* a [[threadgroup(0)]],
+                                 threadgroup float* b [[threadgroup(1)]],
+                                 uint tid [[thread_index_in_threadgroup]]) {
+  a[tid] = 1.0f;
+  b[tid] = 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) out[0] = a[index];
+  out[tid + 1] = b[tid];
+}

@@ -164,3 +164,24 @@ kernel void exec_endless_loop(device uint* out [[buffer(0)]],
   while (i != n) i = i + 2;
   out[gid] = i;
 }
+
+// A helper that the compiler does not inline, holding a barrier (or a simd reduction), reached
+// from two call sites: when the lanes split between them, they are at two different barriers.
+__attribute__((noinline)) void exec_helper_barrier() {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+__attribute__((noinline)) float exec_helper_sum(float x) { return simd_sum(x); }
+
+kernel void exec_helper_divergent(device float* out [[buffer(0)]],
+                                  constant uint2& p [[buffer(1)]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+  // p.x: 0 barrier, 1 simd_sum; p.y: threads below it take the first call site.
+  if (tid < p.y) {
+    out[tid] = 1.0f;
+    if (p.x == 0) exec_helper_barrier(); else out[tid] += exec_helper_sum(1.0f);
+  } else {
+    if (p.x == 0) exec_helper_barrier(); else out[tid] += exec_helper_sum(2.0f);
+    out[tid] += 2.0f;
+  }
+}
