@@ -82,6 +82,10 @@ SHADER_FLAGS = [
     "-fno-omit-frame-pointer",
     "-mno-omit-leaf-frame-pointer",
     "-fno-optimize-sibling-calls",
+    # A float -> int conversion out of range or of NaN is undefined in MSL: reported (the
+    # handlers are in mps_src/sim/shader/callbacks.cpp).
+    "-fsanitize=float-cast-overflow",
+    "-fno-sanitize-recover=float-cast-overflow",
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]

@@ -304,6 +304,7 @@ class _Translator:
                     a = k - 2 if r.t(k - 1) == "::" and r.t(k - 2) == "metal" else k
                     if r.t(k - 1) != "::" or a != k:
                         r.sub(a, k + 1, f"::steel_shim::vmake<{s}>")
+                        self.comparison_arguments(r, k + 1)
             elif kind == "ident" and s == "vec" and r.t(k + 1) == "<":
                 close = r.match(k + 1)
                 if r.t(close + 1) == "(" and r.t(k - 1) not in ("operator", ".", "->"):
@@ -328,6 +329,71 @@ class _Translator:
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1
+
+    @staticmethod
+    def comparison_arguments(r: _Rewriter, paren: int) -> None:
+        """Marks the arguments of a vector constructor at `paren` that are comparisons.
+
+        In MSL a vector comparison is a boolN, and `float4(a > b)` is 1.0 where it holds; clang
+        gives an integer mask of -1s, which would convert to -1.0. A comparison argument (one
+        with ==, !=, <=, >=, or a lone < or > and no ?:) is wrapped in steel_shim::mask01,
+        which turns a mask into 0/1 (scalars pass unchanged).
+        """
+        close = r.match(paren)
+        start = paren + 1
+        depth = 0
+
+        def adjacent(k: int) -> bool:
+            return r.sig[k + 1] == r.sig[k] + 1
+
+        def is_comparison(a: int, b: int) -> bool:
+            lone_lt = lone_gt = found = False
+            d = 0
+            k = a
+            while k < b:
+                t = r.t(k)
+                if t in ("(", "[", "{"):
+                    d += 1
+                elif t in (")", "]", "}"):
+                    d -= 1
+                elif d == 0:
+                    pair = k + 1 < b and adjacent(k)
+                    nxt = r.t(k + 1) if pair else ""
+                    if t == "?":
+                        return False
+                    if t in ("=", "!", "<", ">") and nxt == "=":
+                        found = True  # == != <= >=
+                        k += 1
+                    elif t in ("<", ">") and nxt == t:
+                        k += 1  # a shift
+                    elif t == "<":
+                        lone_lt = True
+                    elif t == ">":
+                        lone_gt = True
+                k += 1
+            # Both a lone < and a lone >: template arguments, most likely (vec<T, 4>(...)).
+            return found or lone_lt != lone_gt
+
+        lone = {
+            r.t(k)
+            for k in range(paren + 1, close)
+            if r.t(k) in ("<", ">")
+            and not (adjacent(k) and r.t(k + 1) in ("=", r.t(k)))
+            and not (adjacent(k - 1) and r.t(k - 1) == r.t(k))
+        }
+        if lone == {"<", ">"}:
+            return  # template arguments somewhere: commas do not separate arguments reliably
+        for k in range(paren + 1, close + 1):
+            t = r.t(k)
+            if t in ("(", "[", "{"):
+                depth += 1
+            elif t in (")", "]", "}") and k != close:
+                depth -= 1
+            elif (t == "," and depth == 0) or k == close:
+                if k > start and is_comparison(start, k):
+                    r.add_after(start - 1, " ::steel_shim::mask01(")
+                    r.add_after(k - 1, ")")
+                start = k + 1
 
     @staticmethod
     def is_vector_type(r: _Rewriter, k: int) -> bool:

@@ -729,6 +729,8 @@ void register_kernel(const char* host_name, KernelEntry entry) {
 
 void fail(const char* message) { lane_fail(message, __builtin_return_address(0)); }
 
+void fail_at(const char* message, const void* pc) { lane_fail(message, pc); }
+
 // ------------------------------------------------------------------------------- host side
 
 const Library* load_library(const std::string& path) {

@@ -78,5 +78,7 @@ void register_kernel(const char* host_name, KernelEntry entry);
 
 // Raise a SimulatorError from shader-side code (e.g. an unsupported shim feature at run time).
 [[noreturn]] void fail(const char* message);
+// The same, naming `pc` (a return address into shader code) as the place.
+[[noreturn]] void fail_at(const char* message, const void* pc);
 
 }  // namespace steel_sim

@@ -3,6 +3,11 @@
 // the PLT; only accesses inside the device or threadgroup arena reach the runtime.
 #include "sim/shader/callbacks.h"
 
+#include <cstdio>
+#include <cstring>
+
+#include "sim/runtime.h"
+
 namespace {
 
 inline __attribute__((always_inline)) void check(void* p, size_t n, bool write, const void* pc) {
@@ -51,4 +56,59 @@ STEEL_SIM_CALLBACKS(4)
 STEEL_SIM_CALLBACKS(8)
 STEEL_SIM_CALLBACKS(16)
 #undef STEEL_SIM_CALLBACKS
+}
+
+// -fsanitize=float-cast-overflow: a float -> integer conversion of NaN or of a value outside the
+// integer type's range is undefined in MSL (Apple GPUs saturate; x86 gives INT_MIN), so shader
+// code must clamp first. clang calls these handlers (their layout is UBSan's ABI); a lane that
+// does it fails with the shader line.
+namespace {
+struct UbsanType {
+  uint16_t kind;  // 0 integer, 1 float
+  uint16_t info;  // float: bit width; integer: (log2(bit width) << 1) | signed
+  char name[1];
+};
+struct UbsanLocation {
+  const char* file;
+  uint32_t line;
+  uint32_t column;
+};
+struct FloatCastData {
+  UbsanLocation location;
+  const UbsanType* from;
+  const UbsanType* to;
+};
+
+[[noreturn]] void float_cast(void* data, uintptr_t value, const void* pc) {
+  const auto* d = static_cast<const FloatCastData*>(data);
+  char text[64] = "a value";
+  if (d->from->kind == 1 && d->from->info == 32) {
+    float f;
+    uint32_t bits = static_cast<uint32_t>(value);
+    std::memcpy(&f, &bits, sizeof f);
+    snprintf(text, sizeof text, "%g", static_cast<double>(f));
+  } else if (d->from->kind == 1 && d->from->info == 16) {
+    _Float16 h;
+    uint16_t bits = static_cast<uint16_t>(value);
+    std::memcpy(&h, &bits, sizeof h);
+    snprintf(text, sizeof text, "%g", static_cast<double>(static_cast<float>(h)));
+  }
+  char message[320];
+  snprintf(message, sizeof message,
+           "conversion of %s from %s to %s, which cannot represent it: undefined in MSL (Apple "
+           "GPUs saturate, x86 does not); clamp before converting",
+           text, d->from->name, d->to->name);
+  steel_sim::fail_at(message, pc);
+}
+}  // namespace
+
+extern "C" {
+__attribute__((visibility("hidden"))) void __ubsan_handle_float_cast_overflow(void* data,
+                                                                               uintptr_t value) {
+  float_cast(data, value, __builtin_return_address(0));
+}
+__attribute__((visibility("hidden"))) void __ubsan_handle_float_cast_overflow_abort(
+    void* data, uintptr_t value) {
+  float_cast(data, value, __builtin_return_address(0));
+}
 }

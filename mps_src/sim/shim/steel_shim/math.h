@@ -168,10 +168,31 @@ STEEL_SHIM_UNARY(round, __builtin_roundf(v))
 STEEL_SHIM_UNARY(rint, __builtin_rintf(v))
 STEEL_SHIM_UNARY(trunc, __builtin_truncf(v))
 STEEL_SHIM_UNARY(fabs, __builtin_fabsf(v))
-STEEL_SHIM_UNARY(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))
 STEEL_SHIM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))
 STEEL_SHIM_UNARY(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == v ? v : 0.0f)))
 #undef STEEL_SHIM_UNARY
+
+// fract(x) = fmin(x - floor(x), the largest value below 1) in x's type: the clamp comes after
+// rounding to half or bfloat, or fract(half(-1e-4)) would round 0.9999 up to 1.0.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fract(T x) {
+  using E = steel_shim::elem_t<T>;
+  const E below_one = __is_same(E, float) ? E(0x1.fffffep-1f)
+                      : __is_same(E, half) ? E(0x1.ffcp-1f)
+                                           : E(0x1.fep-1f);
+  auto one = [&](E e) -> E {
+    const float v = float(e);
+    const E r = E(v - __builtin_floorf(v));
+    return r < below_one ? r : below_one;  // NaN: below_one, as fmin gives
+  };
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = one(E(x[k]));
+    return r;
+  } else {
+    return one(x);
+  }
+}
 
 #define STEEL_SHIM_BINARY(name, expr)                                                           \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
