@@ -64,9 +64,11 @@ SHADER_FLAGS = [
     "-std=c++23",
     "-flax-vector-conversions=none",
     "-O2",
-    # Keep the shader's own accesses: merged neighbouring loads would hide their alignment from
-    # the checkers (a misaligned vector access is an error: mps_src/sim/checkers.cpp).
+    # Keep the shader's own accesses: merged neighbouring loads (SLP) or a loop vectorized into
+    # 16-byte accesses would hide their alignment from the checkers (a misaligned vector access
+    # is an error: mps_src/sim/checkers.cpp) and report accesses the kernel does not make.
     "-fno-slp-vectorize",
+    "-fno-vectorize",
     "-fPIC",
     "-fno-exceptions",
     "-fno-rtti",
@@ -86,6 +88,10 @@ SHADER_FLAGS = [
     # handlers are in mps_src/sim/shader/callbacks.cpp).
     "-fsanitize=float-cast-overflow",
     "-fno-sanitize-recover=float-cast-overflow",
+    # Indexing an array of known size (thread-private arrays, threadgroup arrays declared in
+    # kernels, array members) out of bounds: reported (same handlers).
+    "-fsanitize=array-bounds",
+    "-fno-sanitize-recover=array-bounds",
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
@@ -144,7 +150,17 @@ STALE_SECONDS = 7 * 24 * 3600
 STALE_TEST_SECONDS = 24 * 3600
 
 
-def _locked_build(out: Path, build) -> Path:
+def _announce(what: str, usual: str, out: Path) -> None:
+    """Says that a build starts, so that a first use is not silence (stderr)."""
+    print(
+        f"torch_steel: building the Metal simulator's {what} (first use after a change; usually "
+        f"{usual}) in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _locked_build(out: Path, build, what: str = "", usual: str = "") -> Path:
     """Runs build(out) once per output directory across processes; `done` marks success."""
     out.parent.mkdir(parents=True, exist_ok=True)
     done = out / "done"
@@ -155,6 +171,8 @@ def _locked_build(out: Path, build) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not done.exists():
+                if what:
+                    _announce(what, usual, out)
                 out.mkdir(exist_ok=True)
                 build(out)
                 done.write_text("ok\n")
@@ -246,7 +264,7 @@ def runtime_dir() -> Path:
         builds.append(f"build {RUNTIME_SONAME}: link {' '.join(objs)}")
         _ninja(d, rules, builds, RUNTIME_SONAME)
 
-    return _locked_build(out, build)
+    return _locked_build(out, build, "runtime", "10 s")
 
 
 @functools.cache
@@ -264,6 +282,8 @@ def extension():
     out.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension
 
+    if not (out / "steel_sim_ext.so").exists():
+        _announce("Python module", "30 s", out)
     old = {k: os.environ.get(k) for k in ("CXX", "CC")}
     os.environ["CXX"], os.environ["CC"] = CXX, CC
     try:
@@ -510,7 +530,7 @@ def shader_library() -> ShaderLibrary:
         ]
         _shader_lib(d, metals, [mirror], strict=False)
 
-    return _load(_locked_build(out, build))
+    return _load(_locked_build(out, build, "shaders", "20-40 s"))
 
 
 _test_libraries: dict[str, ShaderLibrary] = {}
@@ -548,7 +568,8 @@ def test_library(sources: list[Path]) -> ShaderLibrary:
             metals += [(s, mirror / s.name) for s in mine]
         _shader_lib(d, metals, [d / "shaders"], strict=True)
 
-    lib = _load(_locked_build(out, build))
+    names = ", ".join(s.name for s in sources)
+    lib = _load(_locked_build(out, build, f"test kernels ({names})", "5-20 s"))
     _test_libraries[key] = lib
     return lib
 

@@ -349,6 +349,7 @@ std::string tg_nearest(long long offset) {
 }
 
 void tg_access(uintptr_t a, size_t n, bool write) {
+  (write ? g.counters.threadgroup_written : g.counters.threadgroup_read) += n;
   if (!g.checkers) return;
   auto base = reinterpret_cast<uintptr_t>(g.tg_base);
   uint16_t owner = 0;

@@ -162,7 +162,24 @@ void complete_simd(SimdGroup& sg) {
   const void* result = sg.buf[sg.parity];
   bool exchange = sg.wait == SimdWait::Exchange;
   ++g.counters.simd_ops;
-  if (exchange && sg.kind == SimdKind::MatrixMma) ++g.counters.mma;
+  if (exchange) {
+    switch (sg.kind) {
+      case SimdKind::MatrixMma:
+        ++g.counters.mma;
+        break;
+      case SimdKind::Shuffle:
+        ++g.counters.shuffles;
+        break;
+      case SimdKind::Reduce:
+        ++g.counters.reductions;
+        break;
+      case SimdKind::Ballot:
+        ++g.counters.ballots;
+        break;
+      default:
+        break;
+    }
+  }
   sg.parity ^= 1;
   sg.arrived = 0;
   sg.wait = SimdWait::None;

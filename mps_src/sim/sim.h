@@ -68,7 +68,12 @@ struct Counters {
   uint64_t lanes = 0;
   uint64_t mma = 0;
   uint64_t simd_ops = 0;
+  uint64_t shuffles = 0;    // simd_shuffle*, simd_broadcast* (per simdgroup)
+  uint64_t reductions = 0;  // simd_sum/min/max/product/and/or/xor and prefix sums
+  uint64_t ballots = 0;     // simd_ballot, simd_all, simd_any
   uint64_t barriers = 0;
+  uint64_t threadgroup_read = 0;     // bytes of threadgroup memory loaded by all lanes
+  uint64_t threadgroup_written = 0;  // bytes stored
   uint64_t lane_switches = 0;
   std::map<uint32_t, BufferCounters> buffers;
 };

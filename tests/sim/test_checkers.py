@@ -535,3 +535,23 @@ def test_index_past_a_threadgroup_argument_into_the_next_is_reported():
             buffers={0: out, 1: u32(40)},
             threadgroup_memory=tg,
         )
+
+
+def test_scalar_loop_on_a_4_byte_aligned_view_is_not_misaligned():
+    src = torch.arange(101.0)
+    out = torch.zeros(101)
+    run(
+        "exec_scalar_loop",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out[1:], 1: src[1:], 2: u32(100)},
+    )
+    assert torch.equal(out[1:], src[1:] * 2 + 1)
+
+
+def test_thread_private_array_out_of_bounds_is_reported():
+    out = torch.zeros(32)
+    run("exec_private_array", grid=(1,), threads=(32,), buffers={0: out, 1: u32(7)})
+    assert torch.equal(out, torch.arange(32.0) * 7)
+    with pytest.raises(SimulatorError, match=r"exec_private_array.*index 8 out of bounds"):
+        run("exec_private_array", grid=(1,), threads=(32,), buffers={0: out, 1: u32(8)})

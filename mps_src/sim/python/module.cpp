@@ -117,6 +117,11 @@ py::dict counters_dict(const steel_sim::Counters& c) {
   d["lanes"] = c.lanes;
   d["mma"] = c.mma;
   d["simd_ops"] = c.simd_ops;
+  d["shuffles"] = c.shuffles;
+  d["reductions"] = c.reductions;
+  d["ballots"] = c.ballots;
+  d["threadgroup_read"] = c.threadgroup_read;
+  d["threadgroup_written"] = c.threadgroup_written;
   d["barriers"] = c.barriers;
   d["lane_switches"] = c.lane_switches;
   py::dict buffers;

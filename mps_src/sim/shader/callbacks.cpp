@@ -100,9 +100,43 @@ struct FloatCastData {
            text, d->from->name, d->to->name);
   steel_sim::fail_at(message, pc);
 }
+
+// -fsanitize=array-bounds: an index outside an array of known size (a thread-private array, a
+// threadgroup array, an array member) is reported with the shader line.
+struct OutOfBoundsData {
+  UbsanLocation location;
+  const UbsanType* array;
+  const UbsanType* index;
+};
+
+[[noreturn]] void out_of_bounds(void* data, uintptr_t index, const void* pc) {
+  const auto* d = static_cast<const OutOfBoundsData*>(data);
+  const bool is_signed = (d->index->info & 1) != 0;
+  const unsigned bits = 1u << (d->index->info >> 1);
+  char text[48];
+  if (is_signed) {
+    int64_t v = static_cast<int64_t>(index);
+    if (bits < 64) v = static_cast<int64_t>(index << (64 - bits)) >> (64 - bits);
+    snprintf(text, sizeof text, "%lld", static_cast<long long>(v));
+  } else {
+    snprintf(text, sizeof text, "%llu", static_cast<unsigned long long>(index));
+  }
+  char message[320];
+  snprintf(message, sizeof message, "index %s out of bounds of an array of type %s", text,
+           d->array->name);
+  steel_sim::fail_at(message, pc);
+}
 }  // namespace
 
 extern "C" {
+__attribute__((visibility("hidden"))) void __ubsan_handle_out_of_bounds(void* data,
+                                                                         uintptr_t index) {
+  out_of_bounds(data, index, __builtin_return_address(0));
+}
+__attribute__((visibility("hidden"))) void __ubsan_handle_out_of_bounds_abort(void* data,
+                                                                               uintptr_t index) {
+  out_of_bounds(data, index, __builtin_return_address(0));
+}
 __attribute__((visibility("hidden"))) void __ubsan_handle_float_cast_overflow(void* data,
                                                                                uintptr_t value) {
   float_cast(data, value, __builtin_return_address(0));

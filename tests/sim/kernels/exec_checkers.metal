@@ -277,7 +277,10 @@ kernel void exec_tg_overflow(device float* out [[buffer(0)]],
   A[tid] = 1.0f;
   B[tid] = 2.0f;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid == 0) out[0] = A[index];
+  // Through a pointer, which the array-bounds check does not see (A[index] itself is reported
+  // as an index out of the array's bounds).
+  threadgroup float* p = A;
+  if (tid == 0) out[0] = p[index];
   out[tid + 1] = B[tid];
 }
 
@@ -291,4 +294,23 @@ kernel void exec_tg_arg_overflow(device float* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid == 0) out[0] = a[index];
   out[tid + 1] = b[tid];
+}
+
+// A scalar loop over a view that is 4-byte aligned only: correct MSL, whatever the compiler
+// would like to vectorize it into.
+kernel void exec_scalar_loop(device float* out [[buffer(0)]],
+                             const device float* in [[buffer(1)]],
+                             constant uint& n [[buffer(2)]],
+                             uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = in[i] * 2.0f + 1.0f;
+}
+
+// A thread-private array indexed out of its bounds when `index` >= 8.
+kernel void exec_private_array(device float* out [[buffer(0)]],
+                               constant uint& index [[buffer(1)]],
+                               uint gid [[thread_position_in_grid]]) {
+  float a[8];
+  for (uint i = 0; i < 8; ++i) a[i] = float(i * gid);
+  out[gid] = a[index];
 }
