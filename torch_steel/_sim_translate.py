@@ -677,12 +677,15 @@ class _Translator:
     # ---- [[kernel]] void f(params) { body }
     def kernel(self, r: _Rewriter, marker: int, marker_end: int) -> int:
         host = None
+        max_threads = None
         if r.t(marker) == "[":
             items = self.attribute_items(r, marker, marker_end)
             for name, arg, _ in items:
                 if name == "host_name":
                     host = arg
-                elif name not in ("kernel", "max_total_threads_per_threadgroup"):
+                elif name == "max_total_threads_per_threadgroup":
+                    max_threads = arg
+                elif name != "kernel":
                     raise r.error(marker, f"unsupported kernel attribute [[{name}]]")
         r.sub(marker, marker_end, "")
         # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
@@ -697,6 +700,8 @@ class _Translator:
                 for name, arg, _ in self.attribute_items(r, j, end):
                     if name == "host_name":
                         host = arg
+                    elif name == "max_total_threads_per_threadgroup":
+                        max_threads = arg
                 r.sub(j, end, "")
                 j = end
                 continue
@@ -717,9 +722,11 @@ class _Translator:
         if r.t(after) != "{":
             raise r.error(after, "expected the kernel's body")
         body_end = r.match(after)
+        plist = f"::steel_shim::plist<{', '.join(params)}>"
+        if max_threads is not None:  # checked at launch, as Metal's pipeline limits it
+            plist = f"::steel_shim::limited<({max_threads}), {plist}>"
         struct = (
-            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = "
-            f"::steel_shim::plist<{', '.join(params)}>; }};"
+            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = {plist}; }};"
         )
         if not is_template:
             struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"

@@ -39,6 +39,7 @@ struct Library {
   std::string path;
   void* handle = nullptr;
   std::map<std::string, KernelEntry> kernels;
+  std::map<std::string, uint32_t> max_threads;  // [[max_total_threads_per_threadgroup]]
   std::vector<std::string> duplicates;
 };
 
@@ -583,16 +584,53 @@ const steel::FunctionConstant& constant(uint32_t index, const void* pc) {
 }
 }  // namespace
 
+namespace {
+const char* constant_type_name(steel::FunctionConstant::Type t) {
+  switch (t) {
+    case steel::FunctionConstant::Type::Bool:
+      return "bool";
+    case steel::FunctionConstant::Type::Int:
+      return "int";
+    case steel::FunctionConstant::Type::UInt:
+      return "uint";
+    case steel::FunctionConstant::Type::Float:
+      return "float";
+  }
+  return "?";
+}
+
+[[noreturn]] void constant_type_error(uint32_t index, const char* declared,
+                                      const steel::FunctionConstant& c, const void* pc) {
+  lane_fail(format("function constant %u is declared %s but the dispatch sets a %s value (Metal "
+                   "refuses a constant value of another type)",
+                   index, declared, constant_type_name(c.type)),
+            pc);
+}
+}  // namespace
+
+bool function_constant_bool(uint32_t index) {
+  const void* pc = __builtin_return_address(0);
+  const steel::FunctionConstant& c = constant(index, pc);
+  if (c.type != steel::FunctionConstant::Type::Bool) constant_type_error(index, "bool", c, pc);
+  return c.int_value != 0;
+}
+
 int64_t function_constant_int(uint32_t index) {
-  const steel::FunctionConstant& c = constant(index, __builtin_return_address(0));
-  if (c.type == steel::FunctionConstant::Type::Float) return static_cast<int64_t>(c.float_value);
+  const void* pc = __builtin_return_address(0);
+  const steel::FunctionConstant& c = constant(index, pc);
+  if (c.type != steel::FunctionConstant::Type::Int && c.type != steel::FunctionConstant::Type::UInt) {
+    constant_type_error(index, "an integer", c, pc);
+  }
   return c.int_value;
 }
 
 float function_constant_float(uint32_t index) {
-  const steel::FunctionConstant& c = constant(index, __builtin_return_address(0));
-  if (c.type == steel::FunctionConstant::Type::Float) return c.float_value;
-  return static_cast<float>(c.int_value);
+  const void* pc = __builtin_return_address(0);
+  const steel::FunctionConstant& c = constant(index, pc);
+  if (c.type != steel::FunctionConstant::Type::Float) {
+    constant_type_error(index, "floating point", c, pc);
+  }
+  return c.float_value;
 }
 
 namespace {
@@ -740,8 +778,13 @@ const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_
 }
 
 void register_kernel(const char* host_name, KernelEntry entry) {
+  register_kernel_limited(host_name, entry, 0);
+}
+
+void register_kernel_limited(const char* host_name, KernelEntry entry, uint32_t max_threads) {
   Library& lib = g_loading != nullptr ? *g_loading : orphan_library();
   if (!lib.kernels.emplace(host_name, entry).second) lib.duplicates.emplace_back(host_name);
+  if (max_threads != 0) lib.max_threads[host_name] = max_threads;
 }
 
 void fail(const char* message) { lane_fail(message, __builtin_return_address(0)); }
@@ -788,6 +831,15 @@ KernelEntry find_kernel(const LaunchSpec& spec) {
     for (const auto& kv : lib->kernels) known += (known.empty() ? "" : ", ") + kv.first;
     throw SimError("kernel '" + spec.kernel + "' not found in " + lib->path + " (it has: " +
                    (known.empty() ? "no kernels" : known) + ")");
+  }
+  auto limit = lib->max_threads.find(spec.kernel);
+  uint64_t lanes = uint64_t{spec.threads[0]} * spec.threads[1] * spec.threads[2];
+  if (limit != lib->max_threads.end() && lanes > limit->second) {
+    throw SimError(format("kernel '%s': %llu threads per threadgroup exceed its "
+                          "[[max_total_threads_per_threadgroup(%u)]] (Metal's pipeline has "
+                          "maxTotalThreadsPerThreadgroup = %u)",
+                          spec.kernel.c_str(), static_cast<unsigned long long>(lanes),
+                          limit->second, limit->second));
   }
   return it->second;
 }

@@ -47,7 +47,12 @@ void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align);
 
 // Function constants of the current dispatch, by [[function_constant(index)]].
 bool function_constant_defined(uint32_t index);
-int64_t function_constant_int(uint32_t index);  // Bool, Int, UInt
+// The value of a constant declared bool, integer (int, uint, short, ...) or floating point
+// (float, half). A dispatch that sets it with a value of another kind is an error, as Metal
+// refuses a constant value of the wrong type (Int and UInt stand for each other: Python has one
+// integer type).
+bool function_constant_bool(uint32_t index);
+int64_t function_constant_int(uint32_t index);
 float function_constant_float(uint32_t index);
 
 // Barriers. Reached by only some of the non-exited lanes: a SimulatorError naming the kernel.
@@ -75,6 +80,9 @@ const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_
 // [[host_name("...")]] instantiation and every plain [[kernel]] function).
 using KernelEntry = void (*)();
 void register_kernel(const char* host_name, KernelEntry entry);
+// The same for a kernel with [[max_total_threads_per_threadgroup(max_threads)]] (0: none): a
+// dispatch with more threads per threadgroup is refused, as Metal's pipeline refuses it.
+void register_kernel_limited(const char* host_name, KernelEntry entry, uint32_t max_threads);
 
 // Raise a SimulatorError from shader-side code (e.g. an unsupported shim feature at run time).
 [[noreturn]] void fail(const char* message);

@@ -185,3 +185,18 @@ kernel void exec_helper_divergent(device float* out [[buffer(0)]],
     out[tid] += 2.0f;
   }
 }
+
+// At most 64 threads per threadgroup: a larger dispatch is refused, as by Metal's pipeline.
+[[kernel, max_total_threads_per_threadgroup(64)]] void exec_max_threads(
+    device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = float(gid);
+}
+
+// Function constants of each kind, to be set with values of the declared type only.
+constant bool fc_flag [[function_constant(10)]];
+constant int fc_count [[function_constant(11)]];
+constant float fc_gain [[function_constant(12)]];
+
+kernel void exec_fc_types(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = (fc_flag ? 1.0f : 0.0f) + float(fc_count) * fc_gain;
+}

@@ -140,6 +140,8 @@ struct function_constant {
   T get() const {
     if constexpr (is_float_v<T>) {
       return T(steel_sim::function_constant_float(I));
+    } else if constexpr (__is_same(T, bool)) {
+      return steel_sim::function_constant_bool(I);
     } else {
       return T(steel_sim::function_constant_int(I));
     }

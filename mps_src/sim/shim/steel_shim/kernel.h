@@ -128,7 +128,15 @@ struct present_if {
 };
 
 template <typename... P>
-struct plist {};
+struct plist {
+  static constexpr uint32_t max_threads = 0;  // no [[max_total_threads_per_threadgroup]]
+};
+
+// A kernel with [[max_total_threads_per_threadgroup(N)]].
+template <uint32_t N, typename List>
+struct limited : List {
+  static constexpr uint32_t max_threads = N;
+};
 
 template <typename... P, typename... Args>
 inline void invoke(plist<P...>, void (*kernel)(Args...)) {
@@ -143,7 +151,7 @@ void entry() {
 
 template <typename Params, auto kKernel>
 inline bool register_instance(const char* host_name) {
-  steel_sim::register_kernel(host_name, &entry<Params, kKernel>);
+  steel_sim::register_kernel_limited(host_name, &entry<Params, kKernel>, Params::max_threads);
   return true;
 }
 
