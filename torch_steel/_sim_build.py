@@ -8,11 +8,11 @@ and a library already loaded by another process (pytest-xdist) is never overwrit
                                   (mps_src/plan/*.cpp), plain C++, no torch
   ext-<hash>/                     the pybind module (mps_src/sim/python/module.cpp) built with
                                   torch.utils.cpp_extension; links the runtime by soname
-  lib-<hash>/libsteel_shaders.so  translated shaders (a mirror of shaders/ rewritten by
+  lib-<hash>/lib/*.so            translated shaders (a mirror of shaders/ rewritten by
                                   torch_steel._sim_translate), one TU per .metal file, compiled
                                   with -fsanitize-coverage so every load and store reaches the
                                   checkers (mps_src/sim/shader/callbacks.cpp is linked in)
-  test-<hash>/libsteel_shaders.so the same for run_kernel's test-only .metal files
+  test-<hash>/lib/*.so           the same for run_kernel's test-only .metal files
 
 Shader libraries register their kernels with the runtime when dlopen'd, so the package's shaders
 and any number of test libraries share one runtime and one pybind module. Builds take a file
@@ -72,6 +72,9 @@ SHADER_FLAGS = [
     "-fPIC",
     "-fno-exceptions",
     "-fno-rtti",
+    # Each .metal file is its own library (_shader_lib): its functions are its own.
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
     "-ffp-contract=off",
     "-Xclang",
     "-ffloat16-excess-precision=none",
@@ -96,6 +99,7 @@ SHADER_FLAGS = [
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
 RUNTIME_SONAME = "libsteel_sim_rt.so"
+LIBRARIES = "libraries.txt"  # a shader build's shared libraries, one per .metal file
 BUILD_JOBS = "2"
 
 
@@ -348,7 +352,7 @@ def _shader_lib(
     out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path], strict: bool
 ) -> str:
     """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
-    built into libsteel_shaders.so. Returns the errors of the others (strict: raises them)."""
+    built into one shared library each (listed in libraries.txt). Returns the errors of the others (strict: raises them)."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (
@@ -407,20 +411,29 @@ def _shader_lib(
             f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
             + (out / "obj" / "callbacks.o.log").read_text()
         )
-    built = [obj for obj in [*objs, "obj/callbacks.o"] if (out / obj).exists()]
+    built = [obj for obj in objs if (out / obj).exists()]
     if errors and strict:
         raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
-    link = subprocess.run(
-        [CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}", "-lsteel_sim_rt"],
-        cwd=out,
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if link.returncode != 0:
-        raise SimulatorError(
-            f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}" + _hint(link.stderr)
+    # One shared library per .metal file, as Metal compiles each file on its own: an inline
+    # helper of the same name in two files stays two functions (hidden symbols, bound within
+    # their library). A library of the callbacks alone stands for "no kernels".
+    libs = [f"lib/{Path(obj).stem}.so" for obj in built] or ["lib/empty.so"]
+    (out / "lib").mkdir(exist_ok=True)
+    for obj, lib in zip(built or [None], libs, strict=True):
+        inputs = ([obj] if obj else []) + ["obj/callbacks.o"]
+        link = subprocess.run(
+            [CXX, *LINK_FLAGS, "-Wl,-Bsymbolic", *inputs, "-o", lib, f"-L{rt}", "-lsteel_sim_rt"],
+            cwd=out,
+            check=False,
+            capture_output=True,
+            text=True,
         )
+        if link.returncode != 0:
+            raise SimulatorError(
+                f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}"
+                + _hint(link.stderr)
+            )
+    (out / LIBRARIES).write_text("\n".join(libs) + "\n")
     (out / "errors.txt").write_text("\n".join(errors))
     return "\n".join(errors)
 
@@ -500,7 +513,8 @@ def _demangle(names: list[str]) -> dict[str, str]:
 def _load(lib_dir: Path) -> ShaderLibrary:
     ext = extension()
     try:
-        handle = ext.load_library(str(lib_dir / "libsteel_shaders.so"))
+        paths = (lib_dir / LIBRARIES).read_text().split()
+        handle = ext.load_library([str(lib_dir / p) for p in paths])
     except ext.SimError as e:
         raise SimulatorError(str(e)) from None
     errors = lib_dir / "errors.txt"

@@ -37,7 +37,7 @@ namespace steel_sim {
 
 struct Library {
   std::string path;
-  void* handle = nullptr;
+  std::vector<void*> handles;
   std::map<std::string, KernelEntry> kernels;
   std::map<std::string, uint32_t> max_threads;  // [[max_total_threads_per_threadgroup]]
   std::vector<std::string> duplicates;
@@ -793,21 +793,26 @@ void fail_at(const char* message, const void* pc) { lane_fail(message, pc); }
 
 // ------------------------------------------------------------------------------- host side
 
-const Library* load_library(const std::string& path) {
+const Library* load_library(const std::vector<std::string>& paths) {
   std::lock_guard<std::mutex> lock(launch_mutex());
+  std::string key;
+  for (const std::string& p : paths) key += p + "\n";
   auto& libs = libraries();
-  auto it = libs.find(path);
+  auto it = libs.find(key);
   if (it != libs.end()) return it->second.get();
   auto lib = std::make_unique<Library>();
-  lib->path = path;
-  g_loading = lib.get();
-  lib->handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  g_loading = nullptr;
-  if (lib->handle == nullptr) {
-    const char* err = dlerror();
-    throw SimError("cannot load shader library " + path + ": " + (err ? err : "unknown error"));
+  lib->path = paths.size() == 1 ? paths[0] : paths.empty() ? "" : paths[0].substr(0, paths[0].rfind('/'));
+  for (const std::string& path : paths) {
+    g_loading = lib.get();
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    g_loading = nullptr;
+    if (handle == nullptr) {
+      const char* err = dlerror();
+      throw SimError("cannot load shader library " + path + ": " + (err ? err : "unknown error"));
+    }
+    lib->handles.push_back(handle);
   }
-  return (libs[path] = std::move(lib)).get();
+  return (libs[key] = std::move(lib)).get();
 }
 
 std::vector<std::string> kernel_names(const Library* library) {

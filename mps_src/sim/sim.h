@@ -30,8 +30,9 @@ class Interrupted : public SimError {
 
 // A shared library of translated shaders; its kernels registered themselves when it was loaded.
 struct Library;
-// dlopen's `path` (once per path) and collects the kernels it registers. Throws SimError.
-const Library* load_library(const std::string& path);
+// dlopen's `paths` (once per set; each a .metal file's library, RTLD_LOCAL, so that each keeps
+// its own functions as in Metal) and collects the kernels they register. Throws SimError.
+const Library* load_library(const std::vector<std::string>& paths);
 std::vector<std::string> kernel_names(const Library* library);
 
 // One [[buffer(index)]]: `bytes` bytes at `host` (a tensor's element 0, or inline bytes).

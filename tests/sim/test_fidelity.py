@@ -65,3 +65,12 @@ def test_float_to_int_out_of_range_or_nan_is_reported(which):
             threads=(4,),
             buffers={0: torch.tensor([1.0, bad, 2.0, 3.0]), 1: out, 2: struct.pack("<I", which)},
         )
+
+
+def test_own_fast_overload_does_not_capture_float_calls():
+    x = torch.tensor([0.1, 0.3, 1.7, -2.2])
+    out = torch.zeros(4)
+    hout = torch.zeros(4, dtype=torch.float16)
+    run("lang_fast_overload", grid=(1,), threads=(4,), buffers={0: x, 1: out, 2: hout})
+    assert torch.allclose(out.double(), torch.exp2(x.double()), rtol=1e-6, atol=0)
+    assert torch.equal(hout, torch.exp2(x.half().float()).half())

@@ -208,8 +208,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LibraryHandle>(m, "Library")
       .def("kernels", [](const LibraryHandle& h) { return steel_sim::kernel_names(h.library); });
   py::class_<PlanHandle>(m, "Plan").def("describe", &describe);
-  m.def("load_library", [](const std::string& path) {
-    return LibraryHandle{steel_sim::load_library(path)};
+  m.def("load_library", [](const std::vector<std::string>& paths) {
+    return LibraryHandle{steel_sim::load_library(paths)};
   });
   m.def("make_plan", &make_plan);
   m.def("launch", &launch);

@@ -30,3 +30,17 @@ kernel void lang_float_to_int(const device float* x [[buffer(0)]], device int* o
   if (which == 2) out[i] = int4(float4(v))[1];
   if (which == 3) out[i] = short(half(v));
 }
+
+// A shader's own fast:: overload (here for half) must not capture fast::exp2(float).
+namespace metal {
+namespace fast {
+inline half exp2(half x) { return half(metal::exp2(float(x))); }
+}  // namespace fast
+}  // namespace metal
+
+kernel void lang_fast_overload(const device float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                               device half* hout [[buffer(2)]],
+                               uint i [[thread_position_in_grid]]) {
+  out[i] = fast::exp2(x[i]);
+  hout[i] = fast::exp2(half(x[i]));
+}

@@ -413,8 +413,17 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
 // the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum;
 // metal:: is precise:: in a build without fast math, as this project's are), so a NaN operand is
 // an error here instead of a plausible result.
+//
+// The functions are using-declarations, not `using namespace precise`: a using-directive is
+// searched only when fast:: itself declares no function of the name, so a shader's own
+// fast::exp2 overload (for its own bfloat type, say) would hide precise::exp2 and capture every
+// fast::exp2(float) call.
 namespace fast {
-using namespace precise;
+using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil,
+    metal::copysign, metal::cos, metal::cosh, metal::divide, metal::erf, metal::exp,
+    metal::exp10, metal::exp2, metal::fabs, metal::floor, metal::fma, metal::fmod, metal::fract,
+    metal::log, metal::log10, metal::log2, metal::pow, metal::powr, metal::rint, metal::round,
+    metal::rsqrt, metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
 
 namespace steel_fast {
 template <typename T>
