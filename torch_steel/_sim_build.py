@@ -69,6 +69,8 @@ SHADER_FLAGS = [
     # is an error: mps_src/sim/checkers.cpp) and report accesses the kernel does not make.
     "-fno-slp-vectorize",
     "-fno-vectorize",
+    # MSL has no variable-length arrays (clang accepts them as an extension).
+    "-Werror=vla",
     "-fPIC",
     "-fno-exceptions",
     "-fno-rtti",
@@ -352,7 +354,8 @@ def _shader_lib(
     out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path], strict: bool
 ) -> str:
     """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
-    built into one shared library each (listed in libraries.txt). Returns the errors of the others (strict: raises them)."""
+    built into one shared library each (listed in libraries.txt). Returns the errors of the
+    others (strict: raises them)."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (
@@ -395,7 +398,9 @@ def _shader_lib(
     for (original, _), obj in zip(metal_files, objs, strict=False):
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
-            errors.append(f"{original}:\n{log[-6000:]}")
+            # Every error line first (a long log is cut), then the end of the log.
+            summary = [line for line in log.splitlines() if ": error:" in line][:40]
+            errors.append(f"{original}:\n" + "\n".join(summary) + f"\n...\n{log[-6000:]}")
             continue
         ir = out / (obj[:-2] + ".ll")
         cycles = recursion(ir.read_text()) if ir.exists() else []

@@ -87,6 +87,20 @@ inline A mask01(A a) {
   }
 }
 
+// A C-style cast to a pointer in an address space, `(device T*)p`: clang would convert between
+// address spaces; MSL refuses that (the pre-pass turns the cast into `as_cast<T>() ->* p`).
+template <typename To>
+struct as_cast {};
+template <typename To, typename From>
+inline To operator->*(as_cast<To>, From x) {
+  if constexpr (__is_pointer(From)) {
+    static_assert(metal::remove_address_space<__remove_pointer(To)>::value ==
+                      metal::remove_address_space<__remove_pointer(From)>::value,
+                  "a cast between address spaces is not MSL");
+  }
+  return (To)x;
+}
+
 // A C-style cast `(floatN)x` of MSL is a value conversion, unlike clang's vector bitcast: the
 // pre-pass turns it into `::steel_shim::cast<floatN>() ->* x`, whose ->* binds like a cast.
 template <typename V>
