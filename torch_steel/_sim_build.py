@@ -8,11 +8,11 @@ and a library already loaded by another process (pytest-xdist) is never overwrit
                                   (mps_src/plan/*.cpp), plain C++, no torch
   ext-<hash>/                     the pybind module (mps_src/sim/python/module.cpp) built with
                                   torch.utils.cpp_extension; links the runtime by soname
-  lib-<hash>/libsteel_shaders.so  translated shaders (a mirror of shaders/ rewritten by
+  lib-<hash>/lib/*.so            translated shaders (a mirror of shaders/ rewritten by
                                   torch_steel._sim_translate), one TU per .metal file, compiled
                                   with -fsanitize-coverage so every load and store reaches the
                                   checkers (mps_src/sim/shader/callbacks.cpp is linked in)
-  test-<hash>/libsteel_shaders.so the same for run_kernel's test-only .metal files
+  test-<hash>/lib/*.so           the same for run_kernel's test-only .metal files
 
 Shader libraries register their kernels with the runtime when dlopen'd, so the package's shaders
 and any number of test libraries share one runtime and one pybind module. Builds take a file
@@ -64,12 +64,19 @@ SHADER_FLAGS = [
     "-std=c++23",
     "-flax-vector-conversions=none",
     "-O2",
-    # Keep the shader's own accesses: merged neighbouring loads would hide their alignment from
-    # the checkers (a misaligned vector access is an error: mps_src/sim/checkers.cpp).
+    # Keep the shader's own accesses: merged neighbouring loads (SLP) or a loop vectorized into
+    # 16-byte accesses would hide their alignment from the checkers (a misaligned vector access
+    # is an error: mps_src/sim/checkers.cpp) and report accesses the kernel does not make.
     "-fno-slp-vectorize",
+    "-fno-vectorize",
+    # MSL has no variable-length arrays (clang accepts them as an extension).
+    "-Werror=vla",
     "-fPIC",
     "-fno-exceptions",
     "-fno-rtti",
+    # Each .metal file is its own library (_shader_lib): its functions are its own.
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
     "-ffp-contract=off",
     "-Xclang",
     "-ffloat16-excess-precision=none",
@@ -77,10 +84,24 @@ SHADER_FLAGS = [
     "-fbfloat16-excess-precision=none",
     "-Wno-unknown-attributes",
     "-fsanitize-coverage=func,trace-loads,trace-stores",
+    # Frame pointers, and no sibling calls that would drop a frame: a barrier or simd operation
+    # is identified by its whole call chain (mps_src/sim/runtime.cpp, call_chain).
+    "-fno-omit-frame-pointer",
+    "-mno-omit-leaf-frame-pointer",
+    "-fno-optimize-sibling-calls",
+    # A float -> int conversion out of range or of NaN is undefined in MSL: reported (the
+    # handlers are in mps_src/sim/shader/callbacks.cpp).
+    "-fsanitize=float-cast-overflow",
+    "-fno-sanitize-recover=float-cast-overflow",
+    # Indexing an array of known size (thread-private arrays, threadgroup arrays declared in
+    # kernels, array members) out of bounds: reported (same handlers).
+    "-fsanitize=array-bounds",
+    "-fno-sanitize-recover=array-bounds",
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
 RUNTIME_SONAME = "libsteel_sim_rt.so"
+LIBRARIES = "libraries.txt"  # a shader build's shared libraries, one per .metal file
 BUILD_JOBS = "2"
 
 
@@ -135,7 +156,17 @@ STALE_SECONDS = 7 * 24 * 3600
 STALE_TEST_SECONDS = 24 * 3600
 
 
-def _locked_build(out: Path, build) -> Path:
+def _announce(what: str, usual: str, out: Path) -> None:
+    """Says that a build starts, so that a first use is not silence (stderr)."""
+    print(
+        f"torch_steel: building the Metal simulator's {what} (first use after a change; usually "
+        f"{usual}) in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _locked_build(out: Path, build, what: str = "", usual: str = "") -> Path:
     """Runs build(out) once per output directory across processes; `done` marks success."""
     out.parent.mkdir(parents=True, exist_ok=True)
     done = out / "done"
@@ -146,6 +177,8 @@ def _locked_build(out: Path, build) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not done.exists():
+                if what:
+                    _announce(what, usual, out)
                 out.mkdir(exist_ok=True)
                 build(out)
                 done.write_text("ok\n")
@@ -237,7 +270,7 @@ def runtime_dir() -> Path:
         builds.append(f"build {RUNTIME_SONAME}: link {' '.join(objs)}")
         _ninja(d, rules, builds, RUNTIME_SONAME)
 
-    return _locked_build(out, build)
+    return _locked_build(out, build, "runtime", "10 s")
 
 
 @functools.cache
@@ -255,6 +288,8 @@ def extension():
     out.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension
 
+    if not (out / "steel_sim_ext.so").exists():
+        _announce("Python module", "30 s", out)
     old = {k: os.environ.get(k) for k in ("CXX", "CC")}
     os.environ["CXX"], os.environ["CC"] = CXX, CC
     try:
@@ -319,7 +354,8 @@ def _shader_lib(
     out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path], strict: bool
 ) -> str:
     """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
-    built into libsteel_shaders.so. Returns the errors of the others (strict: raises them)."""
+    built into one shared library each (listed in libraries.txt). Returns the errors of the
+    others (strict: raises them)."""
     rt = runtime_dir()
     incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (
@@ -327,8 +363,14 @@ def _shader_lib(
         f" -include {_q(SIM_SRC / 'shader_prelude.h')}"
     )
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
+    # Optimized IR, its memory intrinsics made visible to the checkers (_sim_ir.py), then
+    # machine code from that IR without optimizing it again.
+    memops = f"{_q(sys.executable)} {_q(PACKAGE / '_sim_ir.py')}"
     rules = (
-        f"rule cc\n  command = $cxx -x c++ {flags} -c $in -o $out 2> $out.log\n"
+        f"rule ll\n  command = $cxx -x c++ {flags} -S -emit-llvm $in -o $out 2> $log\n"
+        f"rule memops\n  command = {memops} $in $out 2>> $log\n"
+        f"rule cc\n  command = $cxx -fPIC -O2 -Xclang -disable-llvm-passes -c $in -o $out"
+        " 2>> $log\n"
         # Unoptimized IR, for the recursion check (the optimizer may turn recursion into loops).
         f"rule ir\n  command = $cxx -x c++ {flags} -O0 -S -emit-llvm $in -o $out 2> $out.log\n"
         f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
@@ -336,7 +378,10 @@ def _shader_lib(
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
-        builds.append(f"build {obj}: cc {_q(mirrored)}")
+        log = f"  log = {obj}.log"
+        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}")
+        builds.append(f"build {obj[:-2]}.mem.ll: memops {obj[:-2]}.opt.ll\n{log}")
+        builds.append(f"build {obj}: cc {obj[:-2]}.mem.ll\n{log}")
         builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}")
         objs.append(obj)
     # The load/store callbacks, so that shader code calls them without the PLT; also what a
@@ -353,7 +398,9 @@ def _shader_lib(
     for (original, _), obj in zip(metal_files, objs, strict=False):
         if not (out / obj).exists():
             log = (out / (obj + ".log")).read_text() if (out / (obj + ".log")).exists() else ""
-            errors.append(f"{original}:\n{log[-6000:]}")
+            # Every error line first (a long log is cut), then the end of the log.
+            summary = [line for line in log.splitlines() if ": error:" in line][:40]
+            errors.append(f"{original}:\n" + "\n".join(summary) + f"\n...\n{log[-6000:]}")
             continue
         ir = out / (obj[:-2] + ".ll")
         cycles = recursion(ir.read_text()) if ir.exists() else []
@@ -369,20 +416,29 @@ def _shader_lib(
             f"building {SIM_SRC / 'shader' / 'callbacks.cpp'} failed:\n"
             + (out / "obj" / "callbacks.o.log").read_text()
         )
-    built = [obj for obj in [*objs, "obj/callbacks.o"] if (out / obj).exists()]
+    built = [obj for obj in objs if (out / obj).exists()]
     if errors and strict:
         raise SimulatorError("building shaders for the simulator failed:\n" + "\n".join(errors))
-    link = subprocess.run(
-        [CXX, *LINK_FLAGS, *built, "-o", "libsteel_shaders.so", f"-L{rt}", "-lsteel_sim_rt"],
-        cwd=out,
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    if link.returncode != 0:
-        raise SimulatorError(
-            f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}" + _hint(link.stderr)
+    # One shared library per .metal file, as Metal compiles each file on its own: an inline
+    # helper of the same name in two files stays two functions (hidden symbols, bound within
+    # their library). A library of the callbacks alone stands for "no kernels".
+    libs = [f"lib/{Path(obj).stem}.so" for obj in built] or ["lib/empty.so"]
+    (out / "lib").mkdir(exist_ok=True)
+    for obj, lib in zip(built or [None], libs, strict=True):
+        inputs = ([obj] if obj else []) + ["obj/callbacks.o"]
+        link = subprocess.run(
+            [CXX, *LINK_FLAGS, "-Wl,-Bsymbolic", *inputs, "-o", lib, f"-L{rt}", "-lsteel_sim_rt"],
+            cwd=out,
+            check=False,
+            capture_output=True,
+            text=True,
         )
+        if link.returncode != 0:
+            raise SimulatorError(
+                f"linking shaders for the simulator failed:\n{link.stderr[-6000:]}"
+                + _hint(link.stderr)
+            )
+    (out / LIBRARIES).write_text("\n".join(libs) + "\n")
     (out / "errors.txt").write_text("\n".join(errors))
     return "\n".join(errors)
 
@@ -462,7 +518,8 @@ def _demangle(names: list[str]) -> dict[str, str]:
 def _load(lib_dir: Path) -> ShaderLibrary:
     ext = extension()
     try:
-        handle = ext.load_library(str(lib_dir / "libsteel_shaders.so"))
+        paths = (lib_dir / LIBRARIES).read_text().split()
+        handle = ext.load_library([str(lib_dir / p) for p in paths])
     except ext.SimError as e:
         raise SimulatorError(str(e)) from None
     errors = lib_dir / "errors.txt"
@@ -470,8 +527,8 @@ def _load(lib_dir: Path) -> ShaderLibrary:
 
 
 def _lang_inputs() -> list[Path]:
-    translator = PACKAGE / "_sim_translate.py"
-    return _files(SHIM, "*") + ([translator] if translator.exists() else [])
+    helpers = [PACKAGE / "_sim_translate.py", PACKAGE / "_sim_ir.py"]
+    return _files(SHIM, "*") + [h for h in helpers if h.exists()]
 
 
 @functools.cache
@@ -492,7 +549,7 @@ def shader_library() -> ShaderLibrary:
         ]
         _shader_lib(d, metals, [mirror], strict=False)
 
-    return _load(_locked_build(out, build))
+    return _load(_locked_build(out, build, "shaders", "20-40 s"))
 
 
 _test_libraries: dict[str, ShaderLibrary] = {}
@@ -530,7 +587,8 @@ def test_library(sources: list[Path]) -> ShaderLibrary:
             metals += [(s, mirror / s.name) for s in mine]
         _shader_lib(d, metals, [d / "shaders"], strict=True)
 
-    lib = _load(_locked_build(out, build))
+    names = ", ".join(s.name for s in sources)
+    lib = _load(_locked_build(out, build, f"test kernels ({names})", "5-20 s"))
     _test_libraries[key] = lib
     return lib
 

@@ -48,6 +48,15 @@ _NOT_MSL = {
     "typeid": "MSL has no run-time type identification",
     "dynamic_cast": "MSL has no run-time type identification",
     "register": "MSL has no register storage class",
+    # MSL is C++17-based: what C++20 and C++23 added is refused (the simulator compiles shaders
+    # as C++23 for its own reasons, steel_shim/construct.h).
+    "requires": "MSL is based on C++17: no requires clauses",
+    "concept": "MSL is based on C++17: no concepts",
+    "consteval": "MSL is based on C++17: no consteval",
+    "constinit": "MSL is based on C++17: no constinit",
+    "co_await": "MSL has no coroutines",
+    "co_yield": "MSL has no coroutines",
+    "co_return": "MSL has no coroutines",
 }
 
 
@@ -304,6 +313,7 @@ class _Translator:
                     a = k - 2 if r.t(k - 1) == "::" and r.t(k - 2) == "metal" else k
                     if r.t(k - 1) != "::" or a != k:
                         r.sub(a, k + 1, f"::steel_shim::vmake<{s}>")
+                        self.comparison_arguments(r, k + 1)
             elif kind == "ident" and s == "vec" and r.t(k + 1) == "<":
                 close = r.match(k + 1)
                 if r.t(close + 1) == "(" and r.t(k - 1) not in ("operator", ".", "->"):
@@ -320,6 +330,10 @@ class _Translator:
                         target = f"metal::{target}"
                     r.sub(k, close + 1, f"::steel_shim::vmake<{target}>")
                     k = close
+            elif s == "(" and self.address_space_cast(r, k):
+                close = self.address_space_cast(r, k)
+                r.sub(k, close + 1, f"::steel_shim::as_cast<{r.flat(k + 1, close)}>() ->* ")
+                k = close
             elif s == "(" and r.t(k + 1) in VECTOR_TYPES and r.t(k + 2) == ")":
                 nxt, prev = r.t(k + 3), r.t(k - 1)
                 operand = r.kind(k + 3) in ("ident", "number") or nxt in ("(", "-", "!", "~", "+")
@@ -328,6 +342,92 @@ class _Translator:
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1
+
+    @staticmethod
+    def address_space_cast(r: _Rewriter, k: int) -> int:
+        """The `)` of a C-style cast to a pointer in an address space at k (`(device T*)x`),
+        or 0. Such casts become steel_shim::as_cast, which refuses to change the address space
+        (clang allows it; Metal does not)."""
+        j = k + 1
+        while r.t(j) in ("const", "volatile"):
+            j += 1
+        if r.t(j) not in ("device", "threadgroup", "constant", "thread"):
+            return 0
+        while j < len(r.sig) and r.t(j) not in (")", ";", "{", "(", "["):
+            j += 1
+        if r.t(j) != ")" or r.t(j - 1) != "*":
+            return 0
+        prev, nxt = r.t(k - 1), r.t(j + 1)
+        operand = r.kind(j + 1) in ("ident", "number") or nxt in ("(", "&", "*", "-", "!", "~")
+        after_name = r.kind(k - 1) == "ident" and prev not in ("return", "else", "case")
+        if not operand or after_name or prev in (")", "]"):
+            return 0
+        return j
+
+    @staticmethod
+    def comparison_arguments(r: _Rewriter, paren: int) -> None:
+        """Marks the arguments of a vector constructor at `paren` that are comparisons.
+
+        In MSL a vector comparison is a boolN, and `float4(a > b)` is 1.0 where it holds; clang
+        gives an integer mask of -1s, which would convert to -1.0. A comparison argument (one
+        with ==, !=, <=, >=, or a lone < or > and no ?:) is wrapped in steel_shim::mask01,
+        which turns a mask into 0/1 (scalars pass unchanged).
+        """
+        close = r.match(paren)
+        start = paren + 1
+        depth = 0
+
+        def adjacent(k: int) -> bool:
+            return r.sig[k + 1] == r.sig[k] + 1
+
+        def is_comparison(a: int, b: int) -> bool:
+            lone_lt = lone_gt = found = False
+            d = 0
+            k = a
+            while k < b:
+                t = r.t(k)
+                if t in ("(", "[", "{"):
+                    d += 1
+                elif t in (")", "]", "}"):
+                    d -= 1
+                elif d == 0:
+                    pair = k + 1 < b and adjacent(k)
+                    nxt = r.t(k + 1) if pair else ""
+                    if t == "?":
+                        return False
+                    if t in ("=", "!", "<", ">") and nxt == "=":
+                        found = True  # == != <= >=
+                        k += 1
+                    elif t in ("<", ">") and nxt == t:
+                        k += 1  # a shift
+                    elif t == "<":
+                        lone_lt = True
+                    elif t == ">":
+                        lone_gt = True
+                k += 1
+            # Both a lone < and a lone >: template arguments, most likely (vec<T, 4>(...)).
+            return found or lone_lt != lone_gt
+
+        lone = {
+            r.t(k)
+            for k in range(paren + 1, close)
+            if r.t(k) in ("<", ">")
+            and not (adjacent(k) and r.t(k + 1) in ("=", r.t(k)))
+            and not (adjacent(k - 1) and r.t(k - 1) == r.t(k))
+        }
+        if lone == {"<", ">"}:
+            return  # template arguments somewhere: commas do not separate arguments reliably
+        for k in range(paren + 1, close + 1):
+            t = r.t(k)
+            if t in ("(", "[", "{"):
+                depth += 1
+            elif t in (")", "]", "}") and k != close:
+                depth -= 1
+            elif (t == "," and depth == 0) or k == close:
+                if k > start and is_comparison(start, k):
+                    r.add_after(start - 1, " ::steel_shim::mask01(")
+                    r.add_after(k - 1, ")")
+                start = k + 1
 
     @staticmethod
     def is_vector_type(r: _Rewriter, k: int) -> bool:
@@ -454,6 +554,23 @@ class _Translator:
                 continue
             if s in _NOT_MSL:
                 raise r.error(k, f"'{s}' is not MSL ({_NOT_MSL[s]})")
+            if s == "this" and r.t(k - 1) in ("(", ","):
+                raise r.error(k, "MSL is based on C++17: no explicit object parameters")
+            if s == "auto" and r.t(k - 1) in ("(", ",") and self.in_function_parameters(r, k):
+                raise r.error(k, "MSL is based on C++17: no `auto` function parameters")
+            if s == "(" and r.t(k + 1) == "*" and self.is_function_pointer(r, k):
+                raise r.error(k, "MSL has no function pointers")
+            if (
+                start_of_stmt
+                and not in_directive
+                and (at_ns or (scopes and scopes[-1] == "class"))
+                and self.mutable_variable(r, k, member=not at_ns)
+            ):
+                what = "static data members" if not at_ns else "namespace-scope variables"
+                raise r.error(
+                    k,
+                    f"mutable {what} are not MSL (program-scope data is `constant`, or constexpr)",
+                )
             if s == "kernel" and r.t(k + 1) == "void" and at_ns:
                 if in_directive:
                     raise r.error(k, "a kernel defined inside a #define is not supported")
@@ -491,6 +608,78 @@ class _Translator:
             elif s in ("else", "do") and scopes and scopes[-1] == "block":
                 stmt_start = k + 1
             k += 1
+
+    _NOT_VARIABLE = frozenset(
+        {
+            "using",
+            "typedef",
+            "template",
+            "struct",
+            "class",
+            "union",
+            "enum",
+            "namespace",
+            "static_assert",
+            "extern",
+            "friend",
+            "public",
+            "private",
+            "protected",
+            "operator",
+            "inline",
+            "kernel",
+            "#",
+        }
+    )
+
+    def mutable_variable(self, r: _Rewriter, k: int, member: bool) -> bool:
+        """Whether the declaration starting at k (namespace scope, or a class member when
+        `member`) defines a variable that is neither constant nor constexpr; a member only
+        when static (non-static members are fields)."""
+        if r.t(k) in self._NOT_VARIABLE or r.kind(k) not in ("ident",) or r.t(k) == "[":
+            return False
+        words = []
+        j = k
+        while j < len(r.sig) and r.t(j) not in (";", "{", "=", "(", ":"):
+            if r.t(j) == "<":
+                j = r.match(j) + 1
+                continue
+            words.append(r.t(j))
+            j += 1
+        if j >= len(r.sig) or r.t(j) in ("(", "{", ":") or len(words) < 2:
+            return False  # a function, a definition with a body, a bit field, an expression
+        if any(w in ("const", "constexpr", "constant", "operator", "~") for w in words):
+            return False
+        if member and "static" not in words:
+            return False
+        return r.kind(j - 1) == "ident" or r.t(j - 1) == "]"
+
+    @staticmethod
+    def in_function_parameters(r: _Rewriter, k: int) -> bool:
+        """Whether k is inside the parameter list of a function declaration (not of a lambda,
+        whose `auto` parameters C++14 has, nor a call)."""
+        depth = 0
+        for j in range(k - 1, -1, -1):
+            t = r.t(j)
+            if t == ")":
+                depth += 1
+            elif t == "(":
+                if depth == 0:
+                    return r.kind(j - 1) == "ident" and r.t(j - 2) not in (".", "->", "=", "(")
+                depth -= 1
+            elif t in (";", "{", "}"):
+                return False
+        return False
+
+    @staticmethod
+    def is_function_pointer(r: _Rewriter, k: int) -> bool:
+        """`( * name ) (`: a pointer-to-function declarator, or a call through one."""
+        j = k + 2
+        if r.kind(j) != "ident":
+            return False
+        while r.kind(j) == "ident" and r.t(j + 1) == "::":
+            j += 2
+        return r.kind(j) == "ident" and r.t(j + 1) == ")" and r.t(j + 2) == "("
 
     @staticmethod
     def mutable_static(r: _Rewriter, k: int) -> bool:
@@ -611,12 +800,15 @@ class _Translator:
     # ---- [[kernel]] void f(params) { body }
     def kernel(self, r: _Rewriter, marker: int, marker_end: int) -> int:
         host = None
+        max_threads = None
         if r.t(marker) == "[":
             items = self.attribute_items(r, marker, marker_end)
             for name, arg, _ in items:
                 if name == "host_name":
                     host = arg
-                elif name not in ("kernel", "max_total_threads_per_threadgroup"):
+                elif name == "max_total_threads_per_threadgroup":
+                    max_threads = arg
+                elif name != "kernel":
                     raise r.error(marker, f"unsupported kernel attribute [[{name}]]")
         r.sub(marker, marker_end, "")
         # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
@@ -631,6 +823,8 @@ class _Translator:
                 for name, arg, _ in self.attribute_items(r, j, end):
                     if name == "host_name":
                         host = arg
+                    elif name == "max_total_threads_per_threadgroup":
+                        max_threads = arg
                 r.sub(j, end, "")
                 j = end
                 continue
@@ -651,9 +845,11 @@ class _Translator:
         if r.t(after) != "{":
             raise r.error(after, "expected the kernel's body")
         body_end = r.match(after)
+        plist = f"::steel_shim::plist<{', '.join(params)}>"
+        if max_threads is not None:  # checked at launch, as Metal's pipeline limits it
+            plist = f"::steel_shim::limited<({max_threads}), {plist}>"
         struct = (
-            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = "
-            f"::steel_shim::plist<{', '.join(params)}>; }};"
+            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = {plist}; }};"
         )
         if not is_template:
             struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"
@@ -691,6 +887,7 @@ class _Translator:
         parameters as static functions of `struct`."""
         out: list[str] = []
         conditions: list[str] = []
+        seen_slots: set[tuple[str, str]] = set()
         if a == b or (b == a + 1 and r.t(a) == "void"):
             return out, conditions
         depth = 0
@@ -703,6 +900,14 @@ class _Translator:
                 depth -= 1
             elif s == "," and depth == 0:
                 source, condition = self.kernel_param(r, start, k)
+                slot = re.match(r"::steel_shim::(buffer|threadgroup_buffer)<\((.*)\)>$", source)
+                if slot:
+                    key = (slot.group(1), slot.group(2).replace(" ", ""))
+                    if key in seen_slots:
+                        what = "buffer" if key[0] == "buffer" else "threadgroup"
+                        message = f"two kernel parameters with [[{what}({key[1]})]] (Metal refuses)"
+                        raise r.error(start, message)
+                    seen_slots.add(key)
                 if condition is not None:
                     fn = f"steel_present_{len(out)}"
                     conditions.append(f" static bool {fn}() {{ return bool({condition}); }}")

@@ -49,6 +49,11 @@ namespace {
 
 constexpr size_t kTgGuardLo = 16 * 1024;
 constexpr size_t kTgGuardHi = 32 * 1024;
+// Threadgroup allocations are laid out with a gap after each, as large as the allocation (at
+// least 64 bytes), so that an index past one allocation lands in a gap instead of the next one
+// (Metal counts only the allocations themselves against the 32 KiB).
+constexpr size_t kTgSpan = 4 * kThreadgroupLimit;
+constexpr uint32_t kTgMinGap = 64;
 constexpr size_t kMinGap = 64 * 1024;
 // What both PyTorch's CPU allocator and Metal's buffers guarantee at least.
 constexpr size_t kHostAlignment = 64;
@@ -61,6 +66,63 @@ std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0,
   return buf;
 }
 
+// The race rule on one shadowed byte (threadgroup or device memory of the running threadgroup)
+// for an access by `lane` of simdgroup `sg`, whose memory epochs are `s` (its simdgroup's) and
+// `e` (the threadgroup's). Returns kOrdered, or the lane it races with (>= 0), or kManyReaders
+// (one of several readers, not recorded which); records the access.
+constexpr int kOrdered = -1;
+constexpr int kManyReaders = -2;
+// (A read by lane l that conflicts is returned as -100 - l.)
+
+inline int order(Shadow& sh, uint32_t lane, uint32_t sg, uint32_t s, uint32_t e, bool write) {
+  // The last write conflicts unless it is ours or ordered by a barrier.
+  if (sh.w_epoch == e && sh.w_lane != lane &&
+      (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
+    return sh.w_lane;
+  }
+  if (write) {
+    if (sh.r_epoch == e) {
+      bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
+      bool same_step = sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
+      if (other_sg || same_step) return sh.r_lane == lane ? kManyReaders : -100 - int(sh.r_lane);
+    }
+    sh.w_epoch = e;
+    sh.w_sepoch = s;
+    sh.w_lane = static_cast<uint16_t>(lane);
+  } else if (sh.r_epoch != e) {
+    sh.r_epoch = e;
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+    sh.r_flags = 0;
+  } else if (sh.r_lane / kSimdWidth != sg) {
+    sh.r_flags = kReadersManySimdgroups;
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+  } else if (sh.r_sepoch != s) {
+    sh.r_sepoch = s;
+    sh.r_lane = static_cast<uint16_t>(lane);
+    sh.r_flags &= kReadersManySimdgroups;
+  } else if (sh.r_lane != lane) {
+    sh.r_flags |= kReadersManyLanes;
+  }
+  return kOrdered;
+}
+
+// Decodes order()'s result for a message: the other lane (-1: one of several readers) and
+// whether it wrote.
+inline void other_access(int r, int* other_lane, bool* other_wrote) {
+  if (r >= 0) {
+    *other_lane = r;
+    *other_wrote = true;
+  } else if (r == kManyReaders) {
+    *other_lane = -1;
+    *other_wrote = false;
+  } else {
+    *other_lane = -100 - r;
+    *other_wrote = false;
+  }
+}
+
 // ----------------------------------------------------------------------------- device memory
 
 struct Region {
@@ -68,12 +130,18 @@ struct Region {
   uintptr_t host_hi = 0;
   uintptr_t arena_lo = 0;
   bool write_back = false;
-  uint32_t* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
+  DevShadow* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
 };
 
 char* g_arena = nullptr;
 size_t g_arena_bytes = 0;
 std::vector<Region> g_regions;
+// After the regions, one poison slot per buffer index for buffers disabled by a function
+// constant (runtime.h: disabled_buffer), each followed by a gap as large. A dead read through such
+// a parameter (a params struct read before the branch that a false constant removes) is
+// usually small; 256 KiB also covers per-thread reads of a modest grid.
+constexpr size_t kPoisonBytes = 256 * 1024;
+size_t g_poison_offset = 0;
 
 size_t gap_for(size_t bytes) {
   size_t gap = std::min(std::max(bytes, kMinGap), kMaxGap);
@@ -92,7 +160,16 @@ size_t gap_for(size_t bytes) {
     }
   }
   const char* op = write ? "write" : "read";
-  char buf[256];
+  char buf[320];
+  if (best != nullptr && best->disabled) {
+    snprintf(buf, sizeof buf,
+             "out-of-bounds device %s of %zu bytes at byte offset %lld of [[buffer(%u)]], which "
+             "a function constant disables (the simulator backs it with %zu bytes of poison so "
+             "that reads whose value is unused do not fault)",
+             op, n, static_cast<long long>(a) - static_cast<long long>(best->lo), best->index,
+             kPoisonBytes);
+    lane_fail(buf, g.access_pc);
+  }
   if (best == nullptr) {
     snprintf(buf, sizeof buf, "out-of-bounds device %s of %zu bytes (no buffer is bound)", op, n);
     lane_fail(buf, g.access_pc);
@@ -125,26 +202,68 @@ std::string threadgroup_name(uint32_t tg_id) {
              i / g.grid[0] / g.grid[1]);
 }
 
-// Threadgroups of one dispatch run in no guaranteed order, and nothing but device-scope atomics
-// (not instrumented, so not checked) orders them: a byte written by one threadgroup and written
-// or read by another in the same dispatch is a race.
-void check_threadgroup_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
-  uint32_t* w = b.writers + (a - b.lo);
+[[noreturn]] void device_race(const DeviceBuffer& b, uintptr_t a, bool write, int r) {
+  int other;
+  bool wrote;
+  other_access(r, &other, &wrote);
+  char who[64] = "another thread";
+  if (other >= 0) snprintf(who, sizeof who, "thread %d (simdgroup %d)", other, other / 32);
+  uint32_t me = g.cur->index;
+  char buf[400];
+  snprintf(buf, sizeof buf,
+           "data race on device memory (byte offset %lld of [[buffer(%u)]]): thread %u "
+           "(simdgroup %u) %s it after %s of its threadgroup %s it with no "
+           "threadgroup_barrier(mem_device) between",
+           static_cast<long long>(a - b.lo), b.index, me, me / kSimdWidth,
+           write ? "writes" : "reads", who, wrote ? "wrote" : "read");
+  lane_fail(buf, g.access_pc);
+}
+
+// Races on device memory. Threadgroups of one dispatch run in no guaranteed order, and nothing
+// but device-scope atomics (not instrumented, so not checked) orders them: a byte written by one
+// threadgroup and written or read by another in the same dispatch is a race. Within a
+// threadgroup, lanes are ordered as for threadgroup memory, by barriers with mem_device.
+void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  DevShadow* w = b.writers + (a - b.lo);
+  const Lane* me = g.cur;
   for (size_t i = 0; i < n; ++i) {
-    if (w[i] != 0 && w[i] != g.tg_id) {
+    if (w[i].tg != 0 && w[i].tg != g.tg_id) {
       char buf[320];
       snprintf(buf, sizeof buf,
                "device memory race: %s byte offset %lld of [[buffer(%u)]], which threadgroup %s "
                "wrote in the same dispatch (threadgroups are not ordered)",
                write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
-               threadgroup_name(w[i]).c_str());
+               threadgroup_name(w[i].tg).c_str());
       lane_fail(buf, g.access_pc);
     }
-    if (write) w[i] = g.tg_id;
+    if (write) w[i].tg = g.tg_id;
+    if (me != nullptr) {
+      int r = order(w[i].in_tg, me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
+      if (r != kOrdered) device_race(b, a + i, write, r);
+    }
   }
 }
 
-void device_access(uintptr_t a, size_t n, bool write) {
+// An access through a parameter that a function constant disables. Metal has no buffer there:
+// a write is an error; a read is what the compiler removes when its value is unused, which
+// launch() finds out by running the dispatch again with other poison (state.h).
+void disabled_access(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
+  if (write) {
+    char buf[256];
+    snprintf(buf, sizeof buf,
+             "device write of %zu bytes at byte offset %lld of [[buffer(%u)]], which a function "
+             "constant disables (no buffer is bound to it)",
+             n, static_cast<long long>(a - b.lo), b.index);
+    lane_fail(buf, g.access_pc);
+  }
+  if (g.disabled_reads++ == 0) {
+    g.disabled_index = b.index;
+    g.disabled_where = where();
+    g.disabled_pc = g.access_pc;
+  }
+}
+
+void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   DeviceBuffer* b = g.dev_last;
   if (b == nullptr || a < b->lo || a + n > b->hi) {
     b = nullptr;
@@ -160,12 +279,18 @@ void device_access(uintptr_t a, size_t n, bool write) {
     }
     g.dev_last = b;
   }
+  if (b->disabled) {
+    disabled_access(*b, a, n, write);
+    return;
+  }
   (write ? b->counters.written : b->counters.read) += n;
-  if (g.checkers) check_alignment(*b, a, n, write);
-  if (b->writers != nullptr && g.checkers) check_threadgroup_race(*b, a, n, write);
+  if (g.checkers && !bytes) check_alignment(*b, a, n, write);
+  if (b->writers != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
 
 // ------------------------------------------------------------------------- threadgroup memory
+
+
 
 char* g_tg_arena = nullptr;
 
@@ -199,56 +324,57 @@ std::string tg_name(uint32_t offset) {
   lane_fail(buf, g.access_pc);
 }
 
+// Which allocation (1-based; 0: none, a gap) each byte of the layout belongs to.
+uint16_t* g_tg_owner = nullptr;
+uint32_t g_tg_allocations = 0;
+
+// The allocation nearest to layout offset `offset`: its name and the offset relative to it.
+std::string tg_nearest(long long offset) {
+  std::string best = "no threadgroup memory is allocated";
+  long long best_dist = -1;
+  auto consider = [&](const std::string& name, uint32_t lo, uint32_t bytes) {
+    long long dist = offset < lo ? lo - offset : (offset >= lo + bytes ? offset - lo - bytes + 1 : 0);
+    if (best_dist < 0 || dist < best_dist) {
+      best_dist = dist;
+      best = fmt("at byte offset %lld of ", offset - lo) + name + fmt(" (%llu bytes)", bytes);
+    }
+  };
+  for (const auto& kv : g.tg_args) {
+    consider(fmt("[[threadgroup(%llu)]]", kv.first), kv.second.first, kv.second.second);
+  }
+  for (const auto& kv : g.tg_arrays) {
+    consider("a threadgroup array", kv.second.first, kv.second.second);
+  }
+  return best;
+}
+
 void tg_access(uintptr_t a, size_t n, bool write) {
+  (write ? g.counters.threadgroup_written : g.counters.threadgroup_read) += n;
   if (!g.checkers) return;
   auto base = reinterpret_cast<uintptr_t>(g.tg_base);
-  if (a < base || a + n > base + g.tg_used) {
+  uint16_t owner = 0;
+  if (a >= base && a + n <= base + kTgSpan) {
+    owner = g_tg_owner[a - base];
+    if (g_tg_owner[a - base + n - 1] != owner) owner = 0;
+  }
+  if (owner == 0) {
     long long offset = static_cast<long long>(a) - static_cast<long long>(base);
-    char buf[200];
-    snprintf(buf, sizeof buf,
-             "out-of-bounds threadgroup %s of %zu bytes at byte offset %lld (%u bytes allocated)",
-             write ? "write" : "read", n, offset, g.tg_used);
+    char buf[300];
+    snprintf(buf, sizeof buf, "out-of-bounds threadgroup %s of %zu bytes %s",
+             write ? "write" : "read", n, tg_nearest(offset).c_str());
     lane_fail(buf, g.access_pc);
   }
   const Lane* me = g.cur;
   if (me == nullptr) return;
-  const uint32_t lane = me->index;
-  const uint32_t sg = me->sg;
-  const uint32_t s = g.groups[sg].epoch;
-  const uint32_t e = g.epoch;
+  const uint32_t s = g.groups[me->sg].epoch;
   auto offset = static_cast<uint32_t>(a - base);
   for (uint32_t i = offset; i < offset + n; ++i) {
-    Shadow& sh = g.shadow[i];
-    // The last write conflicts unless it is ours or ordered by a barrier or a simd rendezvous.
-    if (sh.w_epoch == e && sh.w_lane != lane &&
-        (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
-      race(i, write, sh.w_lane, true);
-    }
-    if (write) {
-      if (sh.r_epoch == e) {
-        bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
-        bool same_step =
-            sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
-        if (other_sg || same_step) race(i, true, sh.r_lane == lane ? -1 : sh.r_lane, false);
-      }
-      sh.w_epoch = e;
-      sh.w_sepoch = s;
-      sh.w_lane = static_cast<uint16_t>(lane);
-    } else if (sh.r_epoch != e) {
-      sh.r_epoch = e;
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-      sh.r_flags = 0;
-    } else if (sh.r_lane / kSimdWidth != sg) {
-      sh.r_flags = kReadersManySimdgroups;
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-    } else if (sh.r_sepoch != s) {
-      sh.r_sepoch = s;
-      sh.r_lane = static_cast<uint16_t>(lane);
-      sh.r_flags &= kReadersManySimdgroups;
-    } else if (sh.r_lane != lane) {
-      sh.r_flags |= kReadersManyLanes;
+    int r = order(g.shadow[i], me->index, me->sg, s, g.epoch, write);
+    if (r != kOrdered) {
+      int other;
+      bool wrote;
+      other_access(r, &other, &wrote);
+      race(i, write, other, wrote);
     }
   }
 }
@@ -262,14 +388,21 @@ void tg_access(uintptr_t a, size_t n, bool write) {
 }
 
 inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write,
-                                                     const void* pc) {
+                                                     const void* pc, bool bytes = false) {
   auto a = reinterpret_cast<uintptr_t>(p);
   const SteelSimArenas& arenas = steel_sim_arenas;
+  if (bytes) {
+    // A range may start just outside an arena and end inside it: blame it where it lands.
+    uintptr_t last = a + n - 1;
+    if (a - arenas.dev_lo >= arenas.dev_size && a - arenas.tg_lo >= arenas.tg_size) a = last;
+  }
   if (a - arenas.dev_lo >= arenas.dev_size && a - arenas.tg_lo >= arenas.tg_size) return;
+  a = reinterpret_cast<uintptr_t>(p);
   g.access_pc = pc;
   if (++g.run_accesses > kSpinLimit) spinning();
-  if (a - arenas.dev_lo < arenas.dev_size) {
-    device_access(a, n, write);
+  if (a - arenas.dev_lo < arenas.dev_size || (bytes && a + n - 1 - arenas.dev_lo <
+                                                           arenas.dev_size)) {
+    device_access(a, n, write, bytes);
   } else if (a - arenas.tg_lo < arenas.tg_size) {
     tg_access(a, n, write);
   }
@@ -306,6 +439,8 @@ void bind_device(const LaunchSpec& spec) {
     size_t bytes = (r.arena_lo - offset) + (r.host_hi - r.host_lo);
     offset += ((bytes + 255) & ~size_t{255}) + gap_for(bytes);
   }
+  g_poison_offset = offset;
+  offset += (kMaxBufferIndex + 1) * 2 * kPoisonBytes;
   void* p = mmap(nullptr, offset, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw SimError("kernel '" + spec.kernel + "': cannot map the device arena");
@@ -315,9 +450,9 @@ void bind_device(const LaunchSpec& spec) {
     r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
     if (spec.checkers && r.write_back && r.host_hi > r.host_lo) {
       // Untouched shadow pages cost nothing: reading them maps the zero page.
-      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(uint32_t), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (w != MAP_FAILED) r.writers = static_cast<uint32_t*>(w);
+      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(DevShadow),
+                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (w != MAP_FAILED) r.writers = static_cast<DevShadow*>(w);
     }
     if (r.host_hi > r.host_lo) {
       std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
@@ -325,7 +460,12 @@ void bind_device(const LaunchSpec& spec) {
     }
   }
   g.dev.clear();
+  g.dev.reserve(args.size() + kMaxBufferIndex + 1);  // bind_disabled keeps pointers valid
   std::fill(std::begin(g.buffer_bound), std::end(g.buffer_bound), false);
+  std::fill(std::begin(g.disabled_base), std::end(g.disabled_base), nullptr);
+  g.disabled_reads = 0;
+  g.disabled_pc = nullptr;
+  g.disabled_where.clear();
   for (size_t i = 0; i < args.size(); ++i) {
     const Region& r = g_regions[region_of[i]];
     uintptr_t lo = r.arena_lo + (reinterpret_cast<uintptr_t>(args[i]->host) - r.host_lo);
@@ -344,6 +484,35 @@ void bind_device(const LaunchSpec& spec) {
   steel_sim_arenas.dev_size = g_arena_bytes;
 }
 
+void* bind_disabled(uint32_t index) {
+  if (index > kMaxBufferIndex) {
+    lane_fail(fmt("[[buffer(%llu)]]: Metal has 31 buffer slots (0-30)", index));
+  }
+  if (g.disabled_base[index] == nullptr) {
+    char* p = g_arena + g_poison_offset + index * 2 * kPoisonBytes;
+    std::memset(p, g.poison, kPoisonBytes);
+    DeviceBuffer d;
+    d.index = index;
+    d.lo = reinterpret_cast<uintptr_t>(p);
+    d.hi = d.lo + kPoisonBytes;
+    d.disabled = true;
+    g.dev.push_back(d);
+    g.dev_last = nullptr;
+    g.disabled_base[index] = p;
+  }
+  return g.disabled_base[index];
+}
+
+std::vector<uint8_t> snapshot_outputs() {
+  std::vector<uint8_t> out;
+  for (const Region& r : g_regions) {
+    if (!r.write_back || r.host_hi <= r.host_lo) continue;
+    const auto* p = reinterpret_cast<const uint8_t*>(r.arena_lo);
+    out.insert(out.end(), p, p + (r.host_hi - r.host_lo));
+  }
+  return out;
+}
+
 void unbind_device(bool write_back) {
   steel_sim_arenas.dev_size = 0;
   steel_sim_arenas.tg_size = 0;
@@ -356,12 +525,13 @@ void unbind_device(bool write_back) {
     }
   }
   for (const DeviceBuffer& d : g.dev) {
+    if (d.disabled) continue;
     BufferCounters& c = g.counters.buffers[d.index];
     c.read += d.counters.read;
     c.written += d.counters.written;
   }
   for (Region& r : g_regions) {
-    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(uint32_t));
+    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(DevShadow));
     r.writers = nullptr;
   }
   if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);
@@ -370,14 +540,34 @@ void unbind_device(bool write_back) {
   g.dev_last = nullptr;
 }
 
+namespace {
+// Places an allocation of `bytes` in the layout (after the last one and its gap).
+uint32_t place_threadgroup(size_t bytes, size_t align) {
+  uint64_t offset = (uint64_t{g.tg_layout} + align - 1) / align * align;
+  uint64_t gap = std::max<uint64_t>((bytes + 15) & ~uint64_t{15}, kTgMinGap);
+  if (offset + bytes + gap > kTgSpan) {
+    lane_fail("too many threadgroup allocations for the simulator's layout");
+  }
+  ++g_tg_allocations;
+  std::fill(g_tg_owner + offset, g_tg_owner + offset + bytes,
+            static_cast<uint16_t>(g_tg_allocations));
+  g.tg_layout = static_cast<uint32_t>(offset + bytes + gap);
+  return static_cast<uint32_t>(offset);
+}
+}  // namespace
+
 void reset_threadgroup_memory(const LaunchSpec& spec) {
   if (g_tg_arena == nullptr) {
-    size_t total = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+    size_t total = kTgGuardLo + kTgSpan + kTgGuardHi;
     void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     g_tg_arena = static_cast<char*>(p);
-    g.shadow = new Shadow[kThreadgroupLimit];
+    g.shadow = new Shadow[kTgSpan];
+    g_tg_owner = new uint16_t[kTgSpan];
   }
+  std::fill(g_tg_owner, g_tg_owner + kTgSpan, uint16_t{0});
+  g_tg_allocations = 0;
+  g.tg_layout = 0;
   g.tg_base = g_tg_arena + kTgGuardLo;
   g.tg_args.clear();
   g.tg_arrays.clear();
@@ -397,20 +587,20 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
                      fmt("[[threadgroup(%llu)]] memory length set twice", m.index));
     }
     used = (used + 15) & ~uint64_t{15};
-    g.tg_args[m.index] = {static_cast<uint32_t>(used), m.bytes};
     used += m.bytes;
     if (used > kThreadgroupLimit) {
       throw SimError("kernel '" + spec.kernel + "': " +
                      fmt("threadgroup memory of %llu bytes exceeds the 32 KiB (32768 bytes) limit",
                          used));
     }
+    g.tg_args[m.index] = {place_threadgroup(m.bytes, 16), m.bytes};
   }
   g.tg_used = static_cast<uint32_t>(used);
   steel_sim_arenas.tg_lo = reinterpret_cast<uintptr_t>(g_tg_arena);
-  steel_sim_arenas.tg_size = kTgGuardLo + kThreadgroupLimit + kTgGuardHi;
+  steel_sim_arenas.tg_size = kTgGuardLo + kTgSpan + kTgGuardHi;
 }
 
-void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_used); }
+void start_threadgroup_memory() { std::memset(g.tg_base, 0xFF, g.tg_layout); }
 
 void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, const void* pc) {
   auto it = g.tg_arrays.find(decl);
@@ -423,15 +613,16 @@ void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, cons
     return g.tg_base + it->second.first;
   }
   align = std::max<size_t>(align, 16);
-  uint64_t offset = (uint64_t{g.tg_used} + align - 1) / align * align;
-  if (offset + bytes > kThreadgroupLimit) {
+  uint64_t used = (uint64_t{g.tg_used} + align - 1) / align * align;
+  if (used + bytes > kThreadgroupLimit) {
     lane_fail(fmt("threadgroup memory of %llu bytes (with threadgroup array #%llu of %llu bytes) "
                   "exceeds the 32 KiB (32768 bytes) limit",
-                  offset + bytes, decl, bytes),
+                  used + bytes, decl, bytes),
               pc);
   }
-  g.tg_arrays[decl] = {static_cast<uint32_t>(offset), static_cast<uint32_t>(bytes)};
-  g.tg_used = static_cast<uint32_t>(offset + bytes);
+  g.tg_used = static_cast<uint32_t>(used + bytes);
+  uint32_t offset = place_threadgroup(bytes, align);
+  g.tg_arrays[decl] = {offset, static_cast<uint32_t>(bytes)};
   std::memset(g.tg_base + offset, 0xFF, bytes);
   return g.tg_base + offset;
 }
@@ -446,6 +637,11 @@ __attribute__((visibility("default"))) SteelSimArenas steel_sim_arenas = {0, 0, 
 __attribute__((visibility("default"))) void steel_sim_access(const void* p, size_t n,
                                                              bool write, const void* pc) {
   steel_sim::detail::on_access(p, n, write, pc);
+}
+
+__attribute__((visibility("default"))) void steel_sim_access_range(const void* p, size_t n,
+                                                                   bool write, const void* pc) {
+  steel_sim::detail::on_access(p, n, write, pc, true);
 }
 
 }

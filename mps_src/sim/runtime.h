@@ -32,6 +32,12 @@ const LaneInfo& lane();
 
 // [[buffer(index)]]: the bound buffer's base (tensor storage + its offset, or inline bytes).
 void* buffer(uint32_t index);
+// A [[buffer(index), function_constant(c)]] parameter whose constant is false. Metal's compiler
+// removes the parameter and, with it, any read whose value is then unused; here the parameter
+// points into a poison region instead of nothing, so that such reads do not fault. A write there
+// is an error; reads are noted, and launch() runs the dispatch again with other poison bytes: if
+// the results differ, the value of a disabled buffer was used, which is an error too.
+void* disabled_buffer(uint32_t index);
 // [[threadgroup(index)]]: memory sized by the dispatch's threadgroup_memory entry.
 void* threadgroup_buffer(uint32_t index);
 // A `threadgroup T name[N];` declared in a kernel body. decl_id is unique per declaration in the
@@ -41,7 +47,12 @@ void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align);
 
 // Function constants of the current dispatch, by [[function_constant(index)]].
 bool function_constant_defined(uint32_t index);
-int64_t function_constant_int(uint32_t index);  // Bool, Int, UInt
+// The value of a constant declared bool, integer (int, uint, short, ...) or floating point
+// (float, half). A dispatch that sets it with a value of another kind is an error, as Metal
+// refuses a constant value of the wrong type (Int and UInt stand for each other: Python has one
+// integer type).
+bool function_constant_bool(uint32_t index);
+int64_t function_constant_int(uint32_t index);
 float function_constant_float(uint32_t index);
 
 // Barriers. Reached by only some of the non-exited lanes: a SimulatorError naming the kernel.
@@ -51,6 +62,9 @@ void simdgroup_barrier();
 // ...): only a barrier whose flags include mem_threadgroup orders threadgroup memory for the race
 // checker (mem_none is an execution barrier only). threadgroup_barrier() means all flags.
 void threadgroup_barrier_flags(uint32_t mem_flags);
+// simdgroup_barrier(mem_flags): orders the memory its flags name between the simdgroup's lanes
+// (mem_none: execution only). simd_* functions and simdgroup-matrix operations order no memory.
+void simdgroup_barrier_flags(uint32_t mem_flags);
 
 // What a rendezvous was for, for the counters and for divergence errors.
 enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5 };
@@ -66,8 +80,13 @@ const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_
 // [[host_name("...")]] instantiation and every plain [[kernel]] function).
 using KernelEntry = void (*)();
 void register_kernel(const char* host_name, KernelEntry entry);
+// The same for a kernel with [[max_total_threads_per_threadgroup(max_threads)]] (0: none): a
+// dispatch with more threads per threadgroup is refused, as Metal's pipeline refuses it.
+void register_kernel_limited(const char* host_name, KernelEntry entry, uint32_t max_threads);
 
 // Raise a SimulatorError from shader-side code (e.g. an unsupported shim feature at run time).
 [[noreturn]] void fail(const char* message);
+// The same, naming `pc` (a return address into shader code) as the place.
+[[noreturn]] void fail_at(const char* message, const void* pc);
 
 }  // namespace steel_sim

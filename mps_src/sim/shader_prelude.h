@@ -14,6 +14,7 @@ namespace steel_sim {
 __attribute__((convergent)) void threadgroup_barrier();
 __attribute__((convergent)) void simdgroup_barrier();
 __attribute__((convergent)) void threadgroup_barrier_flags(uint32_t mem_flags);
+__attribute__((convergent)) void simdgroup_barrier_flags(uint32_t mem_flags);
 __attribute__((convergent)) const void* simd_exchange(const void* mine, size_t bytes,
                                                       SimdKind kind, uint32_t* active_mask);
 

@@ -30,8 +30,9 @@ class Interrupted : public SimError {
 
 // A shared library of translated shaders; its kernels registered themselves when it was loaded.
 struct Library;
-// dlopen's `path` (once per path) and collects the kernels it registers. Throws SimError.
-const Library* load_library(const std::string& path);
+// dlopen's `paths` (once per set; each a .metal file's library, RTLD_LOCAL, so that each keeps
+// its own functions as in Metal) and collects the kernels they register. Throws SimError.
+const Library* load_library(const std::vector<std::string>& paths);
 std::vector<std::string> kernel_names(const Library* library);
 
 // One [[buffer(index)]]: `bytes` bytes at `host` (a tensor's element 0, or inline bytes).
@@ -68,7 +69,12 @@ struct Counters {
   uint64_t lanes = 0;
   uint64_t mma = 0;
   uint64_t simd_ops = 0;
+  uint64_t shuffles = 0;    // simd_shuffle*, simd_broadcast* (per simdgroup)
+  uint64_t reductions = 0;  // simd_sum/min/max/product/and/or/xor and prefix sums
+  uint64_t ballots = 0;     // simd_ballot, simd_all, simd_any
   uint64_t barriers = 0;
+  uint64_t threadgroup_read = 0;     // bytes of threadgroup memory loaded by all lanes
+  uint64_t threadgroup_written = 0;  // bytes stored
   uint64_t lane_switches = 0;
   std::map<uint32_t, BufferCounters> buffers;
 };

@@ -27,10 +27,21 @@ constexpr uint32_t kMaxLanes = 1024;
 constexpr uint32_t kMaxBufferIndex = 30;  // Metal: [[buffer(0)]] .. [[buffer(30)]]
 constexpr uint32_t kThreadgroupLimit = 32 * 1024;
 constexpr size_t kMaxExchangeBytes = 256;  // per lane and simd_exchange
+constexpr uint32_t kMemDevice = 1;       // Metal's mem_flags::mem_device
 constexpr uint32_t kMemThreadgroup = 2;  // Metal's mem_flags::mem_threadgroup
 constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
 enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
+
+// Where a lane reached a rendezvous: the return addresses of the call chain in shader code
+// (innermost first, through frame pointers), so that a non-inlined helper holding a barrier that
+// is reached from two call sites counts as two barriers. `key` hashes the whole chain.
+struct CallChain {
+  static constexpr uint32_t kMax = 12;
+  const void* pc[kMax] = {};
+  uint32_t n = 0;
+  uint64_t key = 0;
+};
 enum class SimdWait : uint8_t { None, Exchange, Barrier };
 
 struct Lane {
@@ -50,9 +61,14 @@ struct SimdGroup {
   SimdWait wait = SimdWait::None;
   SimdKind kind = SimdKind::Shuffle;
   size_t bytes = 0;
-  const void* site = nullptr;  // call site (return address) of the current rendezvous
+  CallChain site;  // where the current rendezvous was first reached
+  uint32_t flags = 0;   // mem_flags of the simdgroup_barrier being gathered
   uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
-  uint32_t epoch = 0;   // advances at every completed rendezvous (orders lanes for races)
+  // Advance at every completed simdgroup_barrier with mem_threadgroup (epoch) or mem_device
+  // (dev_epoch): what orders the memory accesses of this simdgroup's lanes for the race checker.
+  // Other simd operations do not order memory in MSL.
+  uint32_t epoch = 0;
+  uint32_t dev_epoch = 0;
   uint8_t* buf[2] = {nullptr, nullptr};
 };
 
@@ -60,10 +76,10 @@ struct DeviceBuffer {
   uint32_t index = 0;
   uintptr_t lo = 0;  // in the device arena
   uintptr_t hi = 0;
-  // Cross-threadgroup race shadow of this buffer's bytes (null for inline bytes): per byte, the
-  // threadgroup (linear index + 1) that last wrote it in this dispatch, 0 if none.
-  uint32_t* writers = nullptr;
+  // Race shadow of this buffer's bytes (null for inline bytes), see DevShadow.
+  struct DevShadow* writers = nullptr;
   BufferCounters counters;
+  bool disabled = false;  // the poison region of a buffer a function constant disables
 };
 
 // Race-checker shadow of one threadgroup-memory byte: the last write and the latest reads, each
@@ -77,6 +93,13 @@ struct Shadow {
   uint16_t w_lane = 0;
   uint16_t r_lane = 0;
   uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes
+};
+// Race-checker shadow of one device-memory byte: the threadgroup (linear index + 1) that last
+// wrote it in this dispatch (0 if none), for races between threadgroups, and the accesses of the
+// running threadgroup as for threadgroup memory, with device epochs (mem_device barriers).
+struct DevShadow {
+  uint32_t tg = 0;
+  Shadow in_tg;
 };
 constexpr uint8_t kReadersManySimdgroups = 1;
 constexpr uint8_t kReadersManyLanes = 2;
@@ -100,15 +123,27 @@ struct Sim {
   DeviceBuffer* dev_last = nullptr;
   void* buffer_base[kMaxBufferIndex + 1] = {};
   bool buffer_bound[kMaxBufferIndex + 1] = {};
+  // Buffers disabled by function constants (runtime.h: disabled_buffer): their poison regions
+  // (null until a lane first asks), the byte they are filled with in this run, and the first
+  // read of one (where and which), for the second run that tells a dead read from a used one.
+  void* disabled_base[kMaxBufferIndex + 1] = {};
+  uint8_t poison = 0xFF;
+  uint64_t disabled_reads = 0;
+  uint32_t disabled_index = 0;
+  std::string disabled_where;
+  const void* disabled_pc = nullptr;
 
   // Threadgroup memory (steel_sim_arenas.tg_*): [guard][32 KiB][guard];
-  // [tg_base, tg_base + tg_used) is allocated.
+  // tg_used bytes are allocated as Metal counts them; in the simulator's layout they lie in
+  // [tg_base, tg_base + tg_layout), each allocation followed by a gap (checkers.cpp).
   char* tg_base = nullptr;
   uint32_t tg_used = 0;
+  uint32_t tg_layout = 0;
   std::map<uint32_t, std::pair<uint32_t, uint32_t>> tg_args;  // [[threadgroup(i)]] -> offset, bytes
   std::unordered_map<uint32_t, std::pair<uint32_t, uint32_t>> tg_arrays;  // decl -> offset, bytes
   Shadow* shadow = nullptr;
   uint32_t epoch = 0;          // threadgroup epoch, never reset (so the shadow never is either)
+  uint32_t dev_epoch = 0;      // the same for device memory (mem_device barriers)
   uint32_t simd_epochs = 0;    // source of fresh simd epochs
 
   // Lanes of the running threadgroup.
@@ -119,7 +154,7 @@ struct Sim {
   size_t ready_count = 0;
   uint32_t live = 0;
   uint32_t at_barrier = 0;
-  const void* barrier_site = nullptr;  // call site of the threadgroup barrier being gathered
+  CallChain barrier_site;  // where the threadgroup barrier being gathered was first reached
   uint32_t barrier_flags = 0;          // its mem_flags
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;
@@ -152,6 +187,9 @@ std::string pc_text(const void* pc);
 
 // checkers.cpp
 void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena
+void* bind_disabled(uint32_t index);         // the poison region of a disabled buffer
+// The bytes of every region that is written back, for comparing two runs of one dispatch.
+std::vector<uint8_t> snapshot_outputs();
 void unbind_device(bool write_back);         // copies them back (on success) and unmaps
 void reset_threadgroup_memory(const LaunchSpec& spec);  // [[threadgroup(i)]] layout
 void start_threadgroup_memory();             // poisons the allocated bytes for a new threadgroup

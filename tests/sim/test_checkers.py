@@ -283,17 +283,15 @@ SHIM_PASSES_FLAGS = "threadgroup_barrier_flags" in "".join(
     "to steel_sim::threadgroup_barrier_flags yet",
 )
 def test_mem_none_barrier_does_not_order_threadgroup_memory():
-    with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
-        run(
-            "exec_mem_none_neighbour",
-            grid=(1,),
-            threads=(64,),
-            buffers={0: torch.zeros(64), 1: u32(64)},
-        )
-    out = torch.zeros(64)
-    run("exec_mem_none_neighbour", grid=(1,), threads=(64,), buffers={0: out, 1: u32(32)})
-    base = torch.arange(64) // 32 * 32
-    assert torch.equal(out, (base + (torch.arange(64) + 1 - base) % 32).float())
+    # Not across simdgroups, and not within one either: only mem_threadgroup orders memory.
+    for wrap in (64, 32):
+        with pytest.raises(SimulatorError, match=r"exec_mem_none_neighbour.*data race"):
+            run(
+                "exec_mem_none_neighbour",
+                grid=(1,),
+                threads=(64,),
+                buffers={0: torch.zeros(64), 1: u32(wrap)},
+            )
 
 
 def test_threadgroups_writing_the_same_bytes_race():
@@ -372,3 +370,188 @@ def test_misaligned_vector_load_is_an_error(offset):
     dst = torch.zeros(16)
     with pytest.raises(SimulatorError, match=r"misaligned device read of 16 bytes .*buffer\(0\)"):
         run("exec_vector_copy", grid=(1,), threads=(4,), buffers={0: src, 1: dst})
+
+
+# ---------------------------------------------------------------------------- function constants
+
+
+def test_dead_read_through_a_disabled_buffer_does_not_fault():
+    out = torch.zeros(64)
+    run("exec_fc_dead_read", grid=(2,), threads=(32,), buffers={0: out}, constants={0: False})
+    assert torch.equal(out, torch.arange(64.0))
+    params = struct.pack("<fi", 2.0, 1)
+    run(
+        "exec_fc_dead_read",
+        grid=(2,),
+        threads=(32,),
+        buffers={0: out, 1: params},
+        constants={0: True},
+    )
+    assert torch.equal(out, torch.arange(64.0) * 2 + 1)
+
+
+def test_used_read_through_a_disabled_buffer_is_reported():
+    out = torch.zeros(64)
+    match = (
+        r"exec_fc_used_read.*reads \[\[buffer\(1\)\]\], which a function constant disables.*"
+        r"changes the results"
+    )
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_fc_used_read", grid=(2,), threads=(32,), buffers={0: out}, constants={0: False})
+    assert torch.equal(out, torch.zeros(64))  # nothing written back
+
+
+def test_write_through_a_disabled_buffer_is_reported():
+    with pytest.raises(SimulatorError, match=r"write of 4 bytes .*\[\[buffer\(1\)\]\], which a"):
+        run(
+            "exec_fc_write",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32)},
+            constants={0: False},
+        )
+
+
+# ------------------------------------------------------------------------- memory intrinsics
+
+
+def test_fill_loop_past_the_end_is_reported_and_counted():
+    out = torch.ones(64)
+    c = run("exec_fill_loop", grid=(1,), threads=(32,), buffers={0: out, 1: u32(64)}, counters=True)
+    assert torch.equal(out, torch.zeros(64))
+    assert c["buffers"][0]["written"] == 256
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device write of \d+ bytes"):
+        run("exec_fill_loop", grid=(1,), threads=(32,), buffers={0: torch.ones(64), 1: u32(65)})
+
+
+def test_copy_loop_past_the_end_is_reported_and_counted():
+    src = torch.arange(64.0)
+    out = torch.zeros(64)
+    c = run(
+        "exec_copy_loop",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: src, 2: u32(64)},
+        counters=True,
+    )
+    assert torch.equal(out, src)
+    assert c["buffers"][1]["read"] == 256 and c["buffers"][0]["written"] == 256
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device (read|write) of \d+ bytes"):
+        run(
+            "exec_copy_loop",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(80), 1: src, 2: u32(80)},
+        )
+
+
+def test_struct_copy_past_the_end_is_reported():
+    src = torch.arange(32 * 16.0)
+    out = torch.zeros(32 * 16)
+    c = run("exec_struct_copy", grid=(1,), threads=(32,), buffers={0: out, 1: src}, counters=True)
+    assert torch.equal(out, src)
+    assert c["buffers"][1]["read"] == 32 * 64
+    with pytest.raises(SimulatorError, match=r"out-of-bounds device read of 64 bytes"):
+        run("exec_struct_copy", grid=(1,), threads=(32,), buffers={0: out, 1: src[: 31 * 16]})
+
+
+def test_struct_copy_into_threadgroup_memory_races():
+    src = torch.arange(32 * 16.0)
+    with pytest.raises(SimulatorError, match=r"data race on threadgroup memory"):
+        run(
+            "exec_struct_copy_race",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: torch.zeros(32 * 16), 1: src},
+        )
+
+
+# ------------------------------------------------------------------------- memory ordering
+
+
+@pytest.mark.parametrize("stride", [63, 1])
+def test_device_memory_inside_a_threadgroup_needs_a_mem_device_barrier(stride):
+    for kind in (0, 2):
+        with pytest.raises(
+            SimulatorError, match=r"data race on device memory.*\[\[buffer\(0\)\]\]"
+        ):
+            run(
+                "exec_device_neighbour",
+                grid=(1,),
+                threads=(64,),
+                buffers={0: torch.zeros(64), 1: torch.zeros(64), 2: u32(kind), 3: u32(stride)},
+            )
+    out = torch.zeros(64)
+    run(
+        "exec_device_neighbour",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: torch.zeros(64), 1: out, 2: u32(1), 3: u32(stride)},
+    )
+    assert torch.equal(out, ((torch.arange(64) + stride) % 64).float())
+
+
+def test_only_barriers_with_mem_threadgroup_order_a_simdgroup():
+    for kind in (0, 1):
+        with pytest.raises(SimulatorError, match=r"exec_simd_op_neighbour.*data race"):
+            run(
+                "exec_simd_op_neighbour",
+                grid=(1,),
+                threads=(32,),
+                buffers={0: torch.zeros(32), 1: u32(kind)},
+            )
+    out = torch.zeros(32)
+    run("exec_simd_op_neighbour", grid=(1,), threads=(32,), buffers={0: out, 1: u32(2)})
+    assert torch.equal(out, ((torch.arange(32) + 1) % 32).float())
+
+
+def test_index_past_a_threadgroup_array_into_the_next_is_reported():
+    out = torch.zeros(33)
+    run("exec_tg_overflow", grid=(1,), threads=(32,), buffers={0: out, 1: u32(31)})
+    assert out[0] == 1 and torch.equal(out[1:], torch.full((32,), 2.0))
+    match = r"out-of-bounds threadgroup read of 4 bytes at byte offset 160 of a threadgroup array"
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_tg_overflow", grid=(1,), threads=(32,), buffers={0: out, 1: u32(40)})
+
+
+def test_index_past_a_threadgroup_argument_into_the_next_is_reported():
+    out = torch.zeros(33)
+    tg = {0: 128, 1: 128}
+    run(
+        "exec_tg_arg_overflow",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: u32(31)},
+        threadgroup_memory=tg,
+    )
+    match = (
+        r"out-of-bounds threadgroup read .* offset 160 of \[\[threadgroup\(0\)\]\] \(128 bytes\)"
+    )
+    with pytest.raises(SimulatorError, match=match):
+        run(
+            "exec_tg_arg_overflow",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: out, 1: u32(40)},
+            threadgroup_memory=tg,
+        )
+
+
+def test_scalar_loop_on_a_4_byte_aligned_view_is_not_misaligned():
+    src = torch.arange(101.0)
+    out = torch.zeros(101)
+    run(
+        "exec_scalar_loop",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out[1:], 1: src[1:], 2: u32(100)},
+    )
+    assert torch.equal(out[1:], src[1:] * 2 + 1)
+
+
+def test_thread_private_array_out_of_bounds_is_reported():
+    out = torch.zeros(32)
+    run("exec_private_array", grid=(1,), threads=(32,), buffers={0: out, 1: u32(7)})
+    assert torch.equal(out, torch.arange(32.0) * 7)
+    with pytest.raises(SimulatorError, match=r"exec_private_array.*index 8 out of bounds"):
+        run("exec_private_array", grid=(1,), threads=(32,), buffers={0: out, 1: u32(8)})

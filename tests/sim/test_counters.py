@@ -131,3 +131,22 @@ def test_attention_shaped_kernel_numerics_and_counters():
     assert c["buffers"][0]["read"] == q.numel() * 4
     assert c["buffers"][1]["read"] == (queries // 8) * k.numel() * 4
     assert c["buffers"][3] == {"read": 0, "written": o.numel() * 4}
+
+
+def test_threadgroup_bytes_and_simd_kinds():
+    c = sim.run_kernel(
+        "exec_tg_and_simd_traffic",
+        sources=SRC,
+        grid=(3,),
+        threads=(128,),
+        buffers={0: torch.zeros(128)},
+        counters=True,
+        checkers=False,  # the three threadgroups write the same output: not what is measured
+    )
+    assert c["threadgroup_written"] == 3 * 128 * 4
+    assert c["threadgroup_read"] == 3 * 128 * 4
+    simdgroups = 3 * 4
+    assert c["shuffles"] == simdgroups
+    assert c["reductions"] == 2 * simdgroups
+    assert c["ballots"] == simdgroups
+    assert c["simd_ops"] == 4 * simdgroups

@@ -247,3 +247,49 @@ def test_endless_loop_is_reported_not_a_hang(monkeypatch):
             threads=(32,),
             buffers={0: out, 1: (7).to_bytes(4, "little")},
         )
+
+
+@pytest.mark.parametrize("what", [0, 1], ids=["barrier", "simd_sum"])
+def test_helper_reached_from_two_divergent_call_sites_is_reported(what):
+    import struct
+
+    out = torch.zeros(64)
+    run(
+        "exec_helper_divergent",
+        grid=(1,),
+        threads=(64,),
+        buffers={0: out, 1: struct.pack("<II", what, 64)},
+    )
+    with pytest.raises(SimulatorError, match=r"exec_helper_divergent.*divergent control flow"):
+        split = 16 if what == 1 else 32
+        run(
+            "exec_helper_divergent",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: struct.pack("<II", what, split)},
+        )
+
+
+def test_max_total_threads_per_threadgroup_is_enforced():
+    out = torch.zeros(128)
+    run("exec_max_threads", grid=(2,), threads=(64,), buffers={0: out})
+    assert torch.equal(out, torch.arange(128.0))
+    with pytest.raises(
+        SimulatorError, match=r"128 threads per threadgroup exceed its \[\[max_total"
+    ):
+        run("exec_max_threads", grid=(1,), threads=(128,), buffers={0: out})
+
+
+def test_function_constant_of_the_wrong_type_is_refused():
+    out = torch.zeros(32)
+    run(
+        "exec_fc_types",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out},
+        constants={10: True, 11: 3, 12: 0.5},
+    )
+    assert torch.equal(out, torch.full((32,), 2.5))
+    for wrong in ({10: 1, 11: 3, 12: 0.5}, {10: True, 11: 3.0, 12: 0.5}, {10: True, 11: 3, 12: 2}):
+        with pytest.raises(SimulatorError, match=r"function constant 1[012] is declared .* sets a"):
+            run("exec_fc_types", grid=(1,), threads=(32,), buffers={0: out}, constants=wrong)

@@ -176,3 +176,16 @@ def test_regular_install_builds_outside_a_checkout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert float(proc.stdout) < 1e-5  # float32, K = 17: a few ulps of the largest sum
     assert (tmp_path / "cache" / "torch_steel" / "sim").is_dir()
+
+
+def test_each_metal_file_keeps_its_own_helpers():
+    from torch_steel import sim
+
+    kernels = Path(__file__).parent / "kernels"
+    sources = [kernels / "lang_file_a.metal", kernels / "lang_file_b.metal"]
+    a = torch.zeros(4)
+    b = torch.zeros(4)
+    sim.run_kernel("lang_file_a", sources=sources, grid=(1,), threads=(4,), buffers={0: a})
+    sim.run_kernel("lang_file_b", sources=sources, grid=(1,), threads=(4,), buffers={0: b})
+    assert a.tolist() == [i + 1.0 + 200.0 for i in range(4)]
+    assert b.tolist() == [i * 10.0 + 1000.0 for i in range(4)]

@@ -231,3 +231,31 @@ def test_mma_with_exited_lanes_is_an_error():
         )
     run("lang_mma_after_exit", grid=(1,), threads=(32,), buffers={0: out, 1: struct.pack("I", 32)})
     assert torch.equal(out, torch.full((64,), 9.0))  # 1 + 8 * (1 * 1)
+
+
+def test_uninitialized_matrix_reads_nan():
+    a = torch.eye(8).flatten()
+    out = torch.zeros(128)
+    run("lang_uninitialized_acc", grid=(2,), threads=(32,), buffers={0: a, 1: out})
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("what", [0, 1], ids=["load", "store"])
+def test_load_and_store_with_exited_lanes_are_refused(what):
+    from torch_steel.errors import SimulatorError
+
+    out = torch.zeros(128)
+    run(
+        "lang_load_store_after_exit",
+        grid=(1,),
+        threads=(32,),
+        buffers={0: out, 1: struct.pack("<II", what, 32)},
+    )
+    name = "simdgroup_load" if what == 0 else "simdgroup_store"
+    with pytest.raises(SimulatorError, match=name + " with inactive lanes"):
+        run(
+            "lang_load_store_after_exit",
+            grid=(1,),
+            threads=(32,),
+            buffers={0: out, 1: struct.pack("<II", what, 16)},
+        )

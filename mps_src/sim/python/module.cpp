@@ -118,6 +118,11 @@ py::dict counters_dict(const steel_sim::Counters& c) {
   d["lanes"] = c.lanes;
   d["mma"] = c.mma;
   d["simd_ops"] = c.simd_ops;
+  d["shuffles"] = c.shuffles;
+  d["reductions"] = c.reductions;
+  d["ballots"] = c.ballots;
+  d["threadgroup_read"] = c.threadgroup_read;
+  d["threadgroup_written"] = c.threadgroup_written;
   d["barriers"] = c.barriers;
   d["lane_switches"] = c.lane_switches;
   py::dict buffers;
@@ -204,8 +209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LibraryHandle>(m, "Library")
       .def("kernels", [](const LibraryHandle& h) { return steel_sim::kernel_names(h.library); });
   py::class_<PlanHandle>(m, "Plan").def("describe", &describe);
-  m.def("load_library", [](const std::string& path) {
-    return LibraryHandle{steel_sim::load_library(path)};
+  m.def("load_library", [](const std::vector<std::string>& paths) {
+    return LibraryHandle{steel_sim::load_library(paths)};
   });
   m.def("make_plan", &make_plan);
   m.def("launch", &launch);

@@ -161,3 +161,156 @@ kernel void exec_vector_copy(const device float4* src [[buffer(0)]],
                              uint tid [[thread_position_in_grid]]) {
   dst[tid] = src[tid];
 }
+
+// Function constants. Metal specializes a pipeline for its constant values: a parameter whose
+// constant is false does not exist, and a read through it whose value is then unused is removed
+// with it. The read comes before a barrier, so that it cannot be sunk into the branch here either.
+constant bool fc_has_params [[function_constant(0)]];
+
+struct FcParams {
+  float scale;
+  int offset;
+};
+
+kernel void exec_fc_dead_read(device float* out [[buffer(0)]],
+                              constant FcParams& params [[buffer(1), function_constant(fc_has_params)]],
+                              uint i [[thread_position_in_grid]]) {
+  const float scale = params.scale;
+  const int offset = params.offset;
+  threadgroup_barrier(mem_flags::mem_none);
+  float v = float(i);
+  if (fc_has_params) v = v * scale + float(offset);
+  out[i] = v;
+}
+
+// The broken twin: the disabled buffer's value reaches the result.
+kernel void exec_fc_used_read(device float* out [[buffer(0)]],
+                              constant FcParams& params [[buffer(1), function_constant(fc_has_params)]],
+                              uint i [[thread_position_in_grid]]) {
+  const float scale = params.scale;
+  threadgroup_barrier(mem_flags::mem_none);
+  out[i] = fc_has_params ? float(i) * scale : float(i) + scale * 0.0f + 1.0f;
+}
+
+// Writing through a disabled buffer is an error whatever happens next.
+kernel void exec_fc_write(device float* out [[buffer(0)]],
+                          device float* extra [[buffer(1), function_constant(fc_has_params)]],
+                          uint i [[thread_position_in_grid]]) {
+  extra[i] = 1.0f;
+  out[i] = float(i);
+}
+
+// Memory intrinsics: clang turns the fill and copy loops into llvm.memset / llvm.memcpy at -O2
+// and copies a struct with llvm.memcpy; their bytes are checked and counted like any access.
+kernel void exec_fill_loop(device float* out [[buffer(0)]],
+                           constant uint& n [[buffer(1)]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = 0.0f;
+}
+
+kernel void exec_copy_loop(device float* out [[buffer(0)]],
+                           const device float* in [[buffer(1)]],
+                           constant uint& n [[buffer(2)]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = in[i];
+}
+
+struct Wide {
+  float4 a, b, c, d;
+};
+
+kernel void exec_struct_copy(device Wide* out [[buffer(0)]],
+                             const device Wide* in [[buffer(1)]],
+                             uint gid [[thread_position_in_grid]]) {
+  out[gid] = in[gid];
+}
+
+// A struct copied into threadgroup memory by every lane to the same slot: a race.
+kernel void exec_struct_copy_race(device Wide* out [[buffer(0)]],
+                                  const device Wide* in [[buffer(1)]],
+                                  uint gid [[thread_position_in_grid]]) {
+  threadgroup Wide slot[1];
+  slot[0] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = slot[0];
+}
+
+// Device memory inside a threadgroup: each thread writes its element, then reads another
+// thread's (`stride` ahead), across a barrier chosen by `kind`: 0 none, 1 mem_device,
+// 2 mem_threadgroup (which does not order device memory).
+kernel void exec_device_neighbour(device float* data [[buffer(0)]],
+                                  device float* out [[buffer(1)]],
+                                  constant uint& kind [[buffer(2)]],
+                                  constant uint& stride [[buffer(3)]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint n [[threads_per_threadgroup]]) {
+  data[tid] = float(tid);
+  if (kind == 1) threadgroup_barrier(mem_flags::mem_device);
+  if (kind == 2) threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = data[(tid + stride) % n];
+}
+
+// Threadgroup memory between the lanes of one simdgroup across a simd operation chosen by
+// `kind`: 0 simd_sum, 1 simdgroup_barrier(mem_none), 2 simdgroup_barrier(mem_threadgroup).
+// Only the last orders memory (MSL); lockstep execution is not a memory order.
+kernel void exec_simd_op_neighbour(device float* out [[buffer(0)]],
+                                   constant uint& kind [[buffer(1)]],
+                                   uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float values[32];
+  values[tid] = float(tid);
+  float s = 0.0f;
+  if (kind == 0) s = simd_sum(1.0f);
+  if (kind == 1) simdgroup_barrier(mem_flags::mem_none);
+  if (kind == 2) simdgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = values[(tid + 1) % 32] + s;
+}
+
+// An index past one threadgroup allocation that would land in the next one: A[40] on
+// `threadgroup float A[32]` is B[8] when B follows A; the same for [[threadgroup(n)]] arguments.
+kernel void exec_tg_overflow(device float* out [[buffer(0)]],
+                             constant uint& index [[buffer(1)]],
+                             uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float A[32];
+  threadgroup float B[32];
+  A[tid] = 1.0f;
+  B[tid] = 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Through a pointer, which the array-bounds check does not see (A[index] itself is reported
+  // as an index out of the array's bounds).
+  threadgroup float* p = A;
+  if (tid == 0) out[0] = p[index];
+  out[tid + 1] = B[tid];
+}
+
+kernel void exec_tg_arg_overflow(device float* out [[buffer(0)]],
+                                 constant uint& index [[buffer(1)]],
+                                 threadgroup float* a [[threadgroup(0)]],
+                                 threadgroup float* b [[threadgroup(1)]],
+                                 uint tid [[thread_index_in_threadgroup]]) {
+  a[tid] = 1.0f;
+  b[tid] = 2.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) out[0] = a[index];
+  out[tid + 1] = b[tid];
+}
+
+// A scalar loop over a view that is 4-byte aligned only: correct MSL, whatever the compiler
+// would like to vectorize it into.
+kernel void exec_scalar_loop(device float* out [[buffer(0)]],
+                             const device float* in [[buffer(1)]],
+                             constant uint& n [[buffer(2)]],
+                             uint gid [[thread_position_in_grid]]) {
+  if (gid != 0) return;
+  for (uint i = 0; i < n; ++i) out[i] = in[i] * 2.0f + 1.0f;
+}
+
+// A thread-private array indexed out of its bounds when `index` >= 8.
+kernel void exec_private_array(device float* out [[buffer(0)]],
+                               constant uint& index [[buffer(1)]],
+                               uint gid [[thread_position_in_grid]]) {
+  float a[8];
+  for (uint i = 0; i < 8; ++i) a[i] = float(i * gid);
+  out[gid] = a[index];
+}

@@ -36,3 +36,18 @@ kernel void exec_mma_rounds(device const float* a [[buffer(0)]],
   for (uint r = 0; r < rounds; ++r) simdgroup_multiply_accumulate(C, A, A, C);
   simdgroup_store(C, c + (tg * sgs + sg) * 64, 8);
 }
+
+// Threadgroup memory traffic and simd operations of each kind: every lane stores one float to
+// threadgroup memory and loads one, then each simdgroup does one shuffle, two reductions and
+// one ballot.
+kernel void exec_tg_and_simd_traffic(device float* out [[buffer(0)]],
+                                     uint tid [[thread_index_in_threadgroup]],
+                                     uint n [[threads_per_threadgroup]]) {
+  threadgroup float slots[256];
+  slots[tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float v = slots[(tid + 1) % n];
+  v = simd_shuffle_xor(v, ushort(1));
+  v = simd_sum(v) + simd_max(v);
+  out[tid] = v + (ulong(simd_ballot(v > 0.0f)) != 0 ? 1.0f : 0.0f);
+}

@@ -164,3 +164,39 @@ kernel void exec_endless_loop(device uint* out [[buffer(0)]],
   while (i != n) i = i + 2;
   out[gid] = i;
 }
+
+// A helper that the compiler does not inline, holding a barrier (or a simd reduction), reached
+// from two call sites: when the lanes split between them, they are at two different barriers.
+__attribute__((noinline)) void exec_helper_barrier() {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+__attribute__((noinline)) float exec_helper_sum(float x) { return simd_sum(x); }
+
+kernel void exec_helper_divergent(device float* out [[buffer(0)]],
+                                  constant uint2& p [[buffer(1)]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+  // p.x: 0 barrier, 1 simd_sum; p.y: threads below it take the first call site.
+  if (tid < p.y) {
+    out[tid] = 1.0f;
+    if (p.x == 0) exec_helper_barrier(); else out[tid] += exec_helper_sum(1.0f);
+  } else {
+    if (p.x == 0) exec_helper_barrier(); else out[tid] += exec_helper_sum(2.0f);
+    out[tid] += 2.0f;
+  }
+}
+
+// At most 64 threads per threadgroup: a larger dispatch is refused, as by Metal's pipeline.
+[[kernel, max_total_threads_per_threadgroup(64)]] void exec_max_threads(
+    device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = float(gid);
+}
+
+// Function constants of each kind, to be set with values of the declared type only.
+constant bool fc_flag [[function_constant(10)]];
+constant int fc_count [[function_constant(11)]];
+constant float fc_gain [[function_constant(12)]];
+
+kernel void exec_fc_types(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = (fc_flag ? 1.0f : 0.0f) + float(fc_count) * fc_gain;
+}

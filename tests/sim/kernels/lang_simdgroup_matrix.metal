@@ -151,3 +151,25 @@ template [[host_name("lang_mma_inplace_f16")]] [[kernel]] decltype(lang_mma_inpl
   device float* d = dst + (what == 4 && other ? 1 : 0);
   simdgroup_store(m, d, 8);
 }
+
+// An accumulator the kernel forgets to clear: uninitialized on the GPU, NaN here.
+[[kernel]] void lang_uninitialized_acc(const device float* a [[buffer(0)]],
+                                       device float* out [[buffer(1)]],
+                                       uint tg [[threadgroup_position_in_grid]]) {
+  simdgroup_float8x8 ma;
+  simdgroup_float8x8 acc;
+  simdgroup_load(ma, a);
+  simdgroup_multiply_accumulate(acc, ma, ma, acc);
+  simdgroup_store(acc, out + 64 * tg);
+}
+
+// Lanes past `active` exit before a simdgroup_load (what = 0) or simdgroup_store (what = 1).
+[[kernel]] void lang_load_store_after_exit(device float* out [[buffer(0)]],
+                                           constant uint2& p [[buffer(1)]],
+                                           ushort lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  if (p.x == 1) simdgroup_load(m, out + 64);
+  if (lane >= p.y) return;
+  if (p.x == 0) simdgroup_load(m, out + 64);
+  simdgroup_store(m, out, 8);
+}

@@ -20,8 +20,33 @@ inline void put_components(V& out, int& i, A a) {
   }
 }
 
+// A float -> integer conversion of NaN or of a value out of the integer's range is undefined in
+// MSL (Apple GPUs saturate, x86 does not): an error, as clang's -fsanitize=float-cast-overflow
+// makes it for scalars (which does not look at vector conversions).
+template <typename To, typename From>
+inline void check_float_to_int(From x) {
+  if constexpr (metal::is_floating_point_v<From> && __is_integral(To) && !__is_same(To, bool)) {
+    constexpr int bits = int(sizeof(To)) * 8;
+    constexpr bool is_signed = To(-1) < To(0);
+    const float lo = is_signed ? -__builtin_ldexpf(1.0f, bits - 1) : 0.0f;
+    const float hi = __builtin_ldexpf(1.0f, is_signed ? bits - 1 : bits);
+    const float v = __builtin_truncf(float(x));
+    if (!(v >= lo && v < hi)) {
+      steel_sim::fail(
+          "vector conversion of a floating-point value that the integer type cannot represent "
+          "(NaN or out of range): undefined in MSL (Apple GPUs saturate, x86 does not); clamp "
+          "before converting");
+    }
+  }
+}
+
 template <typename V, typename A>
 inline V convert_vector(A a) {
+  using To = typename vinfo<V>::element;
+  using From = typename vinfo<A>::element;
+  if constexpr (metal::is_floating_point_v<From> && __is_integral(To) && !__is_same(To, bool)) {
+    for (int k = 0; k < vinfo<A>::size; ++k) check_float_to_int<To>(From(a[k]));
+  }
   return __builtin_convertvector(a, V);
 }
 
@@ -47,6 +72,33 @@ inline V vmake(A... a) {
     (put_components<E>(out, i, a), ...);
     return out;
   }
+}
+
+// A comparison as a vector constructor's argument (`float4(a > b)`, marked by the pre-pass): in
+// MSL it is a boolN, converting to 1 where it holds; clang's comparisons give integer masks of
+// -1s, turned into 1s here. Anything else (a scalar bool) passes unchanged.
+template <typename A>
+inline A mask01(A a) {
+  using E = typename vinfo<A>::element;
+  if constexpr (vinfo<A>::is_vector && __is_integral(E) && !__is_same(E, bool) && E(-1) < E(0)) {
+    return A(0) - a;
+  } else {
+    return a;
+  }
+}
+
+// A C-style cast to a pointer in an address space, `(device T*)p`: clang would convert between
+// address spaces; MSL refuses that (the pre-pass turns the cast into `as_cast<T>() ->* p`).
+template <typename To>
+struct as_cast {};
+template <typename To, typename From>
+inline To operator->*(as_cast<To>, From x) {
+  if constexpr (__is_pointer(From)) {
+    static_assert(metal::remove_address_space<__remove_pointer(To)>::value ==
+                      metal::remove_address_space<__remove_pointer(From)>::value,
+                  "a cast between address spaces is not MSL");
+  }
+  return (To)x;
 }
 
 // A C-style cast `(floatN)x` of MSL is a value conversion, unlike clang's vector bitcast: the
@@ -102,6 +154,8 @@ struct function_constant {
   T get() const {
     if constexpr (is_float_v<T>) {
       return T(steel_sim::function_constant_float(I));
+    } else if constexpr (__is_same(T, bool)) {
+      return steel_sim::function_constant_bool(I);
     } else {
       return T(steel_sim::function_constant_int(I));
     }

@@ -67,6 +67,16 @@ struct buffer {
       return (Arg)p;
     }
   }
+  // Disabled by a function constant: the runtime's poison region (runtime.h).
+  template <typename Arg>
+  static Arg disabled() {
+    void* p = steel_sim::disabled_buffer(I);
+    if constexpr (__is_reference(Arg)) {
+      return *(__remove_reference_t(Arg)*)p;
+    } else {
+      return (Arg)p;
+    }
+  }
 };
 
 // [[threadgroup(I)]]: a pointer into the dispatch's threadgroup memory entry I.
@@ -77,6 +87,10 @@ struct threadgroup_buffer {
     static_assert(__is_pointer(Arg) && pointee_space<Arg> == 3,
                   "a [[threadgroup(n)]] parameter is a threadgroup pointer");
     return (Arg)steel_sim::threadgroup_buffer(I);
+  }
+  template <typename Arg>
+  static Arg disabled() {
+    return nullptr;
   }
 };
 
@@ -102,20 +116,27 @@ struct attr {
 };
 
 // A parameter with [[buffer(n), function_constant(c)]]: it exists only when c is true, and
-// nothing needs to be bound otherwise (a null pointer then).
+// nothing needs to be bound otherwise. A disabled buffer points into poison (runtime.h:
+// disabled_buffer), so that a read Metal's compiler would remove as dead does not fault here.
 template <typename Source, bool (*kPresent)()>
 struct present_if {
   template <typename Arg>
   static Arg get() {
-    if constexpr (__is_pointer(Arg)) {
-      if (!kPresent()) return nullptr;
-    }
+    if (!kPresent()) return Source::template disabled<Arg>();
     return Source::template get<Arg>();
   }
 };
 
 template <typename... P>
-struct plist {};
+struct plist {
+  static constexpr uint32_t max_threads = 0;  // no [[max_total_threads_per_threadgroup]]
+};
+
+// A kernel with [[max_total_threads_per_threadgroup(N)]].
+template <uint32_t N, typename List>
+struct limited : List {
+  static constexpr uint32_t max_threads = N;
+};
 
 template <typename... P, typename... Args>
 inline void invoke(plist<P...>, void (*kernel)(Args...)) {
@@ -130,7 +151,7 @@ void entry() {
 
 template <typename Params, auto kKernel>
 inline bool register_instance(const char* host_name) {
-  steel_sim::register_kernel(host_name, &entry<Params, kKernel>);
+  steel_sim::register_kernel_limited(host_name, &entry<Params, kKernel>, Params::max_threads);
   return true;
 }
 

@@ -168,10 +168,31 @@ STEEL_SHIM_UNARY(round, __builtin_roundf(v))
 STEEL_SHIM_UNARY(rint, __builtin_rintf(v))
 STEEL_SHIM_UNARY(trunc, __builtin_truncf(v))
 STEEL_SHIM_UNARY(fabs, __builtin_fabsf(v))
-STEEL_SHIM_UNARY(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))
 STEEL_SHIM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))
 STEEL_SHIM_UNARY(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == v ? v : 0.0f)))
 #undef STEEL_SHIM_UNARY
+
+// fract(x) = fmin(x - floor(x), the largest value below 1) in x's type: the clamp comes after
+// rounding to half or bfloat, or fract(half(-1e-4)) would round 0.9999 up to 1.0.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fract(T x) {
+  using E = steel_shim::elem_t<T>;
+  const E below_one = __is_same(E, float) ? E(0x1.fffffep-1f)
+                      : __is_same(E, half) ? E(0x1.ffcp-1f)
+                                           : E(0x1.fep-1f);
+  auto one = [&](E e) -> E {
+    const float v = float(e);
+    const E r = E(v - __builtin_floorf(v));
+    return r < below_one ? r : below_one;  // NaN: below_one, as fmin gives
+  };
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = one(E(x[k]));
+    return r;
+  } else {
+    return one(x);
+  }
+}
 
 #define STEEL_SHIM_BINARY(name, expr)                                                           \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
@@ -392,8 +413,17 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
 // the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum;
 // metal:: is precise:: in a build without fast math, as this project's are), so a NaN operand is
 // an error here instead of a plausible result.
+//
+// The functions are using-declarations, not `using namespace precise`: a using-directive is
+// searched only when fast:: itself declares no function of the name, so a shader's own
+// fast::exp2 overload (for its own bfloat type, say) would hide precise::exp2 and capture every
+// fast::exp2(float) call.
 namespace fast {
-using namespace precise;
+using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil,
+    metal::copysign, metal::cos, metal::cosh, metal::divide, metal::erf, metal::exp,
+    metal::exp10, metal::exp2, metal::fabs, metal::floor, metal::fma, metal::fmod, metal::fract,
+    metal::log, metal::log10, metal::log2, metal::pow, metal::powr, metal::rint, metal::round,
+    metal::rsqrt, metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
 
 namespace steel_fast {
 template <typename T>

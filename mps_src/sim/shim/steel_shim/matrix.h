@@ -41,7 +41,9 @@ struct simdgroup_matrix {
 
   vec<T, 2> steel_elements;
 
-  simdgroup_matrix() = default;
+  // Uninitialized, as on the GPU, where it holds whatever the registers held: NaN here, so that a
+  // kernel that forgets to clear an accumulator fails in every threadgroup, not only later ones.
+  simdgroup_matrix() : steel_elements(T(__builtin_nanf(""))) {}
   // The diagonal matrix with `d` on its diagonal.
   explicit simdgroup_matrix(T d) {
     const uint32_t l = steel_shim::simd_lane();
@@ -104,6 +106,13 @@ STEEL_CONVERGENT inline void matrix_args_uniform(P p, ulong elements_per_row, O 
   const MatrixArgs mine{ulong(__builtin_bit_cast(__UINTPTR_TYPE__, p)), elements_per_row,
                         ulong(origin[0]), ulong(origin[1]), ulong(transpose)};
   const auto e = exchange(mine, kind);
+  // The simdgroup moves all 64 elements, two from each lane: with lanes that have exited, the
+  // GPU's result is undefined (as for simdgroup_multiply_accumulate).
+  if (e.mask != 0xffffffffu) {
+    steel_sim::fail(kind == steel_sim::SimdKind::MatrixLoad
+                        ? "simdgroup_load with inactive lanes in the simdgroup"
+                        : "simdgroup_store with inactive lanes in the simdgroup");
+  }
   // Each lane against the first active one: all agree when every lane passes.
   const MatrixArgs first = lane_value<MatrixArgs>(e, uint32_t(__builtin_ctz(e.mask)));
   if (__builtin_memcmp(&first, &mine, sizeof(MatrixArgs)) != 0) steel_sim::fail(name);

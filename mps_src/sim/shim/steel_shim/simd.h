@@ -9,10 +9,6 @@
 
 #include "math.h"
 
-namespace steel_sim {
-__attribute__((weak, convergent)) void threadgroup_barrier_flags(uint32_t mem_flags);
-}  // namespace steel_sim
-
 namespace metal {
 
 enum class mem_flags : uint {
@@ -25,17 +21,14 @@ enum class mem_flags : uint {
 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
 
-// A barrier without mem_flags::mem_threadgroup orders execution but not threadgroup memory; the
-// runtime models that when it provides threadgroup_barrier_flags (weak: the shim also works with
-// a runtime that does not, every barrier then ordering memory).
+// A barrier orders the memory its flags name (mem_threadgroup, mem_device) and nothing else:
+// with mem_none it synchronizes execution only (the runtime's race checkers follow this).
 STEEL_CONVERGENT inline void threadgroup_barrier(mem_flags flags) {
-  if (&steel_sim::threadgroup_barrier_flags != nullptr) {
-    steel_sim::threadgroup_barrier_flags(uint(flags));
-  } else {
-    steel_sim::threadgroup_barrier();
-  }
+  steel_sim::threadgroup_barrier_flags(uint(flags));
 }
-STEEL_CONVERGENT inline void simdgroup_barrier(mem_flags) { steel_sim::simdgroup_barrier(); }
+STEEL_CONVERGENT inline void simdgroup_barrier(mem_flags flags) {
+  steel_sim::simdgroup_barrier_flags(uint(flags));
+}
 
 }  // namespace metal
 

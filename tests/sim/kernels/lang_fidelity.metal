@@ -1,0 +1,46 @@
+// Test-only kernels for tests/sim/test_fidelity.py: values that must come out as on an Apple GPU
+// and conversions MSL leaves undefined, which must be reported.
+#include <metal_stdlib>
+using namespace metal;
+
+// A vector comparison converts to 1 where it holds (MSL boolN), not to clang's -1 mask.
+kernel void lang_bool_vector_to_number(const device float4* x [[buffer(0)]],
+                                       device float4* out [[buffer(1)]],
+                                       device int4* iout [[buffer(2)]]) {
+  out[0] = float4(x[0] > 0.0f);
+  out[1] = float4(x[0] == 1.0f);
+  iout[0] = int4(x[0] >= 0.5f);
+  out[2] = float4(half4(x[0]) < half4(0.5h));
+  out[3] = float4(int4(-1));  // a genuine int4 keeps its value
+}
+
+// fract in half: the clamp to the largest half below 1 comes after rounding.
+kernel void lang_fract_half(const device half* x [[buffer(0)]], device half* out [[buffer(1)]],
+                            uint i [[thread_position_in_grid]]) {
+  out[i] = fract(x[i]);
+}
+
+// float -> int conversions: `which` 0 scalar int, 1 scalar uint, 2 int4, 3 half -> short.
+kernel void lang_float_to_int(const device float* x [[buffer(0)]], device int* out [[buffer(1)]],
+                              constant uint& which [[buffer(2)]],
+                              uint i [[thread_position_in_grid]]) {
+  const float v = x[i];
+  if (which == 0) out[i] = int(v);
+  if (which == 1) out[i] = int(uint(v));
+  if (which == 2) out[i] = int4(float4(v))[1];
+  if (which == 3) out[i] = short(half(v));
+}
+
+// A shader's own fast:: overload (here for half) must not capture fast::exp2(float).
+namespace metal {
+namespace fast {
+inline half exp2(half x) { return half(metal::exp2(float(x))); }
+}  // namespace fast
+}  // namespace metal
+
+kernel void lang_fast_overload(const device float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                               device half* hout [[buffer(2)]],
+                               uint i [[thread_position_in_grid]]) {
+  out[i] = fast::exp2(x[i]);
+  hout[i] = fast::exp2(half(x[i]));
+}
