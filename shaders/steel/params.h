@@ -209,3 +209,47 @@ static_assert(offsetof(AttnParams, q_bs) == 64, "AttnParams.q_bs moved");
 static_assert(offsetof(AttnParams, q_hs) == 192, "AttnParams.q_hs moved");
 static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #endif
+
+// ---- Attention backward ----------------------------------------------------------------------
+
+// Function-constant indices of the backward kernels beyond the forward's (which they share:
+// alignment, mask, diagonals, softcap, batch).
+#define STEEL_ATTN_FC_GRAD_LSE 320  // bool: the lse output has a gradient (delta -= grad_lse)
+#define STEEL_ATTN_FC_ALIGN_Q 321   // bool: L % the dK/dV kernel's query tile == 0
+
+// Buffer indices of the backward kernels (q, k, v, mask, sinks as in the forward).
+#define STEEL_ATTN_BUF_GRAD_OUT 8
+#define STEEL_ATTN_BUF_FWD_OUT 9   // the forward's out (delta pre-pass)
+#define STEEL_ATTN_BUF_FWD_LSE 10  // the forward's lse
+#define STEEL_ATTN_BUF_GRAD_LSE 11
+#define STEEL_ATTN_BUF_DELTA 12    // fp32 scratch: rowsum(dO * O) - grad_lse, [batch, Hq, L]
+#define STEEL_ATTN_BUF_DQ 13
+#define STEEL_ATTN_BUF_DK 14
+#define STEEL_ATTN_BUF_DV 15
+#define STEEL_ATTN_BUF_DSINKS 16
+#define STEEL_ATTN_BUF_BWD_PARAMS 17
+
+// Rows of the delta pre-pass per threadgroup (one simdgroup a row).
+#define STEEL_ATTN_DELTA_ROWS 4
+
+// The backward's run-time values: the forward's, plus where grad_out and the forward's output
+// lie. dq, dk, dv are contiguous in q's, k's and v's shapes; lse, grad_lse and delta are
+// contiguous [batch, Hq, L].
+struct AttnBackwardParams {
+  AttnParams fwd;
+  float scale;        // the softmax scale, applied to dq and dk when they are stored
+  int32_t batch;      // flattened batch entries
+  steel_i64 g_bs[STEEL_ATTN_MAX_BATCH_DIMS];  // grad_out: batch, head, row strides
+  steel_i64 g_hs;
+  steel_i64 g_rs;
+  steel_i64 y_bs[STEEL_ATTN_MAX_BATCH_DIMS];  // the forward's out: batch, head, row strides
+  steel_i64 y_hs;
+  steel_i64 y_rs;
+};
+
+static_assert(sizeof(AttnBackwardParams) == 392, "AttnBackwardParams layout changed");
+#ifndef __METAL_VERSION__
+static_assert(offsetof(AttnBackwardParams, scale) == 288, "AttnBackwardParams.scale moved");
+static_assert(offsetof(AttnBackwardParams, g_bs) == 296, "AttnBackwardParams.g_bs moved");
+static_assert(offsetof(AttnBackwardParams, y_bs) == 344, "AttnBackwardParams.y_bs moved");
+#endif

@@ -63,6 +63,57 @@ struct AttnForward {
   using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
 };
 
+// The element offset of batch entry `zb` in a tensor with these merged batch strides (64-bit:
+// B * H * L * E passes 2^31 in real models).
+inline steel_i64 attn_batch_offset(constant AttnParams& p, constant steel_i64* strides, int zb) {
+  steel_i64 off = 0;
+  if (attn_has_batch) {
+    int z = zb;
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      off += (z % p.batch_shape[d]) * strides[d];
+      z /= p.batch_shape[d];
+    }
+  }
+  return off;
+}
+
+// Loads the lane's elements of a row of fragments straight from device memory (the row that
+// frag_row(lane) names, `row_ptr` pointing at its element 0), times `mult`; zero past the
+// tensor's rows (!row_ok) and past `cols`, so padded head-dim columns add nothing.
+template <typename T, short N>
+inline void attn_load_row_frags(thread FragTile<1, N>& f, const device T* row_ptr, bool row_ok,
+                                int cols, bool whole_cols, float mult, ushort lane) {
+  const short fc = frag_col(lane);
+  for (short d = 0; d < N; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      const bool in = row_ok && (whole_cols || col < cols);
+      f.frag[d].thread_elements()[e] = in ? float(row_ptr[col]) * mult : 0.0f;
+    }
+  }
+}
+
+// The key tiles [t_begin, t_end) of size bk that query rows row0 .. last_row may see (causal and
+// window bounds, score.h's rule); tiles wholly hidden from every row are never visited.
+inline void attn_key_tiles(constant AttnParams& p, int row0, int last_row, int bk,
+                           thread int& t_begin, thread int& t_end) {
+  int key_begin = 0;
+  int key_end = p.S;
+  if (attn_has_hi) key_end = min(key_end, last_row + p.shift + p.hi_off + 1);
+  if (attn_has_lo) key_begin = max(0, row0 + p.shift - p.lo_off);
+  t_begin = key_begin / bk;
+  t_end = key_end > key_begin ? (key_end + bk - 1) / bk : t_begin;
+}
+
+// Does the key tile [key0, key0 + bk) cross a visibility boundary of some row in
+// row0 .. last_row (or the end of S)? Uniform per threadgroup: only such tiles test elements.
+inline bool attn_edge_tile(constant AttnParams& p, int row0, int last_row, int key0, int bk) {
+  return (!attn_align_s && key0 + bk > p.S) ||
+         (attn_has_hi && key0 + bk - 1 > row0 + p.shift + p.hi_off) ||
+         (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+}
+
 template <typename T, short DE, short DV>
 inline void attention_forward_block(const device T* q, const device T* k, const device T* v,
                                     const device uchar* mask, const device uchar* sinks,
@@ -74,41 +125,19 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   const int h = int(tg.y);
   const int zb = int(tg.z);
 
-  // Batch, head and row offsets in 64 bits: B * H * L * E passes 2^31 in real models.
-  steel_i64 q_off = 0, k_off = 0, v_off = 0, m_off = 0;
-  if (attn_has_batch) {
-    int z = zb;
-    for (int d = p.batch_ndim - 1; d >= 0; --d) {
-      const int idx = z % p.batch_shape[d];
-      z /= p.batch_shape[d];
-      q_off += idx * p.q_bs[d];
-      k_off += idx * p.k_bs[d];
-      v_off += idx * p.v_bs[d];
-      m_off += idx * p.m_bs[d];
-    }
-  }
   const int hk = h / p.group;
-  q += q_off + h * p.q_hs;
-  k += k_off + hk * p.k_hs;
-  v += v_off + hk * p.v_hs;
+  q += attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs;
+  k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
+  v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
 
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int row = row0 + simdgroup * 8 + fr;  // this lane's query row
   const bool row_ok = attn_align_l || row < p.L;
 
-  // Q in registers, prescaled (score.h), zero past L and past E so that padded head-dim columns
-  // add nothing to the scores.
+  // Q in registers, prescaled (score.h).
   FragTile<1, A::TD> qf;
-  const device T* q_row = q + row * p.q_rs;
-  for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const int col = d * 8 + fc + e;
-      const bool in = row_ok && (attn_align_e || col < p.E);
-      qf.frag[d].thread_elements()[e] = in ? float(q_row[col]) * p.q_scale : 0.0f;
-    }
-  }
+  attn_load_row_frags<T, A::TD>(qf, q + row * p.q_rs, row_ok, p.E, attn_align_e, p.q_scale, lane);
 
   OnlineSoftmax sm;
   if (attn_sinks != kSteelAttnOperandNone) {
@@ -120,28 +149,20 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   FragTile<1, A::TV> o;
   o.clear();
 
-  // The key tiles any row of the block may see (causal / window bounds, score.h's rule).
   const int last_row = min(row0 + int(A::BQ), p.L) - 1;
-  int key_begin = 0;
-  int key_end = p.S;
-  if (attn_has_hi) key_end = min(key_end, last_row + p.shift + p.hi_off + 1);
-  if (attn_has_lo) key_begin = max(0, row0 + p.shift - p.lo_off);
-  const int t_begin = key_begin / A::BK;
-  const int t_end = key_end > key_begin ? (key_end + A::BK - 1) / A::BK : t_begin;
+  int t_begin, t_end;
+  attn_key_tiles(p, row0, last_row, A::BK, t_begin, t_end);
 
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = m_off + h * p.m_hs + row * p.m_rs;
+  const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), p.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
-    // Does the tile cross a boundary of some row's visible range? (uniform per threadgroup)
-    const bool edge = !whole ||
-                      (attn_has_hi && key0 + A::BK - 1 > row0 + p.shift + p.hi_off) ||
-                      (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+    const bool edge = attn_edge_tile(p, row0, last_row, key0, A::BK);
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderK::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,

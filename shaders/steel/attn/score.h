@@ -45,10 +45,31 @@ inline bool attn_visible(constant AttnParams& p, int row, int key) {
   return keep;
 }
 
-// Transforms one lane's elements of a 8 x (8 * TK) score tile in place. `row` is the lane's
-// query row, `key0` the tile's first key, `row_ok` says the row is inside L, `mask_row` is the
-// mask's element offset of (row, key 0), `edge` says the tile crosses a visibility boundary
-// (decided once per threadgroup).
+// One score through the transforms, at query row `row` and key `key`. `t` receives
+// tanh(x) when softcap is on (the backward's derivative needs it). `row_ok`: the row is inside
+// L; `mask_at`: the mask's element offset of (row, key); `edge`: the tile crosses a visibility
+// boundary (decided once per threadgroup), so the element test runs.
+template <typename T>
+inline float attn_score(float x, constant AttnParams& p, int row, int key, bool row_ok,
+                        const device uchar* mask, steel_i64 mask_at, bool edge, thread float& t) {
+  if (attn_softcap) {
+    t = precise::tanh(x);
+    x = t * p.softcap;
+  }
+  if (attn_mask != kSteelAttnMaskNone && row_ok && key < p.S) {
+    if (attn_mask == kSteelAttnMaskBool) {
+      if (mask[mask_at] == 0) x = -INFINITY;
+    } else {
+      x += attn_read<T>(mask, attn_mask == kSteelAttnMaskAddF32, mask_at);
+    }
+  }
+  if (edge && !(row_ok && attn_visible(p, row, key))) x = -INFINITY;
+  return x;
+}
+
+// Transforms one lane's elements of a 8 x (8 * TK) score tile in place (the forward's
+// orientation: the lane's query row is fixed, keys run along the tile). `key0` is the tile's
+// first key, `mask_row` the mask's element offset of (row, key 0).
 template <typename T, short TK>
 inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams& p, int row,
                                   int key0, bool row_ok, const device uchar* mask,
@@ -59,18 +80,10 @@ inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams
 #pragma clang loop unroll(full)
     for (short e = 0; e < 2; ++e) {
       const int key = key0 + j * 8 + fc + e;
-      float x = s.frag[j].thread_elements()[e];
-      if (attn_softcap) x = precise::tanh(x) * p.softcap;
-      if (attn_mask != kSteelAttnMaskNone && row_ok && key < p.S) {
-        const steel_i64 at = mask_row + key * p.m_cs;
-        if (attn_mask == kSteelAttnMaskBool) {
-          if (mask[at] == 0) x = -INFINITY;
-        } else {
-          x += attn_read<T>(mask, attn_mask == kSteelAttnMaskAddF32, at);
-        }
-      }
-      if (edge && !attn_visible(p, row, key)) x = -INFINITY;
-      s.frag[j].thread_elements()[e] = x;
+      float t = 0.0f;
+      s.frag[j].thread_elements()[e] =
+          attn_score<T>(s.frag[j].thread_elements()[e], p, row, key, row_ok, mask,
+                        mask_row + key * p.m_cs, edge, t);
     }
   }
 }
