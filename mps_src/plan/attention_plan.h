@@ -13,4 +13,10 @@ namespace steel {
 // and memory layout, lse float32 [*batch, Hq, L].
 Plan plan_attention(const TensorList& tensors, const Options& options);
 
+// The backward (shaders/steel/attn/attention_backward.metal), registered as "sdpa_backward":
+// tensors [grad_out, q, k, v, out, lse, attn_mask, sinks, grad_lse] (mask, sinks, grad_lse
+// optional), the forward's options. Outputs dq, dk, dv in q's, k's, v's shapes and dtype, and
+// dsinks in the sinks' dtype when sinks are given; an fp32 delta scratch of O(L).
+Plan plan_attention_backward(const TensorList& tensors, const Options& options);
+
 }  // namespace steel

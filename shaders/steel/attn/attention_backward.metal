@@ -1,0 +1,107 @@
+// Steel attention backward kernels (see backward.h): the delta pre-pass, dK/dV, dQ and dsinks.
+//
+// Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
+// steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dsinks_<dtype>. The head-dim
+// pairs are the forward's (attention.metal) where both tiles fit without sharing a buffer:
+// float16 and bfloat16 up to 256, float32 up to 128; mps_src/plan/attention_plan.cpp refuses
+// the others.
+#include <metal_stdlib>
+
+#include "../params.h"
+#include "backward.h"
+
+using namespace metal;
+using namespace steel;
+
+template <typename T>
+[[kernel]] void steel_attention_bwd_delta(
+    const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
+    const device T* out [[buffer(STEEL_ATTN_BUF_FWD_OUT)]],
+    const device float* grad_lse [[buffer(STEEL_ATTN_BUF_GRAD_LSE)]],
+    device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  attention_bwd_delta<T>(grad_out, out, grad_lse, delta, params, tg, simdgroup, lane);
+}
+
+template <typename T, short DE, short DV>
+[[kernel]] void steel_attention_bwd_dkdv(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]], const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device T* v [[buffer(STEEL_ATTN_BUF_V)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
+    const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    device T* dk [[buffer(STEEL_ATTN_BUF_DK)]], device T* dv [[buffer(STEEL_ATTN_BUF_DV)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
+  attention_bwd_dkdv_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dk, dv, params, smem,
+                                      tg, simdgroup, lane);
+}
+
+template <typename T, short DE, short DV>
+[[kernel]] void steel_attention_bwd_dq(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]], const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device T* v [[buffer(STEEL_ATTN_BUF_V)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
+    const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    device T* dq [[buffer(STEEL_ATTN_BUF_DQ)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
+  attention_bwd_dq_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dq, params, smem, tg,
+                                    simdgroup, lane);
+}
+
+template <typename T>
+[[kernel]] void steel_attention_bwd_dsinks(
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
+    const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    const device uchar* sinks [[buffer(STEEL_ATTN_BUF_SINKS)]],
+    device uchar* dsinks [[buffer(STEEL_ATTN_BUF_DSINKS)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]], ushort lane [[thread_index_in_simdgroup]]) {
+  attention_bwd_dsinks<T>(lse, delta, sinks, dsinks, params, tg, lane);
+}
+
+// ---- Instantiations (the planner's head-dim table picks among these) -------------------------
+
+#define STEEL_ATTN_BWD_PAIR(tname, T, de, dv)                                              \
+  template [[host_name("steel_attention_bwd_dkdv_" #tname "_e" #de "_v" #dv)]] [[kernel]] \
+  decltype(steel_attention_bwd_dkdv<T, de, dv>) steel_attention_bwd_dkdv<T, de, dv>;     \
+  template [[host_name("steel_attention_bwd_dq_" #tname "_e" #de "_v" #dv)]] [[kernel]]   \
+  decltype(steel_attention_bwd_dq<T, de, dv>) steel_attention_bwd_dq<T, de, dv>;
+
+#define STEEL_ATTN_BWD_DTYPE(tname, T)                                                        \
+  template [[host_name("steel_attention_bwd_delta_" #tname)]] [[kernel]]                      \
+  decltype(steel_attention_bwd_delta<T>) steel_attention_bwd_delta<T>;                        \
+  template [[host_name("steel_attention_bwd_dsinks_" #tname)]] [[kernel]]                     \
+  decltype(steel_attention_bwd_dsinks<T>) steel_attention_bwd_dsinks<T>;                      \
+  STEEL_ATTN_BWD_PAIR(tname, T, 32, 32)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 40, 40)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 64, 64)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 72, 72)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 80, 80)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 96, 96)                                                       \
+  STEEL_ATTN_BWD_PAIR(tname, T, 128, 128)
+
+#define STEEL_ATTN_BWD_WIDE(tname, T)   \
+  STEEL_ATTN_BWD_PAIR(tname, T, 160, 160) \
+  STEEL_ATTN_BWD_PAIR(tname, T, 192, 128) \
+  STEEL_ATTN_BWD_PAIR(tname, T, 192, 192) \
+  STEEL_ATTN_BWD_PAIR(tname, T, 256, 256)
+
+STEEL_ATTN_BWD_DTYPE(f16, half)
+STEEL_ATTN_BWD_WIDE(f16, half)
+STEEL_ATTN_BWD_DTYPE(bf16, bfloat)
+STEEL_ATTN_BWD_WIDE(bf16, bfloat)
+STEEL_ATTN_BWD_DTYPE(f32, float)

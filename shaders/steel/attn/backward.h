@@ -1,0 +1,395 @@
+// The attention backward (flash attention 2 style): probabilities are recomputed from q, k and
+// the forward's log-sum-exp, never stored; no atomics, so every result is deterministic.
+//
+//   1. delta pre-pass: delta[row] = rowsum(dO * O) - grad_lse[row] in fp32, one simdgroup a row.
+//      (dS = P * (dP - delta) is the softmax Jacobian applied to dP; a gradient on lse adds
+//      P * grad_lse, which is the same as subtracting it from delta.)
+//   2. dK/dV: a threadgroup owns BKV = 32 keys of one (batch, KV head), four simdgroups of 8
+//      keys each holding their K, V and the dK, dV accumulators in registers, and streams the
+//      query tiles (BK rows of Q and dO through threadgroup memory) of every query head of the
+//      KV head's group: the group's sum happens in registers (GQA without expanded copies).
+//      Per tile: S^T = K Q^T, P^T = exp(S^T - lse), dV += P^T dO, dP^T = V dO^T,
+//      dS^T = P^T (dP^T - delta), dK += dS^T Q.
+//   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
+//      and streams the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+//   4. dsinks (with sinks): per head, -sum over rows of exp(sink - lse) * delta, one simdgroup.
+// Causal and window bounds skip the same tiles as the forward, in both directions. Softcap
+// multiplies dS by its derivative 1 - tanh^2; dQ and dK get the softmax scale when stored.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../fragment.h"
+#include "../params.h"
+#include "forward.h"
+#include "loader.h"
+#include "score.h"
+
+using namespace metal;
+
+constant bool attn_grad_lse [[function_constant(STEEL_ATTN_FC_GRAD_LSE)]];
+constant bool attn_align_q [[function_constant(STEEL_ATTN_FC_ALIGN_Q)]];
+// A log-sum-exp in nats, in the score unit (score.h).
+constant float attn_units_per_nat = 1.0f / attn_unit_nats;
+
+namespace steel {
+
+// Tiles of the backward kernels for head dims DE, DV. The dK/dV kernel's query tile has the
+// forward's key-tile size (Q and dO rows take the place of K and V rows: the same bytes), and
+// the dQ kernel streams key tiles exactly as the forward does.
+template <typename T, short DE, short DV>
+struct AttnBackward {
+  using F = AttnForward<T, DE, DV>;
+  static constant constexpr short BQ = F::BQ;   // dQ: query rows per threadgroup
+  static constant constexpr short BKV = 32;     // dK/dV: keys per threadgroup
+  static constant constexpr short BK = F::BK;   // key tile (dQ) and query tile (dK/dV)
+  static constant constexpr short kLdE = F::kLdK;
+  static constant constexpr short kLdV = F::kLdV;
+  static constant constexpr int kEElems = F::kKElems;
+  static constant constexpr int kTileElems = F::kKElems + F::kVElems;
+  static constant constexpr short TD = F::TD;
+  static constant constexpr short TV = F::TV;
+  static constant constexpr short TK = F::TK;
+  static_assert(BKV == 8 * STEEL_ATTN_SIMDGROUPS, "one 8-key fragment row per simdgroup");
+  static_assert(!F::kShared, "the backward keeps both tiles resident (the planner refuses)");
+  using LoaderE = typename F::LoaderK;
+  using LoaderV = typename F::LoaderV;
+};
+
+// The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
+inline float attn_probability(float s, float lse) {
+  return lse == -INFINITY ? 0.0f : exp2((s - lse * attn_units_per_nat) * attn_exp_unit);
+}
+
+template <typename T>
+inline void attention_bwd_delta(const device T* grad_out, const device T* out,
+                                const device float* grad_lse, device float* delta,
+                                constant AttnBackwardParams& bp, uint3 tg, ushort simdgroup,
+                                ushort lane) {
+  constant AttnParams& p = bp.fwd;
+  const int row = int(tg.x) * STEEL_ATTN_DELTA_ROWS + simdgroup;
+  if (row >= p.L) return;  // the whole simdgroup
+  const int h = int(tg.y);
+  const int zb = int(tg.z);
+  grad_out += attn_batch_offset(p, bp.g_bs, zb) + h * bp.g_hs + row * bp.g_rs;
+  out += attn_batch_offset(p, bp.y_bs, zb) + h * bp.y_hs + row * bp.y_rs;
+  float acc = 0.0f;
+  for (int c = lane; c < p.Ev; c += 32) acc += float(grad_out[c]) * float(out[c]);
+  acc = simd_sum(acc);
+  if (lane == 0) {
+    const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+    delta[at] = attn_grad_lse ? acc - grad_lse[at] : acc;
+  }
+}
+
+template <typename T, short DE, short DV>
+inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const device T* v,
+                                     const device uchar* mask, const device T* grad_out,
+                                     const device float* lse, const device float* delta,
+                                     device T* dk, device T* dv,
+                                     constant AttnBackwardParams& bp, threadgroup T* smem,
+                                     uint3 tg, ushort simdgroup, ushort lane) {
+  using A = AttnBackward<T, DE, DV>;
+  constant AttnParams& p = bp.fwd;
+  const int key0 = int(tg.x) * A::BKV;
+  const int hk = int(tg.y);
+  const int zb = int(tg.z);
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  const int key = key0 + simdgroup * 8 + fr;  // this lane's key
+  const bool key_ok = key < p.S;
+  const int last_key = min(key0 + int(A::BKV), p.S) - 1;
+
+  // K and V of the simdgroup's 8 keys in registers, zero past S and the head dims.
+  FragTile<1, A::TD> kf;
+  FragTile<1, A::TV> vf;
+  attn_load_row_frags<T, A::TD>(
+      kf, k + attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
+      attn_align_e, 1.0f, lane);
+  attn_load_row_frags<T, A::TV>(
+      vf, v + attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
+      attn_align_ev, 1.0f, lane);
+  FragTile<1, A::TD> dkf;
+  FragTile<1, A::TV> dvf;
+  dkf.clear();
+  dvf.clear();
+
+  // The query rows that see some key of the block (the forward's bounds, read the other way).
+  int row_begin = 0;
+  int row_end = p.L;
+  if (attn_has_hi) row_begin = max(0, key0 - p.shift - p.hi_off);
+  if (attn_has_lo) row_end = min(p.L, last_key - p.shift + p.lo_off + 1);
+  const int t_begin = row_begin / A::BK;
+  const int t_end = row_end > row_begin ? (row_end + A::BK - 1) / A::BK : t_begin;
+  const bool keys_whole = key0 + A::BKV <= p.S;
+
+  threadgroup T* Qs = smem;
+  threadgroup T* Gs = smem + A::kEElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+  const steel_i64 q_base = attn_batch_offset(p, p.q_bs, zb);
+  const steel_i64 g_base = attn_batch_offset(p, bp.g_bs, zb);
+  const steel_i64 m_base = attn_batch_offset(p, p.m_bs, zb);
+  bool first = true;
+  for (int g = 0; g < p.group; ++g) {
+    const int h = hk * p.group + g;
+    const device T* q_h = q + q_base + h * p.q_hs;
+    const device T* g_h = grad_out + g_base + h * bp.g_hs;
+    const device float* lse_h = lse + (steel_i64(zb) * p.Hq + h) * p.L;
+    const device float* delta_h = delta + (steel_i64(zb) * p.Hq + h) * p.L;
+    const steel_i64 mask_key = m_base + h * p.m_hs + key * p.m_cs;
+    for (int t = t_begin; t < t_end; ++t) {
+      const int row0 = t * A::BK;
+      const short valid = short(min(int(A::BK), p.L - row0));
+      const bool whole = attn_align_q || valid == A::BK;
+      const int last_row = row0 + valid - 1;
+      const bool edge = !whole || !keys_whole ||
+                        (attn_has_hi && last_key > row0 + p.shift + p.hi_off) ||
+                        (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+
+      if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
+      first = false;
+      A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E), whole && attn_align_e,
+                       false, thread_index);
+      A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
+                       whole && attn_align_ev, false, thread_index);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      // S^T = K Q^T (8 keys x BK rows), then P^T from the saved lse.
+      FragTile<1, A::TK> pt;
+      pt.clear();
+      for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < A::TK; ++j) {
+          simdgroup_matrix<float, 8, 8> qt;
+          frag_load(qt, Qs + (j * 8 + fc) * A::kLdE + d * 8 + fr, A::kLdE);
+          simdgroup_multiply_accumulate(pt.frag[j], kf.frag[d], qt, pt.frag[j]);
+        }
+      }
+      FragTile<1, A::TK> slope;  // d score / d (scaled q.k): 1 - tanh^2 under softcap
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+        for (short e = 0; e < 2; ++e) {
+          const int row = row0 + j * 8 + fc + e;
+          const bool row_ok = row < p.L;
+          float th = 0.0f;
+          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, row, key,
+                                        row_ok, mask, mask_key + row * p.m_rs, edge, th);
+          pt.frag[j].thread_elements()[e] = attn_probability(s, row_ok ? lse_h[row] : -INFINITY);
+          slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
+        }
+      }
+
+      // dV += P^T dO.
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+        for (short n = 0; n < A::TV; ++n) {
+          simdgroup_matrix<float, 8, 8> gf;
+          frag_load(gf, Gs + (j * 8 + fr) * A::kLdV + n * 8 + fc, short(1));
+          simdgroup_multiply_accumulate(dvf.frag[n], pt.frag[j], gf, dvf.frag[n]);
+        }
+      }
+      // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) times the softcap slope.
+      FragTile<1, A::TK> ds;
+      ds.clear();
+      for (short n = 0; n < A::TV; ++n) {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < A::TK; ++j) {
+          simdgroup_matrix<float, 8, 8> gt;
+          frag_load(gt, Gs + (j * 8 + fc) * A::kLdV + n * 8 + fr, A::kLdV);
+          simdgroup_multiply_accumulate(ds.frag[j], vf.frag[n], gt, ds.frag[j]);
+        }
+      }
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+        for (short e = 0; e < 2; ++e) {
+          const int row = row0 + j * 8 + fc + e;
+          const float d_row = row < p.L ? delta_h[row] : 0.0f;
+          const float pv = pt.frag[j].thread_elements()[e];
+          ds.frag[j].thread_elements()[e] =
+              pv * (ds.frag[j].thread_elements()[e] - d_row) * slope.frag[j].thread_elements()[e];
+        }
+      }
+      // dK += dS^T Q.
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+        for (short d = 0; d < A::TD; ++d) {
+          simdgroup_matrix<float, 8, 8> qf;
+          frag_load(qf, Qs + (j * 8 + fr) * A::kLdE + d * 8 + fc, short(1));
+          simdgroup_multiply_accumulate(dkf.frag[d], ds.frag[j], qf, dkf.frag[d]);
+        }
+      }
+    }
+  }
+
+  if (!key_ok) return;  // no barrier follows
+  const int Hkv = p.Hq / p.group;
+  device T* dk_row = dk + ((steel_i64(zb) * Hkv + hk) * p.S + key) * p.E;
+  device T* dv_row = dv + ((steel_i64(zb) * Hkv + hk) * p.S + key) * p.Ev;
+  for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      if (attn_align_e || col < p.E) dk_row[col] = T(dkf.frag[d].thread_elements()[e] * bp.scale);
+    }
+  }
+  for (short n = 0; n < A::TV; ++n) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = n * 8 + fc + e;
+      if (attn_align_ev || col < p.Ev) dv_row[col] = T(dvf.frag[n].thread_elements()[e]);
+    }
+  }
+}
+
+template <typename T, short DE, short DV>
+inline void attention_bwd_dq_block(const device T* q, const device T* k, const device T* v,
+                                   const device uchar* mask, const device T* grad_out,
+                                   const device float* lse, const device float* delta,
+                                   device T* dq, constant AttnBackwardParams& bp,
+                                   threadgroup T* smem, uint3 tg, ushort simdgroup,
+                                   ushort lane) {
+  using A = AttnBackward<T, DE, DV>;
+  constant AttnParams& p = bp.fwd;
+  const int row0 = int(tg.x) * A::BQ;
+  const int h = int(tg.y);
+  const int zb = int(tg.z);
+  const int hk = h / p.group;
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  const int row = row0 + simdgroup * 8 + fr;
+  const bool row_ok = attn_align_l || row < p.L;
+  k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
+  v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+
+  // Q (scaled as in the forward, score.h) and dO of the lane's row in registers.
+  FragTile<1, A::TD> qf;
+  FragTile<1, A::TV> gf;
+  attn_load_row_frags<T, A::TD>(qf, q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs +
+                                        row * p.q_rs,
+                                row_ok, p.E, attn_align_e, p.q_scale, lane);
+  attn_load_row_frags<T, A::TV>(gf, grad_out + attn_batch_offset(p, bp.g_bs, zb) +
+                                        h * bp.g_hs + row * bp.g_rs,
+                                row_ok, p.Ev, attn_align_ev, 1.0f, lane);
+  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  const float lse_row = row_ok ? lse[at] : -INFINITY;
+  const float delta_row = row_ok ? delta[at] : 0.0f;
+  FragTile<1, A::TD> dqf;
+  dqf.clear();
+
+  const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+  int t_begin, t_end;
+  attn_key_tiles(p, row0, last_row, A::BK, t_begin, t_end);
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + A::kEElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+  const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+
+  for (int t = t_begin; t < t_end; ++t) {
+    const int key0 = t * A::BK;
+    const short valid = short(min(int(A::BK), p.S - key0));
+    const bool whole = attn_align_s || valid == A::BK;
+    const bool edge = attn_edge_tile(p, row0, last_row, key0, A::BK);
+    if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
+    A::LoaderE::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
+                     attn_vec_k, thread_index);
+    A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev), whole && attn_align_ev,
+                     attn_vec_v, thread_index);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // S = Q K^T and P, as the forward computes them.
+    FragTile<1, A::TK> ps;
+    ps.clear();
+    for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+        simdgroup_matrix<float, 8, 8> kt;
+        frag_load(kt, Ks + (j * 8 + fc) * A::kLdE + d * 8 + fr, A::kLdE);
+        simdgroup_multiply_accumulate(ps.frag[j], qf.frag[d], kt, ps.frag[j]);
+      }
+    }
+    FragTile<1, A::TK> slope;
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        const int key = key0 + j * 8 + fc + e;
+        float th = 0.0f;
+        const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, row, key, row_ok, mask,
+                                      mask_row + key * p.m_cs, edge, th);
+        ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row);
+        slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
+      }
+    }
+    // dP = dO V^T, dS = P (dP - delta) times the softcap slope.
+    FragTile<1, A::TK> ds;
+    ds.clear();
+    for (short n = 0; n < A::TV; ++n) {
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+        simdgroup_matrix<float, 8, 8> vt;
+        frag_load(vt, Vs + (j * 8 + fc) * A::kLdV + n * 8 + fr, A::kLdV);
+        simdgroup_multiply_accumulate(ds.frag[j], gf.frag[n], vt, ds.frag[j]);
+      }
+    }
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        const float pv = ps.frag[j].thread_elements()[e];
+        ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row) *
+                                          slope.frag[j].thread_elements()[e];
+      }
+    }
+    // dQ += dS K.
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+      for (short d = 0; d < A::TD; ++d) {
+        simdgroup_matrix<float, 8, 8> kf;
+        frag_load(kf, Ks + (j * 8 + fr) * A::kLdE + d * 8 + fc, short(1));
+        simdgroup_multiply_accumulate(dqf.frag[d], ds.frag[j], kf, dqf.frag[d]);
+      }
+    }
+  }
+
+  if (!row_ok) return;  // no barrier follows
+  device T* dq_row = dq + at * p.E;
+  for (short d = 0; d < A::TD; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      if (attn_align_e || col < p.E) dq_row[col] = T(dqf.frag[d].thread_elements()[e] * bp.scale);
+    }
+  }
+}
+
+// dsinks[h] = sum over the batch's rows of exp(sink - lse) * (grad_lse - delta'), where the
+// pre-pass's delta' already holds delta - grad_lse. Lanes take rows in turn, simd_sum adds the
+// lanes: a fixed order, so the result is deterministic.
+template <typename T>
+inline void attention_bwd_dsinks(const device float* lse, const device float* delta,
+                                 const device uchar* sinks, device uchar* dsinks,
+                                 constant AttnBackwardParams& bp, uint3 tg, ushort lane) {
+  constant AttnParams& p = bp.fwd;
+  const int h = int(tg.x);
+  const bool f32 = attn_sinks == kSteelAttnOperandF32;
+  const float sink = attn_read<T>(sinks, f32, h);
+  float acc = 0.0f;
+  const steel_i64 rows = steel_i64(bp.batch) * p.L;
+  for (steel_i64 n = lane; n < rows; n += 32) {
+    const steel_i64 zb = n / p.L;
+    const steel_i64 at = (zb * p.Hq + h) * p.L + (n - zb * p.L);
+    const float l = lse[at];
+    if (l != -INFINITY) acc -= exp(sink - l) * delta[at];
+  }
+  acc = simd_sum(acc);
+  if (lane != 0) return;
+  if (f32) {
+    ((device float*)dsinks)[h] = acc;
+  } else {
+    ((device T*)dsinks)[h] = T(acc);
+  }
+}
+
+}  // namespace steel
