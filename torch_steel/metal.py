@@ -8,6 +8,10 @@ kernels from steel.metallib when Xcode's Metal toolchain was there at install ti
 compiles the installed shader sources (metal_src/*.metal) with the Metal runtime compiler the
 first time a process needs a kernel, which this module announces once.
 
+The extension is used only when it was built against the running torch (the build records the
+version in _C_metal_build.json) and imports; otherwise available() is False and
+extension_problem() says why, once decided per process, and the ops keep to reference math.
+
 A refused plan raises torch_steel.errors.PlanRefused, for the op layer to fall back to reference
 math; anything else the extension raises (bad input, a kernel missing from the library) is an
 error and propagates.

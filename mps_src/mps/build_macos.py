@@ -11,7 +11,12 @@ command builds the extension, then puts next to it, inside the torch_steel packa
   The extension compiles these with the Metal runtime compiler at first use when no metallib
   was built.
 
-amalgamate() is plain Python with no macOS dependency, so tests/mps checks it on Linux.
+- _C_metal_build.json: the torch version the extension was compiled against, which
+  torch_steel.metal checks before importing it (the extension is tied to that torch's C++ ABI).
+
+With a torch built without MPS (a CPU-only build) there is no extension: torch's BuildExtension
+compiles .mm files only when torch.backends.mps.is_built(), and the package installs as reference
+math. amalgamate() is plain Python with no macOS dependency, so tests/mps checks it on Linux.
 """
 
 import json
