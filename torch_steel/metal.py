@@ -71,8 +71,8 @@ def _load_extension():
     if spec is None or spec.origin is None:
         return None, None
     reinstall = (
-        "reinstall torch-steel against it (pip install --no-build-isolation --force-reinstall "
-        "--no-deps torch-steel, or the same in a checkout with .)"
+        "rebuild torch-steel against this torch with `pip install --no-build-isolation "
+        "--force-reinstall --no-deps <its checkout or sdist>`"
     )
     built_for = _built_for(Path(spec.origin).parent / BUILD_INFO)
     running = str(torch.__version__)
