@@ -5,7 +5,9 @@ reference math, and the Metal simulator builds itself on first use (torch_steel.
 non-editable install copies the sources the simulator compiles (shaders/, mps_src/plan,
 mps_src/sim) into torch_steel/_native_src, so it works outside a checkout too.
 On macOS, mps_src/mps/build_macos.py compiles the shaders into a metallib and builds the
-Objective-C++ extension that encodes launch plans on PyTorch's MPS stream.
+Objective-C++ extension that encodes launch plans on PyTorch's MPS stream; that needs torch at
+build time, which pyproject.toml's [build-system] table provides on macOS only. The sdist carries
+every source this file reads (MANIFEST.in).
 """
 
 import shutil

@@ -113,16 +113,23 @@ def metal_status():
         return False, "torch_steel.metal is not installed"
     if not torch.backends.mps.is_macos_or_newer(*metal.MIN_MACOS):
         return False, "the kernels need macOS {}.{} or newer (Metal 3.1)".format(*metal.MIN_MACOS)
+    problem = metal.extension_problem()
+    if problem is not None:
+        return False, problem
     if not metal.available():
-        return False, "the torch_steel Metal extension is not built or failed to load"
+        return False, "the torch_steel Metal extension is not built"
     return True, ""
 
 
-def _fallback(op, reason):
-    """Warn once per (op, reason) that reference math serves op; raise instead in strict mode."""
+def _fallback(op, reason, every_op=False):
+    """Warn once per (op, reason) that reference math serves op; raise instead in strict mode.
+
+    every_op: the reason holds for every op (the Metal path is unavailable in this process), so
+    it is warned once in all.
+    """
     if strict():
         raise PlanRefused(f"steel::{op}: {reason} (TORCH_STEEL_STRICT=1 forbids the fallback)")
-    key = (op, reason)
+    key = (None if every_op else op, reason)
     with _warned_lock:
         if key in _warned:
             return
@@ -171,7 +178,7 @@ def run(op, tensors, options, reference):
     if not ok:
         if name == "metal":
             raise RuntimeError(f"steel::{op}: backend 'metal' is not available: {why}")
-        _fallback(op, why)
+        _fallback(op, why, every_op=True)
         return reference()
     from . import metal
 

@@ -8,6 +8,10 @@ kernels from steel.metallib when Xcode's Metal toolchain was there at install ti
 compiles the installed shader sources (metal_src/*.metal) with the Metal runtime compiler the
 first time a process needs a kernel, which this module announces once.
 
+The extension is used only when it was built against the running torch (the build records the
+version in _C_metal_build.json) and imports; otherwise available() is False and
+extension_problem() says why, once decided per process, and the ops keep to reference math.
+
 A refused plan raises torch_steel.errors.PlanRefused, for the op layer to fall back to reference
 math; anything else the extension raises (bad input, a kernel missing from the library) is an
 error and propagates.
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import json
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,15 +46,63 @@ _loaded = False
 _load_failure: str | None = None
 
 
+EXTENSION = "torch_steel._C_metal"
+# Written next to the extension by the Mac build (mps_src/mps/build_macos.py): the torch version
+# it was compiled against.
+BUILD_INFO = "_C_metal_build.json"
+
+
 @functools.cache
-def _extension():
-    """torch_steel._C_metal, or None where it is not built (every platform but macOS)."""
+def _load_extension():
+    """(the extension module or None, why it is not used or None); decided once per process.
+
+    No extension file (every platform but macOS, or a torch without MPS at build time) is not a
+    problem. An extension built against another torch is not imported at all: it is tied to the
+    C++ ABI of the torch it was compiled with, and a mismatch may fail to load or, worse, load.
+    An extension that does not import (a missing symbol after a torch upgrade, a missing
+    framework) is reported the same way instead of raising from every op call. CPython names
+    that ImportError with the short name ("_C_metal"), so it is recognized by where it happens
+    (the extension's own import), not by its .name.
+    """
     try:
-        return importlib.import_module("torch_steel._C_metal")
+        spec = importlib.util.find_spec(EXTENSION)
+    except ImportError:
+        spec = None
+    if spec is None or spec.origin is None:
+        return None, None
+    reinstall = (
+        "rebuild torch-steel against this torch with `pip install --no-build-isolation "
+        "--force-reinstall --no-deps <its checkout or sdist>`"
+    )
+    built_for = _built_for(Path(spec.origin).parent / BUILD_INFO)
+    running = str(torch.__version__)
+    if built_for != running:
+        return None, (
+            f"torch-steel's Metal extension was built against torch {built_for or '(unknown)'}, "
+            f"but torch {running} is running; {reinstall}"
+        )
+    try:
+        return importlib.import_module(EXTENSION), None
     except ImportError as error:
-        if error.name != "torch_steel._C_metal":
-            raise  # built, but a library it needs is missing: say so instead of hiding it
+        return None, f"torch-steel's Metal extension does not load ({error}); {reinstall}"
+
+
+def _built_for(path: Path) -> str | None:
+    """The torch version recorded in the build info file, or None when it is absent or broken."""
+    try:
+        return str(json.loads(path.read_text())["torch"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _extension():
+    """torch_steel._C_metal, or None where it is not built or cannot be used."""
+    return _load_extension()[0]
+
+
+def extension_problem() -> str | None:
+    """Why an installed extension is not used (built for another torch, fails to import)."""
+    return _load_extension()[1]
 
 
 # The kernels need Metal 3.1 (bfloat): the metallib is built for macOS 14 and the runtime compiler

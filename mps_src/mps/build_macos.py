@@ -11,9 +11,15 @@ command builds the extension, then puts next to it, inside the torch_steel packa
   The extension compiles these with the Metal runtime compiler at first use when no metallib
   was built.
 
-amalgamate() is plain Python with no macOS dependency, so tests/mps checks it on Linux.
+- _C_metal_build.json: the torch version the extension was compiled against, which
+  torch_steel.metal checks before importing it (the extension is tied to that torch's C++ ABI).
+
+With a torch built without MPS (a CPU-only build) there is no extension: torch's BuildExtension
+compiles .mm files only when torch.backends.mps.is_built(), and the package installs as reference
+math. amalgamate() is plain Python with no macOS dependency, so tests/mps checks it on Linux.
 """
 
+import json
 import os
 import re
 import shutil
@@ -27,7 +33,16 @@ SOURCE_DIR = "metal_src"
 # bfloat arrived in Metal 3.1 (macOS 14). -fno-fast-math because Metal compiles with fast math by
 # default, which may assume no inf/NaN (attention's masked -inf scores) and reassociate, while
 # the simulator that verifies the kernels computes IEEE math (kernels ask for fast:: explicitly).
-METAL_FLAGS = ["-std=metal3.1", "-mmacosx-version-min=14.0", "-fno-fast-math", "-Wall"]
+# The oldest macOS the build supports: the metallib, the extension's compile and its link (the
+# link records the minimum OS in the binary) all use it, and tests/mps/test_objc_check.py checks
+# the Objective-C++ host's API use against it.
+DEPLOYMENT_TARGET = "14.0"
+MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"
+METAL_FLAGS = ["-std=metal3.1", MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
+# Written next to the extension: the torch it was compiled against. The extension is tied to that
+# torch's C++ ABI; torch_steel.metal reads this before importing it and keeps to reference math,
+# with a warning, when another torch is running.
+BUILD_INFO = "_C_metal_build.json"
 TOOLCHAIN_HINT = (
     "the Metal toolchain ships with Xcode, not the Command Line Tools (install Xcode, run "
     "`sudo xcode-select -s /Applications/Xcode.app`; Xcode 26 and later also need "
@@ -162,9 +177,32 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True)
 
 
+def write_build_info(package_dir: Path, torch_version: str) -> Path:
+    """Records, next to the extension, the torch version it was built against."""
+    path = package_dir / BUILD_INFO
+    path.write_text(json.dumps({"torch": torch_version}) + "\n")
+    return path
+
+
+NO_MPS_MESSAGE = (
+    "torch-steel: this torch is built without MPS (torch.backends.mps.is_built() is False): "
+    "installing without the Metal extension; the ops run reference math"
+)
+
+
 def setup_options(root: Path) -> dict:
-    """setup() keyword arguments for the Mac build (ext_modules, cmdclass, package_data)."""
+    """setup() keyword arguments for the Mac build (ext_modules, cmdclass, package_data).
+
+    Empty when the torch present at build time has no MPS (a CPU-only build): torch's
+    BuildExtension compiles .mm files only when torch.backends.mps.is_built(), so the extension
+    could not build, and could not run either.
+    """
+    import torch  # noqa: PLC0415
     from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: PLC0415
+
+    if not torch.backends.mps.is_built():
+        print(NO_MPS_MESSAGE, file=sys.stderr)
+        return {}
 
     shaders = root / "shaders"
 
@@ -174,6 +212,7 @@ def setup_options(root: Path) -> dict:
         def run(self):
             super().run()
             package_dir = Path(self.get_ext_fullpath("torch_steel._C_metal")).parent
+            write_build_info(package_dir, torch.__version__)
             why = install_shaders(shaders, package_dir)
             if why is None:
                 print(f"torch-steel: built {package_dir / METALLIB}")
@@ -197,12 +236,20 @@ def setup_options(root: Path) -> dict:
         include_dirs=[str(root / "mps_src"), str(shaders)],
         # -std=c++20: torch 2.13's headers expect it (DESIGN.md section 6). ARC manages the
         # Objective-C objects held in C++ containers (pipeline cache, encoder state).
-        extra_compile_args=["-std=c++20", "-fobjc-arc", "-mmacosx-version-min=14.0"],
-        # libobjc: ARC's objc_retain / objc_release, named rather than left to Foundation.
-        extra_link_args=["-framework", "Metal", "-framework", "Foundation", "-lobjc"],
+        extra_compile_args=["-std=c++20", "-fobjc-arc", MIN_VERSION_FLAG],
+        # libobjc: ARC's objc_retain / objc_release, named rather than left to Foundation. The
+        # minimum macOS again at the link, which writes it into the binary's load commands.
+        extra_link_args=[
+            "-framework",
+            "Metal",
+            "-framework",
+            "Foundation",
+            "-lobjc",
+            MIN_VERSION_FLAG,
+        ],
     )
     return {
         "ext_modules": [extension],
         "cmdclass": {"build_ext": BuildWithShaders},
-        "package_data": {"torch_steel": [METALLIB, f"{SOURCE_DIR}/*.metal"]},
+        "package_data": {"torch_steel": [METALLIB, f"{SOURCE_DIR}/*.metal", BUILD_INFO]},
     }

@@ -192,9 +192,16 @@ void encode_on_stream(const std::string& op, const Plan& plan,
   dispatch_sync(stream->queue(), ^{
     @autoreleasepool {
       try {
-        MetalBackend backend(stream->commandEncoder(), *pipelines_ptr, *slots_ptr);
-        CheckedEncoder<MetalBackend> encoder(backend, *present_ptr);
-        encode_plan(encoder, *plan_ptr);
+        // nil (no command buffer, a device lost) would make every message below a no-op and
+        // the op return uninitialised outputs: an error instead, as in PyTorch's own kernels.
+        id<MTLComputeCommandEncoder> compute = stream->commandEncoder();
+        if (compute == nil) {
+          error = "the MPS stream gave no compute command encoder";
+        } else {
+          MetalBackend backend(compute, *pipelines_ptr, *slots_ptr);
+          CheckedEncoder<MetalBackend> encoder(backend, *present_ptr);
+          encode_plan(encoder, *plan_ptr);
+        }
       } catch (const std::exception& e) {
         error = e.what();
       } catch (...) {
@@ -205,9 +212,11 @@ void encode_on_stream(const std::string& op, const Plan& plan,
   TORCH_CHECK(error.empty(), "torch-steel: encoding ", op, " on the MPS stream failed: ", error);
 }
 
-std::vector<at::Tensor> run_op(const std::string& op,
-                               const std::vector<std::optional<at::Tensor>>& tensors,
-                               const py::dict& options) {
+// run_op's work once its Python arguments are C++ values. Runs without the GIL: nothing here or
+// in what it calls may touch a Python object (tests/mps/test_objc_check.py holds it to that).
+std::vector<at::Tensor> run_plan(const std::string& op,
+                                 const std::vector<std::optional<at::Tensor>>& tensors,
+                                 const Options& options) {
   TensorList descs;
   std::optional<at::Device> device;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -226,7 +235,7 @@ std::vector<at::Tensor> run_op(const std::string& op,
   TORCH_CHECK(device.has_value(), "torch-steel: ", op, " got no tensor");
 
   std::vector<id<MTLComputePipelineState>> pipelines;
-  const Plan plan = plan_with_pipelines(op, descs, to_options(options), pipelines);
+  const Plan plan = plan_with_pipelines(op, descs, options, pipelines);
   const std::vector<bool> present = slots_present(descs, plan);  // the plan was validated with it
 
   // Slots: the inputs (contiguous copies where the plan asks), then the plan's allocations.
@@ -261,6 +270,20 @@ std::vector<at::Tensor> run_op(const std::string& op,
 
   if (!plan.dispatches.empty()) encode_on_stream(op, plan, pipelines, slots, present);
   return outputs;
+}
+
+// The extension's entry point. The options dict is read with the GIL held; then the GIL is
+// released, as PyTorch's own bindings do around an op (pybind11::gil_scoped_release), for
+// pipeline compilation (first use of a kernel: up to seconds) and dispatch_sync onto the MPS
+// stream's queue, which another thread may be holding while it waits for the GIL. pybind11
+// converted the tensors to at::Tensor before this runs and converts the outputs after the
+// release ends (also when an error unwinds through it).
+std::vector<at::Tensor> run_op(const std::string& op,
+                               const std::vector<std::optional<at::Tensor>>& tensors,
+                               const py::dict& options) {
+  const Options parsed = to_options(options);
+  py::gil_scoped_release no_gil;
+  return run_plan(op, tensors, parsed);
 }
 
 }  // namespace

@@ -137,7 +137,15 @@ def test_install_shaders_without_the_toolchain_ships_sources(tmp_path, monkeypat
     assert all('#include "' not in p.read_text() for p in shipped)
 
 
-def test_setup_options(tmp_path):
+@pytest.fixture
+def mps_torch(monkeypatch):
+    """torch as a Mac's torch with MPS says it is (this Linux torch is built without MPS)."""
+    import torch
+
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+
+
+def test_setup_options(tmp_path, mps_torch):
     from torch.utils.cpp_extension import BuildExtension
 
     options = build_macos.setup_options(ROOT)
@@ -156,6 +164,21 @@ def test_setup_options(tmp_path):
         "-framework",
         "Foundation",
         "-lobjc",
+        f"-mmacosx-version-min={build_macos.DEPLOYMENT_TARGET}",  # the link records it
     ]
+    assert f"-mmacosx-version-min={build_macos.DEPLOYMENT_TARGET}" in extension.extra_compile_args
     assert issubclass(options["cmdclass"]["build_ext"], BuildExtension)
-    assert options["package_data"] == {"torch_steel": ["steel.metallib", "metal_src/*.metal"]}
+    assert options["package_data"] == {
+        "torch_steel": ["steel.metallib", "metal_src/*.metal", "_C_metal_build.json"]
+    }
+
+
+def test_a_torch_without_mps_builds_no_extension(monkeypatch, capsys):
+    """A Mac whose torch has no MPS (a CPU-only build): torch's BuildExtension would not even
+    compile .mm files ("unknown file type '.mm'"), so the install is the reference-math package,
+    and says so."""
+    import torch
+
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: False)
+    assert build_macos.setup_options(ROOT) == {}
+    assert "built without MPS" in capsys.readouterr().err

@@ -4,6 +4,7 @@ The extension itself only builds on macOS; here a stand-in with the same functio
 the Python wrapper does with it.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -183,3 +184,131 @@ def test_fake_matches_the_extension_source():
     faked = {name for name in vars(FakeExtension) if not name.startswith("_")}
     assert exported == faked
     assert f'kRefused = "{metal.REFUSED_PREFIX}"' in source
+
+
+# ---- an extension that does not match the running torch -----------------------------------
+#
+# The extension is tied to the C++ ABI of the torch it was built against. After a torch upgrade
+# it must not break every op: the ops fall back to reference math, warned once, and the load is
+# neither retried nor re-raised on each call.
+
+STUB_MODULE = """
+import pathlib
+count = pathlib.Path(__file__).with_name("imports")
+count.write_text(str(int(count.read_text()) + 1 if count.exists() else 1))
+# What CPython raises when the dynamic loader refuses an extension: named with the short name.
+raise ImportError(
+    "dlopen(_C_metal.cpython-311-darwin.so): symbol not found in flat namespace "
+    "'__ZN3c1015SmallVectorBase'",
+    name="_C_metal",
+)
+"""
+
+
+@pytest.fixture
+def stub_extension(monkeypatch, tmp_path):
+    """torch_steel.metal pointed at a stub package `stubsteel` (its _C_metal and build info)."""
+    import sys
+
+    package = tmp_path / "stubsteel"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_C_metal.py").write_text(STUB_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(metal, "EXTENSION", "stubsteel._C_metal")
+    metal._load_extension.cache_clear()
+    # As on a Mac with MPS, where only the extension stands between the ops and the kernels.
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: True)
+    from torch_steel import backends
+
+    monkeypatch.setattr(backends, "_device_type", lambda tensors: "mps")
+    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.delenv("TORCH_STEEL_STRICT", raising=False)
+    yield package
+    metal._load_extension.cache_clear()
+    for name in [m for m in sys.modules if m == "stubsteel" or m.startswith("stubsteel.")]:
+        del sys.modules[name]
+
+
+def _record(package, version):
+    (package / metal.BUILD_INFO).write_text(json.dumps({"torch": version}))
+
+
+def _imports(package):
+    count = package / "imports"
+    return int(count.read_text()) if count.exists() else 0
+
+
+def _ops_fall_back_once(match):
+    """Two different ops, three calls each: reference results and a single warning."""
+    import warnings
+
+    import torch_steel
+
+    a, b = torch.randn(3, 5), torch.randn(5, 2)
+    q = torch.randn(1, 2, 4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.testing.assert_close(torch_steel.gemm(a, b), a @ b)
+            torch_steel.sdpa(q, q, q)
+    fallbacks = [w for w in caught if issubclass(w.category, torch_steel.FallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    assert re.search(match, str(fallbacks[0].message)), str(fallbacks[0].message)
+    assert "--no-build-isolation" in str(fallbacks[0].message)
+
+
+def test_an_extension_that_does_not_import_falls_back_once(stub_extension):
+    _record(stub_extension, str(torch.__version__))
+    _ops_fall_back_once(r"Metal extension does not load \(dlopen\(.*symbol not found")
+    assert _imports(stub_extension) == 1  # not retried by later calls
+    assert metal.available() is False
+
+
+def test_an_extension_built_for_another_torch_is_not_imported(stub_extension):
+    _record(stub_extension, "2.12.0")
+    _ops_fall_back_once(
+        rf"built against torch 2\.12\.0, but torch {re.escape(str(torch.__version__))} is running"
+    )
+    assert _imports(stub_extension) == 0  # a mismatched ABI is never loaded
+
+
+def test_an_extension_without_a_recorded_torch_is_not_imported(stub_extension):
+    _ops_fall_back_once(r"built against torch \(unknown\)")
+    assert _imports(stub_extension) == 0
+
+
+def test_metal_status_names_the_extension_problem(stub_extension):
+    from torch_steel import backends
+
+    _record(stub_extension, "2.12.0")
+    ok, why = backends.metal_status()
+    assert not ok and "built against torch 2.12.0" in why
+
+
+def test_strict_mode_raises_the_problem(stub_extension, monkeypatch):
+    import torch_steel
+
+    _record(stub_extension, str(torch.__version__))
+    monkeypatch.setenv("TORCH_STEEL_STRICT", "1")
+    for _ in range(2):
+        with pytest.raises(PlanRefused, match="does not load"):
+            torch_steel.gemm(torch.randn(2, 2), torch.randn(2, 2))
+    assert _imports(stub_extension) == 1
+
+
+def test_the_build_records_what_metal_reads(tmp_path):
+    """build_macos writes the build info that torch_steel.metal checks, in the same place."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "build_macos", root / "mps_src" / "mps" / "build_macos.py"
+    )
+    build_macos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_macos)
+    assert build_macos.BUILD_INFO == metal.BUILD_INFO
+    path = build_macos.write_build_info(tmp_path, "2.13.0")
+    assert path == tmp_path / metal.BUILD_INFO
+    assert metal._built_for(path) == "2.13.0"

@@ -19,10 +19,90 @@ ROOT = Path(__file__).resolve().parents[2]
 MPS_DIR = ROOT / "mps_src" / "mps"
 CLANG = shutil.which("clang++-19")
 
-pytestmark = pytest.mark.skipif(CLANG is None, reason="clang++-19 is not installed")
+needs_clang = pytest.mark.skipif(CLANG is None, reason="clang++-19 is not installed")
 
 
-def _command(source: Path) -> list[str]:
+def _deployment_target() -> str:
+    text = (MPS_DIR / "build_macos.py").read_text()
+    return re.search(r'^DEPLOYMENT_TARGET = "([\d.]+)"$', text, re.M).group(1)
+
+
+DEPLOYMENT_TARGET = _deployment_target()
+
+
+# ---- availability: Apple's API_AVAILABLE / API_DEPRECATED, judged against a deployment target ----
+#
+# clang checks availability attributes only for an Apple target, and an Apple target cannot use
+# this machine's C and C++ headers. So the check rewrites the SDK subset's annotations for the
+# deployment target first: an API introduced later becomes `unavailable` (an error on use, where
+# the Mac's clang says -Wunguarded-availability-new), one deprecated by then `deprecated` (an
+# error under -Werror, as -Wdeprecated-declarations), and the rest nothing. (@available guards
+# are not modelled: the host uses none.)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def _macos_versions(arguments: str) -> list[str]:
+    found = re.search(r"\bmacos\(\s*(\d+(?:\.\d+)*)\s*(?:,\s*(\d+(?:\.\d+)*)\s*)?\)", arguments)
+    return [v for v in found.groups() if v] if found else []
+
+
+def for_deployment_target(header: str, target: str) -> str:
+    """header with each API_AVAILABLE(...) / API_DEPRECATED(...) replaced as described above."""
+    out, at = [], 0
+    pattern = re.compile(r"\bAPI_(AVAILABLE|DEPRECATED)\(")
+    while found := pattern.search(header, at):
+        line_start = header.rfind("\n", 0, found.start()) + 1
+        if header[line_start : found.start()].lstrip().startswith("#"):
+            out.append(header[at : found.end()])  # the fallback #defines themselves
+            at = found.end()
+            continue
+        depth, end = 0, found.end() - 1
+        for end in range(found.end() - 1, len(header)):
+            depth += {"(": 1, ")": -1}.get(header[end], 0)
+            if depth == 0:
+                break
+        arguments = header[found.end() : end]
+        versions = _macos_versions(arguments)
+        replacement = ""
+        if found.group(1) == "AVAILABLE" and versions:
+            if _version(versions[0]) > _version(target):
+                replacement = (
+                    f'__attribute__((unavailable("introduced in macOS {versions[0]}, after the '
+                    f'deployment target macOS {target}")))'
+                )
+        elif found.group(1) == "DEPRECATED" and len(versions) == 2:
+            if _version(versions[1]) <= _version(target):
+                message = re.match(r'\s*"([^"]*)"', arguments)
+                replacement = (
+                    f'__attribute__((deprecated("deprecated in macOS {versions[1]}: '
+                    f'{message.group(1) if message else ""}")))'
+                )
+        out.append(header[at : found.start()] + replacement)
+        at = end + 1
+    out.append(header[at:])
+    return "".join(out)
+
+
+def _sdk_for(target: str) -> Path:
+    """A copy of mps_src/mps/check/ whose subset is rewritten for `target` (cached per target)."""
+    import tempfile
+
+    if target not in _SDK_DIRS:
+        copy = Path(tempfile.mkdtemp(prefix=f"steel-sdk-{target}-")) / "check"
+        shutil.copytree(MPS_DIR / "check", copy)
+        subset = copy / "apple_sdk_subset.h"
+        subset.write_text(for_deployment_target(subset.read_text(), target))
+        _SDK_DIRS[target] = copy
+    return _SDK_DIRS[target]
+
+
+_SDK_DIRS: dict[str, Path] = {}
+
+
+def _command(source: Path, target: str = DEPLOYMENT_TARGET) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     system = [*include_paths(), sysconfig.get_paths()["include"]]
@@ -41,7 +121,7 @@ def _command(source: Path) -> list[str]:
         "-Werror",
         "-Werror=objc-method-access",
         "-I",
-        str(MPS_DIR / "check" / "include"),
+        str(_sdk_for(target) / "include"),
         "-I",
         str(ROOT / "mps_src"),
         "-I",
@@ -53,8 +133,8 @@ def _command(source: Path) -> list[str]:
     ]
 
 
-def _check(source: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(source), capture_output=True, text=True, timeout=300)
+def _check(source: Path, target: str = DEPLOYMENT_TARGET) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(source, target), capture_output=True, text=True, timeout=300)
 
 
 SOURCES = sorted(MPS_DIR.glob("*.mm"))
@@ -64,6 +144,7 @@ def test_there_are_sources_to_check():
     assert {p.name for p in SOURCES} >= {"library.mm", "module.mm"}
 
 
+@needs_clang
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_objective_cpp_compiles(source):
     result = _check(source)
@@ -120,6 +201,7 @@ _MUTANTS = {
 }
 
 
+@needs_clang
 @pytest.mark.parametrize("mutant", sorted(_MUTANTS))
 def test_mistake_fails_the_check(tmp_path, mutant):
     name, old, new, error = _MUTANTS[mutant]
@@ -128,11 +210,82 @@ def test_mistake_fails_the_check(tmp_path, mutant):
     assert error in result.stderr, result.stderr
 
 
+def test_for_deployment_target_rewrites_the_annotations():
+    header = (
+        "#define API_AVAILABLE(...)\n"
+        "@property BOOL a API_AVAILABLE(macos(10.13), ios(11.0));\n"
+        "@property BOOL b API_AVAILABLE(macos(15.0), ios(18.0));\n"
+        '@property BOOL c API_DEPRECATED("Use b", macos(10.11, 15.0), ios(8.0, 18.0));\n'
+        "@property BOOL d API_AVAILABLE(ios(18.0));\n"
+    )
+    assert for_deployment_target(header, "14.0").splitlines() == [
+        "#define API_AVAILABLE(...)",
+        "@property BOOL a ;",
+        '@property BOOL b __attribute__((unavailable("introduced in macOS 15.0, after the '
+        'deployment target macOS 14.0")));',
+        "@property BOOL c ;",
+        "@property BOOL d ;",  # not a macOS API: not this check's business
+    ]
+    at_15 = for_deployment_target(header, "15.0").splitlines()
+    assert at_15[2] == "@property BOOL b ;"
+    assert (
+        at_15[3]
+        == '@property BOOL c __attribute__((deprecated("deprecated in macOS 15.0: Use b")));'
+    )
+
+
+def test_every_metal_declaration_has_its_availability():
+    """Each Metal protocol, class, enum and each method or property newer than Metal itself
+    (macOS 10.11) says when it arrived, so that the check can see a newer one."""
+    subset = (MPS_DIR / "check" / "apple_sdk_subset.h").read_text()
+    metal = subset[subset.index("// ---- Metal") : subset.index("// ---- MetalPerformanceShaders")]
+    for found in re.finditer(r"^(@protocol|@interface) (MTL\w+)\b(?! *;)", metal, re.M):
+        before = metal[: found.start()].rstrip().splitlines()[-1]
+        assert before.startswith("API_AVAILABLE(macos("), found.group(2)
+    assert len(re.findall(r"API_AVAILABLE\(macos\(", metal)) >= 20
+
+
+@needs_clang
+def test_an_api_newer_than_the_deployment_target_fails_the_check(tmp_path):
+    """MTLCompileOptions.mathMode arrived in macOS 15, after the deployment target."""
+    assert _version(DEPLOYMENT_TARGET) < (15,)
+    source = _mutant(
+        tmp_path,
+        "library.mm",
+        "options.fastMathEnabled = NO;",
+        "options.mathMode = MTLMathModeSafe;",
+    )
+    result = _check(source)
+    assert result.returncode != 0
+    assert "'mathMode' is unavailable: introduced in macOS 15.0" in result.stderr, result.stderr
+
+
+@needs_clang
+def test_the_check_follows_the_deployment_target():
+    """With macOS 15 as the target, the host's fastMathEnabled (deprecated there) fails instead."""
+    result = _check(MPS_DIR / "library.mm", target="15.0")
+    assert result.returncode != 0
+    assert "'fastMathEnabled' is deprecated: deprecated in macOS 15.0" in result.stderr, (
+        result.stderr
+    )
+
+
+def test_the_deployment_target_reaches_compile_and_link():
+    """The minimum macOS goes to the Metal compiler, the extension's compile and its link (which
+    records it in the binary); before, the link used the toolchain's default."""
+    text = (MPS_DIR / "build_macos.py").read_text()
+    assert 'MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"' in text
+    assert "-mmacosx-version-min=" not in text.replace(
+        'MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"', ""
+    )
+
+
 def test_the_sdk_subset_declares_only_what_is_used():
     """Every method and property of apple_sdk_subset.h is used by a .mm file or torch's headers."""
     from torch.utils.cpp_extension import include_paths
 
-    subset = (MPS_DIR / "check" / "apple_sdk_subset.h").read_text()
+    subset = for_deployment_target((MPS_DIR / "check" / "apple_sdk_subset.h").read_text(), "99")
+    subset = re.sub(r'\s*__attribute__\(\((?:unavailable|deprecated)\("[^"]*"\)\)\)', "", subset)
     declared = re.findall(r"^[-+] \([^)]*\)\s*(\w+)", subset, re.M)
     declared += re.findall(r"^@property\([^)]*\) [^;]*?(\w+);", subset, re.M)
     assert len(declared) >= 15
@@ -235,3 +388,109 @@ def test_an_unguarded_dispatch_block_is_reported(old, new, problem):
     assert text.count(old) == 1, old
     problems = unguarded_dispatch_blocks(text.replace(old, new))
     assert len(problems) == 1 and problem in problems[0], problems
+
+
+# ---- the GIL: released around planning (pipeline compilation) and the MPS queue ----------------
+#
+# run_op converts its Python arguments, releases the GIL (pybind11::gil_scoped_release, as
+# PyTorch's own bindings do around an op) and calls run_plan, which must touch no Python object:
+# everything it reaches is C++ and Metal. Holding the GIL there froze every Python thread while a
+# pipeline compiled, and could deadlock with a thread that holds the stream's queue.
+
+
+def _function_spans(text: str) -> dict[str, tuple[int, int]]:
+    """name -> (start, end) of each top-level-looking function definition's body in text."""
+    spans = {}
+    for found in re.finditer(r"^[\w:<>,* &]+?\b(\w+)\(([^;{]*?)\)\s*(?:const\s*)?\{", text, re.M):
+        spans.setdefault(found.group(1), (found.start(), _closing(text, found.end() - 1)))
+    module = re.search(r"^PYBIND11_MODULE\([^)]*\)\s*\{", text, re.M)
+    if module:
+        spans["PYBIND11_MODULE"] = (module.start(), _closing(text, module.end() - 1))
+    return spans
+
+
+def gil_problems(text: str) -> list[str]:
+    """Where module.mm holds the GIL too long or touches Python without it."""
+    text = _strip_comments(text)
+    spans = _function_spans(text)
+    problems = []
+    if "run_op" not in spans or "run_plan" not in spans:
+        return ["run_op / run_plan not found"]
+    start, end = spans["run_op"]
+    body = text[text.index("{", start) : end]
+    release = body.find("py::gil_scoped_release")
+    if release < 0:
+        problems.append("run_op does not release the GIL")
+    else:
+        after = body[release + len("py::gil_scoped_release") :]
+        if "py::" in after or "to_options(" in after:
+            problems.append("run_op uses a Python object after releasing the GIL")
+        if "run_plan(" not in after:
+            problems.append("run_op calls run_plan with the GIL held")
+    allowed = [spans[name] for name in ("to_options", "run_op", "PYBIND11_MODULE") if name in spans]
+    for found in re.finditer(r"\bpy::|\bPyObject\b|\bPy_\w+", text):
+        if text[found.start() : found.start() + 24].startswith("py::gil_scoped_release"):
+            continue
+        if not any(a <= found.start() < b for a, b in allowed):
+            line = text.count("\n", 0, found.start()) + 1
+            problems.append(f"line {line} (comments stripped): Python API outside the GIL")
+    return problems
+
+
+def test_run_op_releases_the_gil():
+    assert gil_problems((MPS_DIR / "module.mm").read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ("  py::gil_scoped_release no_gil;\n", "", "does not release the GIL"),
+        (
+            "  const Options parsed = to_options(options);\n  py::gil_scoped_release no_gil;\n",
+            "  py::gil_scoped_release no_gil;\n  const Options parsed = to_options(options);\n",
+            "uses a Python object after releasing",
+        ),
+        (
+            "  TensorList descs;\n",
+            '  TensorList descs;\n  py::print("planning");\n',
+            "Python API outside the GIL",
+        ),
+    ],
+    ids=["no_release", "convert_after_release", "python_in_run_plan"],
+)
+def test_a_gil_mistake_is_reported(old, new, problem):
+    text = (MPS_DIR / "module.mm").read_text()
+    assert text.count(old) == 1, old
+    problems = gil_problems(text.replace(old, new))
+    assert any(problem in p for p in problems), problems
+
+
+# ---- a nil compute encoder -------------------------------------------------------------------
+#
+# Messages to nil do nothing in Objective-C: encoding on a nil encoder would "succeed" and run_op
+# would return uninitialised outputs. The block must test the encoder and report an error.
+
+
+def nil_encoder_problems(text: str) -> list[str]:
+    text = _strip_comments(text)
+    uses = re.findall(r"commandEncoder\(\)", text)
+    if len(uses) != 1:
+        return [f"commandEncoder() is called {len(uses)} times (expected once, into a variable)"]
+    found = re.search(
+        r"id<MTLComputeCommandEncoder>\s+(\w+)\s*=\s*stream->commandEncoder\(\);\s*"
+        r"if\s*\(\s*(\w+)\s*==\s*nil\s*\)\s*\{\s*error\s*=",
+        text,
+    )
+    if not found or found.group(1) != found.group(2):
+        return ["the compute encoder is not checked for nil (setting `error`) before its use"]
+    return []
+
+
+def test_a_nil_compute_encoder_is_an_error():
+    assert nil_encoder_problems((MPS_DIR / "module.mm").read_text()) == []
+    unchecked = (
+        "        MetalBackend backend(stream->commandEncoder(), *pipelines_ptr, *slots_ptr);\n"
+        "        CheckedEncoder<MetalBackend> encoder(backend, *present_ptr);\n"
+        "        encode_plan(encoder, *plan_ptr);\n"
+    )
+    assert nil_encoder_problems(f"try {{\n{unchecked}}}") != []  # the host before the fix

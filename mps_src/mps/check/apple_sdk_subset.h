@@ -1,7 +1,17 @@
 // Declarations only: the part of Apple's SDK that mps_src/mps/*.mm and the torch headers they
 // include use, each declared as Apple's headers declare it (macOS 14 SDK), so that clang on Linux
 // can type-check the Objective-C++ host (tests/mps/test_objc_check.py). Nothing here links or
-// runs. Add a declaration only when a file starts using it, copying Apple's signature.
+// runs. Add a declaration only when a file starts using it, copying Apple's signature and its
+// availability.
+//
+// Availability: every Metal declaration carries Apple's API_AVAILABLE or API_DEPRECATED
+// annotation, with the versions and spelling of the SDK. Here the annotations expand to
+// nothing; the syntax check (tests/mps/test_objc_check.py) rewrites them, for the build's
+// deployment target (mps_src/mps/build_macos.py, DEPLOYMENT_TARGET), into `unavailable` for an
+// API introduced later and `deprecated` for one deprecated by then, so that using either fails
+// the check as -Wunguarded-availability-new / -Wdeprecated-declarations would on the Mac.
+// Foundation and dispatch declarations below predate every macOS that Metal 3.1 runs on and are
+// left unannotated.
 #pragma once
 
 #ifndef __OBJC__
@@ -11,11 +21,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifndef API_AVAILABLE
+#define API_AVAILABLE(...)
+#endif
+#ifndef API_DEPRECATED
+#define API_DEPRECATED(...)
+#endif
+
 #pragma clang assume_nonnull begin
 
 // ---- Foundation ------------------------------------------------------------------------------
 
 typedef unsigned long NSUInteger;
+typedef long NSInteger;
 typedef bool BOOL;  // arm64 macOS: OBJC_BOOL_IS_BOOL
 #define YES __objc_yes  // <objc/objc.h> with objc_bool
 #define NO __objc_no
@@ -79,46 +97,66 @@ typedef enum : NSUInteger {
 } MTLDataType;
 
 typedef enum : NSUInteger {
-  MTLLanguageVersion3_1 = (3 << 16) + 1,
-} MTLLanguageVersion;
+  MTLLanguageVersion3_1 API_AVAILABLE(macos(14.0), ios(17.0)) = (3 << 16) + 1,
+} API_AVAILABLE(macos(10.11), ios(9.0)) MTLLanguageVersion;
+
+// typedef NS_ENUM(NSInteger, MTLMathMode) { ... } API_AVAILABLE(...), as NS_ENUM expands it.
+typedef enum MTLMathMode : NSInteger MTLMathMode;
+enum MTLMathMode : NSInteger {
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
+} API_AVAILABLE(macos(15.0), ios(18.0));
 
 @protocol MTLDevice;
 @protocol MTLCommandBuffer;
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLResource <NSObject>
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLBuffer <MTLResource>
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLFunction <NSObject>
 @end
 
+API_AVAILABLE(macos(10.12), ios(10.0))
 @interface MTLFunctionConstantValues : NSObject
 - (void)setConstantValue:(const void*)value type:(MTLDataType)type atIndex:(NSUInteger)index;
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @interface MTLCompileOptions : NSObject
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
-// API_DEPRECATED("Use mathMode instead", macos(10.11, 15.0)): mathMode needs macOS 15.
-@property(readwrite, nonatomic) BOOL fastMathEnabled;
+@property(readwrite, nonatomic) BOOL fastMathEnabled
+    API_DEPRECATED("Use mathMode instead", macos(10.11, 15.0), ios(8.0, 18.0));
+@property(readwrite, nonatomic) MTLMathMode mathMode API_AVAILABLE(macos(15.0), ios(18.0));
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLLibrary <NSObject>
 @property(readonly) NSArray<NSString*>* functionNames;
 - (nullable id<MTLFunction>)newFunctionWithName:(NSString*)name
                                  constantValues:(MTLFunctionConstantValues*)constantValues
-                                          error:(__autoreleasing NSError**)error;
+                                          error:(__autoreleasing NSError**)error
+    API_AVAILABLE(macos(10.12), ios(10.0));
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLComputePipelineState <NSObject>
 @property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
-@property(readonly) NSUInteger staticThreadgroupMemoryLength;
+@property(readonly) NSUInteger staticThreadgroupMemoryLength
+    API_AVAILABLE(macos(10.13), ios(11.0));
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLCommandEncoder <NSObject>
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLComputeCommandEncoder <MTLCommandEncoder>
 - (void)setComputePipelineState:(id<MTLComputePipelineState>)state;
 - (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index;
@@ -130,22 +168,29 @@ typedef enum : NSUInteger {
        threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLCommandBuffer <NSObject>
 @end
 typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLCommandQueue <NSObject>
 @end
 
+API_AVAILABLE(macos(10.14), ios(12.0))
 @protocol MTLEvent <NSObject>
 @end
+API_AVAILABLE(macos(10.14), ios(12.0))
 @protocol MTLSharedEvent <MTLEvent>
 @end
 
+API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLDevice <NSObject>
-@property(readonly) NSUInteger maxThreadgroupMemoryLength;
+@property(readonly) NSUInteger maxThreadgroupMemoryLength
+    API_AVAILABLE(macos(10.13), ios(11.0));
 - (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url
-                                       error:(__autoreleasing NSError**)error;
+                                       error:(__autoreleasing NSError**)error
+    API_AVAILABLE(macos(10.13), ios(11.0));
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                         options:(nullable MTLCompileOptions*)options
                                           error:(__autoreleasing NSError**)error;
