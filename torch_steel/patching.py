@@ -1,107 +1,207 @@
-"""Route torch.nn.functional.scaled_dot_product_attention to steel::sdpa.
+"""Steel as PyTorch's F.scaled_dot_product_attention on MPS, at the dispatcher.
 
-After patch(), F.scaled_dot_product_attention (and everything in torch that calls it, such as
-nn.MultiheadAttention and nn.TransformerEncoderLayer) runs steel::sdpa for calls steel serves:
-MPS tensors under the "auto" and "metal" backends, CPU tensors under "sim", any tensor under
-"reference". Every other call, and any call steel cannot serve (invalid arguments), runs
-PyTorch's original function unchanged.
+PyTorch's registry of attention providers (torch.nn.attention.register_flash_attention_impl /
+activate_flash_attention_impl, the one FA3 and FA4 use) knows steel as "steel" once torch_steel
+is imported; nothing changes until it is activated, by
+
+    torch.nn.attention.activate_flash_attention_impl("steel")      # or
+    torch_steel.patch()        # the same switch; also a context manager; torch_steel.unpatch()
+
+Activating registers a kernel for the op `aten::scaled_dot_product_attention` at the MPS
+dispatch keys (MPS and AutogradMPS). Every caller of F.sdpa then reaches it, whatever route it
+takes: the Python function (even a reference taken before activation), C++
+at::scaled_dot_product_attention, nn.MultiheadAttention and the Transformer layers, graphs that
+torch.compile traces (the kernel runs while AOTAutograd traces, so the graph holds steel's ops),
+with grad, under no_grad and under inference_mode (the backend key serves the calls that skip
+autograd). Under torch.autocast, PyTorch's autocast kernel casts first, as for its own kernels.
+
+The kernel serves a call with steel::sdpa when steel can: MPS tensors under the "auto" and
+"metal" backends (a refused Metal plan or a missing extension runs PyTorch's own kernel, never
+reference math silently), CPU tensors under "sim", any registered device under "reference".
+Every other call, and any call steel does not serve (invalid arguments, which then get PyTorch's
+own error, out-of-range dropout_p, ...), runs PyTorch's own implementation: the op's
+CompositeImplicitAutograd kernel, which picks PyTorch's backend for the device as usual.
+Nested (jagged) tensors never reach these keys, so they run PyTorch's path.
+
+CPU keys are registered only on request (patch(devices=("mps", "cpu")) or
+TORCH_STEEL_PATCH_DEVICES=mps,cpu when activated through torch.nn.attention), so that CPU users
+are not affected unless they ask; the tests run the same machinery on CPU that way.
 """
 
+import os
 import threading
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.nn import attention as _attention
 
 from . import ops, validation
-from .backends import current_backend
+from .backends import current_backend, refusals_raise
+from .errors import PlanRefused
 
-_lock = threading.Lock()
-_original = None
+NAME = "steel"
+DEVICES = ("mps", "cpu")
+_KEYS = {"mps": ("MPS", "AutogradMPS"), "cpu": ("CPU", "AutogradCPU")}
+
+_lock = threading.RLock()
+_devices_next = None  # devices of the next activation (patch(devices=...)), else the env/default
+_devices_active = ()
 
 
-def _serves(query, key, value, attn_mask, is_causal, enable_gqa):
-    if not all(torch.is_tensor(t) for t in (query, key, value)):
+def _devices_from_env():
+    raw = os.environ.get("TORCH_STEEL_PATCH_DEVICES", "").strip().lower()
+    devices = tuple(d.strip() for d in raw.split(",") if d.strip()) or ("mps",)
+    return _check_devices(devices, "TORCH_STEEL_PATCH_DEVICES")
+
+
+def _check_devices(devices, what="devices"):
+    devices = tuple(dict.fromkeys(devices))
+    unknown = [d for d in devices if d not in DEVICES]
+    if unknown or not devices:
+        raise ValueError(f"torch_steel: {what} must name some of {DEVICES}, got {devices}")
+    return devices
+
+
+def _pytorch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                  scale=None, enable_gqa=False):  # fmt: skip
+    """PyTorch's own F.sdpa for this call: the op's CompositeImplicitAutograd kernel, which
+    selects PyTorch's backend (flash, efficient, math, MPS) as if steel were not there."""
+    return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+    """Whether steel serves this intercepted call (see the module docstring)."""
+    tensors = [t for t in (query, key, value, attn_mask) if t is not None]
+    if not all(torch.is_tensor(t) and not t.is_nested for t in tensors):
         return False
+    if type(attn_mask) not in (type(None), torch.Tensor, torch.nn.Parameter):
+        return False  # a tensor subclass (a bias object) keeps PyTorch's handling
     name = current_backend()
     device = query.device.type
+    if device not in _devices_active:
+        return False
     if not (
         name == "reference"
         or (name == "sim" and device == "cpu")
         or (name in ("auto", "metal") and device == "mps")
     ):
         return False
+    if not 0.0 <= dropout_p <= 1.0 or min(query.dim(), key.dim(), value.dim()) < 2:
+        return False  # PyTorch's own error
     try:
-        mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
-        if min(query.dim(), key.dim(), value.dim()) < 2:
-            return False
         q, k, v = ops._broadcast_qkv(query, key, value, enable_gqa)
-        validation.check_sdpa(q, k, v, mask, enable_gqa, None)
+        validation.check_sdpa(q, k, v, attn_mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
     return True
 
 
-def _steel_sdpa(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    **kwargs,
-):
-    if not kwargs and _serves(query, key, value, attn_mask, is_causal, enable_gqa):
-        return ops.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _original(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        **kwargs,
-    )
+def _steel_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                  scale=None, enable_gqa=False):  # fmt: skip
+    """The kernel registered for aten::scaled_dot_product_attention while steel is active."""
+    args = (query, key, value, attn_mask, dropout_p, is_causal)
+    if _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+        try:
+            with refusals_raise():
+                return ops.sdpa(*args, scale=scale, enable_gqa=enable_gqa)
+        except PlanRefused:
+            pass  # the Metal path cannot serve it: PyTorch's own MPS kernel does
+    return _pytorch_sdpa(*args, scale=scale, enable_gqa=enable_gqa)
+
+
+@dataclass
+class _Handle:
+    """What activate_flash_attention_impl keeps alive; remove() unregisters the kernels."""
+
+    library: torch.library.Library | None
+    devices: tuple
+
+    def remove(self):
+        global _devices_active
+        with _lock:
+            if self.library is not None:
+                self.library._destroy()
+                self.library = None
+                _devices_active = ()
+
+
+def _register(devices=None):
+    """register_fn of the "steel" attention provider: registers the kernels at the dispatcher."""
+    global _devices_active
+    with _lock:
+        if devices is None:
+            devices = _devices_next if _devices_next is not None else _devices_from_env()
+        devices = _check_devices(devices)
+        library = torch.library.Library("aten", "IMPL")
+        for device in devices:
+            for key in _KEYS[device]:
+                library.impl("scaled_dot_product_attention", _steel_kernel, key)
+        _devices_active = devices
+        return _Handle(library, devices)
+
+
+_attention.register_flash_attention_impl(NAME, register_fn=_register)
 
 
 class _Patch:
     """Returned by patch(); as a context manager it restores the state from before patch()."""
 
-    def __init__(self, was_patched):
-        self._was_patched = was_patched
+    def __init__(self, previous):
+        self._previous = previous  # (provider name or None, its devices)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if not self._was_patched:
-            unpatch()
+        name, devices = self._previous
+        with _lock:
+            if name is None:
+                unpatch()
+            elif (name, devices) != (_attention.current_flash_attention_impl(), _devices_active):
+                _activate(name, devices)
         return False
 
 
+def _activate(name, devices):
+    global _devices_next
+    _devices_next = devices
+    try:
+        _attention.activate_flash_attention_impl(name)
+    finally:
+        _devices_next = None
+
+
 def is_patched() -> bool:
-    return F.scaled_dot_product_attention is _steel_sdpa
+    """Whether steel is the active attention provider."""
+    return _attention.current_flash_attention_impl() == NAME
 
 
-def patch():
-    """Make F.scaled_dot_product_attention use steel. Idempotent and thread-safe.
+def active_devices() -> tuple:
+    """The device types whose F.sdpa calls steel intercepts (empty when not active)."""
+    return _devices_active if is_patched() else ()
 
-    Use as `torch_steel.patch()` (until unpatch()) or `with torch_steel.patch(): ...`.
+
+def patch(devices=None):
+    """Activate steel as F.scaled_dot_product_attention's provider (the same as
+    torch.nn.attention.activate_flash_attention_impl("steel")). Idempotent and thread-safe.
+
+    devices: the device types to intercept, ("mps",) by default (TORCH_STEEL_PATCH_DEVICES);
+    ("mps", "cpu") also routes CPU tensors, which steel serves under the "sim" and "reference"
+    backends (for tests). Use as `torch_steel.patch()` (until unpatch()) or
+    `with torch_steel.patch(): ...`, which restores the provider from before it on exit.
     """
-    global _original
     with _lock:
-        was_patched = is_patched()
-        if not was_patched:
-            _original = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = _steel_sdpa
-    return _Patch(was_patched)
+        devices = _check_devices(devices) if devices is not None else _devices_from_env()
+        previous = (_attention.current_flash_attention_impl(), _devices_active)
+        if previous != (NAME, devices):
+            _activate(NAME, devices)
+    return _Patch(previous)
 
 
 def unpatch():
-    """Restore PyTorch's F.scaled_dot_product_attention (no-op if not patched)."""
+    """Deactivate steel, restoring PyTorch's own attention (no-op when steel is not active)."""
     with _lock:
         if is_patched():
-            F.scaled_dot_product_attention = _original
+            _attention.restore_flash_attention_impl()
