@@ -216,7 +216,8 @@ def test_transformer_layers(train, steel_calls, monkeypatch):
         16, 4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32, dropout=0.0,
         batch_first=True, dtype=torch.float64,
     ).train(train)  # fmt: skip
-    src, tgt = torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    src = torch.randn(2, 6, 16, dtype=torch.float64)
+    tgt = torch.randn(2, 5, 16, dtype=torch.float64)
     tgt_mask = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
 
     def run():
