@@ -77,8 +77,9 @@ def refusals_raise():
     extension) raises PlanRefused instead of falling back to reference math.
 
     Used by the F.scaled_dot_product_attention integration (torch_steel.patching), which then
-    runs PyTorch's own MPS kernel: faster there than reference math. The "sim" and "reference"
-    backends are unaffected (the simulator still falls back with its warning).
+    runs PyTorch's own MPS kernel: faster there than reference math. The "metal" backend without
+    the extension stays an error; the "sim" and "reference" backends are unaffected (the
+    simulator still falls back with its warning).
     """
     previous = getattr(_local, "refusals_raise", False)
     _local.refusals_raise = True
@@ -186,7 +187,7 @@ def run(op, tensors, options, reference):
         return reference()
     ok, why = metal_status()
     raising = getattr(_local, "refusals_raise", False)
-    if not ok and raising:
+    if not ok and raising and name == "auto":
         raise PlanRefused(f"steel::{op}: {why}")
     if not ok:
         if name == "metal":

@@ -48,9 +48,10 @@ def _packed(x):
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None,
                              dropout=0.0, sliding_window=None, softcap=None, is_causal=None,
                              position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                             max_length_q=None, max_length_k=None, **kwargs):  # fmt: skip
+                             max_length_q=None, max_length_k=None, s_aux=None,
+                             **kwargs):  # fmt: skip
     """transformers attention function (query [B, H, L, D], key/value [B, Hkv, S, D]) ->
-    ([B, L, H, Dv], None), served by steel::sdpa_varlen."""
+    ([B, L, H, Dv], None), served by steel::sdpa_varlen. s_aux: gpt-oss's per-head sinks."""
     B, H, L, _ = query.shape
     S = key.shape[-2]
     Dv = value.shape[-1]
@@ -80,7 +81,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     out = ops.sdpa_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k,
         dropout_p=dropout if module.training else 0.0, is_causal=bool(is_causal), scale=scaling,
-        softcap=softcap or None, window=window, causal_align="bottom_right",
+        sinks=s_aux, softcap=softcap or None, window=window, causal_align="bottom_right",
     )  # fmt: skip
     if rows_q is not None:
         full = out.new_zeros(B * L, H, Dv)

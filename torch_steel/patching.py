@@ -76,8 +76,6 @@ def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
     tensors = [t for t in (query, key, value, attn_mask) if t is not None]
     if not all(torch.is_tensor(t) and not t.is_nested for t in tensors):
         return False
-    if type(attn_mask) not in (type(None), torch.Tensor, torch.nn.Parameter):
-        return False  # a tensor subclass (a bias object) keeps PyTorch's handling
     name = current_backend()
     device = query.device.type
     if device not in _devices_active:
@@ -90,9 +88,16 @@ def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return False
     if not 0.0 <= dropout_p <= 1.0 or min(query.dim(), key.dim(), value.dim()) < 2:
         return False  # PyTorch's own error
+    if dropout_p > 0 and torch._guards.detect_fake_mode((query,)) is not None:
+        # Traced by torch.compile: steel's dropout seed is drawn as a Python int when the op is
+        # called, which a graph cannot hold; PyTorch's dropout RNG is traceable.
+        return False
     try:
+        # A CausalBias reaches the op itself only when called as the aten op (F.sdpa leaves it
+        # to the bias object's __torch_function__); steel::sdpa takes it as PyTorch means it.
+        mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
         q, k, v = ops._broadcast_qkv(query, key, value, enable_gqa)
-        validation.check_sdpa(q, k, v, attn_mask, enable_gqa, None)
+        validation.check_sdpa(q, k, v, mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
     return True

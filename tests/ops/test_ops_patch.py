@@ -236,13 +236,15 @@ def test_transformer_layers(train, steel_calls, monkeypatch):
         torch.testing.assert_close(g, e)
 
 
-def test_compiled_fullgraph_runs_steel(steel_backend, steel_calls):
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_compiled_fullgraph_runs_steel(mask, steel_backend, steel_calls):
     torch._dynamo.reset()
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     k = torch.randn(1, 2, 8, 16, requires_grad=True)
+    mask = {None: None, "bool": torch.rand(8, 8) > 0.3, "float": torch.randn(8, 8)}[mask]
 
     def f(q, k):
-        return F.scaled_dot_product_attention(q, k, k, is_causal=True).sin()
+        return F.scaled_dot_product_attention(q, k, k, mask, is_causal=mask is None).sin()
 
     with torch_steel.patch(devices=CPU):
         compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -256,6 +258,19 @@ def test_compiled_fullgraph_runs_steel(steel_backend, steel_calls):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads, (q.grad, k.grad), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_aten_op_with_a_causal_bias_object(steel_calls):
+    """Called as the aten op, a CausalBias reaches the kernel itself: steel takes its meaning."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    bias = causal_lower_right(3, 5)
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
+        out = torch.ops.aten.scaled_dot_product_attention(q, k, k, bias)
+    assert steel_calls == ["forward"]
+    expected = pytorch_sdpa(q, k, k, bias._materialize())
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_cpu_calls_under_auto_run_pytorchs_kernel(steel_calls):

@@ -75,6 +75,14 @@ def compiled():
     torch._dynamo.reset()
 
 
+def compiled_dropout():
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.3),
+                      fullgraph=True, backend="aot_eager")  # fmt: skip
+    f(_qkv()[0])
+    torch._dynamo.reset()
+
+
 def mha_no_weights(monkeypatch):
     monkeypatch.setattr(torch.backends.mha, "get_fastpath_enabled", lambda: False)
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
@@ -170,6 +178,7 @@ SCENARIOS = {
     "nested (jagged) tensors": nested,
     "invalid arguments, `dropout_p` outside [0, 1]": invalid,
     "a Metal plan that refuses, or no Metal extension": refused,
+    "`dropout_p > 0` inside a `torch.compile` graph": compiled_dropout,
     'CPU tensors, unless `patch(devices=("mps", "cpu"))`': "default devices",
     "`nn.MultiheadAttention` fused fast path (CPU inference)": mha_fastpath,
 }
