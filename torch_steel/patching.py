@@ -29,6 +29,7 @@ are not affected unless they ask; the tests run the same machinery on CPU that w
 """
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ NAME = "steel"
 DEVICES = ("mps", "cpu")
 _KEYS = {"mps": ("MPS", "AutogradMPS"), "cpu": ("CPU", "AutogradCPU")}
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _lock = threading.RLock()
 _devices_next = None  # devices of the next activation (patch(devices=...)), else the env/default
 _devices_active = ()
@@ -66,8 +69,8 @@ def _pytorch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   scale=None, enable_gqa=False):  # fmt: skip
     """PyTorch's own F.sdpa for this call: the op's CompositeImplicitAutograd kernel, which
     selects PyTorch's backend (flash, efficient, math, MPS) as if steel were not there."""
-    return torch.ops.aten.scaled_dot_product_attention.default.decompose(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    return _SDPA._op_dk(
+        _CIA, query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )
 
 
@@ -116,24 +119,60 @@ def _steel_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     return _pytorch_sdpa(*args, scale=scale, enable_gqa=enable_gqa)
 
 
+def _inductor_tables():
+    """Inductor's decomposition tables, when Inductor is loaded (importing it takes seconds)."""
+    module = sys.modules.get("torch._inductor.decomposition")
+    if module is None:
+        return []
+    return [module.decompositions, module.fast_random_decomps()]
+
+
 @dataclass
 class _Handle:
     """What activate_flash_attention_impl keeps alive; remove() unregisters the kernels."""
 
     library: torch.library.Library | None
     devices: tuple
+    replaced: list  # (decomposition table, its previous entry for aten.sdpa or None)
+    cache_tag: tuple  # (torch.compiler.config.cache_key_tag before, the one set)
 
     def remove(self):
         global _devices_active
         with _lock:
-            if self.library is not None:
-                self.library._destroy()
-                self.library = None
-                _devices_active = ()
+            if self.library is None:
+                return
+            self.library._destroy()
+            self.library = None
+            if _SDPA.py_kernels.get(_CIA) is _steel_kernel:
+                del _SDPA.py_kernels[_CIA]
+                _SDPA._dispatch_cache.clear()
+            for table, previous in self.replaced:
+                if table.get(_SDPA) is _steel_kernel:
+                    if previous is None:
+                        table.pop(_SDPA, None)
+                    else:
+                        table[_SDPA] = previous
+            self.replaced = []
+            before, ours = self.cache_tag
+            if torch.compiler.config.cache_key_tag == ours:
+                torch.compiler.config.cache_key_tag = before
+            _devices_active = ()
 
 
 def _register(devices=None):
-    """register_fn of the "steel" attention provider: registers the kernels at the dispatcher."""
+    """register_fn of the "steel" attention provider: registers the kernels at the dispatcher.
+
+    Besides the device keys, the kernel goes where graph tracing looks for the op's
+    decomposition, so that a compiled graph holds steel's ops also when autograd does not
+    run (an inference graph reaches the tracer's own dispatch mode before the backend key):
+    the op's Python CompositeImplicitAutograd kernel (which decomposition tables built from
+    now on take) and the entries of Inductor's tables if Inductor is loaded already. The
+    kernel passes every call it does not serve to PyTorch's C++ composite kernel.
+
+    torch.compile's on-disk caches (FX graph, AOTAutograd) key a graph by the code that calls
+    F.sdpa, not by what serves it: torch.compiler.config.cache_key_tag gets a steel tag while
+    steel is active, so a graph traced with steel and one traced without are never confused.
+    """
     global _devices_active
     with _lock:
         if devices is None:
@@ -143,8 +182,17 @@ def _register(devices=None):
         for device in devices:
             for key in _KEYS[device]:
                 library.impl("scaled_dot_product_attention", _steel_kernel, key)
+        if _CIA not in _SDPA.py_kernels:
+            _SDPA.py_impl(_CIA)(_steel_kernel)
+        replaced = []
+        for table in _inductor_tables():
+            replaced.append((table, table.get(_SDPA)))
+            table[_SDPA] = _steel_kernel
+        before = torch.compiler.config.cache_key_tag
+        ours = f"{before}|torch_steel:{','.join(devices)}"
+        torch.compiler.config.cache_key_tag = ours
         _devices_active = devices
-        return _Handle(library, devices)
+        return _Handle(library, devices, replaced, (before, ours))
 
 
 _attention.register_flash_attention_impl(NAME, register_fn=_register)

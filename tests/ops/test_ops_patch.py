@@ -68,6 +68,17 @@ def test_patch_round_trip_registers_and_removes_the_kernels():
     assert patching.active_devices() == ()
 
 
+def test_patch_round_trip_restores_tracing_hooks():
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    tag = torch.compiler.config.cache_key_tag
+    with torch_steel.patch(devices=CPU):
+        assert sdpa.py_kernels[cia] is patching._steel_kernel
+        assert torch.compiler.config.cache_key_tag == f"{tag}|torch_steel:mps,cpu"
+    assert cia not in sdpa.py_kernels
+    assert torch.compiler.config.cache_key_tag == tag
+
+
 def test_patch_context_manager_restores_previous_state():
     with torch_steel.patch():
         assert torch_steel.is_patched()
