@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.nn import attention as _attention
 
 from . import ops, validation
@@ -91,6 +92,14 @@ def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return False
     if not 0.0 <= dropout_p <= 1.0 or min(query.dim(), key.dim(), value.dim()) < 2:
         return False  # PyTorch's own error
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # Inside torch.func transforms (grad, vmap, jvp, ...): steel's ops have no functorch
+        # rules, PyTorch's kernels do.
+        return False
+    if _forward_ad._current_level >= 0 and any(
+        _forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):
+        return False  # forward-mode AD: steel's ops have no forward derivative
     if dropout_p > 0 and torch._guards.detect_fake_mode((query,)) is not None:
         # Traced by torch.compile: steel's dropout seed is drawn as a Python int when the op is
         # called, which a graph cannot hold; PyTorch's dropout RNG is traceable.

@@ -284,6 +284,34 @@ def test_aten_op_with_a_causal_bias_object(steel_calls):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_torch_func_transforms_run_pytorchs_kernel(steel_calls):
+    q = torch.randn(1, 2, 4, 8)
+
+    def loss(x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True).square().sum()
+
+    expected = torch.func.grad(loss)(q)
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
+        got = torch.func.grad(loss)(q)
+        batched = torch.vmap(lambda x: F.scaled_dot_product_attention(x, x, x))(q[None])
+    assert steel_calls == []
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(batched[0], pytorch_sdpa(q, q, q))
+
+
+def test_forward_mode_ad_is_not_silently_dropped(steel_calls):
+    """steel's ops have no forward derivative: dual tensors go to PyTorch (whose CPU kernel
+    refuses them too, where steel would have returned no tangent)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU), fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward AD"):
+            F.scaled_dot_product_attention(dual, dual, dual)
+    assert steel_calls == []
+
+
 def test_cpu_calls_under_auto_run_pytorchs_kernel(steel_calls):
     q = torch.randn(1, 2, 4, 8)
     with torch_steel.patch(devices=CPU):

@@ -83,6 +83,20 @@ def compiled_dropout():
     torch._dynamo.reset()
 
 
+def functorch():
+    q = _qkv()[0]
+    torch.func.grad(lambda x: F.scaled_dot_product_attention(x, x, x).sum())(q)
+    torch.vmap(lambda x: F.scaled_dot_product_attention(x, x, x))(q[None])
+
+
+def forward_ad():
+    import torch.autograd.forward_ad as fwAD
+
+    q = _qkv()[0]
+    with fwAD.dual_level(), pytest.raises(NotImplementedError):  # as without steel, on CPU
+        F.scaled_dot_product_attention(*(fwAD.make_dual(q, torch.ones_like(q)),) * 3)
+
+
 def mha_no_weights(monkeypatch):
     monkeypatch.setattr(torch.backends.mha, "get_fastpath_enabled", lambda: False)
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
@@ -178,6 +192,8 @@ SCENARIOS = {
     "nested (jagged) tensors": nested,
     "invalid arguments, `dropout_p` outside [0, 1]": invalid,
     "a Metal plan that refuses, or no Metal extension": refused,
+    "inside `torch.func` transforms (`grad`, `vmap`, `jvp`, ...)": functorch,
+    "forward-mode AD (dual tensors)": forward_ad,
     "`dropout_p > 0` inside a `torch.compile` graph": compiled_dropout,
     'CPU tensors, unless `patch(devices=("mps", "cpu"))`': "default devices",
     "`nn.MultiheadAttention` fused fast path (CPU inference)": mha_fastpath,
