@@ -19,8 +19,10 @@ The kernel serves a call with steel::sdpa when steel can: MPS tensors under the 
 "metal" backends (a refused Metal plan or a missing extension runs PyTorch's own kernel, never
 reference math silently), CPU tensors under "sim", any registered device under "reference".
 Every other call, and any call steel does not serve (invalid arguments, which then get PyTorch's
-own error, out-of-range dropout_p, ...), runs PyTorch's own implementation: the op's
-CompositeImplicitAutograd kernel, which picks PyTorch's backend for the device as usual.
+own error, out-of-range dropout_p, torch.func transforms, forward-mode AD, dropout inside a
+compiled graph), runs PyTorch's own implementation: the op's CompositeImplicitAutograd kernel,
+which picks PyTorch's backend for the device as usual. Under TORCH_STEEL_STRICT=1 a refused
+plan is an error here too (PlanRefused) instead of going to PyTorch's kernel.
 Nested (jagged) tensors never reach these keys, so they run PyTorch's path.
 
 CPU keys are registered only on request (patch(devices=("mps", "cpu")) or
@@ -38,7 +40,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.nn import attention as _attention
 
 from . import ops, validation
-from .backends import current_backend, refusals_raise
+from .backends import current_backend, refusals_raise, strict
 from .errors import PlanRefused
 
 NAME = "steel"
@@ -124,7 +126,9 @@ def _steel_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
             with refusals_raise():
                 return ops.sdpa(*args, scale=scale, enable_gqa=enable_gqa)
         except PlanRefused:
-            pass  # the Metal path cannot serve it: PyTorch's own MPS kernel does
+            if strict():
+                raise  # TORCH_STEEL_STRICT=1: a call steel does not serve is an error
+            # the Metal path cannot serve it: PyTorch's own MPS kernel does
     return _pytorch_sdpa(*args, scale=scale, enable_gqa=enable_gqa)
 
 

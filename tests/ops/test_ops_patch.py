@@ -284,6 +284,7 @@ def test_aten_op_with_a_causal_bias_object(steel_calls):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
 def test_torch_func_transforms_run_pytorchs_kernel(steel_calls):
     q = torch.randn(1, 2, 4, 8)
 
@@ -342,6 +343,18 @@ def test_refused_metal_plan_runs_pytorchs_kernel(monkeypatch, steel_calls):
     with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
         out = F.scaled_dot_product_attention(q, q, q)
     torch.testing.assert_close(out, pytorch_sdpa(q, q, q))
+
+
+def test_refused_plan_is_an_error_in_strict_mode(monkeypatch):
+    def refused(*args, **kwargs):
+        raise PlanRefused("steel::sdpa: no kernel for this yet")
+
+    monkeypatch.setattr(patching.ops, "sdpa", refused)
+    monkeypatch.setenv("TORCH_STEEL_STRICT", "1")
+    q = torch.randn(1, 2, 4, 8)
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
+        with pytest.raises(PlanRefused, match="no kernel"):
+            F.scaled_dot_product_attention(q, q, q)
 
 
 def test_refusals_raise_instead_of_reference_on_mps(monkeypatch):

@@ -204,6 +204,7 @@ def test_table_and_scenarios_list_the_same_rows():
     assert list(_table()) == list(SCENARIOS)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap over PyTorch's kernel
 @pytest.mark.parametrize("row", list(SCENARIOS))
 def test_row_is_true(row, steel_calls, monkeypatch):
     expected = _table()[row]
