@@ -25,6 +25,11 @@ which picks PyTorch's backend for the device as usual. Under TORCH_STEEL_STRICT=
 plan is an error here too (PlanRefused) instead of going to PyTorch's kernel.
 Nested (jagged) tensors never reach these keys, so they run PyTorch's path.
 
+While active, torch.nn.attention.varlen.varlen_attn (the op torch_attn::_varlen_attn and its
+backward, at the same device keys) runs steel::sdpa_varlen; PyTorch has no MPS kernel for it,
+so there a refused plan falls back to reference math with steel's warning. Calls with
+seqused_k, block_table or num_splits > 1 run PyTorch's own implementation.
+
 CPU keys are registered only on request (patch(devices=("mps", "cpu")) or
 TORCH_STEEL_PATCH_DEVICES=mps,cpu when activated through torch.nn.attention), so that CPU users
 are not affected unless they ask; the tests run the same machinery on CPU that way.
@@ -39,7 +44,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.nn import attention as _attention
 
-from . import ops, validation
+from . import ops, reference, validation
 from .backends import current_backend, refusals_raise, strict
 from .errors import PlanRefused
 
@@ -77,20 +82,21 @@ def _pytorch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     )
 
 
+def _backend_serves(device):
+    name = current_backend()
+    return device in _devices_active and (
+        name == "reference"
+        or (name == "sim" and device == "cpu")
+        or (name in ("auto", "metal") and device == "mps")
+    )
+
+
 def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
     """Whether steel serves this intercepted call (see the module docstring)."""
     tensors = [t for t in (query, key, value, attn_mask) if t is not None]
     if not all(torch.is_tensor(t) and not t.is_nested for t in tensors):
         return False
-    name = current_backend()
-    device = query.device.type
-    if device not in _devices_active:
-        return False
-    if not (
-        name == "reference"
-        or (name == "sim" and device == "cpu")
-        or (name in ("auto", "metal") and device == "mps")
-    ):
+    if not _backend_serves(query.device.type):
         return False
     if not 0.0 <= dropout_p <= 1.0 or min(query.dim(), key.dim(), value.dim()) < 2:
         return False  # PyTorch's own error
@@ -132,6 +138,57 @@ def _steel_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     return _pytorch_sdpa(*args, scale=scale, enable_gqa=enable_gqa)
 
 
+def _varlen_module():
+    from torch.nn.attention import varlen
+
+    return varlen
+
+
+def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                   scale=None, window_size=None, enable_gqa=False, seqused_k=None,
+                   block_table=None, num_splits=None):  # fmt: skip
+    """torch_attn::_varlen_attn (torch.nn.attention.varlen.varlen_attn) while steel is active:
+    steel::sdpa_varlen_forward (flash-attn's bottom-right causal and window alignment)."""
+    args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
+            enable_gqa, seqused_k, block_table, num_splits)  # fmt: skip
+    left, right = window_size if window_size is not None else (-1, -1)
+    if (
+        not _backend_serves(query.device.type)
+        or cu_seq_k is None
+        or seqused_k is not None
+        or block_table is not None
+        or (num_splits or 1) > 1
+        or value.shape[-1] != query.shape[-1]
+    ):
+        return _varlen_module()._varlen_attn._init_fn(*args)  # PyTorch's own (flash, cuDNN)
+    # PyTorch has no varlen kernel for MPS: a refused Metal plan falls back to reference math
+    # with steel's one-time warning (TORCH_STEEL_STRICT=1 makes it an error).
+    inputs = ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
+                                bool(is_causal), scale, None, None, (left, right), "bottom_right",
+                                None, 0)  # fmt: skip
+    out, lse = torch.ops.steel.sdpa_varlen_forward(*inputs)
+    return out, lse.float(), torch.zeros(2, dtype=torch.uint64, device=query.device)
+
+
+def _varlen_backward_kernel(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q,
+                            max_k, is_causal, rng_state, scale=None,
+                            window_size=None):  # fmt: skip
+    """torch_attn::_varlen_attn_backward while steel is active: steel::sdpa_varlen_backward."""
+    if not _backend_serves(query.device.type):
+        return _varlen_module()._varlen_attn_backward._init_fn(
+            grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+            rng_state, scale, window_size,
+        )  # fmt: skip
+    left, right = window_size if window_size is not None else (-1, -1)
+    inputs = ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
+                                bool(is_causal), scale, None, None, (left, right), "bottom_right",
+                                None, 0)  # fmt: skip
+    lse = lse.to(reference.compute_dtype(query.dtype))
+    dq, dk, dv, _ = torch.ops.steel.sdpa_varlen_backward(grad_out, None, *inputs[:3], out, lse,
+                                                         *inputs[3:])  # fmt: skip
+    return dq, dk, dv
+
+
 def _inductor_tables():
     """Inductor's decomposition tables, when Inductor is loaded (importing it takes seconds)."""
     module = sys.modules.get("torch._inductor.decomposition")
@@ -145,6 +202,7 @@ class _Handle:
     """What activate_flash_attention_impl keeps alive; remove() unregisters the kernels."""
 
     library: torch.library.Library | None
+    varlen_library: torch.library.Library
     devices: tuple
     replaced: list  # (decomposition table, its previous entry for aten.sdpa or None)
     cache_tag: tuple  # (torch.compiler.config.cache_key_tag before, the one set)
@@ -155,6 +213,7 @@ class _Handle:
             if self.library is None:
                 return
             self.library._destroy()
+            self.varlen_library._destroy()
             self.library = None
             if _SDPA.py_kernels.get(_CIA) is _steel_kernel:
                 del _SDPA.py_kernels[_CIA]
@@ -195,6 +254,12 @@ def _register(devices=None):
         for device in devices:
             for key in _KEYS[device]:
                 library.impl("scaled_dot_product_attention", _steel_kernel, key)
+        _varlen_module()  # defines torch_attn::_varlen_attn
+        varlen_library = torch.library.Library("torch_attn", "IMPL")
+        for device in devices:
+            key = _KEYS[device][0]  # below the op's own autograd
+            varlen_library.impl("_varlen_attn", _varlen_kernel, key)
+            varlen_library.impl("_varlen_attn_backward", _varlen_backward_kernel, key)
         if _CIA not in _SDPA.py_kernels:
             _SDPA.py_impl(_CIA)(_steel_kernel)
         replaced = []
@@ -205,7 +270,7 @@ def _register(devices=None):
         ours = f"{before}|torch_steel:{','.join(devices)}"
         torch.compiler.config.cache_key_tag = ours
         _devices_active = devices
-        return _Handle(library, devices, replaced, (before, ours))
+        return _Handle(library, varlen_library, devices, replaced, (before, ours))
 
 
 _attention.register_flash_attention_impl(NAME, register_fn=_register)

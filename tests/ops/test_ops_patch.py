@@ -400,3 +400,77 @@ def test_patch_is_thread_safe():
     )
     torch_steel.patch()
     assert torch_steel.is_patched()
+
+
+# ----------------------------------------------------------------------------- varlen_attn
+
+
+def _varlen_inputs(dtype=torch.float64):
+    q = torch.randn(7, 4, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(9, 2, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(9, 2, 8, dtype=dtype, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+    return (q, k, v), cu_q, cu_k
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0)])
+def test_varlen_attn_runs_steel(window, steel_backend, steel_calls):
+    """torch.nn.attention.varlen.varlen_attn (flash-attn conventions: causal and windows
+    aligned bottom-right per sequence) on steel::sdpa_varlen, forward and backward, against
+    F.sdpa per sequence with the same mask."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    (q, k, v), cu_q, cu_k = _varlen_inputs()
+    with torch_steel.patch(devices=CPU):
+        aux = torch.nn.attention.varlen.AuxRequest(lse=True)
+        out, lse = varlen_attn(
+            q, k, v, cu_q, cu_k, 4, 5, window_size=window, enable_gqa=True, return_aux=aux
+        )
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert steel_calls == ["varlen_forward", "forward", "forward", "varlen_backward",
+                           "backward", "backward"]  # fmt: skip
+    assert lse.shape == (4, 7)
+    expected = []
+    for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        L, S = qs.shape[1], ks.shape[1]
+        i = torch.arange(L)[:, None] + S - L
+        j = torch.arange(S)[None]
+        keep = torch.ones(L, S, dtype=torch.bool)
+        if window[0] >= 0:
+            keep &= j >= i - window[0]
+        if window[1] >= 0:
+            keep &= j <= i + window[1]
+        expected.append(pytorch_sdpa(qs, ks, vs, keep, enable_gqa=True).transpose(0, 1))
+    expected = torch.cat(expected)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+
+
+def test_varlen_attn_options_steel_lacks_go_to_pytorch(steel_calls):
+    from torch.nn.attention.varlen import varlen_attn
+
+    (q, k, v), cu_q, cu_k = _varlen_inputs()
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
+        with pytest.raises(RuntimeError):  # PyTorch's flash kernel: CUDA only
+            varlen_attn(q, k, v, cu_q, cu_k, 4, 5, enable_gqa=True, num_splits=2)
+    assert steel_calls == []
+
+
+def test_varlen_attn_compiles(steel_calls):
+    from torch.nn.attention.varlen import varlen_attn
+
+    torch._dynamo.reset()
+    (q, k, v), cu_q, cu_k = _varlen_inputs(torch.float32)
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cu_q, cu_k, 4, 5, window_size=(-1, 0), enable_gqa=True)
+
+    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+        expected = f(q, k, v)
+    assert "varlen_forward" in steel_calls
+    torch.testing.assert_close(out, expected)
+    torch._dynamo.reset()

@@ -106,6 +106,24 @@ def mha_no_weights(monkeypatch):
     layer(x)
 
 
+def _varlen(**kwargs):
+    from torch.nn.attention.varlen import varlen_attn
+
+    q = torch.randn(7, 2, 8, requires_grad=True)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    return varlen_attn(q, q, q, cu, cu, 4, 4, **kwargs), q
+
+
+def varlen_attn():
+    out, q = _varlen(window_size=(-1, 0))
+    out.sum().backward()
+
+
+def varlen_attn_options():
+    with pytest.raises(RuntimeError):  # PyTorch's own kernel: CUDA only
+        _varlen(num_splits=2)
+
+
 def mha_weights():
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(1, 4, 8)
@@ -187,6 +205,8 @@ SCENARIOS = {
     "a `causal_upper_left` / `causal_lower_right` mask": causal_bias,
     'Hugging Face `attn_implementation="sdpa"`, diffusers\' attention processors': hf_sdpa,
     'Hugging Face `attn_implementation="steel"` (`torch_steel.hf`)': hf_steel,
+    "`torch.nn.attention.varlen.varlen_attn`, forward and backward": varlen_attn,
+    "`varlen_attn` with `seqused_k`, `block_table` or `num_splits > 1`": varlen_attn_options,
     "`nn.MultiheadAttention` with `need_weights=True` (its default)": mha_weights,
     'Hugging Face `attn_implementation="eager"`': hf_eager,
     "nested (jagged) tensors": nested,
@@ -219,5 +239,7 @@ def test_row_is_true(row, steel_calls, monkeypatch):
             scenario()
     served = "steel" if steel_calls else "PyTorch"
     assert re.match(r"\w+", expected).group(0) == served, steel_calls
-    if row.endswith("forward and backward"):
+    if row.startswith("`F.scaled_dot_product_attention`"):
         assert steel_calls == ["forward", "backward"]
+    if row.startswith("`torch.nn.attention.varlen"):
+        assert "varlen_forward" in steel_calls and "varlen_backward" in steel_calls
