@@ -54,7 +54,9 @@ setup(
     packages=find_packages(include=["torch_steel", "torch_steel.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.13", "numpy"],
-    extras_require={"test": ["pytest", "pytest-xdist", "ninja", "ruff"]},
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "ninja", "ruff", "transformers", "diffusers"]
+    },
     include_package_data=True,
     **options,
 )

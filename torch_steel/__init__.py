@@ -1,6 +1,9 @@
 """torch-steel: flash attention and steel GEMM Metal kernels for PyTorch on Apple GPUs.
 
-Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops).
+Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops) and "steel" as
+an attention provider in torch.nn.attention's registry, inactive until
+torch.nn.attention.activate_flash_attention_impl("steel") or torch_steel.patch()
+(see torch_steel.patching).
 """
 
 from . import ops

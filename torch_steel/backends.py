@@ -71,6 +71,24 @@ def backend(name: str):
         _local.name = previous
 
 
+@contextlib.contextmanager
+def refusals_raise():
+    """Inside the block, a Metal path that cannot serve a call on MPS tensors (a refused plan, no
+    extension) raises PlanRefused instead of falling back to reference math.
+
+    Used by the F.scaled_dot_product_attention integration (torch_steel.patching), which then
+    runs PyTorch's own MPS kernel: faster there than reference math. The "metal" backend without
+    the extension stays an error; the "sim" and "reference" backends are unaffected (the
+    simulator still falls back with its warning).
+    """
+    previous = getattr(_local, "refusals_raise", False)
+    _local.refusals_raise = True
+    try:
+        yield
+    finally:
+        _local.refusals_raise = previous
+
+
 def strict() -> bool:
     return os.environ.get("TORCH_STEEL_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -175,6 +193,9 @@ def run(op, tensors, options, reference):
             raise RuntimeError(f"steel::{op}: backend 'metal' needs MPS tensors, got {device}")
         return reference()
     ok, why = metal_status()
+    raising = getattr(_local, "refusals_raise", False)
+    if not ok and raising and name == "auto":
+        raise PlanRefused(f"steel::{op}: {why}")
     if not ok:
         if name == "metal":
             raise RuntimeError(f"steel::{op}: backend 'metal' is not available: {why}")
@@ -185,5 +206,7 @@ def run(op, tensors, options, reference):
     try:
         return list(metal.run_op(op, list(tensors), dict(options)))
     except PlanRefused as refusal:
+        if raising:
+            raise
         _fallback(op, f"Metal plan refused: {refusal}")
         return reference()

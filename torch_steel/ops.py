@@ -18,7 +18,11 @@ Internal ops, what the Metal kernels implement; autograd connects forward to bac
       bottom_right, seed, offset (all resolved: see Attn and torch_steel.reference).
 
 Every op goes through torch_steel.backends.run with these run_op names and arguments. Absent
-tensors are None; outputs are contiguous (the fake implementations say so, kernels must too):
+tensors are None. Outputs are contiguous, except sdpa's `out`, which has the query's memory
+layout as in F.scaled_dot_product_attention (torch_steel.reference.layout_strides: a
+[B, L, H, E] query viewed as [B, H, L, E] gives an out with [B, L, H, Ev]-ordered strides).
+The fake implementations say so and the kernels must write that layout (sdpa_forward copies an
+out of any other layout into it):
   "sdpa"                  [q, k, v, attn_mask, sinks] -> [out, lse]
   "sdpa_backward"         [grad_out, q, k, v, out, lse, attn_mask, sinks, grad_lse]
                           -> [dq, dk, dv] + [dsinks] when sinks is given + [dmask] when the
@@ -120,13 +124,16 @@ def sdpa_forward(q, k, v, attn_mask, *options):
         attn.run_options(),
         lambda: ref.sdpa_forward(q, k, v, attn_mask, *attn),
     )
+    strides = ref.layout_strides(q, out.shape)
+    if list(out.stride()) != strides and out.numel() > 1:
+        out = ref.like_layout(q, out.shape).copy_(out)  # the op's layout contract (see above)
     return out, lse
 
 
 @sdpa_forward.register_fake
 def _(q, k, v, attn_mask, *options):
     lse = q.new_empty(q.shape[:-1], dtype=ref.compute_dtype(q.dtype))
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), lse
+    return ref.like_layout(q, (*q.shape[:-1], v.shape[-1])), lse
 
 
 @torch.library.custom_op(
@@ -203,11 +210,17 @@ def _broadcast_qkv(q, k, v, enable_gqa):
 
     F.scaled_dot_product_attention broadcasts the dims before [seq, dim] like matmul, heads
     included unless enable_gqa groups them. Expanding here (views; autograd sums the gradients
-    back) keeps the internal ops on [*batch, heads, seq, dim]. Shapes that do not broadcast are
-    returned rank-padded only, for check_sdpa to name the mismatch.
+    back) keeps the internal ops on [*batch, heads, seq, dim]. With enable_gqa, key and value
+    may have different head counts (each dividing the query's), as F.sdpa allows: query head h
+    reads key head h // (Hq / Hk) and value head h // (Hq / Hv); the internal ops take one
+    head count for both, so the one with fewer heads is repeated (a copy, in this rare case) to
+    the other's count, or both to Hq when neither count divides the other. Shapes that do not
+    broadcast are returned rank-padded only, for check_sdpa to name the mismatch.
     """
     rank = max(q.dim(), k.dim(), v.dim(), 3)
     q, k, v = (t[(None,) * (rank - t.dim())] for t in (q, k, v))
+    if enable_gqa:
+        k, v = _match_kv_heads(q.shape[-3], k, v)
     try:
         batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         hq, hkv = q.shape[-3], torch.broadcast_shapes(k.shape[-3:-2], v.shape[-3:-2])[0]
@@ -220,6 +233,15 @@ def _broadcast_qkv(q, k, v, enable_gqa):
         k.expand(*batch, hkv, *k.shape[-2:]),
         v.expand(*batch, hkv, *v.shape[-2:]),
     )
+
+
+def _match_kv_heads(hq, k, v):
+    """Grouped-query key and value of different head counts -> one head count (see above)."""
+    hk, hv = k.shape[-3], v.shape[-3]
+    if hk == hv or min(hk, hv) == 1 or hk == 0 or hv == 0 or hq % hk or hq % hv:
+        return k, v  # equal, broadcast (1 head), or invalid: check_sdpa names the problem
+    target = max(hk, hv) if max(hk, hv) % min(hk, hv) == 0 else hq
+    return k.repeat_interleave(target // hk, -3), v.repeat_interleave(target // hv, -3)
 
 
 def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
@@ -533,3 +555,50 @@ def linear(x, weight, bias=None, activation="none"):
     if x.dim() == 1:
         return gemm(x.unsqueeze(0), weight.t(), bias=bias, activation=activation).squeeze(0)
     return gemm(x, weight.t(), bias=bias, activation=activation)
+
+
+# ----------------------------------------------------------------------------- autocast
+
+# Under torch.autocast these ops run in the autocast dtype, as F.scaled_dot_product_attention
+# and torch.matmul do: their floating-point tensor arguments (sinks excepted: a per-head logit
+# that the kernels read in float32 anyway) are cast to torch.get_autocast_dtype(device) and the
+# op runs with autocast off. This is torch.library.register_autocast's mechanism (a kernel at the
+# Autocast<Device> key, and the same rule as a py_impl for the Python dispatcher that
+# torch.compile traces with), with the dtype read when the op runs instead of fixed when it is
+# registered: register_autocast would cast to one dtype whatever the user's autocast asked for.
+_AUTOCAST = {  # op -> indices of the tensor arguments to cast
+    "sdpa_forward": (0, 1, 2, 3),
+    "sdpa_varlen_forward": (0, 1, 2),
+    "gemm": (0, 1, 2, 3),
+}
+
+
+def _autocast_kernel(op, device_type, positions):
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def cast_and_run(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = list(args)
+        for i in positions:
+            t = args[i] if i < len(args) else None
+            if torch.is_tensor(t) and t.is_floating_point() and t.device.type == device_type:
+                args[i] = t.to(dtype)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(*args, **kwargs)
+
+    return key, cast_and_run
+
+
+def _register_autocast():
+    for name, positions in _AUTOCAST.items():
+        op = getattr(torch.ops.steel, name).default
+        for device_type in ("cpu", "mps"):
+            if not torch._C._is_autocast_available(device_type):
+                continue
+            key, kernel = _autocast_kernel(op, device_type, positions)
+            op.py_impl(key)(kernel)
+            _LIB.impl(name, lambda _keyset, *a, _k=kernel, **kw: _k(*a, **kw), key.name,
+                      with_keyset=True)  # fmt: skip
+
+
+_register_autocast()

@@ -96,37 +96,95 @@ class _Scores:
         # Sink logits as a [..., H, 1, 1] column that broadcasts against the rows.
         self.sink = None if sinks is None else sinks.to(ct).reshape(-1, 1, 1)
 
-    def probabilities(self, lse):
-        """exp(s - lse) with rows whose lse is -inf (nothing visible) all zero."""
-        finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
-        return torch.exp(self.s - finite)
+    def softmax(self):
+        """(p, p_sink, lse): softmax probabilities of the visible keys and of the sink (None
+        without sinks), normalised by the row max, and the log-sum-exp.
+
+        Normalising exp(s - max) by its sum, instead of taking exp(s - lse), stays exact when
+        every logit of a row is huge and negative (an additive mask of finfo(dtype).min, as
+        Hugging Face pads): there lse ~ -3.4e38 has no bits left for log(S), and exp(s - lse)
+        would give each key weight 1. A row that sees nothing (max -inf) is all zero, lse -inf.
+        """
+        s = self.s
+        if s.shape[-1] > 0:
+            row_max = s.amax(-1, keepdim=True)
+        else:
+            row_max = s.new_full((*s.shape[:-1], 1), float("-inf"))
+        if self.sink is not None:
+            row_max = torch.maximum(row_max, self.sink.expand_as(row_max))
+        # A row that sees nothing has max -inf; any finite shift keeps exp() at 0 without NaN.
+        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+        e = torch.exp(s - row_max)
+        total = e.sum(-1, keepdim=True)
+        e_sink = None if self.sink is None else torch.exp(self.sink - row_max)
+        if e_sink is not None:
+            total = total + e_sink
+        lse = (row_max + torch.log(total)).squeeze(-1)
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        p_sink = None if e_sink is None else e_sink / safe
+        return e / safe, p_sink, lse
+
+
+def _dense_non_overlapping(t):
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+        if t.shape[d] == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def layout_strides(q, shape):
+    """The strides of a tensor of `shape` (q's shape but for the last dim) laid out like q.
+
+    F.scaled_dot_product_attention's output follows the query's memory layout: a query that is
+    a [B, L, H, E] tensor viewed as [B, H, L, E] gives an output whose strides are [B, L, H, Ev]
+    ordered, so that out.transpose(1, 2).view(B, L, H * Ev) works. Dims of size > 1 are ordered
+    by q's strides (outermost first; size-1 dims stay where they are); a query that is not dense
+    and non-overlapping (an expanded view), or whose last dim is not innermost, gives contiguous
+    strides.
+    """
+    n = len(shape)
+    order = list(range(n))
+    if _dense_non_overlapping(q):
+        big = [d for d in range(n) if q.shape[d] > 1]
+        ranked = iter(sorted(big, key=lambda d: (-q.stride(d), d)))
+        order = [next(ranked) if q.shape[d] > 1 else d for d in range(n)]
+        if order[-1] != n - 1:
+            order = list(range(n))
+    strides = [0] * n
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(int(shape[d]), 1)
+    return strides
+
+
+def like_layout(q, shape, dtype=None):
+    """An empty tensor of `shape` laid out like q (see layout_strides)."""
+    dtype = q.dtype if dtype is None else dtype
+    return q.new_empty_strided(tuple(shape), layout_strides(q, shape), dtype=dtype)
 
 
 def sdpa_forward(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, softcap, window_left,
                  window_right, bottom_right, seed, offset, batch_index=0):  # fmt: skip
-    """Returns (out in q's dtype, lse in float32 or float64 of shape [*batch, H, L])."""
+    """Returns (out in q's dtype and memory layout (see like_layout), lse in float32 or float64
+    of shape [*batch, H, L])."""
     sc = _Scores(
         q, k, attn_mask, is_causal, scale, sinks, softcap, window_left, window_right, bottom_right
     )
     vc = _expand_kv(v.to(sc.s.dtype), sc.groups)
-    if sc.s.shape[-1] > 0:
-        row_max = sc.s.amax(-1, keepdim=True)
-    else:
-        row_max = sc.s.new_full((*sc.s.shape[:-1], 1), float("-inf"))
-    if sc.sink is not None:
-        row_max = torch.maximum(row_max, sc.sink.expand_as(row_max))
-    # A row that sees nothing has max -inf; any finite shift keeps exp() at 0 without NaN.
-    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-    total = torch.exp(sc.s - row_max).sum(-1, keepdim=True)
-    if sc.sink is not None:
-        total = total + torch.exp(sc.sink - row_max)
-    lse = (row_max + torch.log(total)).squeeze(-1)
-    p = sc.probabilities(lse)
+    p, _, lse = sc.softmax()
     if dropout_p > 0:
         p = p * dropout_scale(
             q.shape, k.shape[-2], dropout_p, seed, offset, batch_index, q.device, p.dtype
         )
-    return (p @ vc).to(q.dtype), lse
+    result = p @ vc
+    out = like_layout(q, result.shape)
+    out.copy_(result)
+    return out, lse
 
 
 def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_causal, scale,
@@ -136,16 +194,18 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_cau
     None without sinks, dmask None unless mask_grad: the gradient of a float attn_mask, summed
     over the dims it broadcasts along).
 
-    Probabilities are rebuilt from the forward's lse, as a flash-attention backward does.
+    The probabilities are recomputed and normalised by the row max (see _Scores.softmax), not
+    rebuilt as exp(s - lse): the reference is the tests' oracle and must stay exact on rows of
+    huge negative logits, where exp(s - lse) cancels catastrophically. lse is not read (it is
+    an argument because the kernels, which rebuild from it, take the same arguments).
     """
     sc = _Scores(
         q, k, attn_mask, is_causal, scale, sinks, softcap, window_left, window_right, bottom_right
     )
     ct = sc.s.dtype
-    lse = lse.to(ct)
     vc = _expand_kv(v.to(ct), sc.groups)
     go = grad_out.to(ct)
-    p = sc.probabilities(lse)
+    p, p_sink, _ = sc.softmax()
     dp = go @ vc.mT
     if dropout_p > 0:
         factor = dropout_scale(
@@ -169,8 +229,6 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_cau
     dv = _reduce_kv(pd.mT @ go, sc.groups)
     dsinks = None
     if sinks is not None:
-        finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
-        p_sink = torch.where(torch.isneginf(lse).unsqueeze(-1), 0.0, torch.exp(sc.sink - finite))
         d = -delta if grad_lse is None else grad_lse.to(ct).unsqueeze(-1) - delta
         per_head = (p_sink * d).sum(-1)  # [*batch, H, L]
         per_head = per_head.reshape(-1, per_head.shape[-2], per_head.shape[-1]).sum((0, 2))

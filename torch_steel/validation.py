@@ -89,6 +89,10 @@ def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
         fail(op, f"query, key and value must have the same rank, got {ranks}")
     if q.dim() < 3:
         fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {q.dim()}")
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if enable_gqa and hk != hv and (hk == 0 or hv == 0 or hq % hk or hq % hv):
+        heads = f"query heads ({hq}) divisible by key heads ({hk}) and value heads ({hv})"
+        fail(op, f"grouped-query attention needs {heads}")
     _check_qkv_dims(op, q, k, v)
     if q.shape[:-3] != k.shape[:-3]:
         fail(op, f"batch dims of query {list(q.shape[:-3])} and key {list(k.shape[:-3])} differ")

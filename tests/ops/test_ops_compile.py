@@ -54,7 +54,7 @@ def test_compile_fullgraph_attention_block():
     torch.testing.assert_close(grad, eager_grad, atol=1e-4, rtol=1e-4)
 
 
-def test_compile_inductor_with_patched_sdpa():
+def test_compile_inductor_with_patched_sdpa(steel_calls):
     torch._dynamo.reset()
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
 
@@ -62,6 +62,28 @@ def test_compile_inductor_with_patched_sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     expected = attend(q, k, v)
-    with torch_steel.backend("reference"), torch_steel.patch():
+    with torch_steel.backend("reference"), torch_steel.patch(devices=("mps", "cpu")):
         got = torch.compile(attend, fullgraph=True)(q, k, v)
+    assert steel_calls == ["forward"]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_caches_keep_steel_and_pytorch_graphs_apart(steel_calls):
+    """torch.compile's on-disk caches key a graph by the code that calls F.sdpa; the steel tag in
+    torch.compiler.config.cache_key_tag keeps a graph traced with steel from serving a
+    compilation without it (and the other way round)."""
+
+    def attend(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).cos()
+
+    q = torch.randn(1, 2, 8, 16)
+    for active in (True, False, True):
+        torch._dynamo.reset()
+        steel_calls.clear()
+        if active:
+            with torch_steel.backend("reference"), torch_steel.patch(devices=("mps", "cpu")):
+                torch.compile(attend, fullgraph=True)(q)
+        else:
+            torch.compile(attend, fullgraph=True)(q)
+        assert steel_calls == (["forward"] if active else [])
+    torch._dynamo.reset()

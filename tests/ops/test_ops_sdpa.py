@@ -181,12 +181,13 @@ def test_sdpa_dropout_backward_gradcheck():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_sdpa_matches_torch_nn_multihead_attention_under_patch():
+def test_sdpa_matches_torch_nn_multihead_attention_under_patch(steel_calls):
     mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).double().eval()
     x = randn(2, 7, 16)
     expected, _ = mha(x, x, x, need_weights=False, is_causal=False)
-    with torch_steel.backend("reference"), torch_steel.patch():
+    with torch_steel.backend("reference"), torch_steel.patch(devices=("mps", "cpu")):
         got, _ = mha(x, x, x, need_weights=False)
+    assert steel_calls == ["forward"]
     torch.testing.assert_close(got, expected, **TOL64)
 
 
