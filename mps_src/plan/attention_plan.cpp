@@ -468,7 +468,7 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   Allocation delta;
   delta.name = "delta";
   delta.dtype = DType::Float32;
-  delta.sizes = {st.batch_count * st.Hq * st.L};
+  delta.sizes = {2, st.batch_count * st.Hq * st.L};  // delta, then 1 / normaliser
   plan.allocations.push_back(delta);
   plan.ok = true;
   if (st.empty) return plan;
@@ -499,8 +499,13 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   Dispatch pre;
   pre.kernel = "steel_attention_bwd_delta_" + dtype;
   pre.constants = constants;
-  pre.bindings = {tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),
+  pre.bindings = {tensor_binding(STEEL_ATTN_BUF_Q, slots.q),
+                  tensor_binding(STEEL_ATTN_BUF_K, slots.k),
+                  mask,
+                  tensor_binding(STEEL_ATTN_BUF_SINKS, has_sinks ? slots.sinks : slots.q),
+                  tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),
                   tensor_binding(STEEL_ATTN_BUF_FWD_OUT, kSlotOut),
+                  tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
                   tensor_binding(STEEL_ATTN_BUF_GRAD_LSE, has_grad_lse ? kSlotGradLse : kSlotLse),
                   tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta), params};
   pre.grid[0] = static_cast<uint32_t>(ceil_div(st.L, STEEL_ATTN_DELTA_ROWS));

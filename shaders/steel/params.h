@@ -222,7 +222,7 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #define STEEL_ATTN_BUF_FWD_OUT 9   // the forward's out (delta pre-pass)
 #define STEEL_ATTN_BUF_FWD_LSE 10  // the forward's lse
 #define STEEL_ATTN_BUF_GRAD_LSE 11
-#define STEEL_ATTN_BUF_DELTA 12    // fp32 scratch: rowsum(dO * O) - grad_lse, [batch, Hq, L]
+#define STEEL_ATTN_BUF_DELTA 12    // fp32 scratch [2, batch * Hq * L]: delta, 1 / normaliser
 #define STEEL_ATTN_BUF_DQ 13
 #define STEEL_ATTN_BUF_DK 14
 #define STEEL_ATTN_BUF_DV 15

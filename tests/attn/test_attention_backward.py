@@ -189,3 +189,16 @@ def test_instantiations_sweep(E, Ev, dtype):
     q, k, v = qkv(1, 2, 100, 130, E, Ev, dtype=dtype)
     check(q, k, v, attn_mask=torch.rand(100, 130) > 0.3, softcap=20.0, sinks=torch.randn(2),
           window=(60, 10))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_finfo_min_padding_rows(dtype):
+    """Hugging Face's padding: finfo.min on padded keys and on every key of a padded query row,
+    with a nonzero gradient on that row. exp(s - lse) alone gives every key of the padded row a
+    weight of 1 (scores and lse round to the same float); the pre-pass restores the normaliser,
+    so the gradients match the exact reference."""
+    q, k, v = qkv(1, 2, 20, 30, 64, dtype=dtype)
+    mask = torch.zeros(1, 1, 20, 30, dtype=dtype)
+    mask[..., 5, :] = torch.finfo(dtype).min
+    mask[..., :, 25:] = torch.finfo(dtype).min
+    check(q, k, v, attn_mask=mask)

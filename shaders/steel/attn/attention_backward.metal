@@ -15,15 +15,20 @@ using namespace steel;
 
 template <typename T>
 [[kernel]] void steel_attention_bwd_delta(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]], const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device uchar* sinks [[buffer(STEEL_ATTN_BUF_SINKS)]],
     const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
     const device T* out [[buffer(STEEL_ATTN_BUF_FWD_OUT)]],
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* grad_lse [[buffer(STEEL_ATTN_BUF_GRAD_LSE)]],
     device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
-  attention_bwd_delta<T>(grad_out, out, grad_lse, delta, params, tg, simdgroup, lane);
+  attention_bwd_delta<T>(q, k, mask, sinks, grad_out, out, lse, grad_lse, delta, params, tg,
+                         simdgroup, lane);
 }
 
 template <typename T, short DE, short DV>

@@ -3,7 +3,8 @@
 //
 //   1. delta pre-pass: delta[row] = rowsum(dO * O) - grad_lse[row] in fp32, one simdgroup a row.
 //      (dS = P * (dP - delta) is the softmax Jacobian applied to dP; a gradient on lse adds
-//      P * grad_lse, which is the same as subtracting it from delta.)
+//      P * grad_lse, which is the same as subtracting it from delta.) It also restores the
+//      normaliser of rows whose lse is too large for exp(s - lse) (kAttnHugeLse).
 //   2. dK/dV: a threadgroup owns BKV = 32 keys of one (batch, KV head), four simdgroups of 8
 //      keys each holding their K, V and the dK, dV accumulators in registers, and streams the
 //      query tiles (BK rows of Q and dO through threadgroup memory) of every query head of the
@@ -61,8 +62,21 @@ inline float attn_probability(float s, float lse) {
   return lse == -INFINITY ? 0.0f : exp2((s - lse * attn_units_per_nat) * attn_exp_unit);
 }
 
+// The backward's scratch holds two [batch, Hq, L] planes: delta, then 1 / normaliser.
+inline steel_i64 attn_rows(constant AttnBackwardParams& bp) {
+  return steel_i64(bp.batch) * bp.fwd.Hq * bp.fwd.L;
+}
+
+// Beyond this |lse| (in nats), exp(s - lse) in fp32 no longer sums to 1 over a row: a row whose
+// keys all carry a finfo.min mask (Hugging Face's padding) has every score and its lse rounded
+// to the same float, and the log of the normaliser is lost. Below it the error of exp(s - lse)
+// is at most 2^12 fp32 ulps of 1 (2.4e-4 relative).
+constant constexpr float kAttnHugeLse = 4096.0f;
+
 template <typename T>
-inline void attention_bwd_delta(const device T* grad_out, const device T* out,
+inline void attention_bwd_delta(const device T* q, const device T* k, const device uchar* mask,
+                                const device uchar* sinks, const device T* grad_out,
+                                const device T* out, const device float* lse,
                                 const device float* grad_lse, device float* delta,
                                 constant AttnBackwardParams& bp, uint3 tg, ushort simdgroup,
                                 ushort lane) {
@@ -76,9 +90,34 @@ inline void attention_bwd_delta(const device T* grad_out, const device T* out,
   float acc = 0.0f;
   for (int c = lane; c < p.Ev; c += 32) acc += float(grad_out[c]) * float(out[c]);
   acc = simd_sum(acc);
+
+  // Rows of huge |lse| get their normaliser back: sum over the visible keys of exp(s - lse)
+  // (one key a lane, scores as the other kernels compute them), so that the kernels' P sums to
+  // 1 as the forward's did. Uniform per simdgroup (one row); every other row has 1.
+  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  const float l = lse[at];
+  float inv_norm = 1.0f;
+  if (l != -INFINITY && fabs(l) >= kAttnHugeLse) {
+    const device T* q_row = q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs + row * p.q_rs;
+    const device T* k_h = k + attn_batch_offset(p, p.k_bs, zb) + (h / p.group) * p.k_hs;
+    const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+    float sum = 0.0f;
+    for (int key = lane; key < p.S; key += 32) {
+      float x = 0.0f;
+      for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
+      float th = 0.0f;
+      const float s = attn_score<T>(x, p, row, key, true, mask, mask_row + key * p.m_cs, true, th);
+      sum += attn_probability(s, l);
+    }
+    sum = simd_sum(sum);
+    if (attn_sinks != kSteelAttnOperandNone) {
+      sum += exp(attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, h) - l);
+    }
+    inv_norm = sum > 0.0f ? 1.0f / sum : 1.0f;
+  }
   if (lane == 0) {
-    const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
     delta[at] = attn_grad_lse ? acc - grad_lse[at] : acc;
+    delta[attn_rows(bp) + at] = inv_norm;
   }
 }
 
@@ -136,6 +175,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
     const device T* g_h = grad_out + g_base + h * bp.g_hs;
     const device float* lse_h = lse + (steel_i64(zb) * p.Hq + h) * p.L;
     const device float* delta_h = delta + (steel_i64(zb) * p.Hq + h) * p.L;
+    const device float* norm_h = delta_h + attn_rows(bp);
     const steel_i64 mask_key = m_base + h * p.m_hs + key * p.m_cs;
     for (int t = t_begin; t < t_end; ++t) {
       const int row0 = t * A::BK;
@@ -175,7 +215,8 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
           float th = 0.0f;
           const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, row, key,
                                         row_ok, mask, mask_key + row * p.m_rs, edge, th);
-          pt.frag[j].thread_elements()[e] = attn_probability(s, row_ok ? lse_h[row] : -INFINITY);
+          pt.frag[j].thread_elements()[e] =
+              row_ok ? attn_probability(s, lse_h[row]) * norm_h[row] : 0.0f;
           slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
         }
       }
@@ -275,6 +316,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
   const float lse_row = row_ok ? lse[at] : -INFINITY;
   const float delta_row = row_ok ? delta[at] : 0.0f;
+  const float norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
   FragTile<1, A::TD> dqf;
   dqf.clear();
 
@@ -318,7 +360,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
         float th = 0.0f;
         const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, row, key, row_ok, mask,
                                       mask_row + key * p.m_cs, edge, th);
-        ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row);
+        ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
         slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
       }
     }
@@ -381,7 +423,7 @@ inline void attention_bwd_dsinks(const device float* lse, const device float* de
     const steel_i64 zb = n / p.L;
     const steel_i64 at = (zb * p.Hq + h) * p.L + (n - zb * p.L);
     const float l = lse[at];
-    if (l != -INFINITY) acc -= exp(sink - l) * delta[at];
+    if (l != -INFINITY) acc -= exp(sink - l) * delta[attn_rows(bp) + at] * delta[at];
   }
   acc = simd_sum(acc);
   if (lane != 0) return;
