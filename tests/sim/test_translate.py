@@ -215,7 +215,7 @@ struct S { static constant constexpr int x = 3; };
     assert lines[0] == ("static constexpr ::steel_shim::function_constant<bool, (3)> has_bias{};")
     assert "function_constant<int, (STEEL_ACT + 1)> act{};" in lines[1]
     assert squash(lines[2]) == squash(
-        "static inline bool __steel_fc_plain() { return ( has_bias && act == 2); } static "
+        "static constexpr bool __steel_fc_plain() { return ( has_bias && act == 2); } static "
         "constexpr ::steel_shim::derived_constant<bool, &__steel_fc_plain> plain{};"
     )
     assert lines[3] == "constant float kPi = 3.14159f;"  # a plain constant stays a constant

@@ -173,12 +173,14 @@ struct function_constant {
   operator T() const { return get(); }
 };
 
-// A namespace-scope `constant T name = <expression of function constants>;`.
+// A namespace-scope `constant T name = <expression>;` whose expression names other constants:
+// a constant expression when they are plain constants (C++23 lets a constexpr function call
+// the run-time function constants too, as long as no constant expression needs it).
 template <typename T, T (*F)()>
 struct derived_constant {
   using value_type = T;
-  T get() const { return F(); }
-  operator T() const { return get(); }
+  constexpr T get() const { return F(); }
+  constexpr operator T() const { return get(); }
 };
 
 template <typename C>
