@@ -555,19 +555,34 @@ def shader_library() -> ShaderLibrary:
 _test_libraries: dict[str, ShaderLibrary] = {}
 
 
-def test_library(sources: list[Path]) -> ShaderLibrary:
+def test_library(sources: list[Path], include_dirs: list[Path] = ()) -> ShaderLibrary:
     """A library of test-only kernels: the given .metal files (which may include headers next
-    to them and the package's shaders/ headers), loaded. Any build error is raised."""
+    to them, headers under `include_dirs` and the package's shaders/ headers), loaded. Any
+    build error is raised."""
     translate = _translator()
     rt = runtime_dir()
     sources = [s.resolve() for s in sources]
     for s in sources:
         if not s.is_file():
             raise FileNotFoundError(f"kernel source {s} not found")
+    include_dirs = [Path(d).resolve() for d in include_dirs]
+    for d in include_dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"include directory {d} not found")
     dirs = sorted({s.parent for s in sources})
     local_headers = sorted({h for d in dirs for h in d.glob("*.h")})
+    included = [_files(d, "*.h") for d in include_dirs]
     shader_headers = _files(SHADERS, "*.h")
-    key = _digest(sources + local_headers + shader_headers + _lang_inputs(), SHADER_FLAGS, rt.name)
+    key = _digest(
+        sources
+        + local_headers
+        + [h for hs in included for h in hs]
+        + shader_headers
+        + _lang_inputs(),
+        SHADER_FLAGS,
+        rt.name,
+        [str(d) for d in include_dirs],
+    )
     if key in _test_libraries:
         return _test_libraries[key]
     out = cache_root() / f"test-{key}"
@@ -585,7 +600,11 @@ def test_library(sources: list[Path]) -> ShaderLibrary:
             if bad:
                 raise SimulatorError("the shader pre-pass refused:\n" + "\n".join(bad))
             metals += [(s, mirror / s.name) for s in mine]
-        _shader_lib(d, metals, [d / "shaders"], strict=True)
+        mirrored_includes = []
+        for i, (inc, headers) in enumerate(zip(include_dirs, included, strict=True)):
+            _mirror(inc, headers, d / f"inc{i}", translate)
+            mirrored_includes.append(d / f"inc{i}")
+        _shader_lib(d, metals, [*mirrored_includes, d / "shaders"], strict=True)
 
     names = ", ".join(s.name for s in sources)
     lib = _load(_locked_build(out, build, f"test kernels ({names})", "5-20 s"))

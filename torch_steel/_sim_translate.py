@@ -116,8 +116,10 @@ CXX_ATTRIBUTES = frozenset(
     }
 )
 
-# Headers a shader may include with <...>: the shim's.
-METAL_HEADERS = re.compile(r"metal_\w+")
+# Headers a shader may include with <...>: the shim's, <simd/simd.h>, and headers of the
+# kernel's own tree by path (`<dir/name.h>`, found through include directories). The C++
+# standard library's (<cmath>, <vector>, <math.h>) are refused.
+METAL_HEADERS = re.compile(r"metal_\w+|simd/simd\.h|[\w.-]+(?:/[\w.-]+)+\.(?:h|hpp|metal)")
 
 _TOKEN = re.compile(
     r"""
@@ -330,6 +332,12 @@ class _Translator:
                         target = f"metal::{target}"
                     r.sub(k, close + 1, f"::steel_shim::vmake<{target}>")
                     k = close
+            elif s == "[" and self.address_space_array_parameter(r, k):
+                # `constant T x[N]` as a parameter: C++ refuses the qualifier on an array
+                # parameter, MSL means the pointer it decays to.
+                close = r.match(k)
+                r.sub(k - 1, close + 1, f"* {r.t(k - 1)}")
+                k = close
             elif s == "(" and self.address_space_cast(r, k):
                 close = self.address_space_cast(r, k)
                 r.sub(k, close + 1, f"::steel_shim::as_cast<{r.flat(k + 1, close)}>() ->* ")
@@ -342,6 +350,21 @@ class _Translator:
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1
+
+    @staticmethod
+    def address_space_array_parameter(r: _Rewriter, k: int) -> bool:
+        """Whether the `[` at k ends a parameter `constant T name[N]` (or device, threadgroup)."""
+        if r.kind(k - 1) != "ident" or r.t(k + 1) == "[":  # [[attributes]]
+            return False
+        if r.t(r.match(k) + 1) not in (",", ")"):
+            return False
+        j = k - 2
+        while j >= 0 and r.t(j) not in ("(", ",", ";", "{", "}", ")", "="):
+            j -= 1
+        if r.t(j) not in ("(", ","):
+            return False
+        words = {r.t(x) for x in range(j + 1, k - 1)}
+        return bool(words & {"constant", "device", "threadgroup"})
 
     @staticmethod
     def address_space_cast(r: _Rewriter, k: int) -> int:
@@ -731,15 +754,21 @@ class _Translator:
                 elif name == "kernel":
                     is_kernel = True
             j = end
+        if r.t(j) == "kernel":  # `template [[host_name("x")]] kernel void f<...>(...);`
+            is_kernel = True
+            j += 1
         semi = j
         while r.t(semi) != ";":
             if semi >= len(r.sig):
-                raise r.error(k, "explicit instantiation without ';'")
+                if not r.in_directive:
+                    raise r.error(k, "explicit instantiation without ';'")
+                break  # a macro whose uses supply the ';' (or leave it out: the last one)
             semi += 1
+        stop = min(semi + 1, len(r.sig))
         if not is_kernel:
             if host is not None:
                 raise r.error(k, "[[host_name]] on an instantiation that is not [[kernel]]")
-            return semi + 1
+            return stop
         if r.t(j) == "decltype" and r.t(j + 1) == "(":
             close = r.match(j + 1)
             func = r.flat(close + 1, semi)
@@ -769,8 +798,8 @@ class _Translator:
         params = (
             f"{qual}__steel_kernel_ ## {base}" if r.in_directive else f"{qual}__steel_kernel_{base}"
         )
-        r.sub(k, semi + 1, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
-        return semi + 1
+        r.sub(k, stop, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
+        return stop
 
     @staticmethod
     def signature_paren(r: _Rewriter, a: int, b: int) -> int:
@@ -838,10 +867,19 @@ class _Translator:
         if host is None:
             host = f'"{name}"'
         close = r.match(j)
-        params, conditions = self.kernel_params(r, j + 1, close, f"__steel_kernel_{name}")
         after = close + 1
         if r.t(after) == ";":
-            return after + 1  # a declaration: the definition carries the registration
+            # A declaration (its parameters may lack attributes): the definition registers.
+            x = j + 1
+            while x < close:
+                if r.t(x) == "[" and r.t(x + 1) == "[":
+                    end = self.attribute_end(r, x)
+                    r.sub(x, end, "")
+                    x = end
+                else:
+                    x += 1
+            return after + 1
+        params, conditions = self.kernel_params(r, j + 1, close, f"__steel_kernel_{name}")
         if r.t(after) != "{":
             raise r.error(after, "expected the kernel's body")
         body_end = r.match(after)
@@ -975,7 +1013,9 @@ class _Translator:
         ]
         if not expr_idents:
             return None
-        r.sub(k, eq + 1, f"static inline {ctype} __steel_fc_{name}() {{ return (")
+        # constexpr, so that one over plain constants is a constant expression (an array bound,
+        # `constant int N = M * 2;`); over function constants it is evaluated at each use.
+        r.sub(k, eq + 1, f"static constexpr {ctype} __steel_fc_{name}() {{ return (")
         r.sub(
             semi,
             semi + 1,

@@ -297,8 +297,12 @@ def run_kernel(
     threadgroup_memory: Mapping[int, int] | None = None,
     counters: bool = False,
     checkers: bool | None = None,
+    include_dirs: Sequence[str | os.PathLike] = (),
 ):
     """Launch kernel `name` (its host name) from a test library built from `sources` (.metal).
+
+    include_dirs: directories searched by the sources' `#include <dir/name.h>` (their headers
+    go through the pre-pass like the sources).
 
     buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
     constants: {function_constant index: value}; threadgroup_memory: {index: bytes}.
@@ -330,7 +334,7 @@ def run_kernel(
         else:
             raise TypeError(f"constant {index}: expected bool, int or float, got {v!r}")
     raw_tgmem = [(int(i), int(n)) for i, n in sorted((threadgroup_memory or {}).items())]
-    lib = _sim_build.test_library([Path(s) for s in sources])
+    lib = _sim_build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs])
     ext = _sim_build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
     raw = _call(

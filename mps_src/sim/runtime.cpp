@@ -158,13 +158,23 @@ void block() {
   switch_from(g.cur);
 }
 
-void complete_simd(SimdGroup& sg) {
-  uint32_t mask = sg.arrived;
-  const void* result = sg.buf[sg.parity];
+// One completed simd operation of the lanes in `mask` (all of the simdgroup's waiting lanes, or
+// those that reached one call site in divergent control flow).
+void complete_simd_lanes(SimdGroup& sg, uint32_t mask) {
   bool exchange = sg.wait == SimdWait::Exchange;
+  uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
+  const Lane& lead = g.lanes[first + static_cast<uint32_t>(__builtin_ctz(mask))];
+  const size_t bytes = lead.exchange_bytes;
+  if (exchange && bytes != 0) {
+    for (uint32_t i = 0; i < kSimdWidth; ++i) {
+      if (!(mask & (1u << i))) continue;
+      std::memcpy(sg.buf[1] + i * bytes, sg.buf[0] + i * kMaxExchangeBytes, bytes);
+    }
+  }
+  const void* result = sg.buf[1];
   ++g.counters.simd_ops;
   if (exchange) {
-    switch (sg.kind) {
+    switch (lead.exchange_kind) {
       case SimdKind::MatrixMma:
         ++g.counters.mma;
         break;
@@ -181,14 +191,6 @@ void complete_simd(SimdGroup& sg) {
         break;
     }
   }
-  sg.parity ^= 1;
-  sg.arrived = 0;
-  sg.wait = SimdWait::None;
-  // Only a simdgroup_barrier with memory flags orders memory between the lanes of a simdgroup
-  // (MSL); a simd_sum or a simdgroup-matrix operation synchronizes execution only.
-  if (!exchange && (sg.flags & kMemThreadgroup)) sg.epoch = ++g.simd_epochs;
-  if (!exchange && (sg.flags & kMemDevice)) sg.dev_epoch = ++g.simd_epochs;
-  uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
   for (uint32_t i = 0; i < kSimdWidth; ++i) {
     if (!(mask & (1u << i))) continue;
     Lane& lane = g.lanes[first + i];
@@ -196,6 +198,53 @@ void complete_simd(SimdGroup& sg) {
     lane.exchange_mask = mask;
     if (&lane != g.cur) push_ready(&lane);
   }
+}
+
+// Whether call chain a reaches its operation earlier in the program than b: compared from the
+// outermost frame inward, at the first frame where they differ.
+bool earlier(const CallChain& a, const CallChain& b) {
+  uint32_t i = 0;
+  while (i < a.n && i < b.n && a.pc[a.n - 1 - i] == b.pc[b.n - 1 - i]) ++i;
+  if (i == a.n || i == b.n) return a.n > b.n;  // deeper in a shared path: inside a call
+  return a.pc[a.n - 1 - i] < b.pc[b.n - 1 - i];
+}
+
+// Completes the simdgroup's pending simd operation once every live lane of it waits (at it, or,
+// for shuffles, reductions and ballots, at another call site or a threadgroup barrier): lanes at
+// one call site complete together, each site on its own, as divergent branches run on the GPU.
+void try_complete_simd(SimdGroup& sg) {
+  if (sg.arrived == 0 || (sg.arrived | sg.at_barrier) != sg.live) return;
+  bool exchange = sg.wait == SimdWait::Exchange;
+  uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
+  // The lanes at the call site that comes first in the program complete; the others wait on, as
+  // lanes that skipped a branch wait at the join point on the GPU for those in it. "First" is
+  // the lower code address where the call chains part (compiled code keeps a branch body
+  // before its join point, a loop body before its exit).
+  uint32_t lead = static_cast<uint32_t>(__builtin_ctz(sg.arrived));
+  for (uint32_t i = lead + 1; i < kSimdWidth; ++i) {
+    if (!(sg.arrived & (1u << i))) continue;
+    const Lane& a = g.lanes[first + i];
+    const Lane& b = g.lanes[first + lead];
+    if (a.site_key != b.site_key && earlier(a.site, b.site)) lead = i;
+  }
+  const uint64_t key = g.lanes[first + lead].site_key;
+  uint32_t mask = 0;
+  for (uint32_t i = 0; i < kSimdWidth; ++i) {
+    if ((sg.arrived & (1u << i)) && g.lanes[first + i].site_key == key) mask |= 1u << i;
+  }
+  complete_simd_lanes(sg, mask);
+  sg.arrived &= ~mask;
+  if (sg.arrived != 0) return;  // the other call sites: when all lanes wait again
+  sg.wait = SimdWait::None;
+  // Only a simdgroup_barrier with memory flags orders memory between the lanes of a simdgroup
+  // (MSL); a simd_sum or a simdgroup-matrix operation synchronizes execution only.
+  if (!exchange && (sg.flags & kMemThreadgroup)) sg.epoch = ++g.simd_epochs;
+  if (!exchange && (sg.flags & kMemDevice)) sg.dev_epoch = ++g.simd_epochs;
+}
+
+bool divergence_allowed(SimdWait wait, SimdKind kind) {
+  return wait == SimdWait::Exchange &&
+         (kind == SimdKind::Shuffle || kind == SimdKind::Reduce || kind == SimdKind::Ballot);
 }
 
 void complete_barrier() {
@@ -221,7 +270,7 @@ void complete_barrier() {
   sg.live &= ~(1u << (me->index % kSimdWidth));
   --g.live;
   g.cur = nullptr;  // so that completing a rendezvous queues every waiting lane
-  if (sg.arrived != 0 && sg.arrived == sg.live) complete_simd(sg);
+  try_complete_simd(sg);
   if (g.at_barrier != 0 && g.at_barrier == g.live) complete_barrier();
   switch_from(me);
   __builtin_unreachable();
@@ -237,13 +286,6 @@ void lane_main(void* arg) {
 }
 
 uint32_t simd_lane_bit(const Lane* lane) { return 1u << (lane->index % kSimdWidth); }
-
-void check_simd_allowed(const char* what, const void* site) {
-  if (g.nlanes % kSimdWidth != 0) {
-    lane_fail(format("%s with %u threads per threadgroup, not a whole number of 32-lane "
-                     "simdgroups", what, g.nlanes), site);
-  }
-}
 
 // ------------------------------------------------------------------------------ threadgroups
 
@@ -672,7 +714,7 @@ void barrier(uint32_t flags, const CallChain& site) {
   Lane* me = g.cur;
   if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
   SimdGroup& sg = g.groups[me->sg];
-  if (sg.arrived != 0) {
+  if (sg.arrived != 0 && !sg.divergent_ok) {
     lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
               " of its simdgroup wait at " + describe_simd(sg) +
               " (divergent control flow). They wait:" + two_sites(sg.site, site));
@@ -688,6 +730,7 @@ void barrier(uint32_t flags, const CallChain& site) {
   }
   sg.at_barrier |= simd_lane_bit(me);
   ++g.at_barrier;
+  try_complete_simd(sg);  // lanes of this simdgroup at a shuffle or reduction go on
   if (g.at_barrier == g.live) {
     complete_barrier();
     return;
@@ -708,22 +751,26 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine,
                  const CallChain& site, uint32_t flags = 0) {
   Lane* me = g.cur;
   SimdGroup& sg = g.groups[me->sg];
-  if (sg.at_barrier != 0) {
+  const bool may_diverge = divergence_allowed(wait, kind);
+  if (sg.at_barrier != 0 && !may_diverge) {
     std::string what = wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind);
     lane_fail(what + " while lanes " + lane_list(sg.at_barrier, me->sg * kSimdWidth) +
               " of its simdgroup wait at threadgroup_barrier (divergent control flow). They wait:" +
               two_sites(g.barrier_site, site));
   }
   if (sg.arrived != 0) {
-    if (sg.wait != wait || (wait == SimdWait::Exchange && (sg.kind != kind || sg.bytes != bytes))) {
+    const bool apart = site.key != sg.site.key;
+    if (apart && may_diverge && sg.divergent_ok) {
+      // Another call site of a shuffle or reduction: completed on its own (try_complete_simd).
+    } else if (sg.wait != wait ||
+               (wait == SimdWait::Exchange && (sg.kind != kind || sg.bytes != bytes))) {
       std::string what = wait == SimdWait::Barrier
                              ? std::string("simdgroup_barrier")
                              : format("%s (%zu bytes per lane)", simd_kind_name(kind), bytes);
       lane_fail(what + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
                 " of its simdgroup wait at " + describe_simd(sg) +
                 " (divergent control flow). They wait:" + two_sites(sg.site, site));
-    }
-    if (g.checkers && site.key != sg.site.key) {
+    } else if (g.checkers && apart) {
       lane_fail(format("reached a different %s call than lanes %s of its simdgroup (divergent "
                        "control flow). They wait:",
                        wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind),
@@ -736,15 +783,18 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine,
     sg.bytes = bytes;
     sg.site = site;
     sg.flags = flags;
+    sg.divergent_ok = may_diverge;
   }
+  me->site_key = may_diverge ? site.key : sg.site.key;
+  me->exchange_bytes = bytes;
+  me->exchange_kind = kind;
+  if (may_diverge) me->site = site;
   if (mine != nullptr) {
-    std::memcpy(sg.buf[sg.parity] + (me->index % kSimdWidth) * bytes, mine, bytes);
+    std::memcpy(sg.buf[0] + (me->index % kSimdWidth) * kMaxExchangeBytes, mine, bytes);
   }
   sg.arrived |= simd_lane_bit(me);
-  if (sg.arrived == sg.live) {
-    complete_simd(sg);
-    return;
-  }
+  try_complete_simd(sg);
+  if (!(sg.arrived & simd_lane_bit(me))) return;  // completed
   me->wait = Wait::Simd;
   block();
 }
@@ -753,7 +803,6 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine,
 namespace {
 void simd_barrier(uint32_t flags, const CallChain& site) {
   if (g.cur == nullptr) lane_fail("simdgroup_barrier outside a kernel");
-  check_simd_allowed("simdgroup_barrier", site.pc[0]);
   simd_arrive(SimdWait::Barrier, SimdKind::Shuffle, 0, nullptr, site, flags);
 }
 }  // namespace
@@ -767,7 +816,6 @@ void simdgroup_barrier_flags(uint32_t mem_flags) {
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask) {
   const CallChain site = call_chain(__builtin_frame_address(0));
   if (g.cur == nullptr) lane_fail("simd operation outside a kernel");
-  check_simd_allowed(simd_kind_name(kind), site.pc[0]);
   if (bytes > kMaxExchangeBytes) {
     lane_fail(format("simd_exchange of %zu bytes per lane (the simulator supports up to %zu)",
                      bytes, kMaxExchangeBytes));

@@ -7,6 +7,10 @@
 // flow), so one source-level call must stay one call site.
 #pragma once
 
+// Predefined by Metal's compiler for every shader (so are __METAL_VERSION__ and friends, which
+// the shim's <metal_stdlib> defines).
+#define __METAL__ 1
+
 #include "sim/runtime.h"
 
 namespace steel_sim {

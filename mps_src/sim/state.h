@@ -32,6 +32,7 @@ constexpr uint32_t kMemThreadgroup = 2;  // Metal's mem_flags::mem_threadgroup
 constexpr uint64_t kSpinLimit = uint64_t{1} << 27;
 
 enum class Wait : uint8_t { Ready, Running, Barrier, Simd, Exited };
+enum class SimdWait : uint8_t { None, Exchange, Barrier };
 
 // Where a lane reached a rendezvous: the return addresses of the call chain in shader code
 // (innermost first, through frame pointers), so that a non-inlined helper holding a barrier that
@@ -42,7 +43,6 @@ struct CallChain {
   uint32_t n = 0;
   uint64_t key = 0;
 };
-enum class SimdWait : uint8_t { None, Exchange, Barrier };
 
 struct Lane {
   Context ctx;
@@ -52,6 +52,12 @@ struct Lane {
   Wait wait = Wait::Ready;
   const void* exchange_result = nullptr;
   uint32_t exchange_mask = 0;
+  // The simd operation it waits at: its call chain's key, size and kind, and (when it may be
+  // reached in divergent control flow) the chain itself (runtime.cpp, try_complete_simd).
+  uint64_t site_key = 0;
+  size_t exchange_bytes = 0;
+  SimdKind exchange_kind = SimdKind::Shuffle;
+  CallChain site;
 };
 
 struct SimdGroup {
@@ -62,8 +68,15 @@ struct SimdGroup {
   SimdKind kind = SimdKind::Shuffle;
   size_t bytes = 0;
   CallChain site;  // where the current rendezvous was first reached
+  // Whether every lane waiting now waits at a simd shuffle, reduction or ballot: those may be
+  // reached in divergent control flow (MSL defines them over the active lanes), each call site
+  // then completing with the lanes that reached it, once no lane of the simdgroup runs.
+  bool divergent_ok = false;
   uint32_t flags = 0;   // mem_flags of the simdgroup_barrier being gathered
-  uint32_t parity = 0;  // which of the two exchange buffers the current rendezvous fills
+  // buf[0]: each waiting lane's contribution, lane l at l * kMaxExchangeBytes; buf[1]: the
+  // contributions of the lanes of the last completed operation, lane-major at its size. A lane
+  // reads buf[1] before any further operation of its simdgroup can complete (that needs every
+  // live lane to wait again), so one result buffer is enough.
   // Advance at every completed simdgroup_barrier with mem_threadgroup (epoch) or mem_device
   // (dev_epoch): what orders the memory accesses of this simdgroup's lanes for the race checker.
   // Other simd operations do not order memory in MSL.

@@ -82,14 +82,38 @@ def test_barrier_reached_by_one_simdgroup_only_is_an_error():
         run("exec_divergent_barrier", grid=(1,), threads=(64,), buffers={0: torch.zeros(64)})
 
 
-def test_barrier_and_simd_op_in_one_simdgroup_is_an_error():
-    with pytest.raises(SimulatorError, match=r"exec_barrier_vs_simd.*divergent"):
-        run("exec_barrier_vs_simd", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+def test_barrier_and_simd_op_in_one_simdgroup():
+    # A reduction in divergent control flow covers the lanes that reach it (MSL); the barrier
+    # completes with the lanes that do not exit, as always. (Lanes of one simdgroup at two
+    # different barriers, or at a barrier and a simdgroup-matrix operation, stay errors.)
+    out = torch.zeros(32)
+    run("exec_barrier_vs_simd", grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.cat([torch.ones(16), torch.full((16,), 16.0)]))
 
 
-def test_simd_op_in_divergent_branch_is_an_error():
-    with pytest.raises(SimulatorError, match=r"exec_divergent_simd.*divergent"):
-        run("exec_divergent_simd", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+def test_simd_op_in_divergent_branch_covers_the_active_lanes():
+    # MSL defines simd reductions over the active lanes: lanes 0-7 sum among themselves (28),
+    # then the maximum over all 32 lanes is 31.
+    out = torch.zeros(32)
+    run("exec_divergent_simd", grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.full((32,), 31.0))
+
+
+def test_divergent_reductions_and_partial_simdgroups():
+    # 48 threads: a second simdgroup of 16 lanes. In the loop, iteration i has the lanes with
+    # lane % 4 > i, 24 - 8 i of a full simdgroup, 12 - 4 i of the half one.
+    out = torch.zeros(96)
+    run("exec_divergent_reductions", grid=(1,), threads=(48,), buffers={0: out})
+    v, w = out[0::2], out[1::2]
+    assert torch.equal(v[:32], torch.full((32,), 31.0))
+    assert torch.equal(v[32:], torch.full((16,), 28.0))
+    lanes = torch.arange(48) % 32
+    size = torch.where(torch.arange(48) < 32, 8, 4)  # lanes per residue class mod 4
+    expected = torch.zeros(48)
+    for i in range(3):
+        active = lanes % 4 > i
+        expected += torch.where(active, (3 - i) * size, 0).float()
+    assert torch.equal(w, expected)
 
 
 def test_convergent_simd_twin_runs():
@@ -249,7 +273,7 @@ def test_endless_loop_is_reported_not_a_hang(monkeypatch):
         )
 
 
-@pytest.mark.parametrize("what", [0, 1], ids=["barrier", "simd_sum"])
+@pytest.mark.parametrize("what", [0, 1], ids=["barrier", "simdgroup_barrier"])
 def test_helper_reached_from_two_divergent_call_sites_is_reported(what):
     import struct
 

@@ -215,7 +215,7 @@ struct S { static constant constexpr int x = 3; };
     assert lines[0] == ("static constexpr ::steel_shim::function_constant<bool, (3)> has_bias{};")
     assert "function_constant<int, (STEEL_ACT + 1)> act{};" in lines[1]
     assert squash(lines[2]) == squash(
-        "static inline bool __steel_fc_plain() { return ( has_bias && act == 2); } static "
+        "static constexpr bool __steel_fc_plain() { return ( has_bias && act == 2); } static "
         "constexpr ::steel_shim::derived_constant<bool, &__steel_fc_plain> plain{};"
     )
     assert lines[3] == "constant float kPi = 3.14159f;"  # a plain constant stays a constant
@@ -252,7 +252,10 @@ void f() { struct Local { int y; }; }
         ("x = static_cast<float2>(h);", "x = ::steel_shim::vmake<float2>(h);"),
         ("x = static_cast<vec<T, 4>>(h);", "x = ::steel_shim::vmake<metal::vec < T , 4 >>(h);"),
         ("x = static_cast<float>(h);", "x = static_cast<float>(h);"),
-        ("float4 y; float4 g(float4 v);", "float4 y; float4 g(float4 v);"),
+        (
+            "void f() { float4 y; } float4 g(float4 v);",
+            "void f() { float4 y; } float4 g(float4 v);",
+        ),
         ("n = sizeof(float4) * 2;", "n = sizeof(float4) * 2;"),
         ("operator float4() const;", "operator float4() const;"),
         ("x = 1.0 + .5 + 1e-3 + 2.f + 0x1p-3;", "x = 1.0f + .5f + 1e-3f + 2.f + 0x1p-3f;"),

@@ -69,7 +69,7 @@ kernel void exec_divergent_barrier(device float* out [[buffer(0)]],
   out[tid] = 1;
 }
 
-// Half a simdgroup at a barrier, the other half at a simd reduction: divergent.
+// Half a simdgroup at a barrier, the other half at a simd reduction (over its 16 lanes).
 kernel void exec_barrier_vs_simd(device float* out [[buffer(0)]],
                                  uint lane [[thread_index_in_simdgroup]]) {
   float v = 1;
@@ -81,7 +81,7 @@ kernel void exec_barrier_vs_simd(device float* out [[buffer(0)]],
   out[lane] = v;
 }
 
-// simd_sum inside a branch taken by some lanes only, then one outside it: divergent.
+// simd_sum inside a branch taken by some lanes only (over those lanes), then one outside it.
 kernel void exec_divergent_simd(device float* out [[buffer(0)]],
                                 uint lane [[thread_index_in_simdgroup]]) {
   float v = float(lane);
@@ -165,18 +165,22 @@ kernel void exec_endless_loop(device uint* out [[buffer(0)]],
   out[gid] = i;
 }
 
-// A helper that the compiler does not inline, holding a barrier (or a simd reduction), reached
+// A helper that the compiler does not inline, holding a barrier (or a simdgroup_barrier), reached
 // from two call sites: when the lanes split between them, they are at two different barriers.
 __attribute__((noinline)) void exec_helper_barrier() {
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-__attribute__((noinline)) float exec_helper_sum(float x) { return simd_sum(x); }
+__attribute__((noinline)) float exec_helper_sum(float x) {
+  simdgroup_barrier(mem_flags::mem_none);  // refused in divergent control flow, unlike simd_sum
+  return x;
+}
 
 kernel void exec_helper_divergent(device float* out [[buffer(0)]],
                                   constant uint2& p [[buffer(1)]],
                                   uint tid [[thread_index_in_threadgroup]]) {
-  // p.x: 0 barrier, 1 simd_sum; p.y: threads below it take the first call site.
+  // p.x: 0 threadgroup_barrier, 1 simdgroup_barrier; p.y: threads below it take the first call
+  // site.
   if (tid < p.y) {
     out[tid] = 1.0f;
     if (p.x == 0) exec_helper_barrier(); else out[tid] += exec_helper_sum(1.0f);
@@ -199,4 +203,19 @@ constant float fc_gain [[function_constant(12)]];
 
 kernel void exec_fc_types(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
   out[gid] = (fc_flag ? 1.0f : 0.0f) + float(fc_count) * fc_gain;
+}
+
+// Shuffles and reductions in divergent control flow, as MSL defines them over the active lanes:
+// lanes 0-7 sum among themselves, then all 32 take the maximum; in a loop that lanes leave at
+// different trip counts, each iteration's sum covers the lanes still in it.
+kernel void exec_divergent_reductions(device float* out [[buffer(0)]],
+                                      uint lane [[thread_index_in_simdgroup]],
+                                      uint tid [[thread_index_in_threadgroup]]) {
+  float v = float(lane);
+  if (lane < 8) v = simd_sum(v);
+  v = simd_max(v);
+  float w = 0.0f;
+  for (uint i = 0; i < lane % 4; ++i) w += simd_sum(1.0f);
+  out[tid * 2] = v;
+  out[tid * 2 + 1] = w;
 }

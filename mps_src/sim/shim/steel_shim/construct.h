@@ -89,8 +89,14 @@ inline A mask01(A a) {
 
 // A C-style cast to a pointer in an address space, `(device T*)p`: clang would convert between
 // address spaces; MSL refuses that (the pre-pass turns the cast into `as_cast<T>() ->* p`).
+// `*(device T*)p` reads `*as_cast<T>() ->* p`, where the unary * binds first: it yields an
+// as_deref, whose ->* dereferences the converted pointer.
 template <typename To>
-struct as_cast {};
+struct as_deref {};
+template <typename To>
+struct as_cast {
+  as_deref<To> operator*() const { return {}; }
+};
 template <typename To, typename From>
 inline To operator->*(as_cast<To>, From x) {
   if constexpr (__is_pointer(From)) {
@@ -99,6 +105,10 @@ inline To operator->*(as_cast<To>, From x) {
                   "a cast between address spaces is not MSL");
   }
   return (To)x;
+}
+template <typename To, typename From>
+inline decltype(auto) operator->*(as_deref<To>, From x) {
+  return *(as_cast<To>() ->* x);
 }
 
 // A C-style cast `(floatN)x` of MSL is a value conversion, unlike clang's vector bitcast: the
@@ -163,12 +173,14 @@ struct function_constant {
   operator T() const { return get(); }
 };
 
-// A namespace-scope `constant T name = <expression of function constants>;`.
+// A namespace-scope `constant T name = <expression>;` whose expression names other constants:
+// a constant expression when they are plain constants (C++23 lets a constexpr function call
+// the run-time function constants too, as long as no constant expression needs it).
 template <typename T, T (*F)()>
 struct derived_constant {
   using value_type = T;
-  T get() const { return F(); }
-  operator T() const { return get(); }
+  constexpr T get() const { return F(); }
+  constexpr operator T() const { return get(); }
 };
 
 template <typename C>

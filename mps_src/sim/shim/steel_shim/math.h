@@ -329,6 +329,28 @@ template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline steel_shim::bool_of<T> isfinite(T x) {
   return steel_shim::test1(x, [](float v) { return __builtin_isfinite(v) != 0; });
 }
+
+// isordered(x, y): neither is NaN; isunordered: either is.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> isordered(T x, T y) {
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    steel_shim::bool_of<T> r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = x[k] == x[k] && y[k] == y[k];
+    return r;
+  } else {
+    return x == x && y == y;
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline steel_shim::bool_of<T> isunordered(T x, T y) {
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    steel_shim::bool_of<T> r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = !(x[k] == x[k] && y[k] == y[k]);
+    return r;
+  } else {
+    return !(x == x && y == y);
+  }
+}
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline steel_shim::bool_of<T> signbit(T x) {
   return steel_shim::test1(x, [](float v) { return __builtin_signbit(v) != 0; });

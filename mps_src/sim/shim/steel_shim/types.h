@@ -158,6 +158,23 @@ struct remove_address_space<const T> {
 };
 template <typename T>
 using remove_address_space_t = typename remove_address_space<T>::type;
+template <typename T>
+using remove_addrspace_t = remove_address_space_t<T>;  // the name Apple's headers use
+
+// metal::array<T, N>: a fixed-size array with size() and operator[] (thread objects; member
+// calls on arrays in device or constant memory do not compile here, see shim/README.md).
+template <typename T, unsigned long N>
+struct array {
+  T steel_elements[N];
+  constexpr unsigned long size() const { return N; }
+  constexpr bool empty() const { return N == 0; }
+  constexpr T& operator[](unsigned long i) { return steel_elements[i]; }
+  constexpr const T& operator[](unsigned long i) const { return steel_elements[i]; }
+  constexpr T* begin() { return steel_elements; }
+  constexpr T* end() { return steel_elements + N; }
+  constexpr const T* begin() const { return steel_elements; }
+  constexpr const T* end() const { return steel_elements + N; }
+};
 
 namespace steel_traits {
 template <typename T>
@@ -248,6 +265,8 @@ struct numeric_limits;
   };
 STEEL_SHIM_INT_LIMITS(bool, false, true)
 STEEL_SHIM_INT_LIMITS(char, -128, 127)
+typedef signed char steel_shim_schar;  // a type of its own in C++, beside char
+STEEL_SHIM_INT_LIMITS(steel_shim_schar, -128, 127)
 STEEL_SHIM_INT_LIMITS(uchar, 0, 255)
 STEEL_SHIM_INT_LIMITS(short, -32768, 32767)
 STEEL_SHIM_INT_LIMITS(ushort, 0, 65535)

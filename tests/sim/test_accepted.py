@@ -1,0 +1,38 @@
+"""Constructs that Metal accepts must build and run here too (kernels:
+tests/sim/kernels/lang_accepted.metal, with <sub/helper.h> from kernels/accepted_inc)."""
+
+from pathlib import Path
+
+import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
+
+KERNELS = Path(__file__).parent / "kernels"
+SRC = [KERNELS / "lang_accepted.metal"]
+INC = [KERNELS / "accepted_inc"]
+
+pytestmark = requires_clang
+
+
+def run(name, **kw):
+    return sim.run_kernel(name, sources=SRC, include_dirs=INC, **kw)
+
+
+def test_template_kernel_with_default_arguments_and_metal_array():
+    for suffix, dtype in (("f32", torch.float32), ("half", torch.float16), ("int", torch.int32)):
+        out = torch.zeros(8, dtype=dtype)
+        run(f"accepted_template_{suffix}", grid=(1,), threads=(8,), buffers={0: out})
+        assert out.tolist() == [float(i % 4 + 4) for i in range(8)]
+
+
+def test_forward_declared_kernel_constant_bound_and_helpers():
+    out = torch.zeros(8)
+    run("accepted_forward", grid=(1,), threads=(8,), buffers={0: out})
+    assert out.tolist() == [i * 3.0 - 128.0 for i in range(8)]
+
+
+def test_constant_array_parameter():
+    out = torch.zeros(1)
+    run("accepted_constant_array", grid=(1,), threads=(1,), buffers={0: out})
+    assert out.item() == 10.0
