@@ -18,23 +18,25 @@ def _reference_backend(monkeypatch):
 
 @pytest.fixture
 def steel_calls(monkeypatch):
-    """Records which reference attention functions ran ("forward", "backward", "varlen_forward",
-    "varlen_backward"): on the "reference" and "sim" backends every steel attention call ends
-    in one of them (the simulator's attention plans are refused today), PyTorch's never does."""
-    from torch_steel import reference
+    """Records which steel attention ops ran ("forward", "backward", "varlen_forward",
+    "varlen_backward"), whichever backend served them (reference math, the simulated kernels,
+    or a refused plan's fallback): every steel attention call goes through
+    torch_steel.backends.run once, PyTorch's own attention never does."""
+    from torch_steel import ops
 
+    labels = {
+        "sdpa": "forward",
+        "sdpa_backward": "backward",
+        "sdpa_varlen": "varlen_forward",
+        "sdpa_varlen_backward": "varlen_backward",
+    }
     seen = []
-    for name, label in (
-        ("sdpa_forward", "forward"),
-        ("sdpa_backward", "backward"),
-        ("sdpa_varlen_forward", "varlen_forward"),
-        ("sdpa_varlen_backward", "varlen_backward"),
-    ):
-        real = getattr(reference, name)
+    real = ops.run
 
-        def spy(*args, _real=real, _label=label, **kwargs):
-            seen.append(_label)
-            return _real(*args, **kwargs)
+    def spy(op, *args, **kwargs):
+        if op in labels:
+            seen.append(labels[op])
+        return real(op, *args, **kwargs)
 
-        monkeypatch.setattr(reference, name, spy)
+    monkeypatch.setattr(ops, "run", spy)
     return seen
