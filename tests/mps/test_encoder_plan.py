@@ -266,6 +266,35 @@ def test_gemm_encoder_matches_simulator(case, recorder, sim):
         assert record["dispatches"], "an op on non-empty tensors encodes at least one dispatch"
 
 
+_LSE = torch.empty(2, 4, 33)
+_BLHD = _t(2, 33, 4, 64).transpose(1, 2)
+# Attention plans: the forward [q, k, v, mask, sinks] and the backward [grad_out, q, k, v, out,
+# lse, mask, sinks, grad_lse] (the most buffers any plan binds).
+_ATTN_CASES = {
+    "sdpa_plain": ("sdpa", [_t(2, 4, 33, 64), _t(2, 4, 47, 64), _t(2, 4, 47, 64), None, None],
+                   {"scale": 0.125}),
+    "sdpa_mask_sinks_blhd": ("sdpa", [_BLHD, _t(2, 2, 47, 64), _t(2, 2, 47, 64),
+                                      _t(33, 47, dtype=torch.bool), _t(4)],
+                             {"is_causal": True, "window_left": 9}),
+    "sdpa_backward_everything": ("sdpa_backward",
+                                 [_BLHD, _BLHD, _t(2, 2, 47, 64), _t(2, 2, 47, 64), _BLHD, _LSE,
+                                  _t(1, 4, 1, 47), _t(4), _LSE],
+                                 {"softcap": 20.0, "is_causal": True}),
+    "sdpa_dropout_refused": ("sdpa", [_t(1, 1, 8, 64), _t(1, 1, 8, 64), _t(1, 1, 8, 64), None,
+                                      None], {"dropout_p": 0.5}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_ATTN_CASES))
+def test_attention_encoder_matches_simulator(case, recorder, sim):
+    """Attention plans pass the host's checks (buffer indices, setBytes sizes, threads) and the
+    recorder encodes exactly what the simulator runs."""
+    op, tensors, options = _ATTN_CASES[case]
+    record = _record(recorder, op, tensors, options)
+    assert record == _sim_view(sim.plan(op, tensors, options))
+    assert record["ok"] == (not case.endswith("_refused")), record
+
+
 @pytest.mark.parametrize(
     ("defect", "message"),
     [
