@@ -1,4 +1,5 @@
-// Launch planning for the attention forward (steel::sdpa_forward).
+// Launch planning for the attention forward (steel::sdpa_forward), and the pieces of it that the
+// varlen planner (varlen_plan.cpp) shares.
 //
 // From shapes, strides, dtypes and options only, this decides:
 //   - the kernel: the smallest instantiated (DE, DV) head-dim pair that holds (E, Ev), with
@@ -19,15 +20,11 @@
 #include <string>
 #include <vector>
 
-#include "../../shaders/steel/params.h"
-
 namespace steel {
+namespace attn {
 namespace {
 
 // The (DE, DV) pairs instantiated in attention.metal, in the order they are tried.
-struct HeadDims {
-  int de, dv;
-};
 constexpr HeadDims kHeadDims[] = {{32, 32},   {40, 40},   {64, 64},   {72, 72},
                                   {80, 80},   {96, 96},   {128, 128}, {160, 160},
                                   {192, 128}, {192, 192}, {256, 256}, {512, 512}};
@@ -44,11 +41,181 @@ const HeadDims* pick_head_dims(int64_t E, int64_t Ev) {
   return best;
 }
 
-Binding params_binding(const AttnParams& params) {
-  return bytes_binding(STEEL_ATTN_BUF_PARAMS, &params, sizeof(AttnParams));
-}
+int elem_bytes(const Common& c) { return static_cast<int>(dtype_size(c.dtype)); }
 
 }  // namespace
+
+std::string check_dtypes(const char* op, const TensorDesc& q, const TensorDesc& k,
+                         const TensorDesc& v) {
+  if (!supported_dtype(q.dtype)) {
+    return std::string("attention kernels support float16, bfloat16 and float32, not ") +
+           dtype_name(q.dtype);
+  }
+  if (k.dtype != q.dtype || v.dtype != q.dtype) {
+    return std::string(op) + ": key and value must share the query's dtype " +
+           dtype_name(q.dtype);
+  }
+  return "";
+}
+
+std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t E, int64_t Ev,
+                   const std::optional<TensorDesc>& sinks, int32_t sinks_slot,
+                   const Options& options, Common* c, Plan* plan) {
+  const std::string name(op);
+  if (E == 0 || Ev == 0 || E > kMaxHeadDim || Ev > kMaxHeadDim) {
+    return name + ": head dims E = " + std::to_string(E) + ", Ev = " + std::to_string(Ev) +
+           "; the kernels take 1 to " + std::to_string(kMaxHeadDim);
+  }
+  const HeadDims* hd = pick_head_dims(E, Ev);
+  if (hd == nullptr) {
+    return name + ": no kernel instantiation holds head dims E = " + std::to_string(E) +
+           ", Ev = " + std::to_string(Ev);
+  }
+  if (options.number("dropout_p", 0.0) > 0.0) {
+    return name + ": dropout is not in the Metal forward kernel yet";
+  }
+  const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
+  if (max_threads < kThreads) {
+    return name + ": the pipeline allows " + std::to_string(max_threads) +
+           " threads per threadgroup, the attention kernels need " + std::to_string(kThreads);
+  }
+  const int es = static_cast<int>(dtype_size(dtype));
+  if (steel_attn_threadgroup_bytes(hd->de, hd->dv, es) > 32 * 1024) {
+    return name + ": the K/V tiles need more than 32 KiB of threadgroup memory";
+  }
+  c->dtype = dtype;
+  c->kernel = *hd;
+  c->E = E;
+  c->Ev = Ev;
+  c->Hq = Hq;
+  c->Hkv = Hkv;
+  c->is_causal = options.number("is_causal", 0.0) != 0.0;
+  c->bottom_right = options.number("bottom_right", 0.0) != 0.0;
+  c->scale = options.number("scale", 1.0 / std::sqrt(static_cast<double>(E)));
+  c->softcap = options.number("softcap", 0.0);
+  c->window_left = static_cast<int64_t>(options.number("window_left", -1));
+  c->window_right = static_cast<int64_t>(options.number("window_right", -1));
+  c->sinks_kind = kSteelAttnOperandNone;
+  if (sinks) {
+    if (sinks->dim() != 1 || sinks->sizes[0] != Hq) {
+      return name + ": sinks must be [" + std::to_string(Hq) + "], got " +
+             shape_str(sinks->sizes);
+    }
+    if (sinks->dtype == dtype) {
+      c->sinks_kind = kSteelAttnOperandT;
+    } else if (sinks->dtype == DType::Float32) {
+      c->sinks_kind = kSteelAttnOperandF32;
+    } else {
+      return name + ": sinks of dtype " + dtype_name(sinks->dtype) +
+             " (the query's dtype or float32 are served)";
+    }
+    if (Hq > 1 && sinks->strides[0] != 1) {
+      plan->contiguous_inputs.push_back(sinks_slot);  // Hq elements: the kernel reads sinks[h]
+    }
+  }
+  return "";
+}
+
+void read_in_place(TensorDesc* t, int32_t slot, Plan* plan) {
+  if (t->sizes.back() == 1 || t->strides.back() == 1) return;
+  plan->contiguous_inputs.push_back(slot);
+  *t = t->contiguous();
+}
+
+Diagonals diagonals(const Common& c, int64_t reach) {
+  Diagonals d;
+  const bool right = c.window_right >= 0 && c.window_right < reach;
+  d.has_hi = c.is_causal || right;
+  d.hi_off = c.is_causal ? (right ? std::min<int64_t>(0, c.window_right) : 0)
+                         : (right ? c.window_right : 0);
+  d.has_lo = c.window_left >= 0 && c.window_left < reach;
+  d.lo_off = d.has_lo ? c.window_left : 0;
+  return d;
+}
+
+AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const TensorDesc& q,
+                       const TensorDesc& k, const TensorDesc& v, int64_t head_dim,
+                       int64_t row_dim) {
+  // Scores are in nats with an additive mask, else in units of log2(e) nats (score.h): q is
+  // prescaled by scale times the unit, or by 1 / softcap when softcap carries the unit.
+  const double unit = additive ? 1.0 : 1.4426950408889634;  // log2(e)
+  AttnParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.E = static_cast<int32_t>(c.E);
+  p.Ev = static_cast<int32_t>(c.Ev);
+  p.Hq = static_cast<int32_t>(c.Hq);
+  p.group = static_cast<int32_t>(c.Hq / c.Hkv);
+  p.hi_off = static_cast<int32_t>(d.hi_off);
+  p.lo_off = static_cast<int32_t>(d.lo_off);
+  p.q_scale = static_cast<float>(c.softcap > 0 ? c.scale / c.softcap : c.scale * unit);
+  p.softcap = static_cast<float>(c.softcap > 0 ? c.softcap * unit : 0.0);
+  p.q_hs = q.strides[head_dim];
+  p.q_rs = q.strides[row_dim];
+  p.k_hs = k.strides[head_dim];
+  p.k_rs = k.strides[row_dim];
+  p.v_hs = v.strides[head_dim];
+  p.v_rs = v.strides[row_dim];
+  return p;
+}
+
+bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
+              const int64_t* more, size_t count) {
+  // 16-byte chunk loads need every row start aligned: offset, row, head and batch strides all
+  // multiples of the chunk. MTLBuffers themselves are at least 16-byte aligned.
+  const int64_t vec = 16 / elem_bytes(c);
+  bool ok = t.offset % vec == 0 && t.strides[row_dim] % vec == 0 &&
+            t.strides[head_dim] % vec == 0;
+  for (size_t i = 0; i < count; ++i) ok = ok && more[i] % vec == 0;
+  return ok;
+}
+
+int64_t key_tile(const Common& c) {
+  return steel_attn_bk(c.kernel.de, c.kernel.dv, elem_bytes(c));
+}
+
+Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l) {
+  Dispatch out;
+  out.kernel = std::string("steel_attention_") + dtype_tag(c.dtype) + "_e" +
+               std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
+  out.constants = {
+      fc_bool(STEEL_ATTN_FC_ALIGN_L, l.align_l),
+      fc_bool(STEEL_ATTN_FC_ALIGN_S, l.align_s),
+      fc_bool(STEEL_ATTN_FC_ALIGN_E, c.E == c.kernel.de),
+      fc_bool(STEEL_ATTN_FC_ALIGN_EV, c.Ev == c.kernel.dv),
+      fc_bool(STEEL_ATTN_FC_VEC_K, l.vec_k),
+      fc_bool(STEEL_ATTN_FC_VEC_V, l.vec_v),
+      fc_int(STEEL_ATTN_FC_MASK, l.mask_kind),
+      fc_bool(STEEL_ATTN_FC_HAS_HI, d.has_hi),
+      fc_bool(STEEL_ATTN_FC_HAS_LO, d.has_lo),
+      fc_int(STEEL_ATTN_FC_SINKS, c.sinks_kind),
+      fc_bool(STEEL_ATTN_FC_SOFTCAP, c.softcap > 0),
+      fc_bool(STEEL_ATTN_FC_HAS_BATCH, l.has_batch),
+      fc_bool(STEEL_ATTN_FC_VARLEN, l.varlen),
+      fc_bool(STEEL_ATTN_FC_VARLEN_BR, l.varlen_br),
+  };
+  // Absent mask or sinks are never read (function constants), but every declared buffer is
+  // bound, so q stands in. The cu_seqlens buffers exist only in varlen pipelines.
+  const int32_t q_slot = 0, k_slot = 1, v_slot = 2;
+  out.bindings = {tensor_binding(STEEL_ATTN_BUF_Q, q_slot),
+                  tensor_binding(STEEL_ATTN_BUF_K, k_slot),
+                  tensor_binding(STEEL_ATTN_BUF_V, v_slot),
+                  tensor_binding(STEEL_ATTN_BUF_MASK, l.mask_slot >= 0 ? l.mask_slot : q_slot),
+                  tensor_binding(STEEL_ATTN_BUF_SINKS, l.sinks_slot >= 0 ? l.sinks_slot : q_slot),
+                  tensor_binding(STEEL_ATTN_BUF_OUT, l.out_slot),
+                  tensor_binding(STEEL_ATTN_BUF_LSE, l.lse_slot),
+                  bytes_binding(STEEL_ATTN_BUF_PARAMS, &p, sizeof(AttnParams))};
+  if (l.varlen) {
+    out.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_Q, l.cu_q_slot));
+    out.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_K, l.cu_k_slot));
+  }
+  std::copy(l.grid, l.grid + 3, out.grid);
+  out.threads[0] = static_cast<uint32_t>(kThreads);
+  return out;
+}
+
+}  // namespace attn
+
+using attn::Common;
 
 Plan plan_attention(const TensorList& tensors, const Options& options) {
   if (tensors.size() != 5 || !tensors[0] || !tensors[1] || !tensors[2]) {
@@ -61,16 +228,10 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   std::optional<TensorDesc> sinks = tensors[4];
   const int32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotMask = 3, kSlotSinks = 4;
 
-  // ---- dtypes, ranks, shapes ----
+  // ---- dtypes, ranks, shapes, options ----
+  std::string why = attn::check_dtypes("sdpa", q, k, v);
+  if (!why.empty()) return Plan::refuse(why);
   const DType dtype = q.dtype;
-  if (!supported_dtype(dtype)) {
-    return Plan::refuse(std::string("attention kernels support float16, bfloat16 and float32, not ") +
-                        dtype_name(dtype));
-  }
-  if (k.dtype != dtype || v.dtype != dtype) {
-    return Plan::refuse(std::string("sdpa: key and value must share the query's dtype ") +
-                        dtype_name(dtype));
-  }
   const int64_t nd = q.dim();
   if (nd < 3 || k.dim() != nd || v.dim() != nd) {
     return Plan::refuse("sdpa: q, k, v must be [*batch, heads, seq, dim] of one rank, got " +
@@ -90,33 +251,10 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
     return Plan::refuse("sdpa: shapes q " + shape_str(q.sizes) + ", k " + shape_str(k.sizes) +
                         ", v " + shape_str(v.sizes) + " do not make an attention");
   }
-  if (E == 0 || Ev == 0 || E > kMaxHeadDim || Ev > kMaxHeadDim) {
-    return Plan::refuse("sdpa: head dims E = " + std::to_string(E) + ", Ev = " +
-                        std::to_string(Ev) + "; the kernels take 1 to " +
-                        std::to_string(kMaxHeadDim));
-  }
-  const HeadDims* hd = pick_head_dims(E, Ev);
-  if (hd == nullptr) {
-    return Plan::refuse("sdpa: no kernel instantiation holds head dims E = " + std::to_string(E) +
-                        ", Ev = " + std::to_string(Ev));
-  }
-
-  // ---- options ----
-  if (options.number("dropout_p", 0.0) > 0.0) {
-    return Plan::refuse("sdpa: dropout is not in the Metal forward kernel yet");
-  }
-  const bool is_causal = options.number("is_causal", 0.0) != 0.0;
-  const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
-  const double scale = options.number("scale", 1.0 / std::sqrt(static_cast<double>(E)));
-  const double softcap = options.number("softcap", 0.0);
-  const int64_t window_left = static_cast<int64_t>(options.number("window_left", -1));
-  const int64_t window_right = static_cast<int64_t>(options.number("window_right", -1));
-  const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
-  if (max_threads < kThreads) {
-    return Plan::refuse("sdpa: the pipeline allows " + std::to_string(max_threads) +
-                        " threads per threadgroup, the attention kernels need " +
-                        std::to_string(kThreads));
-  }
+  Plan plan;
+  Common c;
+  why = attn::common("sdpa", dtype, Hq, Hkv, E, Ev, sinks, kSlotSinks, options, &c, &plan);
+  if (!why.empty()) return Plan::refuse(why);
   if (L > kInt32Max / 2 || S > kInt32Max / 2) {
     return Plan::refuse("sdpa: L = " + std::to_string(L) + ", S = " + std::to_string(S) +
                         " beyond the kernels' 32-bit row indexing (2^30)");
@@ -143,42 +281,11 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
                           shape_str(full));
     }
   }
-  Plan plan;
-  int sinks_kind = kSteelAttnOperandNone;
-  if (sinks) {
-    if (sinks->dim() != 1 || sinks->sizes[0] != Hq) {
-      return Plan::refuse("sdpa: sinks must be [" + std::to_string(Hq) + "], got " +
-                          shape_str(sinks->sizes));
-    }
-    if (sinks->dtype == dtype) {
-      sinks_kind = kSteelAttnOperandT;
-    } else if (sinks->dtype == DType::Float32) {
-      sinks_kind = kSteelAttnOperandF32;
-    } else {
-      return Plan::refuse(std::string("sdpa: sinks of dtype ") + dtype_name(sinks->dtype) +
-                          " (the query's dtype or float32 are served)");
-    }
-    if (Hq > 1 && sinks->strides[0] != 1) {
-      plan.contiguous_inputs.push_back(kSlotSinks);  // Hq elements: the kernel reads sinks[h]
-    }
-  }
 
   // ---- layouts: last dim contiguous, or a copy ----
-  auto last_unit = [](const TensorDesc& t) {
-    return t.sizes.back() == 1 || t.strides.back() == 1;
-  };
-  if (!last_unit(q)) {
-    plan.contiguous_inputs.push_back(kSlotQ);
-    q = q.contiguous();
-  }
-  if (!last_unit(k)) {
-    plan.contiguous_inputs.push_back(kSlotK);
-    k = k.contiguous();
-  }
-  if (!last_unit(v)) {
-    plan.contiguous_inputs.push_back(kSlotV);
-    v = v.contiguous();
-  }
+  attn::read_in_place(&q, kSlotQ, &plan);
+  attn::read_in_place(&k, kSlotK, &plan);
+  attn::read_in_place(&v, kSlotV, &plan);
   std::sort(plan.contiguous_inputs.begin(), plan.contiguous_inputs.end());
 
   // ---- outputs: out in q's memory layout, lse row-major ----
@@ -234,47 +341,24 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
                         std::to_string(STEEL_ATTN_MAX_BATCH_DIMS));
   }
 
-  // ---- score unit, causal and window diagonals (shaders/steel/attn/score.h) ----
+  // ---- params: diagonals aligned once for the whole launch, batch and mask strides ----
   const bool additive = mask_kind == kSteelAttnMaskAdd || mask_kind == kSteelAttnMaskAddF32;
-  const double unit = additive ? 1.0 : 1.4426950408889634;  // log2(e)
-  // Row i sees keys [i + shift - lo_off, i + shift + hi_off]. A window side at least L + S wide
-  // hides nothing and is dropped, which also keeps every bound within 32 bits.
-  const int64_t shift = bottom_right ? S - L : 0;
-  const int64_t reach = L + S;
-  const bool right = window_right >= 0 && window_right < reach;
-  const bool has_hi = is_causal || right;
-  const int64_t hi_off = is_causal ? (right ? std::min<int64_t>(0, window_right) : 0)
-                                   : (right ? window_right : 0);
-  const bool has_lo = window_left >= 0 && window_left < reach;
-  const int64_t lo_off = has_lo ? window_left : 0;
-
-  AttnParams p;
-  std::memset(&p, 0, sizeof(p));
+  const attn::Diagonals diag = attn::diagonals(c, L + S);
+  AttnParams p = attn::base_params(c, diag, additive, q, k, v, nd - 3, nd - 2);
   p.L = static_cast<int32_t>(L);
   p.S = static_cast<int32_t>(S);
-  p.E = static_cast<int32_t>(E);
-  p.Ev = static_cast<int32_t>(Ev);
-  p.Hq = static_cast<int32_t>(Hq);
-  p.group = static_cast<int32_t>(Hq / Hkv);
-  p.shift = static_cast<int32_t>(shift);
-  p.hi_off = static_cast<int32_t>(hi_off);
-  p.lo_off = static_cast<int32_t>(lo_off);
-  p.q_scale = static_cast<float>(softcap > 0 ? scale / softcap : scale * unit);
-  p.softcap = static_cast<float>(softcap > 0 ? softcap * unit : 0.0);
+  p.shift = static_cast<int32_t>(c.bottom_right ? S - L : 0);
   p.batch_ndim = static_cast<int32_t>(merged.size());
+  std::vector<int64_t> k_batch, v_batch;
   for (size_t d = 0; d < merged.size(); ++d) {
     p.batch_shape[d] = static_cast<int32_t>(merged[d].size);
     p.q_bs[d] = merged[d].q;
     p.k_bs[d] = merged[d].k;
     p.v_bs[d] = merged[d].v;
     p.m_bs[d] = merged[d].m;
+    k_batch.push_back(merged[d].k);
+    v_batch.push_back(merged[d].v);
   }
-  p.q_hs = q.strides[nd - 3];
-  p.q_rs = q.strides[nd - 2];
-  p.k_hs = k.strides[nd - 3];
-  p.k_rs = k.strides[nd - 2];
-  p.v_hs = v.strides[nd - 3];
-  p.v_rs = v.strides[nd - 2];
   if (mask) {
     p.m_hs = mask_strides[nd - 3];
     p.m_rs = mask_strides[nd - 2];
@@ -285,53 +369,22 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   p.o_hs = blhd ? Ev : L * Ev;
   p.o_rs = blhd ? Hq * Ev : Ev;
 
-  // ---- tiles, alignment ----
-  const int es = static_cast<int>(dtype_size(dtype));
-  const int64_t bk = steel_attn_bk(hd->de, hd->dv, es);
-  if (steel_attn_threadgroup_bytes(hd->de, hd->dv, es) > 32 * 1024) {
-    return Plan::refuse("sdpa: the K/V tiles need more than 32 KiB of threadgroup memory");
-  }
-  // 16-byte chunk loads need every row start of K (V) aligned: offset, row, head and batch
-  // strides all multiples of the chunk. MTLBuffers themselves are at least 16-byte aligned.
-  const int64_t vec = 16 / es;
-  auto vec_ok = [&](const TensorDesc& t, int64_t BatchDim::*member) {
-    bool ok = t.offset % vec == 0 && t.strides[nd - 2] % vec == 0 && t.strides[nd - 3] % vec == 0;
-    for (const BatchDim& bd : merged) ok = ok && (bd.*member) % vec == 0;
-    return ok;
-  };
-
-  Dispatch d;
-  d.kernel = std::string("steel_attention_") + dtype_tag(dtype) + "_e" + std::to_string(hd->de) +
-             "_v" + std::to_string(hd->dv);
-  d.constants = {
-      fc_bool(STEEL_ATTN_FC_ALIGN_L, L % STEEL_ATTN_BQ == 0),
-      fc_bool(STEEL_ATTN_FC_ALIGN_S, S % bk == 0),
-      fc_bool(STEEL_ATTN_FC_ALIGN_E, E == hd->de),
-      fc_bool(STEEL_ATTN_FC_ALIGN_EV, Ev == hd->dv),
-      fc_bool(STEEL_ATTN_FC_VEC_K, vec_ok(k, &BatchDim::k)),
-      fc_bool(STEEL_ATTN_FC_VEC_V, vec_ok(v, &BatchDim::v)),
-      fc_int(STEEL_ATTN_FC_MASK, mask_kind),
-      fc_bool(STEEL_ATTN_FC_HAS_HI, has_hi),
-      fc_bool(STEEL_ATTN_FC_HAS_LO, has_lo),
-      fc_int(STEEL_ATTN_FC_SINKS, sinks_kind),
-      fc_bool(STEEL_ATTN_FC_SOFTCAP, softcap > 0),
-      fc_bool(STEEL_ATTN_FC_HAS_BATCH, !merged.empty()),
-  };
-  // Absent mask or sinks are never read (function constants), but every declared buffer is
-  // bound, so q stands in.
-  d.bindings = {tensor_binding(STEEL_ATTN_BUF_Q, kSlotQ),
-                tensor_binding(STEEL_ATTN_BUF_K, kSlotK),
-                tensor_binding(STEEL_ATTN_BUF_V, kSlotV),
-                tensor_binding(STEEL_ATTN_BUF_MASK, mask ? kSlotMask : kSlotQ),
-                tensor_binding(STEEL_ATTN_BUF_SINKS, sinks ? kSlotSinks : kSlotQ),
-                tensor_binding(STEEL_ATTN_BUF_OUT, kSlotOut),
-                tensor_binding(STEEL_ATTN_BUF_LSE, kSlotLse),
-                params_binding(p)};
-  d.grid[0] = static_cast<uint32_t>(ceil_div(L, STEEL_ATTN_BQ));
-  d.grid[1] = static_cast<uint32_t>(Hq);
-  d.grid[2] = static_cast<uint32_t>(batch_count);
-  d.threads[0] = static_cast<uint32_t>(kThreads);
-  plan.dispatches.push_back(d);
+  // ---- the dispatch ----
+  attn::Launch l;
+  l.align_l = L % STEEL_ATTN_BQ == 0;
+  l.align_s = S % attn::key_tile(c) == 0;
+  l.vec_k = attn::vec_rows(c, k, nd - 3, nd - 2, k_batch.data(), k_batch.size());
+  l.vec_v = attn::vec_rows(c, v, nd - 3, nd - 2, v_batch.data(), v_batch.size());
+  l.mask_kind = mask_kind;
+  l.has_batch = !merged.empty();
+  l.mask_slot = mask ? kSlotMask : -1;
+  l.sinks_slot = sinks ? kSlotSinks : -1;
+  l.out_slot = kSlotOut;
+  l.lse_slot = kSlotLse;
+  l.grid[0] = static_cast<uint32_t>(ceil_div(L, STEEL_ATTN_BQ));
+  l.grid[1] = static_cast<uint32_t>(Hq);
+  l.grid[2] = static_cast<uint32_t>(batch_count);
+  plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
   return plan;
 }
 
