@@ -1,9 +1,10 @@
 """torch-steel: flash attention and steel GEMM Metal kernels for PyTorch on Apple GPUs.
 
-Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops).
+Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops) and serves
+torch.nn.attention.varlen.varlen_attn on MPS (see torch_steel.varlen).
 """
 
-from . import ops
+from . import ops, varlen
 from .backends import BACKENDS, FallbackWarning, backend, current_backend
 from .errors import PlanRefused, SimulatorError
 from .ops import gemm, linear, sdpa, sdpa_varlen
@@ -26,4 +27,5 @@ __all__ = [
     "sdpa",
     "sdpa_varlen",
     "unpatch",
+    "varlen",
 ]

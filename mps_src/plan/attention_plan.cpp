@@ -381,9 +381,7 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   l.sinks_slot = sinks ? kSlotSinks : -1;
   l.out_slot = kSlotOut;
   l.lse_slot = kSlotLse;
-  l.grid[0] = static_cast<uint32_t>(ceil_div(L, STEEL_ATTN_BQ));
-  l.grid[1] = static_cast<uint32_t>(Hq);
-  l.grid[2] = static_cast<uint32_t>(batch_count);
+  l.set_grid(L, Hq, batch_count);
   plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
   return plan;
 }

@@ -94,7 +94,15 @@ struct Launch {
   int32_t mask_slot = -1, sinks_slot = -1;  // -1: absent (q stands in)
   int32_t out_slot = -1, lse_slot = -1;
   int32_t cu_q_slot = -1, cu_k_slot = -1;  // varlen only
-  uint32_t grid[3] = {1, 1, 1};
+  uint32_t grid[3] = {1, 1, 1};  // (query blocks, Hq, batch entries or sequences)
+
+  // The grid for `rows` query rows (a block of STEEL_ATTN_BQ per threadgroup), `heads` query
+  // heads and `count` batch entries or sequences.
+  void set_grid(int64_t rows, int64_t heads, int64_t count) {
+    grid[0] = static_cast<uint32_t>(ceil_div(rows, STEEL_ATTN_BQ));
+    grid[1] = static_cast<uint32_t>(heads);
+    grid[2] = static_cast<uint32_t>(count);
+  }
 };
 // The kernel's dispatch: host name, function constants, bindings in buffer order, threads.
 Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l);

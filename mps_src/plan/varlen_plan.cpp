@@ -132,9 +132,7 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   l.lse_slot = kSlotLse;
   l.cu_q_slot = kSlotCuQ;
   l.cu_k_slot = kSlotCuK;
-  l.grid[0] = static_cast<uint32_t>(ceil_div(std::min(max_q, Tq), STEEL_ATTN_BQ));
-  l.grid[1] = static_cast<uint32_t>(Hq);
-  l.grid[2] = static_cast<uint32_t>(sequences);
+  l.set_grid(std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
   plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
   return plan;
 }
