@@ -70,8 +70,9 @@ def dense_loop(q, k, v, lq, lk, **kwargs):
     for b in range(len(lq)):
         if lq[b] == 0:
             continue
-        qs, ks, vs = (x[s:e].transpose(0, 1).unsqueeze(0) for x, s, e in
-                      ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))  # fmt: skip
+        qs = q[cq[b] : cq[b + 1]].transpose(0, 1).unsqueeze(0)
+        ks = k[ck[b] : ck[b + 1]].transpose(0, 1).unsqueeze(0)
+        vs = v[ck[b] : ck[b + 1]].transpose(0, 1).unsqueeze(0)
         o, l_ = oracle(qs, ks, vs, enable_gqa=True, **kwargs)
         out[cq[b] : cq[b + 1]] = o[0].transpose(0, 1)
         lse[:, cq[b] : cq[b + 1]] = l_[0]
