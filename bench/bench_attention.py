@@ -224,6 +224,17 @@ def run_options(E, options):
     return {**base, **options}
 
 
+def sim_column(op, tensors, opts, predicted, mma):
+    """(the simulator's MB, 1 if its counters disagree with the model else 0)."""
+    _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False)
+    got = counted(counters)
+    column = f"{total(got) / 1e6:.3f}"
+    if got == predicted and counters[0]["mma"] == mma:
+        return column, 0
+    print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}", file=sys.stderr)
+    return column + " MISMATCH", 1
+
+
 def traffic_table(dtype, sim_limit) -> int:
     es = torch.finfo(dtype).bits // 8
     run_sim = sim.available()
@@ -251,16 +262,8 @@ def traffic_table(dtype, sim_limit) -> int:
         sim_col = "-"
         if run_sim and B * Hq * L * S * (E + Ev) <= sim_limit:
             cq, ck, cv, cmask = inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "cpu")
-            _, counters = sim.run_op(
-                "sdpa", [cq, ck, cv, cmask, None], opts, counters=True, checkers=False
-            )
-            got = counted(counters)
-            sim_col = f"{total(got) / 1e6:.3f}"
-            if got != predicted or counters[0]["mma"] != mma:
-                failures += 1
-                sim_col += " MISMATCH"
-                print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}",
-                      file=sys.stderr)  # fmt: skip
+            sim_col, bad = sim_column("sdpa", [cq, ck, cv, cmask, None], opts, predicted, mma)
+            failures += bad
         print(
             f"{name:28} {kernel:30} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
             f"{moved / minimum:6.2f} {sim_col:>9} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} "
@@ -313,14 +316,8 @@ def varlen_table(dtype, sim_limit) -> int:
         work = sum(Hq * L * S * 2 * E for L, S in zip(lq, lk, strict=True))
         if run_sim and work <= sim_limit:
             cpu = varlen_inputs(lq, lk, Hq, Hkv, E, dtype, "cpu")
-            _, counters = sim.run_op("sdpa_varlen", cpu, opts, counters=True, checkers=False)
-            got = counted(counters)
-            sim_col = f"{total(got) / 1e6:.3f}"
-            if got != predicted or counters[0]["mma"] != mma:
-                failures += 1
-                sim_col += " MISMATCH"
-                print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}",
-                      file=sys.stderr)  # fmt: skip
+            sim_col, bad = sim_column("sdpa_varlen", cpu, opts, predicted, mma)
+            failures += bad
         print(f"{name:34} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} {moved / minimum:6.2f} "
               f"{sim_col:>9} {padded / 1e6:9.3f} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} "
               f"{tiles / dense_tiles:6.2f}")  # fmt: skip
