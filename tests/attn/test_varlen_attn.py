@@ -198,3 +198,16 @@ def test_opcheck_on_the_reference_route():
             (torch.ones_like(out), q, k, v, out, lse, c, c, 5, 5, True, rng),
             test_utils=["test_schema", "test_faketensor"],
         )
+
+
+def test_compiles_fullgraph_with_pytorchs_fake():
+    lq = [5, 0, 12]
+    q, k, v = packed(lq, lq, 2, 1, 32, torch.float16)
+
+    def f(q, k, v, c):
+        return varlen_attn(q, k, v, c, c, 12, 12, window_size=(-1, 0), enable_gqa=True) * 2
+
+    with torch_steel.backend("sim"):
+        eager = f(q, k, v, cu(lq))
+        compiled = torch.compile(f, backend="eager", fullgraph=True)(q, k, v, cu(lq))
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)

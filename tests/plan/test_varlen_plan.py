@@ -149,3 +149,14 @@ def test_params_are_the_attention_params_layout():
 def test_refusals_name_the_limit(case, reason):
     p = case()
     assert not p.ok and reason in p.reason, p.reason
+
+
+def test_offsets_past_two_to_the_31_are_64_bit():
+    """2^20 packed tokens of 32 heads x 128 (2^32 elements): row strides reach the kernel whole
+    and its token offsets are 64-bit products (cu_seqlens[b] * row stride)."""
+    q = torch.empty(2**20, 32, 128, dtype=torch.float16, device="meta")
+    d = one(plan(q, q, q, cu_q=cu(0, 2**19, 2**20), cu_k=cu(0, 2**19, 2**20),
+                 max_seqlen_q=2**19, max_seqlen_k=2**19))  # fmt: skip
+    pr = params(d)
+    assert (pr["L"], pr["q_rs"], pr["o_rs"]) == (2**20, 32 * 128, 32 * 128)
+    assert d.grid == (2**14, 32, 2)
