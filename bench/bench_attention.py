@@ -13,6 +13,10 @@ For every shape of the table:
   - the intermediate memory of the plan (allocations besides out and lse): 0, no L x S buffer;
   - on shapes the simulator runs in seconds (--sim-limit on B*H*L*S*(E+Ev)), the simulator's
     counters next to the model (they must agree exactly; a mismatch fails the run);
+  - varlen (issue 10, item 5): packed batches of ragged sequences as one sdpa_varlen dispatch,
+    modelled per sequence (each threadgroup reads its two cu_seqlens entries; blocks past its
+    sequence's end read nothing else), against the sum of the sequences' minimums and against
+    the dense plan of the same batch padded to the longest sequences;
   - on a Mac with MPS (--mps): steel.sdpa against F.sdpa, median of --iters runs, and peak
     memory, for B 1..8, H 8..32, L 128..16384, D 64 and 128, causal and not, as a table and
     (with matplotlib) a plot bench/attention_mps.png.
@@ -23,6 +27,7 @@ For every shape of the table:
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import struct
@@ -36,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torch_steel import sim  # noqa: E402
 
-BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS = range(8)
-FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS = 301, 310, 311, 312, 313
+BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS, BUF_CU_Q, BUF_CU_K = range(
+    10
+)
+FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
 BQ = 32
 THREADS = 128
 BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
@@ -58,6 +65,19 @@ SHAPES = [
     ("small ragged 33x47 d64", 1, 2, 2, 33, 47, 64, 64, {}, None),
     ("small causal mask 100x257", 1, 2, 1, 100, 257, 96, 96, {"is_causal": True},
      (100, 257)),
+]  # fmt: skip
+
+
+# (name, query lengths, key lengths, Hq, Hkv, E, options) of one packed varlen batch
+VARLEN_SHAPES = [
+    ("ragged 1,7,100,257,0 d64", [1, 7, 100, 257, 0], [1, 7, 100, 257, 0], 8, 8, 64, {}),
+    ("same, causal", [1, 7, 100, 257, 0], [1, 7, 100, 257, 0], 8, 8, 64, {"is_causal": True}),
+    ("L != S, causal bottom-right", [1, 7, 100, 257, 0], [100, 7, 33, 300, 5], 8, 2, 64,
+     {"is_causal": True, "bottom_right": True}),
+    ("8 docs 64..2048 d128 GQA causal", [64, 2048, 300, 1000, 128, 700, 1500, 90],
+     [64, 2048, 300, 1000, 128, 700, 1500, 90], 16, 4, 128, {"is_causal": True}),
+    ("chunked prefill 4 x 512 on 1k..4k", [512] * 4, [1024, 2048, 3072, 4096], 32, 8, 128,
+     {"is_causal": True, "bottom_right": True}),
 ]  # fmt: skip
 
 
@@ -104,10 +124,14 @@ def visited_tiles(p, bk, has_hi, has_lo):
 def model(plan, batch, es, mask_es, sinks_es):
     """Predicted {binding: {"read": bytes, "written": bytes}} and MMAs of the one dispatch."""
     d = plan.dispatches[0]
-    p = params(d)
+    return block_model(d, params(d), batch * params(d)["Hq"], es, mask_es, sinks_es)
+
+
+def block_model(d, p, heads, es, mask_es, sinks_es):
+    """(buffers, MMAs, key tiles visited, key tiles of a dense walk) of `heads` (batch entry,
+    head) pairs of query blocks that attend with the extent p (L, S, shift)."""
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
     bk = bk_of(de, dv, es)
-    heads = batch * p["Hq"]
     blocks = visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
     keys = sum(min(bk, p["S"] - k0) for _, _, tiles in blocks for k0 in tiles)
     tiles = sum(len(t) for _, _, t in blocks)
@@ -126,6 +150,30 @@ def model(plan, batch, es, mask_es, sinks_es):
     simdgroups = THREADS // 32
     mma = heads * tiles * simdgroups * (bk // 8) * (de // 8 + dv // 8)
     return buffers, mma, tiles, len(blocks) * -(-p["S"] // bk)
+
+
+def varlen_model(plan, lq, lk, es, sinks_es):
+    """The one varlen dispatch: each sequence's blocks as a dense block of its own extent, plus
+    the cu_seqlens entries every launched threadgroup reads (both per lane, 128 lanes)."""
+    d = plan.dispatches[0]
+    p = params(d)
+    buffers = {BUF_CU_Q: {"read": 0, "written": 0}, BUF_CU_K: {"read": 0, "written": 0}}
+    mma = tiles = dense_tiles = 0
+    for L, S in zip(lq, lk, strict=True):
+        if L:
+            shift = S - L if d.constants[FC_VARLEN_BR] else 0
+            b, m, t, dt = block_model(d, {**p, "L": L, "S": S, "shift": shift}, p["Hq"], es, 1,
+                                      sinks_es)  # fmt: skip
+            for i, v in b.items():
+                if v["read"] or v["written"]:
+                    entry = buffers.setdefault(i, {"read": 0, "written": 0})
+                    entry["read"] += v["read"]
+                    entry["written"] += v["written"]
+            mma, tiles, dense_tiles = mma + m, tiles + t, dense_tiles + dt
+    launched = d.grid[0] * d.grid[1] * d.grid[2]
+    for i in (BUF_CU_Q, BUF_CU_K):
+        buffers[i]["read"] = launched * THREADS * 2 * 4
+    return buffers, mma, tiles, max(dense_tiles, 1)
 
 
 def visible_pairs(L, S, options):
@@ -176,6 +224,17 @@ def run_options(E, options):
     return {**base, **options}
 
 
+def sim_column(op, tensors, opts, predicted, mma):
+    """(the simulator's MB, 1 if its counters disagree with the model else 0)."""
+    _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False)
+    got = counted(counters)
+    column = f"{total(got) / 1e6:.3f}"
+    if got == predicted and counters[0]["mma"] == mma:
+        return column, 0
+    print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}", file=sys.stderr)
+    return column + " MISMATCH", 1
+
+
 def traffic_table(dtype, sim_limit) -> int:
     es = torch.finfo(dtype).bits // 8
     run_sim = sim.available()
@@ -203,16 +262,8 @@ def traffic_table(dtype, sim_limit) -> int:
         sim_col = "-"
         if run_sim and B * Hq * L * S * (E + Ev) <= sim_limit:
             cq, ck, cv, cmask = inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "cpu")
-            _, counters = sim.run_op(
-                "sdpa", [cq, ck, cv, cmask, None], opts, counters=True, checkers=False
-            )
-            got = counted(counters)
-            sim_col = f"{total(got) / 1e6:.3f}"
-            if got != predicted or counters[0]["mma"] != mma:
-                failures += 1
-                sim_col += " MISMATCH"
-                print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}",
-                      file=sys.stderr)  # fmt: skip
+            sim_col, bad = sim_column("sdpa", [cq, ck, cv, cmask, None], opts, predicted, mma)
+            failures += bad
         print(
             f"{name:28} {kernel:30} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} "
             f"{moved / minimum:6.2f} {sim_col:>9} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} "
@@ -220,6 +271,58 @@ def traffic_table(dtype, sim_limit) -> int:
         )
     if failures:
         print(f"{failures} shape(s) where the model and the simulator disagree")
+    return failures
+
+
+def cu_seqlens(lengths, device="cpu"):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def varlen_inputs(lq, lk, Hq, Hkv, E, dtype, device):
+    q = torch.randn(sum(lq), Hq, E, dtype=dtype, device=device)
+    k = torch.randn(sum(lk), Hkv, E, dtype=dtype, device=device)
+    v = torch.randn(sum(lk), Hkv, E, dtype=dtype, device=device)
+    return [q, k, v, cu_seqlens(lq), cu_seqlens(lk), None]
+
+
+def varlen_table(dtype, sim_limit) -> int:
+    """The packed batch's traffic (model == simulator) against the sum of its sequences'
+    minimums, and the dense plan of the batch padded to (max_seqlen_q, max_seqlen_k)."""
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    failures = 0
+    print(f"\nsteel varlen attention forward (one dispatch per packed batch), {dtype}; MB")
+    print(f"{'batch':34} {'model MB':>9} {'min MB':>8} {'ratio':>6} {'sim MB':>9} "
+          f"{'padded MB':>9} {'kMMA':>9} {'ideal':>9} {'tiles':>6}")  # fmt: skip
+    for name, lq, lk, Hq, Hkv, E, options in VARLEN_SHAPES:
+        opts = {**run_options(E, options), "max_seqlen_q": max(lq), "max_seqlen_k": max(lk)}
+        tensors = varlen_inputs(lq, lk, Hq, Hkv, E, dtype, "meta")
+        p = sim.plan("sdpa_varlen", tensors, opts)
+        if not p.ok:
+            print(f"{name:34} refused: {p.reason}")
+            continue
+        predicted, mma, tiles, dense_tiles = varlen_model(p, lq, lk, es, 0)
+        moved = total(predicted)
+        # Each sequence moved once: its q, k, v rows, its out rows and lse entries.
+        minimum = sum(Hq * L * E * es * 2 + Hq * L * 4 + 2 * Hkv * S * E * es
+                      for L, S in zip(lq, lk, strict=True))  # fmt: skip
+        ideal = sum(Hq * visible_pairs(L, S, options) * 2 * E / 512
+                    for L, S in zip(lq, lk, strict=True))  # fmt: skip
+        B = len(lq)
+        pq, pk, pv, _ = inputs(B, Hq, Hkv, max(lq), max(lk), E, E, None, dtype, "meta")
+        dense = sim.plan("sdpa", [pq, pk, pv, None, None], run_options(E, options))
+        padded = total(model(dense, B, es, 1, 0)[0])
+        sim_col = "-"
+        work = sum(Hq * L * S * 2 * E for L, S in zip(lq, lk, strict=True))
+        if run_sim and work <= sim_limit:
+            cpu = varlen_inputs(lq, lk, Hq, Hkv, E, dtype, "cpu")
+            sim_col, bad = sim_column("sdpa_varlen", cpu, opts, predicted, mma)
+            failures += bad
+        print(f"{name:34} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} {moved / minimum:6.2f} "
+              f"{sim_col:>9} {padded / 1e6:9.3f} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} "
+              f"{tiles / dense_tiles:6.2f}")  # fmt: skip
+    if failures:
+        print(f"{failures} varlen batch(es) where the model and the simulator disagree")
     return failures
 
 
@@ -310,7 +413,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    failures = traffic_table(dtype, args.sim_limit)
+    failures = traffic_table(dtype, args.sim_limit) + varlen_table(dtype, args.sim_limit)
     if args.mps and torch.backends.mps.is_available():
         mps_table(dtype, args.iters)
     return 1 if failures else 0

@@ -1,12 +1,13 @@
 """torch-steel: flash attention and steel GEMM Metal kernels for PyTorch on Apple GPUs.
 
-Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops) and "steel" as
+Importing this package registers the ops torch.ops.steel.* (see torch_steel.ops), "steel" as
 an attention provider in torch.nn.attention's registry, inactive until
 torch.nn.attention.activate_flash_attention_impl("steel") or torch_steel.patch()
-(see torch_steel.patching).
+(see torch_steel.patching), and serves torch.nn.attention.varlen.varlen_attn on MPS (see
+torch_steel.varlen).
 """
 
-from . import ops
+from . import ops, varlen
 from .backends import BACKENDS, FallbackWarning, backend, current_backend
 from .errors import PlanRefused, SimulatorError
 from .ops import gemm, linear, sdpa, sdpa_varlen
@@ -29,4 +30,5 @@ __all__ = [
     "sdpa",
     "sdpa_varlen",
     "unpatch",
+    "varlen",
 ]

@@ -1,7 +1,14 @@
-// Launch planning for the attention forward (shaders/steel/attn/attention.metal). Registered as
-// "sdpa".
+// Launch planning for the attention forward (shaders/steel/attn/attention.metal): the dense
+// planner, registered as "sdpa" (attention_plan.cpp), and the packed variable-length one,
+// registered as "sdpa_varlen" (varlen_plan.cpp). Both plan the same kernel; the pieces they
+// decide the same way are the steel::attn helpers below.
 #pragma once
 
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "../../shaders/steel/params.h"
 #include "plan.h"
 
 namespace steel {
@@ -16,7 +23,95 @@ Plan plan_attention(const TensorList& tensors, const Options& options);
 // The backward (shaders/steel/attn/attention_backward.metal), registered as "sdpa_backward":
 // tensors [grad_out, q, k, v, out, lse, attn_mask, sinks, grad_lse] (mask, sinks, grad_lse
 // optional), the forward's options. Outputs dq, dk, dv in q's, k's, v's shapes and dtype, and
-// dsinks in the sinks' dtype when sinks are given; an fp32 delta scratch of O(L).
+// dsinks in the sinks' dtype when sinks are given; an fp32 scratch of O(L).
 Plan plan_attention_backward(const TensorList& tensors, const Options& options);
 
+// tensors: [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] (sinks optional), q [total_q, Hq, E],
+// k [total_k, Hkv, E], v [total_k, Hkv, Ev], cu_seqlens int32 [sequences + 1] (read by the
+// kernel only); options as for sdpa plus max_seqlen_q, max_seqlen_k. Outputs: out
+// [total_q, Hq, Ev] in q's dtype, lse float32 [Hq, total_q]. One dispatch for the whole batch.
+Plan plan_attention_varlen(const TensorList& tensors, const Options& options);
+
+namespace attn {
+
+// A (DE, DV) head-dim pair instantiated in attention.metal.
+struct HeadDims {
+  int de, dv;
+};
+
+// What every attention plan derives the same way from the dtypes, head dims, sinks and options.
+struct Common {
+  DType dtype = DType::Float32;
+  HeadDims kernel = {0, 0};  // the instantiation that serves (E, Ev)
+  int64_t E = 0, Ev = 0, Hq = 0, Hkv = 0;
+  bool is_causal = false;
+  bool bottom_right = false;
+  double scale = 0.0;
+  double softcap = 0.0;  // 0: off
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded side
+  int sinks_kind = kSteelAttnOperandNone;
+};
+
+// The refusal of q, k, v dtypes that the kernels do not take ("" when they do).
+std::string check_dtypes(const char* op, const TensorDesc& q, const TensorDesc& k,
+                         const TensorDesc& v);
+
+// Fills `c` from shapes already checked to make an attention, the sinks (in slot `sinks_slot`,
+// listed in plan->contiguous_inputs when they need a copy) and the options, or returns the
+// refusal: head dims without an instantiation, dropout, options the pipeline cannot take.
+std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t E, int64_t Ev,
+                   const std::optional<TensorDesc>& sinks, int32_t sinks_slot,
+                   const Options& options, Common* c, Plan* plan);
+
+// The kernels read q, k, v in place when their last stride is 1; otherwise the host copies the
+// tensor in `slot` (listed in plan->contiguous_inputs) and `t` becomes the copy's layout.
+void read_in_place(TensorDesc* t, int32_t slot, Plan* plan);
+
+// Row i sees keys [i + shift - lo_off, i + shift + hi_off], each side where it is set.
+struct Diagonals {
+  bool has_hi = false, has_lo = false;
+  int64_t hi_off = 0, lo_off = 0;
+};
+// The causal and window sides of `c`. `reach` bounds L + S of every block: a window side at
+// least that wide hides nothing and is dropped, which also keeps every bound within 32 bits.
+Diagonals diagonals(const Common& c, int64_t reach);
+
+// AttnParams with the head dims, heads, diagonals, score factors (shaders/steel/attn/score.h;
+// `additive`: an additive mask keeps scores in nats) and q, k, v's head and row strides (dims
+// head_dim and row_dim); the caller adds L, S, shift, the batch, the mask and the output strides.
+AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const TensorDesc& q,
+                       const TensorDesc& k, const TensorDesc& v, int64_t head_dim,
+                       int64_t row_dim);
+
+// Whether every row start of `t` (dims head_dim and row_dim, plus `more` strides) is 16-byte
+// aligned, so that the tile loader moves whole chunks (STEEL_ATTN_FC_VEC_K/V).
+bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
+              const int64_t* more = nullptr, size_t count = 0);
+
+// The key tile of the kernel that serves `c` (params.h's rule).
+int64_t key_tile(const Common& c);
+
+// How the dispatch specializes the kernel, and which slots it binds.
+struct Launch {
+  bool align_l = false, align_s = false, vec_k = false, vec_v = false;
+  int mask_kind = kSteelAttnMaskNone;
+  bool has_batch = false;
+  bool varlen = false, varlen_br = false;
+  int32_t mask_slot = -1, sinks_slot = -1;  // -1: absent (q stands in)
+  int32_t out_slot = -1, lse_slot = -1;
+  int32_t cu_q_slot = -1, cu_k_slot = -1;  // varlen only
+  uint32_t grid[3] = {1, 1, 1};  // (query blocks, Hq, batch entries or sequences)
+
+  // The grid for `rows` query rows (a block of STEEL_ATTN_BQ per threadgroup), `heads` query
+  // heads and `count` batch entries or sequences.
+  void set_grid(int64_t rows, int64_t heads, int64_t count) {
+    grid[0] = static_cast<uint32_t>(ceil_div(rows, STEEL_ATTN_BQ));
+    grid[1] = static_cast<uint32_t>(heads);
+    grid[2] = static_cast<uint32_t>(count);
+  }
+};
+// The kernel's dispatch: host name, function constants, bindings in buffer order, threads.
+Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l);
+
+}  // namespace attn
 }  // namespace steel

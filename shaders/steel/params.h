@@ -111,6 +111,8 @@ typedef int64_t steel_i64;
 #define STEEL_ATTN_FC_SINKS 313      // int: a SteelAttnOperand value for the sinks buffer (0: none)
 #define STEEL_ATTN_FC_SOFTCAP 314    // bool: scores pass through softcap * tanh(s / softcap)
 #define STEEL_ATTN_FC_HAS_BATCH 315  // bool: batch offsets are computed from tg.z
+#define STEEL_ATTN_FC_VARLEN 316     // bool: packed sequences, each found from cu_seqlens (tg.z)
+#define STEEL_ATTN_FC_VARLEN_BR 317  // bool: varlen diagonals align bottom-right per sequence
 
 // Buffer indices of the attention kernels.
 #define STEEL_ATTN_BUF_Q 0
@@ -121,6 +123,8 @@ typedef int64_t steel_i64;
 #define STEEL_ATTN_BUF_OUT 5
 #define STEEL_ATTN_BUF_LSE 6
 #define STEEL_ATTN_BUF_PARAMS 7
+#define STEEL_ATTN_BUF_CU_Q 8  // varlen only: int32 [sequences + 1] query offsets
+#define STEEL_ATTN_BUF_CU_K 9  // varlen only: int32 [sequences + 1] key/value offsets
 
 // What the mask buffer holds. Additive masks are the query's dtype or float32, as F.sdpa takes
 // them; the kernel reads the buffer as bytes and converts (one kernel serves every mask dtype).
@@ -169,14 +173,19 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
 
 // Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;
 // strides and offsets are 64-bit (see steel_i64). Strides are in elements.
+//
+// Varlen (STEEL_ATTN_FC_VARLEN): q, k, v are packed [tokens, heads, dim] (the row strides step
+// over tokens), out is [total_q, Hq, Ev] and lse [Hq, total_q]. L and S hold the token counts
+// total_q and total_k, which bound every sequence; each threadgroup reads its sequence's rows
+// and keys from cu_seqlens and derives its own L, S and shift on the device.
 struct AttnParams {
-  int32_t L;           // query rows
-  int32_t S;           // keys
+  int32_t L;           // query rows (varlen: total_q)
+  int32_t S;           // keys (varlen: total_k)
   int32_t E;           // head dim of q and k
   int32_t Ev;          // head dim of v and out
   int32_t Hq;          // query heads
   int32_t group;       // query heads per key/value head (GQA; 1 without)
-  int32_t shift;       // S - L for bottom-right causal alignment, else 0
+  int32_t shift;       // S - L for bottom-right causal alignment, else 0 (varlen: unused)
   int32_t hi_off;      // row i sees keys j <= i + shift + hi_off (STEEL_ATTN_FC_HAS_HI)
   int32_t lo_off;      // row i sees keys j >= i + shift - lo_off (STEEL_ATTN_FC_HAS_LO)
   float q_scale;       // multiplies q: scale times the score unit, or scale / softcap
@@ -196,7 +205,7 @@ struct AttnParams {
   steel_i64 m_hs;  // mask: over query heads, rows, keys (0 where broadcast)
   steel_i64 m_rs;
   steel_i64 m_cs;
-  steel_i64 o_bs;  // out: per flattened batch entry, head, row (last dim contiguous)
+  steel_i64 o_bs;  // out: per flattened batch entry (varlen: 0), head, row (last dim contiguous)
   steel_i64 o_hs;
   steel_i64 o_rs;
 };

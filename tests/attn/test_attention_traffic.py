@@ -51,3 +51,25 @@ def test_causal_visits_about_half_the_tiles_and_allocates_no_score_matrix():
     _, _, tiles, dense = bench_attention.model(p, 1, 2, 1, 0)
     assert 0.5 <= tiles / dense < 0.51
     assert [a.name for a in p.allocations] == ["out", "lse"]
+
+
+@pytest.mark.parametrize(
+    "lq,lk,Hq,Hkv,options",
+    [
+        ([1, 7, 100, 0, 33], [1, 7, 100, 4, 0], 2, 2, {}),
+        ([40, 0, 70], [100, 5, 30], 4, 2, {"is_causal": True, "bottom_right": True}),
+        ([64, 9], [64, 90], 2, 1, {"window_left": 10, "window_right": 3}),
+    ],
+)  # fmt: skip
+def test_varlen_traffic_model_matches_counters(lq, lk, Hq, Hkv, options):
+    """One varlen dispatch: every launched threadgroup reads its cu_seqlens entries, blocks past
+    their sequence's end nothing else, the others what a dense block of the sequence reads."""
+    tensors = bench_attention.varlen_inputs(lq, lk, Hq, Hkv, 64, torch.float16, "cpu")
+    tensors[-1] = torch.randn(Hq, dtype=torch.float32)  # sinks
+    opts = {**bench_attention.run_options(64, options), "max_seqlen_q": max(lq),
+            "max_seqlen_k": max(lk)}  # fmt: skip
+    p = sim.plan("sdpa_varlen", tensors, opts)
+    predicted, mma, _, _ = bench_attention.varlen_model(p, lq, lk, 2, 4)
+    _, counters = sim.run_op("sdpa_varlen", tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted(counters) == predicted
+    assert counters[0]["mma"] == mma

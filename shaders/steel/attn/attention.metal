@@ -1,5 +1,6 @@
 // Steel attention kernels: the prefill forward (flash attention with every F.sdpa option and the
-// extensions of torch_steel.sdpa; see forward.h).
+// extensions of torch_steel.sdpa; see forward.h), dense or over packed variable-length sequences
+// (STEEL_ATTN_FC_VARLEN, which also makes the cu_seqlens buffers present).
 //
 // Host names: steel_attention_<dtype>_e<DE>_v<DV>, DE the head dim of q and k and DV that of v
 // as instantiated below; other head dims run on the next larger instantiation with bounded
@@ -22,12 +23,16 @@ template <typename T, short DE, short DV>
                                 device T* out [[buffer(STEEL_ATTN_BUF_OUT)]],
                                 device float* lse [[buffer(STEEL_ATTN_BUF_LSE)]],
                                 constant AttnParams& params [[buffer(STEEL_ATTN_BUF_PARAMS)]],
+                                const device int* cu_q [[buffer(STEEL_ATTN_BUF_CU_Q),
+                                                         function_constant(attn_varlen)]],
+                                const device int* cu_k [[buffer(STEEL_ATTN_BUF_CU_K),
+                                                         function_constant(attn_varlen)]],
                                 uint3 tg [[threadgroup_position_in_grid]],
                                 ushort simdgroup [[simdgroup_index_in_threadgroup]],
                                 ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnForward<T, DE, DV>::kTileElems];
-  attention_forward_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, params, smem, tg, simdgroup,
-                                     lane);
+  attention_forward_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k, params, smem, tg,
+                                     simdgroup, lane);
 }
 
 // ---- Instantiations (the head-dim table in attention_plan.cpp picks among these) -------------

@@ -57,6 +57,9 @@ struct AttnBackward {
   using LoaderV = typename F::LoaderV;
 };
 
+// The backward runs dense launches only: the extent is the whole call's.
+inline AttnExtent attn_dense_extent(constant AttnParams& p) { return {p.L, p.S, p.shift}; }
+
 // The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
 inline float attn_probability(float s, float lse) {
   return lse == -INFINITY ? 0.0f : exp2((s - lse * attn_units_per_nat) * attn_exp_unit);
@@ -106,7 +109,7 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
       float x = 0.0f;
       for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
       float th = 0.0f;
-      const float s = attn_score<T>(x, p, row, key, true, mask, mask_row + key * p.m_cs, true, th);
+      const float s = attn_score<T>(x, p, attn_dense_extent(p), row, key, true, mask, mask_row + key * p.m_cs, true, th);
       sum += attn_probability(s, l);
     }
     sum = simd_sum(sum);
@@ -130,6 +133,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
                                      uint3 tg, ushort simdgroup, ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
+  const AttnExtent ext = attn_dense_extent(p);
   const int key0 = int(tg.x) * A::BKV;
   const int hk = int(tg.y);
   const int zb = int(tg.z);
@@ -213,7 +217,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
           const int row = row0 + j * 8 + fc + e;
           const bool row_ok = row < p.L;
           float th = 0.0f;
-          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, row, key,
+          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, ext, row, key,
                                         row_ok, mask, mask_key + row * p.m_rs, edge, th);
           pt.frag[j].thread_elements()[e] =
               row_ok ? attn_probability(s, lse_h[row]) * norm_h[row] : 0.0f;
@@ -293,6 +297,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
                                    ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
+  const AttnExtent ext = attn_dense_extent(p);
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
   const int zb = int(tg.z);
@@ -322,7 +327,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
 
   const int last_row = min(row0 + int(A::BQ), p.L) - 1;
   int t_begin, t_end;
-  attn_key_tiles(p, row0, last_row, A::BK, t_begin, t_end);
+  attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   threadgroup T* Ks = smem;
   threadgroup T* Vs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
@@ -332,7 +337,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), p.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
-    const bool edge = attn_edge_tile(p, row0, last_row, key0, A::BK);
+    const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderE::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
                      attn_vec_k, thread_index);
@@ -358,7 +363,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
       for (short e = 0; e < 2; ++e) {
         const int key = key0 + j * 8 + fc + e;
         float th = 0.0f;
-        const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, row, key, row_ok, mask,
+        const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok, mask,
                                       mask_row + key * p.m_cs, edge, th);
         ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
         slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;

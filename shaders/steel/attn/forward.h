@@ -10,7 +10,13 @@
 //     softmax (softmax.h), and O += P V without leaving registers;
 //   - causal and window limits are loop bounds: tiles wholly hidden from every row of the block
 //     are never visited, and only tiles that cross a boundary test elements (score.h);
-//   - GQA is a stride: query head h reads key/value head h / group.
+//   - GQA is a stride: query head h reads key/value head h / group;
+//   - varlen (STEEL_ATTN_FC_VARLEN): one launch for a packed batch, grid
+//     (ceil(max_seqlen_q / BQ), Hq, sequences). A threadgroup reads its sequence's offsets from
+//     cu_seqlens_q / cu_seqlens_k on the device, moves q, k, v, out and lse to the sequence's
+//     first token, and takes the sequence's L, S and diagonal shift as its extent (score.h);
+//     blocks past the end of their sequence leave at once. With the constant off, the extent is
+//     AttnParams' and the varlen code compiles away.
 // Barriers: separate K and V tiles take two per key tile (before the loads overwrite the
 // previous tile, after them); when K and V share one buffer (large head dims) four.
 #pragma once
@@ -33,6 +39,8 @@ constant bool attn_vec_k [[function_constant(STEEL_ATTN_FC_VEC_K)]];
 constant bool attn_vec_v [[function_constant(STEEL_ATTN_FC_VEC_V)]];
 constant int attn_sinks [[function_constant(STEEL_ATTN_FC_SINKS)]];
 constant bool attn_has_batch [[function_constant(STEEL_ATTN_FC_HAS_BATCH)]];
+constant bool attn_varlen [[function_constant(STEEL_ATTN_FC_VARLEN)]];
+constant bool attn_varlen_br [[function_constant(STEEL_ATTN_FC_VARLEN_BR)]];
 
 namespace steel {
 
@@ -96,44 +104,76 @@ inline void attn_load_row_frags(thread FragTile<1, N>& f, const device T* row_pt
 
 // The key tiles [t_begin, t_end) of size bk that query rows row0 .. last_row may see (causal and
 // window bounds, score.h's rule); tiles wholly hidden from every row are never visited.
-inline void attn_key_tiles(constant AttnParams& p, int row0, int last_row, int bk,
+inline void attn_key_tiles(constant AttnParams& p, AttnExtent x, int row0, int last_row, int bk,
                            thread int& t_begin, thread int& t_end) {
   int key_begin = 0;
-  int key_end = p.S;
-  if (attn_has_hi) key_end = min(key_end, last_row + p.shift + p.hi_off + 1);
-  if (attn_has_lo) key_begin = max(0, row0 + p.shift - p.lo_off);
+  int key_end = x.S;
+  if (attn_has_hi) key_end = min(key_end, last_row + x.shift + p.hi_off + 1);
+  if (attn_has_lo) key_begin = max(0, row0 + x.shift - p.lo_off);
   t_begin = key_begin / bk;
   t_end = key_end > key_begin ? (key_end + bk - 1) / bk : t_begin;
 }
 
 // Does the key tile [key0, key0 + bk) cross a visibility boundary of some row in
 // row0 .. last_row (or the end of S)? Uniform per threadgroup: only such tiles test elements.
-inline bool attn_edge_tile(constant AttnParams& p, int row0, int last_row, int key0, int bk) {
-  return (!attn_align_s && key0 + bk > p.S) ||
-         (attn_has_hi && key0 + bk - 1 > row0 + p.shift + p.hi_off) ||
-         (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+inline bool attn_edge_tile(constant AttnParams& p, AttnExtent x, int row0, int last_row,
+                           int key0, int bk) {
+  return (!attn_align_s && key0 + bk > x.S) ||
+         (attn_has_hi && key0 + bk - 1 > row0 + x.shift + p.hi_off) ||
+         (attn_has_lo && key0 < last_row + x.shift - p.lo_off);
 }
 
 template <typename T, short DE, short DV>
 inline void attention_forward_block(const device T* q, const device T* k, const device T* v,
                                     const device uchar* mask, const device uchar* sinks,
-                                    device T* out, device float* lse, constant AttnParams& p,
+                                    device T* out, device float* lse, const device int* cu_q,
+                                    const device int* cu_k, constant AttnParams& p,
                                     threadgroup T* smem, uint3 tg, ushort simdgroup,
                                     ushort lane) {
   using A = AttnForward<T, DE, DV>;
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
-  const int zb = int(tg.z);
+  const int zb = int(tg.z);  // the flattened batch entry, or the sequence (varlen)
 
+  AttnExtent ext = {p.L, p.S, p.shift};
+  // Batch, head and row offsets in 64 bits: B * H * L * E passes 2^31 in real models.
+  steel_i64 q_off = 0, k_off = 0, v_off = 0, m_off = 0;
+  steel_i64 o_off = zb * p.o_bs;
+  steel_i64 lse_off = (steel_i64(zb) * p.Hq + h) * p.L;
+  if (attn_varlen) {
+    // Sequence zb is query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens cu_k[zb] ..
+    // cu_k[zb + 1]. The offsets are clamped to the token counts, so that offsets that break
+    // the convention give wrong rows, never accesses outside q, k, v, out or lse.
+    const int q_begin = clamp(cu_q[zb], 0, p.L);
+    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
+    const int k_begin = clamp(cu_k[zb], 0, p.S);
+    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
+    ext.L = q_end - q_begin;
+    ext.S = k_end - k_begin;
+    ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
+    // The grid covers the longest sequence: blocks past the end of this one have no rows. The
+    // test is uniform over the threadgroup, and no barrier has been reached yet.
+    if (row0 >= ext.L) return;
+    q_off = q_begin * p.q_rs;
+    k_off = k_begin * p.k_rs;
+    v_off = k_begin * p.v_rs;
+    o_off = q_begin * p.o_rs;
+    lse_off = steel_i64(h) * p.L + q_begin;  // lse is [Hq, total_q]
+  } else {
+    q_off = attn_batch_offset(p, p.q_bs, zb);
+    k_off = attn_batch_offset(p, p.k_bs, zb);
+    v_off = attn_batch_offset(p, p.v_bs, zb);
+    m_off = attn_batch_offset(p, p.m_bs, zb);
+  }
   const int hk = h / p.group;
-  q += attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs;
-  k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
-  v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+  q += q_off + h * p.q_hs;
+  k += k_off + hk * p.k_hs;
+  v += v_off + hk * p.v_hs;
 
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int row = row0 + simdgroup * 8 + fr;  // this lane's query row
-  const bool row_ok = attn_align_l || row < p.L;
+  const bool row_ok = attn_align_l || row < ext.L;
 
   // Q in registers, prescaled (score.h).
   FragTile<1, A::TD> qf;
@@ -149,20 +189,20 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   FragTile<1, A::TV> o;
   o.clear();
 
-  const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+  const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
   int t_begin, t_end;
-  attn_key_tiles(p, row0, last_row, A::BK, t_begin, t_end);
+  attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
 
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+  const steel_i64 mask_row = m_off + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
-    const short valid = short(min(int(A::BK), p.S - key0));
+    const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
-    const bool edge = attn_edge_tile(p, row0, last_row, key0, A::BK);
+    const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderK::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
@@ -185,7 +225,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
       }
     }
 
-    attn_transform_scores<T, A::TK>(s, p, row, key0, row_ok, mask, mask_row, edge, lane);
+    attn_transform_scores<T, A::TK>(s, p, ext, row, key0, row_ok, mask, mask_row, edge, lane);
     const float factor = sm.update<A::TK>(s);
     for (short n = 0; n < A::TV; ++n) {
       o.frag[n].thread_elements()[0] *= factor;
@@ -212,7 +252,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
 
   if (!row_ok) return;  // no barrier follows
   const float inv = sm.inverse_sum();
-  device T* o_row = out + zb * p.o_bs + h * p.o_hs + row * p.o_rs;
+  device T* o_row = out + o_off + h * p.o_hs + row * p.o_rs;
   for (short n = 0; n < A::TV; ++n) {
 #pragma clang loop unroll(full)
     for (short e = 0; e < 2; ++e) {
@@ -221,7 +261,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
   }
   // One lane of the four that share a row writes its log-sum-exp.
-  if ((lane & 9) == 0) lse[(steel_i64(zb) * p.Hq + h) * p.L + row] = sm.lse();
+  if ((lane & 9) == 0) lse[lse_off + row] = sm.lse();
 }
 
 }  // namespace steel

@@ -35,35 +35,46 @@ inline float attn_read(const device uchar* buffer, bool is_f32, steel_i64 i) {
   return is_f32 ? ((const device float*)buffer)[i] : float(((const device T*)buffer)[i]);
 }
 
+// The attention one threadgroup computes: its query rows, its keys and where the causal and
+// window diagonals start. A dense launch takes them from AttnParams; a varlen launch derives
+// them on the device from its sequence's cu_seqlens entries (forward.h). Rows and keys count
+// from the start of the (sequence's) block.
+struct AttnExtent {
+  int L;      // query rows
+  int S;      // keys
+  int shift;  // S - L when the diagonals align bottom-right, else 0
+};
+
 // Which keys query row `row` may see: [row + shift - lo_off, row + shift + hi_off] within
 // [0, S), each side only where its function constant is set. Tile-level culling uses the same
 // bounds (forward.h); this is the element-level test for tiles that cross a boundary.
-inline bool attn_visible(constant AttnParams& p, int row, int key) {
-  bool keep = key < p.S;
-  if (attn_has_hi) keep = keep && key <= row + p.shift + p.hi_off;
-  if (attn_has_lo) keep = keep && key >= row + p.shift - p.lo_off;
+inline bool attn_visible(constant AttnParams& p, AttnExtent x, int row, int key) {
+  bool keep = key < x.S;
+  if (attn_has_hi) keep = keep && key <= row + x.shift + p.hi_off;
+  if (attn_has_lo) keep = keep && key >= row + x.shift - p.lo_off;
   return keep;
 }
 
-// One score through the transforms, at query row `row` and key `key`. `t` receives
-// tanh(x) when softcap is on (the backward's derivative needs it). `row_ok`: the row is inside
-// L; `mask_at`: the mask's element offset of (row, key); `edge`: the tile crosses a visibility
-// boundary (decided once per threadgroup), so the element test runs.
+// One score through the transforms, at query row `row` and key `key` of the extent `ext`. `t`
+// receives tanh(x) when softcap is on (the backward's derivative needs it). `row_ok`: the row is
+// inside L; `mask_at`: the mask's element offset of (row, key); `edge`: the tile crosses a
+// visibility boundary (decided once per threadgroup), so the element test runs.
 template <typename T>
-inline float attn_score(float x, constant AttnParams& p, int row, int key, bool row_ok,
-                        const device uchar* mask, steel_i64 mask_at, bool edge, thread float& t) {
+inline float attn_score(float x, constant AttnParams& p, AttnExtent ext, int row, int key,
+                        bool row_ok, const device uchar* mask, steel_i64 mask_at, bool edge,
+                        thread float& t) {
   if (attn_softcap) {
     t = precise::tanh(x);
     x = t * p.softcap;
   }
-  if (attn_mask != kSteelAttnMaskNone && row_ok && key < p.S) {
+  if (attn_mask != kSteelAttnMaskNone && row_ok && key < ext.S) {
     if (attn_mask == kSteelAttnMaskBool) {
       if (mask[mask_at] == 0) x = -INFINITY;
     } else {
       x += attn_read<T>(mask, attn_mask == kSteelAttnMaskAddF32, mask_at);
     }
   }
-  if (edge && !(row_ok && attn_visible(p, row, key))) x = -INFINITY;
+  if (edge && !(row_ok && attn_visible(p, ext, row, key))) x = -INFINITY;
   return x;
 }
 
@@ -71,9 +82,10 @@ inline float attn_score(float x, constant AttnParams& p, int row, int key, bool 
 // orientation: the lane's query row is fixed, keys run along the tile). `key0` is the tile's
 // first key, `mask_row` the mask's element offset of (row, key 0).
 template <typename T, short TK>
-inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams& p, int row,
-                                  int key0, bool row_ok, const device uchar* mask,
-                                  steel_i64 mask_row, bool edge, ushort lane) {
+inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams& p,
+                                  AttnExtent ext, int row, int key0, bool row_ok,
+                                  const device uchar* mask, steel_i64 mask_row, bool edge,
+                                  ushort lane) {
   const short fc = frag_col(lane);
 #pragma clang loop unroll(full)
   for (short j = 0; j < TK; ++j) {
@@ -82,7 +94,7 @@ inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams
       const int key = key0 + j * 8 + fc + e;
       float t = 0.0f;
       s.frag[j].thread_elements()[e] =
-          attn_score<T>(s.frag[j].thread_elements()[e], p, row, key, row_ok, mask,
+          attn_score<T>(s.frag[j].thread_elements()[e], p, ext, row, key, row_ok, mask,
                         mask_row + key * p.m_cs, edge, t);
     }
   }

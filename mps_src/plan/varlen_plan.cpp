@@ -1,0 +1,142 @@
+// Launch planning for packed variable-length attention (steel::sdpa_varlen_forward): the prefill
+// kernel of attention_plan.cpp with STEEL_ATTN_FC_VARLEN, one dispatch for the whole batch.
+//
+// The plan never sees the sequence lengths: cu_seqlens_q / cu_seqlens_k are device tensors that
+// only the kernel reads (shaders/steel/attn/forward.h). So the grid covers the longest sequence,
+// max_seqlen_q rows (bounded by total_q), for every head and sequence, and the threadgroups past
+// the end of a shorter sequence leave at once; the alignment constants are off (no length is
+// known to be a multiple of a tile); the causal and window diagonals keep their offsets, while
+// their bottom-right shift S - L is taken per sequence on the device (STEEL_ATTN_FC_VARLEN_BR).
+// q, k, v are read in place at any strides whose last one is 1 (the row stride steps over
+// tokens); out is a fresh [total_q, Hq, Ev] tensor, lse [Hq, total_q] as flash-attn lays it out.
+#include <algorithm>
+#include <string>
+
+#include "attention_plan.h"
+
+namespace steel {
+
+using attn::Common;
+
+Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
+  if (tensors.size() != 6 || !tensors[0] || !tensors[1] || !tensors[2] || !tensors[3] ||
+      !tensors[4]) {
+    return Plan::refuse(
+        "sdpa_varlen takes tensors [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] with all but "
+        "sinks present");
+  }
+  TensorDesc q = *tensors[0];
+  TensorDesc k = *tensors[1];
+  TensorDesc v = *tensors[2];
+  const TensorDesc& cu_q = *tensors[3];
+  const TensorDesc& cu_k = *tensors[4];
+  std::optional<TensorDesc> sinks = tensors[5];
+  const int32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotCuQ = 3, kSlotCuK = 4, kSlotSinks = 5;
+  const int32_t kSlotOut = 6, kSlotLse = 7;
+
+  // ---- dtypes, shapes, offsets, options ----
+  std::string why = attn::check_dtypes("sdpa_varlen", q, k, v);
+  if (!why.empty()) return Plan::refuse(why);
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) {
+    return Plan::refuse("sdpa_varlen: q, k, v must be packed [tokens, heads, dim], got " +
+                        shape_str(q.sizes) + ", " + shape_str(k.sizes) + ", " +
+                        shape_str(v.sizes));
+  }
+  const int64_t Tq = q.sizes[0], Hq = q.sizes[1], E = q.sizes[2];
+  const int64_t Tk = k.sizes[0], Hkv = k.sizes[1], Ev = v.sizes[2];
+  if (k.sizes[2] != E || v.sizes[0] != Tk || v.sizes[1] != Hkv || Hkv == 0 || Hq % Hkv != 0) {
+    return Plan::refuse("sdpa_varlen: shapes q " + shape_str(q.sizes) + ", k " +
+                        shape_str(k.sizes) + ", v " + shape_str(v.sizes) +
+                        " do not make an attention");
+  }
+  for (const TensorDesc* cu : {&cu_q, &cu_k}) {
+    if (cu->dtype != DType::Int32 || cu->dim() != 1 || cu->sizes[0] < 1 ||
+        cu->sizes[0] != cu_q.sizes[0]) {
+      return Plan::refuse(std::string("sdpa_varlen: cu_seqlens_q and cu_seqlens_k must be ") +
+                          "int32 [sequences + 1] of one length, got " +
+                          dtype_name(cu_q.dtype) + " " + shape_str(cu_q.sizes) + " and " +
+                          dtype_name(cu_k.dtype) + " " + shape_str(cu_k.sizes));
+    }
+  }
+  const int64_t sequences = cu_q.sizes[0] - 1;
+  Plan plan;
+  Common c;
+  why = attn::common("sdpa_varlen", q.dtype, Hq, Hkv, E, Ev, sinks, kSlotSinks, options, &c,
+                     &plan);
+  if (!why.empty()) return Plan::refuse(why);
+  const int64_t max_q = static_cast<int64_t>(options.number("max_seqlen_q", -1));
+  const int64_t max_k = static_cast<int64_t>(options.number("max_seqlen_k", -1));
+  if (max_q < 0 || max_k < 0) {
+    return Plan::refuse("sdpa_varlen: the options max_seqlen_q and max_seqlen_k are required");
+  }
+  // cu_seqlens are int32, so token offsets fit in 31 bits; the kernels' row and key indices
+  // within a sequence (and the diagonals, up to max_seqlen_q + max_seqlen_k) must fit too.
+  if (Tq > kInt32Max || Tk > kInt32Max) {
+    return Plan::refuse("sdpa_varlen: " + std::to_string(Tq) + " query and " +
+                        std::to_string(Tk) + " key tokens; cu_seqlens are int32 offsets");
+  }
+  if (max_q > kInt32Max / 2 || max_k > kInt32Max / 2) {
+    return Plan::refuse("sdpa_varlen: max_seqlen_q = " + std::to_string(max_q) +
+                        ", max_seqlen_k = " + std::to_string(max_k) +
+                        " beyond the kernels' 32-bit row indexing (2^30)");
+  }
+  // The grid is planned from max_seqlen_q: tokens with no sequence to hold them, or no block
+  // rows to reach them, would be left unwritten.
+  if (Tq > 0 && (sequences == 0 || max_q == 0)) {
+    return Plan::refuse("sdpa_varlen: " + std::to_string(Tq) + " query tokens, but " +
+                        std::to_string(sequences) + " sequences and max_seqlen_q = " +
+                        std::to_string(max_q));
+  }
+
+  // ---- layouts: last dim contiguous, or a copy; the offsets as one int32 vector each ----
+  attn::read_in_place(&q, kSlotQ, &plan);
+  attn::read_in_place(&k, kSlotK, &plan);
+  attn::read_in_place(&v, kSlotV, &plan);
+  if (sequences > 0 && cu_q.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuQ);
+  if (sequences > 0 && cu_k.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuK);
+  std::sort(plan.contiguous_inputs.begin(), plan.contiguous_inputs.end());
+
+  // ---- outputs: out [total_q, Hq, Ev], lse [Hq, total_q] ----
+  Allocation out_alloc;
+  out_alloc.name = "out";
+  out_alloc.dtype = c.dtype;
+  out_alloc.sizes = {Tq, Hq, Ev};
+  out_alloc.is_output = true;
+  Allocation lse_alloc;
+  lse_alloc.name = "lse";
+  lse_alloc.dtype = DType::Float32;
+  lse_alloc.sizes = {Hq, Tq};
+  lse_alloc.is_output = true;
+  plan.allocations = {out_alloc, lse_alloc};
+  plan.ok = true;
+  if (Tq == 0 || Hq == 0) return plan;  // nothing to compute
+
+  // ---- params: the packed token counts bound every sequence ----
+  // A sequence's L + S is at most max_seqlen_q + max_seqlen_k: wider window sides hide nothing.
+  const attn::Diagonals diag = attn::diagonals(c, max_q + max_k);
+  AttnParams p = attn::base_params(c, diag, false, q, k, v, 1, 0);
+  p.L = static_cast<int32_t>(Tq);
+  p.S = static_cast<int32_t>(Tk);
+  p.o_hs = Ev;
+  p.o_rs = Hq * Ev;
+
+  // ---- the dispatch ----
+  attn::Launch l;
+  l.vec_k = attn::vec_rows(c, k, 1, 0);
+  l.vec_v = attn::vec_rows(c, v, 1, 0);
+  l.varlen = true;
+  // Without a diagonal the alignment changes nothing: one pipeline serves both.
+  l.varlen_br = c.bottom_right && (diag.has_hi || diag.has_lo);
+  l.sinks_slot = sinks ? kSlotSinks : -1;
+  l.out_slot = kSlotOut;
+  l.lse_slot = kSlotLse;
+  l.cu_q_slot = kSlotCuQ;
+  l.cu_k_slot = kSlotCuK;
+  l.set_grid(std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
+  plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
+  return plan;
+}
+
+STEEL_PLANNER("sdpa_varlen", plan_attention_varlen);
+
+}  // namespace steel
