@@ -29,15 +29,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import struct
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_gemm import time_ms  # noqa: E402
 
 from torch_steel import sim  # noqa: E402
 
@@ -324,18 +324,6 @@ def varlen_table(dtype, sim_limit) -> int:
     if failures:
         print(f"{failures} varlen batch(es) where the model and the simulator disagree")
     return failures
-
-
-def time_ms(fn, iters):
-    fn()
-    torch.mps.synchronize()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.mps.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def peak_mb(fn):

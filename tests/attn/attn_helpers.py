@@ -3,6 +3,7 @@ per-dtype tolerances."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -21,19 +22,25 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 OUT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
-def steel(q, k, v, attn_mask=None, **kwargs):
-    """(out, lse) of torch_steel.sdpa served by the attention kernel in the simulator, checkers
-    on; strict, so a plan refusal fails the test instead of falling back to reference math."""
+@contextlib.contextmanager
+def strict(on=True):
+    """TORCH_STEEL_STRICT for the block: a refused plan raises instead of falling back."""
     previous = os.environ.get("TORCH_STEEL_STRICT")
-    os.environ["TORCH_STEEL_STRICT"] = "1"
+    os.environ["TORCH_STEEL_STRICT"] = "1" if on else "0"
     try:
-        with torch_steel.backend("sim"):
-            return torch_steel.sdpa(q, k, v, attn_mask, return_lse=True, **kwargs)
+        yield
     finally:
         if previous is None:
             del os.environ["TORCH_STEEL_STRICT"]
         else:
             os.environ["TORCH_STEEL_STRICT"] = previous
+
+
+def steel(q, k, v, attn_mask=None, **kwargs):
+    """(out, lse) of torch_steel.sdpa served by the attention kernel in the simulator, checkers
+    on; strict, so a plan refusal fails the test instead of falling back to reference math."""
+    with strict(), torch_steel.backend("sim"):
+        return torch_steel.sdpa(q, k, v, attn_mask, return_lse=True, **kwargs)
 
 
 def oracle(q, k, v, attn_mask=None, **kwargs):

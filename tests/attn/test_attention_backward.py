@@ -8,12 +8,10 @@ kernels; lse is differentiated too (grad_lse), except where a test says otherwis
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from attn_helpers import DTYPES, OUT_ROUNDING, qkv, rand, requires_simulator
+from attn_helpers import DTYPES, OUT_ROUNDING, qkv, rand, requires_simulator, strict
 
 import torch_steel
 
@@ -34,20 +32,12 @@ def grads(q, k, v, backend, grad_out, with_lse=True, **kwargs):
     if sinks is not None:
         sinks = sinks.detach().clone().requires_grad_()
         inputs.append(sinks)
-    previous = os.environ.get("TORCH_STEEL_STRICT")
-    os.environ["TORCH_STEEL_STRICT"] = "1" if backend == "sim" else "0"
-    try:
-        with torch_steel.backend(backend):
-            out, lse = torch_steel.sdpa(*inputs[:3], return_lse=True, sinks=sinks, **kwargs)
-            loss = (out * grad_out.to(out.dtype)).sum()
-            if with_lse:
-                loss = loss + (lse * torch.linspace(-1, 1, lse.shape[-1], dtype=lse.dtype)).sum()
-            return out, torch.autograd.grad(loss, inputs)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_STEEL_STRICT"]
-        else:
-            os.environ["TORCH_STEEL_STRICT"] = previous
+    with strict(backend == "sim"), torch_steel.backend(backend):
+        out, lse = torch_steel.sdpa(*inputs[:3], return_lse=True, sinks=sinks, **kwargs)
+        loss = (out * grad_out.to(out.dtype)).sum()
+        if with_lse:
+            loss = loss + (lse * torch.linspace(-1, 1, lse.shape[-1], dtype=lse.dtype)).sum()
+        return out, torch.autograd.grad(loss, inputs)
 
 
 def check(q, k, v, with_lse=True, **kwargs):
