@@ -44,6 +44,7 @@ from torch_steel import sim  # noqa: E402
 BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS, BUF_CU_Q, BUF_CU_K = range(
     10
 )
+BUF_BWD_PARAMS = 17
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
 BQ = 32
 THREADS = 128
@@ -98,8 +99,9 @@ def bk_of(de, dv, es):
     return next(bk for bk in (32, 16, 8) if shared(bk) <= BUDGET or bk == 8)
 
 
-def params(dispatch):
-    raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
+def params(dispatch, index=BUF_PARAMS):
+    """The AttnParams fields the models use (the backward's params start with them, at 17)."""
+    raw = next(b.bytes for b in dispatch.bindings if b.index == index)
     L, S, E, Ev, Hq, group, shift, hi_off, lo_off = struct.unpack_from("9i", raw, 0)
     return {"L": L, "S": S, "E": E, "Ev": Ev, "Hq": Hq, "group": group, "shift": shift,
             "hi_off": hi_off, "lo_off": lo_off}  # fmt: skip
@@ -174,6 +176,41 @@ def varlen_model(plan, lq, lk, es, sinks_es):
     for i in (BUF_CU_Q, BUF_CU_K):
         buffers[i]["read"] = launched * THREADS * 2 * 4
     return buffers, mma, tiles, max(dense_tiles, 1)
+
+
+def backward_mma(plan, batch, es):
+    """Predicted MMAs of each dispatch of an "sdpa_backward" plan (backward.h's loops): dK/dV
+    visits, per 32-key block and query head of its group, the query tiles that see the block,
+    with four products a tile (S^T, dV, dP^T, dK); dQ visits the forward's key tiles with three
+    (S, dP, dQ). The pre-pass and dsinks use none."""
+    out = []
+    for d in plan.dispatches:
+        if "_dkdv_" not in d.kernel and "_dq_" not in d.kernel:
+            out.append(0)
+            continue
+        p = params(d, BUF_BWD_PARAMS)
+        de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+        bk = bk_of(de, dv, es)
+        td, tv, tk = de // 8, dv // 8, bk // 8
+        sg = THREADS // 32
+        if "_dq_" in d.kernel:
+            tiles = sum(
+                len(t)
+                for _, _, t in visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
+            )
+            out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + tv))
+            continue
+        tiles = 0
+        for key0 in range(0, p["S"], 32):
+            last_key = min(key0 + 32, p["S"]) - 1
+            begin, end = 0, p["L"]
+            if d.constants[FC_HAS_HI]:
+                begin = max(0, key0 - p["shift"] - p["hi_off"])
+            if d.constants[FC_HAS_LO]:
+                end = min(p["L"], last_key - p["shift"] + p["lo_off"] + 1)
+            tiles += (-(-end // bk) - begin // bk) if end > begin else 0
+        out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + 2 * tv))
+    return out
 
 
 def visible_pairs(L, S, options):

@@ -73,3 +73,25 @@ def test_varlen_traffic_model_matches_counters(lq, lk, Hq, Hkv, options):
     _, counters = sim.run_op("sdpa_varlen", tensors, opts, counters=True, checkers=False)
     assert bench_attention.counted(counters) == predicted
     assert counters[0]["mma"] == mma
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,options",
+    [
+        (1, 2, 2, 33, 47, 64, {}),
+        (2, 4, 2, 70, 100, 40, {"is_causal": True}),
+        (1, 2, 1, 50, 30, 96, {"is_causal": True, "bottom_right": True, "window_left": 7}),
+    ],
+)
+def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
+    """The backward's MMA model (bench_attention.backward_mma) equals the simulator's count per
+    dispatch; the plan's only scratch is the O(L) delta buffer."""
+    q, k, v, _ = bench_attention.inputs(B, Hq, Hkv, L, S, E, E, None, torch.float16, "cpu")
+    opts = bench_attention.run_options(E, options)
+    (out, lse) = sim.run_op("sdpa", [q, k, v, None, None], opts)
+    tensors = [torch.randn_like(out), q, k, v, out, lse, None, None, None]
+    p = sim.plan("sdpa_backward", tensors, opts)
+    _, counters = sim.run_op("sdpa_backward", tensors, opts, counters=True, checkers=False)
+    assert [c["mma"] for c in counters] == bench_attention.backward_mma(p, B, 2)
+    scratch = [a for a in p.allocations if not a.is_output]
+    assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
