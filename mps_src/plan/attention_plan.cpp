@@ -71,8 +71,9 @@ std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t
     return name + ": no kernel instantiation holds head dims E = " + std::to_string(E) +
            ", Ev = " + std::to_string(Ev);
   }
-  if (options.number("dropout_p", 0.0) > 0.0) {
-    return name + ": dropout is not in the Metal forward kernel yet";
+  const double dropout_p = options.number("dropout_p", 0.0);
+  if (dropout_p >= 1.0) {
+    return name + ": dropout_p = 1 drops every weight (reference math serves it)";
   }
   const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
   if (max_threads < kThreads) {
@@ -95,6 +96,11 @@ std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t
   c->softcap = options.number("softcap", 0.0);
   c->window_left = static_cast<int64_t>(options.number("window_left", -1));
   c->window_right = static_cast<int64_t>(options.number("window_right", -1));
+  c->dropout_p = dropout_p > 0.0 ? dropout_p : 0.0;
+  // The Philox key and counter word of torch_steel/dropout.py (seed in two 32-bit halves).
+  c->seed_lo = static_cast<uint32_t>(options.number("seed_lo", 0));
+  c->seed_hi = static_cast<uint32_t>(options.number("seed_hi", 0));
+  c->drop_offset = static_cast<uint32_t>(options.number("offset", 0));
   c->sinks_kind = kSteelAttnOperandNone;
   if (sinks) {
     if (sinks->dim() != 1 || sinks->sizes[0] != Hq) {
@@ -155,6 +161,14 @@ AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const
   p.k_rs = k.strides[row_dim];
   p.v_hs = v.strides[head_dim];
   p.v_rs = v.strides[row_dim];
+  if (c.dropout_p > 0.0) {
+    p.seed_lo = c.seed_lo;
+    p.seed_hi = c.seed_hi;
+    p.drop_offset = c.drop_offset;
+    // keep_threshold of torch_steel/dropout.py: floor(p * 2^32), below 2^32 as p < 1.
+    p.drop_threshold = static_cast<uint32_t>(std::floor(c.dropout_p * 4294967296.0));
+    p.drop_scale = static_cast<float>(1.0 / (1.0 - c.dropout_p));
+  }
   return p;
 }
 
@@ -192,6 +206,7 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
       fc_bool(STEEL_ATTN_FC_HAS_BATCH, l.has_batch),
       fc_bool(STEEL_ATTN_FC_VARLEN, l.varlen),
       fc_bool(STEEL_ATTN_FC_VARLEN_BR, l.varlen_br),
+      fc_bool(STEEL_ATTN_FC_DROPOUT, c.dropout_p > 0.0),
   };
   // Absent mask or sinks are never read (function constants), but every declared buffer is
   // bound, so q stands in. The cu_seqlens buffers exist only in varlen pipelines.

@@ -50,6 +50,8 @@ struct Common {
   double softcap = 0.0;  // 0: off
   int64_t window_left = -1, window_right = -1;  // -1: unbounded side
   int sinks_kind = kSteelAttnOperandNone;
+  double dropout_p = 0.0;  // 0: off
+  uint32_t seed_lo = 0, seed_hi = 0, drop_offset = 0;
 };
 
 // The refusal of q, k, v dtypes that the kernels do not take ("" when they do).

@@ -113,6 +113,7 @@ typedef int64_t steel_i64;
 #define STEEL_ATTN_FC_HAS_BATCH 315  // bool: batch offsets are computed from tg.z
 #define STEEL_ATTN_FC_VARLEN 316     // bool: packed sequences, each found from cu_seqlens (tg.z)
 #define STEEL_ATTN_FC_VARLEN_BR 317  // bool: varlen diagonals align bottom-right per sequence
+#define STEEL_ATTN_FC_DROPOUT 318    // bool: attention weights are dropped (dropout.h)
 
 // Buffer indices of the attention kernels.
 #define STEEL_ATTN_BUF_Q 0
@@ -208,9 +209,17 @@ struct AttnParams {
   steel_i64 o_bs;  // out: per flattened batch entry (varlen: 0), head, row (last dim contiguous)
   steel_i64 o_hs;
   steel_i64 o_rs;
+  // Dropout (torch_steel/dropout.py's Philox keying): key words, counter word 3, and the
+  // threshold floor(dropout_p * 2^32) at or above which a weight is kept, then scaled.
+  uint32_t seed_lo;
+  uint32_t seed_hi;
+  uint32_t drop_offset;
+  uint32_t drop_threshold;
+  float drop_scale;  // 1 / (1 - dropout_p)
+  int32_t pad_;      // keeps the struct a multiple of 8 bytes
 };
 
-static_assert(sizeof(AttnParams) == 288, "AttnParams layout changed: update both sides");
+static_assert(sizeof(AttnParams) == 312, "AttnParams layout changed: update both sides");
 #ifndef __METAL_VERSION__
 static_assert(offsetof(AttnParams, q_scale) == 36, "AttnParams.q_scale moved");
 static_assert(offsetof(AttnParams, batch_shape) == 48, "AttnParams.batch_shape moved");
@@ -256,9 +265,9 @@ struct AttnBackwardParams {
   steel_i64 y_rs;
 };
 
-static_assert(sizeof(AttnBackwardParams) == 392, "AttnBackwardParams layout changed");
+static_assert(sizeof(AttnBackwardParams) == 416, "AttnBackwardParams layout changed");
 #ifndef __METAL_VERSION__
-static_assert(offsetof(AttnBackwardParams, scale) == 288, "AttnBackwardParams.scale moved");
-static_assert(offsetof(AttnBackwardParams, g_bs) == 296, "AttnBackwardParams.g_bs moved");
-static_assert(offsetof(AttnBackwardParams, y_bs) == 344, "AttnBackwardParams.y_bs moved");
+static_assert(offsetof(AttnBackwardParams, scale) == 312, "AttnBackwardParams.scale moved");
+static_assert(offsetof(AttnBackwardParams, g_bs) == 320, "AttnBackwardParams.g_bs moved");
+static_assert(offsetof(AttnBackwardParams, y_bs) == 368, "AttnBackwardParams.y_bs moved");
 #endif

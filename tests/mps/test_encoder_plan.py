@@ -281,7 +281,7 @@ _ATTN_CASES = {
                                   _t(1, 4, 1, 47), _t(4), _LSE],
                                  {"softcap": 20.0, "is_causal": True}),
     "sdpa_dropout_refused": ("sdpa", [_t(1, 1, 8, 64), _t(1, 1, 8, 64), _t(1, 1, 8, 64), None,
-                                      None], {"dropout_p": 0.5}),
+                                      None], {"dropout_p": 1.0}),
 }  # fmt: skip
 
 

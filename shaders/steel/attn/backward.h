@@ -9,8 +9,8 @@
 //      keys each holding their K, V and the dK, dV accumulators in registers, and streams the
 //      query tiles (BK rows of Q and dO through threadgroup memory) of every query head of the
 //      KV head's group: the group's sum happens in registers (GQA without expanded copies).
-//      Per tile: S^T = K Q^T, P^T = exp(S^T - lse), dV += P^T dO, dP^T = V dO^T,
-//      dS^T = P^T (dP^T - delta), dK += dS^T Q.
+//      Per tile: S^T = K Q^T, P^T = exp(S^T - lse), dV += (P o Z)^T dO, dP^T = V dO^T,
+//      dS^T = P^T (dP^T o Z^T - delta), dK += dS^T Q (Z: dropout's factors, dropout.h).
 //   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
 //      and streams the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 //   4. dsinks (with sinks): per head, -sum over rows of exp(sink - lse) * delta, one simdgroup.
@@ -22,6 +22,7 @@
 
 #include "../fragment.h"
 #include "../params.h"
+#include "dropout.h"
 #include "forward.h"
 #include "loader.h"
 #include "score.h"
@@ -225,13 +226,28 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         }
       }
 
-      // dV += P^T dO.
+      // Dropout: Z^T, the kept weights' factors (this lane's two elements are two rows).
+      FragTile<1, A::TK> keep;
+      FragTile<1, A::TK> ptz;  // (P o Z)^T, what dV sees
+#pragma clang loop unroll(full)
+      for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+        for (short e = 0; e < 2; ++e) {
+          const int row = row0 + j * 8 + fc + e;
+          const float z = attn_dropout ? attn_dropout_one(p, uint(zb) * uint(p.Hq) + uint(h),
+                                                          row, key)
+                                       : 1.0f;
+          keep.frag[j].thread_elements()[e] = z;
+          ptz.frag[j].thread_elements()[e] = pt.frag[j].thread_elements()[e] * z;
+        }
+      }
+      // dV += (P o Z)^T dO.
 #pragma clang loop unroll(full)
       for (short j = 0; j < A::TK; ++j) {
         for (short n = 0; n < A::TV; ++n) {
           simdgroup_matrix<float, 8, 8> gf;
           frag_load(gf, Gs + (j * 8 + fr) * A::kLdV + n * 8 + fc, short(1));
-          simdgroup_multiply_accumulate(dvf.frag[n], pt.frag[j], gf, dvf.frag[n]);
+          simdgroup_multiply_accumulate(dvf.frag[n], ptz.frag[j], gf, dvf.frag[n]);
         }
       }
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) times the softcap slope.
@@ -252,8 +268,8 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
           const int row = row0 + j * 8 + fc + e;
           const float d_row = row < p.L ? delta_h[row] : 0.0f;
           const float pv = pt.frag[j].thread_elements()[e];
-          ds.frag[j].thread_elements()[e] =
-              pv * (ds.frag[j].thread_elements()[e] - d_row) * slope.frag[j].thread_elements()[e];
+          const float dp = ds.frag[j].thread_elements()[e] * keep.frag[j].thread_elements()[e];
+          ds.frag[j].thread_elements()[e] = pv * (dp - d_row) * slope.frag[j].thread_elements()[e];
         }
       }
       // dK += dS^T Q.
@@ -382,11 +398,14 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     }
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
+      const float2 z = attn_dropout ? attn_dropout_pair(p, uint(zb) * uint(p.Hq) + uint(h), row,
+                                                        key0 + j * 8 + fc)
+                                    : float2(1.0f);
 #pragma clang loop unroll(full)
       for (short e = 0; e < 2; ++e) {
         const float pv = ps.frag[j].thread_elements()[e];
-        ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row) *
-                                          slope.frag[j].thread_elements()[e];
+        const float dp = ds.frag[j].thread_elements()[e] * z[e];
+        ds.frag[j].thread_elements()[e] = pv * (dp - delta_row) * slope.frag[j].thread_elements()[e];
       }
     }
     // dQ += dS K.
