@@ -52,7 +52,7 @@ setup(
     packages=find_packages(include=["torch_steel", "torch_steel.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.13", "numpy"],
-    extras_require={"test": ["pytest", "pytest-xdist", "ninja", "ruff"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "ninja", "ruff", "hypothesis"]},
     include_package_data=True,
     **options,
 )
