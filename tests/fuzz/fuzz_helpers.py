@@ -4,20 +4,16 @@ run, and `-m fuzz`), running an op on the simulator in strict mode, and the refu
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from gemm_helpers import requires_simulator  # noqa: F401 (tests/fuzz/conftest.py: the path)
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 import torch_steel
 from torch_steel import sim
 from torch_steel.errors import PlanRefused
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "attn"))
-from gemm_helpers import requires_simulator  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parents[2]
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
