@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from gemm_helpers import requires_simulator  # noqa: F401 (tests/fuzz/conftest.py: the path)
+from gemm_helpers import requires_planner, requires_simulator  # noqa: F401 (tests/fuzz/conftest.py: the path)
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 

@@ -48,6 +48,7 @@ mask and sinks; add a Guarded grad_out of out's shape.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -69,8 +70,10 @@ def tile_edges(tiles, hi, multiples=4):
     return sorted(e for e in edges if 1 <= e <= hi)
 
 
+@functools.cache
 def sizes(tiles, hi, lo=1):
-    """A length in lo..hi: a tile edge (or one either side), a small one, or any."""
+    """A length in lo..hi: a tile edge (or one either side), a small one, or any. (Strategies
+    are cached: building one inside every draw costs hypothesis more than the draw.)"""
     return st.one_of(
         st.sampled_from([e for e in tile_edges(tiles, hi) if e >= lo]),
         st.integers(lo, min(hi, max(lo, 40))),
@@ -110,15 +113,34 @@ class Layout:
         return Layout(tuple(order), self.step, self.pad, self.offset, self.expand)
 
 
+def layouts(ndim, *, orders=(), expandable=None, plain=0.4):
+    """See _layouts; cached by its arguments."""
+    orders = tuple(tuple(o) for o in orders)
+    expandable = None if expandable is None else tuple(expandable)
+    return _layouts_cached(ndim, orders, expandable, plain)
+
+
+_PLAIN = st.floats(0, 1)
+_PAD = st.sampled_from([0] * 6 + [1, 2, 3, 7])
+_STEP = st.sampled_from([1] * 7 + [2, 3])
+_OFFSET = st.sampled_from([0, 0, 0, 1, 3, 8, 16, 37])
+_EXPAND = st.sampled_from([False] * 5 + [True])
+
+
+@functools.cache
+def _layouts_cached(ndim, orders, expandable, plain):
+    return _layouts(ndim, orders=orders, expandable=expandable, plain=plain)
+
+
 @st.composite
-def layouts(draw, ndim, *, orders=(), expandable=None, plain=0.4):
+def _layouts(draw, ndim, *, orders=(), expandable=None, plain=0.4):
     """A Layout for an ndim tensor.
 
     orders: memory orders to favour besides the identity (a transpose, BLHD), a random
     permutation is also drawn now and then; expandable: dims that may be stride 0 (default all);
     plain: the probability of the contiguous layout.
     """
-    if draw(st.floats(0, 1)) < plain:
+    if draw(_PLAIN) < plain:
         return Layout.contiguous(ndim)
     identity = tuple(range(ndim))
     order = draw(
@@ -128,12 +150,11 @@ def layouts(draw, ndim, *, orders=(), expandable=None, plain=0.4):
             st.permutations(identity).map(tuple),
         )
     )
-    sparse = st.sampled_from([0] * 6 + [1, 2, 3, 7])
-    pad = tuple(draw(sparse) for _ in range(ndim))
-    step = tuple(draw(st.sampled_from([1] * 7 + [2, 3])) for _ in range(ndim))
-    offset = draw(st.sampled_from([0, 0, 0, 1, 3, 8, 16, 37]))
+    pad = tuple(draw(_PAD) for _ in range(ndim))
+    step = tuple(draw(_STEP) for _ in range(ndim))
+    offset = draw(_OFFSET)
     dims = range(ndim) if expandable is None else expandable
-    expand = tuple((d in dims) and draw(st.sampled_from([False] * 5 + [True])) for d in range(ndim))
+    expand = tuple((d in dims) and draw(_EXPAND) for d in range(ndim))
     return Layout(order, step, pad, offset, expand)
 
 
@@ -416,6 +437,7 @@ def _instantiation(E, Ev):
     return min(((de, dv) for de, dv in pairs if de >= E and dv >= Ev), key=sum)
 
 
+@functools.cache
 def head_dims():
     """E on an instantiated size, one either side, 8 either side, or anything in 1..512."""
     near = sorted({d + x for d in ATTN_HEAD_DIMS for x in (-8, -1, 0, 1, 8) if 1 <= d + x <= 512})
