@@ -22,6 +22,7 @@ from hypothesis import given
 from strategies import sdpa_calls, sdpa_refusals
 
 import torch_steel
+from torch_steel.reference import visible
 
 pytestmark = requires_simulator
 
@@ -57,7 +58,7 @@ def row_score_error(call, t, ref_scores):
 
 def reference_scores(call, t):
     """float64 scores as the reference forms them (after scale, softcap, additive mask; -inf
-    for hidden keys), [*batch, Hq, L, S]."""
+    for keys hidden by the bool mask, causal or the window), [*batch, Hq, L, S]."""
     q, k = t["q"].double(), t["k"].double()
     k = k.expand(*q.shape[:-3], *k.shape[-3:]).repeat_interleave(call.Hq // call.Hkv, -3)
     scale = 1.0 / math.sqrt(call.E) if call.scale is None else call.scale
@@ -67,7 +68,10 @@ def reference_scores(call, t):
     m = t["attn_mask"]
     if m is not None:
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
-    return s
+    left, right = call.window or (-1, -1)
+    bottom_right = call.causal_align == "bottom_right"
+    seen = visible(call.L, call.S, call.is_causal, left, right, bottom_right, s.device)
+    return s if seen is None else s.masked_fill(~seen, float("-inf"))
 
 
 def check_sdpa(call):
