@@ -488,6 +488,9 @@ class SdpaCall:
     softcap: float | None
     scale: float | None
     seed: int
+    # q, k, v are one fused projection [*batch, L, 3, H, E] split and transposed (L == S,
+    # Hq == Hkv, E == Ev): three BLHD views of one buffer, laid out by q_layout (rank + 1)
+    packed: bool = False
 
     def kwargs(self):
         """The keyword arguments of torch_steel.sdpa besides the tensors."""
@@ -498,13 +501,21 @@ class SdpaCall:
     def build(self):
         """({q, k, v, attn_mask, sinks}, [Guarded])."""
         gen = torch.Generator().manual_seed(self.seed)
-        q = guarded("q", (*self.batch, self.Hq, self.L, self.E), self.dtype, self.q_layout, gen)
-        k = guarded("k", (*self.kv_batch, self.Hkv, self.S, self.E), self.dtype, self.k_layout,
-                    gen)  # fmt: skip
-        v = guarded("v", (*self.kv_batch, self.Hkv, self.S, self.Ev), self.dtype, self.v_layout,
-                    gen)  # fmt: skip
-        guards = [q, k, v]
-        t = {"q": q.tensor, "k": k.tensor, "v": v.tensor, "attn_mask": None, "sinks": None}
+        if self.packed:
+            shape = (*self.batch, self.L, 3, self.Hq, self.E)
+            qkv = guarded("qkv", shape, self.dtype, self.q_layout, gen)
+            guards = [qkv]
+            q, k, v = (x.transpose(-2, -3) for x in qkv.tensor.unbind(-3))
+            t = {"q": q, "k": k, "v": v, "attn_mask": None, "sinks": None}
+        else:
+            q = guarded("q", (*self.batch, self.Hq, self.L, self.E), self.dtype, self.q_layout,
+                        gen)  # fmt: skip
+            k = guarded("k", (*self.kv_batch, self.Hkv, self.S, self.E), self.dtype,
+                        self.k_layout, gen)  # fmt: skip
+            v = guarded("v", (*self.kv_batch, self.Hkv, self.S, self.Ev), self.dtype,
+                        self.v_layout, gen)  # fmt: skip
+            guards = [q, k, v]
+            t = {"q": q.tensor, "k": k.tensor, "v": v.tensor, "attn_mask": None, "sinks": None}
         if self.mask is not None:
             m = self.mask
             fill = _mask_fill(m, gen)
@@ -592,13 +603,18 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
         S = max(1, S // 2)
     while cost() > ATTN_BUDGET and L > 1:
         L = max(1, L // 2)
-    Hq = Hkv * group
     kv_batch = batch
     if batch and draw(st.integers(0, 4)) == 0:  # k, v broadcast over the batch
         kv_batch = tuple(1 for _ in batch)
     nd = len(batch) + 3
+    packed = draw(st.integers(0, 7)) == 0
+    if packed:  # a fused QKV projection: one length, one head count, one head dim
+        S = L = min(L, S)
+        group, kv_batch = 1, batch
+        E = Ev = min(E, Ev)
+    Hq = Hkv * group
     blhd = (*range(nd - 3), nd - 2, nd - 3, nd - 1)  # [B, L, H, E] projections transposed
-    q_layout = draw(layouts(nd, orders=[blhd]))
+    q_layout = draw(layouts(nd + packed, orders=[blhd] if not packed else ()))
     k_layout = draw(layouts(nd, orders=[blhd]))
     v_layout = draw(st.one_of(st.just(k_layout), layouts(nd, orders=[blhd])))
     mask = draw(st.one_of(st.none(), _mask_specs(dtype, batch, Hq, L, S)))
@@ -613,8 +629,8 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     scale = draw(st.sampled_from([None, None, None, 0.125, 1.0, 0.02, -0.3, 0.0, 2.0]))
     seed = draw(st.integers(0, 2**31 - 1))
     return SdpaCall(dtype, batch, kv_batch, Hq, Hkv, L, S, E, Ev, q_layout, k_layout, v_layout,
-                    mask, is_causal, causal_align, window, sinks, softcap, scale,
-                    seed)  # fmt: skip
+                    mask, is_causal, causal_align, window, sinks, softcap, scale, seed,
+                    packed)  # fmt: skip
 
 
 SDPA_REFUSALS = ("float64", "mixed_k", "rank", "rank2", "head_dim", "e_mismatch", "heads",
