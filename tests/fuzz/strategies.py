@@ -291,11 +291,13 @@ def _gemm_cost(batch, M, N, K):
     return math.prod(batch) * pad(M, 32) * pad(N, 32) * pad(K, 16)
 
 
+GEMM_REGIMES = ("edges", "edges", "edges", "batched", "splitk", "thin", "tall", "large")
+
+
 @st.composite
-def _gemm_shape(draw):
+def _gemm_shape(draw, regimes=GEMM_REGIMES):
     """(regime, out batch, M, N, K): each regime aims at one branch of the tile table."""
-    regime = draw(st.sampled_from(["edges", "edges", "edges", "batched", "splitk", "thin", "tall",
-                                   "large"]))  # fmt: skip
+    regime = draw(st.sampled_from(regimes))
     if regime == "edges":  # kSmall / kLarge edge tiles, no batch
         return (
             regime,
@@ -347,9 +349,10 @@ def _operand_batch(draw, batch):
 
 
 @st.composite
-def gemm_calls(draw, dtypes=DTYPES):
-    """A steel::gemm call in the plan's envelope (served, not refused)."""
-    regime, batch, M, N, K = draw(_gemm_shape())
+def gemm_calls(draw, dtypes=DTYPES, regimes=GEMM_REGIMES):
+    """A steel::gemm call in the plan's envelope (served, not refused); regimes: which of
+    GEMM_REGIMES to draw shapes from."""
+    regime, batch, M, N, K = draw(_gemm_shape(regimes))
     dtype = draw(st.sampled_from(dtypes))
     if regime in ("thin", "tall", "large"):  # the tile needs batched a and b
         a_batch = b_batch = batch

@@ -14,6 +14,7 @@ hypothesis' example database (see fuzz_helpers).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from gemm_helpers import assert_close, reference
@@ -73,22 +74,23 @@ def test_fuzz_gemm_refusals(case):
     assert_refused("gemm", tensors, options)
 
 
-def test_strategy_reaches_every_tile():
-    """The regimes of gemm_calls() reach each kernel of the tile table and split-K (a strategy
+@pytest.mark.parametrize(
+    "regime,tile",
+    [("edges", "bm32_bn32"), ("large", "bm64_bn64"), ("thin", "bm32_bn128"),
+     ("tall", "bm128_bn32"), ("splitk", "splitk")],
+)  # fmt: skip
+def test_strategy_reaches_every_tile(regime, tile):
+    """Each regime of gemm_calls() reaches the kernel of the tile table it aims at (a strategy
     that drifted off a tile would fuzz it no more)."""
-    seen = set()
+    seen = []
 
-    @fixed(150)
-    @given(gemm_calls(dtypes=(torch.float16,)))
+    @fixed(10)
+    @given(gemm_calls(dtypes=(torch.float16,), regimes=(regime,)))
     def draw(call):
         t, _ = call.build()
         options = {"alpha": call.alpha, "beta": call.beta, "activation": call.activation}
         p = sim.plan("gemm", [t["a"], t["b"], t["bias"], t["c"]], options)
-        kernel = p.dispatches[0].kernel
-        seen.update(x for x in TILES if x in kernel)
+        seen.append(tile in p.dispatches[0].kernel)
 
     draw()
-    assert seen == set(TILES)
-
-
-TILES = ("bm32_bn32", "bm64_bn64", "bm32_bn128", "bm128_bn32", "splitk")
+    assert any(seen), f"no {regime} call ran a {tile} kernel"
