@@ -42,8 +42,11 @@ then a test file with two tests over one check function (the fixed-seed subset a
 compare with its float64 oracle within the op's tolerance (tests/attn/attn_helpers.py), call
 check() on every guard, and a refusal entry in the op's *_refusals() strategy. The decode
 kernels are sdpa with L <= a few rows: sdpa_calls(max_L=8) draws them once their plan picks
-them. The backward takes the forward's call plus a grad_out: SdpaCall.build() gives q, k, v,
-mask and sinks; add a Guarded grad_out of out's shape.
+them. The backward (steel::sdpa_backward) reuses sdpa_calls() whole: build() gives q, k, v,
+mask and sinks; run the forward in strict sim, draw a grad_out of out's shape (and a grad_lse)
+as guarded(...) with any layouts(), call torch.autograd.grad (or torch.ops.steel.sdpa_backward)
+under strict_sim, and compare dq, dk, dv, dsinks with torch_steel.reference.sdpa_backward in
+float64 (a float mask with requires_grad also checks dmask).
 """
 
 from __future__ import annotations
