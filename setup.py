@@ -55,7 +55,15 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.13", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "ninja", "ruff", "transformers", "diffusers"]
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "ninja",
+            "ruff",
+            "hypothesis",
+            "transformers",
+            "diffusers",
+        ]
     },
     include_package_data=True,
     **options,

@@ -1,0 +1,68 @@
+"""What every fuzz test shares: the two hypothesis settings (the fixed-seed subset of the default
+run, and `-m fuzz`), running an op on the simulator in strict mode, and the refusal check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from gemm_helpers import requires_planner, requires_simulator  # noqa: F401 (tests/fuzz/conftest.py: the path)
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+import torch_steel
+from torch_steel import sim
+from torch_steel.errors import PlanRefused
+
+ROOT = Path(__file__).resolve().parents[2]
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+def fixed(examples):
+    """The default run: the same `examples` calls every time (derandomized, no database), no
+    deadline (a simulator run takes 0.05 to 0.5 s)."""
+    return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
+
+
+def fuzz():
+    """`-m fuzz`: TORCH_STEEL_FUZZ_EXAMPLES (default 2000) random calls per test, failures kept in
+    the example database (.hypothesis/ at the repository root, or TORCH_STEEL_FUZZ_DB) and
+    replayed first on the next run."""
+    db = os.environ.get("TORCH_STEEL_FUZZ_DB", str(ROOT / ".hypothesis" / "examples"))
+    return settings(max_examples=int(os.environ.get("TORCH_STEEL_FUZZ_EXAMPLES", "2000")),
+                    database=DirectoryBasedExampleDatabase(db), deadline=None,
+                    suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
+
+
+fuzz_mark = pytest.mark.fuzz
+
+
+class strict_sim:
+    """Context: the "sim" backend with TORCH_STEEL_STRICT=1, so a refused plan raises
+    PlanRefused instead of falling back to reference math (which would pass vacuously)."""
+
+    def __enter__(self):
+        self._previous = os.environ.get("TORCH_STEEL_STRICT")
+        os.environ["TORCH_STEEL_STRICT"] = "1"
+        self._backend = torch_steel.backend("sim")
+        self._backend.__enter__()
+
+    def __exit__(self, *exc):
+        self._backend.__exit__(*exc)
+        if self._previous is None:
+            del os.environ["TORCH_STEEL_STRICT"]
+        else:
+            os.environ["TORCH_STEEL_STRICT"] = self._previous
+
+
+def assert_refused(op, tensors, options):
+    """The plan refuses with a reason, and run_op raises PlanRefused carrying it (not a
+    SimulatorError, not any other exception, not a crash)."""
+    p = sim.plan(op, tensors, options)
+    assert not p.ok, f"{op}: the plan accepted a call outside its envelope"
+    assert p.reason.strip(), f"{op}: refused without a reason"
+    with pytest.raises(PlanRefused) as info:
+        sim.run_op(op, tensors, options)
+    assert str(info.value).strip(), f"{op}: PlanRefused without a message"

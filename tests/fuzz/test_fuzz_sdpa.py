@@ -1,0 +1,144 @@
+"""Property-based differential tests of the attention forward steel::sdpa (shaders/steel/attn,
+plan mps_src/plan/attention_plan.cpp) in the Metal simulator, checkers on.
+
+For calls drawn by strategies.sdpa_calls() (head dims on and between the instantiations, L and
+S on and off the BQ = 32 / BK = 8, 16, 32 tile edges, both ways round, GQA ratios, batch
+broadcast, BLHD / transposed / strided / padded / offset / stride-0 q, k, v, bool and additive
+masks of every broadcast shape and layout incl. fully hidden rows and padded keys, causal in
+both alignments, windows, sinks, softcap, scale, all three dtypes): out and lse agree with the
+float64 reference (torch_steel.reference) within the bound below, and no byte of any input's
+guard buffer changed. For calls drawn by strategies.sdpa_refusals(): the plan refuses with a
+reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from attn_helpers import OUT_ROUNDING, oracle, score_error
+from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
+from hypothesis import given
+from strategies import sdpa_calls, sdpa_refusals
+
+import torch_steel
+from torch_steel.reference import visible
+
+pytestmark = requires_simulator
+
+EPS32 = 2.0**-24
+
+
+def row_score_error(call, t, ref_scores):
+    """Per query row, a bound on the fp32 error of the scores that matter.
+
+    - the dot products: attn_helpers.score_error (4 sqrt(E) ulps of scale * max sum |q_d k_d|);
+    - softcap: tanh in fp32 within a few ulps, times the cap: 8 * eps32 * softcap;
+    - an additive mask is added in fp32 to scores of that size: one rounding of |s + m|, and
+      the row max subtracted from it another, 2 * eps32 * (|s| + |m|) over the keys within 80
+      nats of the row's max (the others weigh less than e^-80). A row of finfo.min
+      (Hugging Face's padding) is then held only to not being NaN where the reference is not:
+      in bfloat16 / float32 the mask swamps the scores altogether (see
+      tests/attn/test_attention.py::test_finfo_min_padding_rows, which checks that row).
+    ref_scores: the float64 scores after scale, softcap and mask, -inf where hidden.
+    """
+    err = score_error(t["q"], t["k"], call.scale)
+    if call.softcap:
+        err += 8 * EPS32 * call.softcap
+    err = torch.full(ref_scores.shape[:-1], err, dtype=torch.float64)
+    m = t["attn_mask"]
+    if m is not None and m.dtype != torch.bool:
+        row_max = ref_scores.amax(-1, keepdim=True)
+        near = ref_scores >= row_max - 80
+        size = (ref_scores.abs() + m.double().abs()).nan_to_num(0.0, 0.0, 0.0)
+        size = torch.where(near & torch.isfinite(ref_scores), size, torch.zeros_like(size))
+        err = err + 2 * EPS32 * size.amax(-1)
+    return err.unsqueeze(-1)
+
+
+def reference_scores(call, t):
+    """float64 scores as the reference forms them (after scale, softcap, additive mask; -inf
+    for keys hidden by the bool mask, causal or the window), [*batch, Hq, L, S]."""
+    q, k = t["q"].double(), t["k"].double()
+    k = k.expand(*q.shape[:-3], *k.shape[-3:]).repeat_interleave(call.Hq // call.Hkv, -3)
+    scale = 1.0 / math.sqrt(call.E) if call.scale is None else call.scale
+    s = (q @ k.mT) * scale
+    if call.softcap:
+        s = call.softcap * torch.tanh(s / call.softcap)
+    m = t["attn_mask"]
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    left, right = call.window or (-1, -1)
+    bottom_right = call.causal_align == "bottom_right"
+    seen = visible(call.L, call.S, call.is_causal, left, right, bottom_right, s.device)
+    return s if seen is None else s.masked_fill(~seen, float("-inf"))
+
+
+def check_sdpa(call):
+    """Kernel vs float64 oracle, then the guard buffers.
+
+    The bound is attn_helpers.assert_attention_close's, with the score error per row
+    (row_score_error): out within half an ulp of its dtype relative to |ref| plus 2 * (score
+    error) * max|v| plus 1e-5; lse within the score error plus 2e-6 relative plus 1e-5; NaN and
+    -inf (rows that see nothing) exactly where the reference has them.
+    """
+    t, guards = call.build()
+    kwargs = call.kwargs()
+    with strict_sim():
+        out, lse = torch_steel.sdpa(t["q"], t["k"], t["v"], t["attn_mask"], sinks=t["sinks"],
+                                    return_lse=True, **kwargs)  # fmt: skip
+    ref_out, ref_lse = oracle(t["q"], t["k"], t["v"], t["attn_mask"], sinks=t["sinks"], **kwargs)
+    assert out.dtype == call.dtype and out.shape == ref_out.shape, (out.shape, ref_out.shape)
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    v_max = float(t["v"].double().abs().max())
+    err = row_score_error(call, t, reference_scores(call, t))
+    assert bool((out.isnan() == ref_out.isnan()).all()), "out: NaN where the reference differs"
+    diff = (out.double() - ref_out).abs()
+    bound = OUT_ROUNDING[call.dtype] * ref_out.abs() + 2 * err * v_max + 1e-5
+    bad = (diff > bound) & ~ref_out.isnan()
+    assert not bool(bad.any()), (
+        f"out: {int(bad.sum())} of {bad.numel()} elements off, worst error "
+        f"{float(diff[bad].max()):.3g} at {bad.nonzero()[0].tolist()}"
+    )
+    assert bool((lse.isneginf() == ref_lse.isneginf()).all()), "lse: rows that see nothing differ"
+    assert bool((lse.isnan() == ref_lse.isnan()).all()), "lse: NaN rows differ"
+    finite = torch.isfinite(ref_lse)
+    lerr = (lse.double() - ref_lse).abs()
+    lbound = 2e-6 * ref_lse.abs() + err.squeeze(-1) + 1e-5
+    lbad = finite & (lerr > lbound)
+    assert not bool(lbad.any()), f"lse off by {float(lerr[lbad].max()):.3g}"
+    for g in guards:
+        g.check()
+
+
+@fixed(100)
+@given(sdpa_calls())
+def test_sdpa_matches_float64(call):
+    """Fixed-seed subset: 100 drawn calls agree with float64 math and leave their inputs and
+    guard bytes untouched."""
+    check_sdpa(call)
+
+
+@fixed(40)
+@given(sdpa_refusals())
+def test_sdpa_refusals_have_a_reason(case):
+    """Fixed-seed subset: calls outside the plan's envelope are refused with a reason."""
+    what, tensors, options = case
+    assert_refused("sdpa", tensors, options)
+
+
+@fuzz_mark
+@fuzz()
+@given(sdpa_calls())
+def test_fuzz_sdpa(call):
+    """-m fuzz: random calls agree with float64 math and leave their guard buffers untouched."""
+    check_sdpa(call)
+
+
+@fuzz_mark
+@fuzz()
+@given(sdpa_refusals())
+def test_fuzz_sdpa_refusals(case):
+    """-m fuzz: random calls outside the envelope are refused with a reason."""
+    what, tensors, options = case
+    assert_refused("sdpa", tensors, options)
