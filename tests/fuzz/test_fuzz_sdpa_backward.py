@@ -8,6 +8,8 @@ agree with float64 autograd through the reference, and no guard byte changed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from attn_helpers import OUT_ROUNDING, score_error
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
@@ -62,11 +64,17 @@ def check_backward(call, dropout):
     err = score_error(q, k, call.scale) + (8 * 2.0**-24 * call.softcap if call.softcap else 0)
     # delta = rowsum(dO * O) reads out rounded to its dtype: an error of half an ulp of each
     # |dO O| term in every dS of the row, which dq sees times scale * |k| (its weights sum to
-    # 1) and dk times scale * |q| summed over the rows (L at most).
+    # 1), dk times scale * |q| summed over the rows (L at most), and dsinks summed over every
+    # row of the batch (its weights are at most 1).
     scale = abs(call.scale) if call.scale is not None else call.E**-0.5
     d_err = OUT_ROUNDING[q.dtype] * float((g.abs() * out.abs().nan_to_num(0.0)).sum(-1).max())
     q_max, k_max = float(q.double().abs().max()), float(k.double().abs().max())
-    extra = {"dq": d_err * scale * k_max, "dk": d_err * scale * q_max * call.L}
+    rows = math.prod(call.batch) * call.L
+    extra = {
+        "dq": d_err * scale * k_max,
+        "dk": d_err * scale * q_max * call.L,
+        "dsinks": d_err * rows,
+    }
     for name, a, r in zip(["dq", "dk", "dv", "dsinks"], got, want, strict=False):
         assert bool((a.isnan() == r.isnan()).all()), f"{name}: NaN where the reference differs"
         r0 = r.nan_to_num(0.0)
