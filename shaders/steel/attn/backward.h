@@ -202,14 +202,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       // S^T = K Q^T (8 keys x BK rows), then P^T from the saved lse.
       FragTile<1, A::TK> pt;
       pt.clear();
-      for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-        for (short j = 0; j < A::TK; ++j) {
-          simdgroup_matrix<float, 8, 8> qt;
-          frag_load(qt, Qs + (j * 8 + fc) * A::kLdE + d * 8 + fr, A::kLdE);
-          simdgroup_multiply_accumulate(pt.frag[j], kf.frag[d], qt, pt.frag[j]);
-        }
-      }
+      attn_mma_bt<T, A::kLdE>(pt, kf, Qs, lane);
       FragTile<1, A::TK> slope;  // d score / d (scaled q.k): 1 - tanh^2 under softcap
 #pragma clang loop unroll(full)
       for (short j = 0; j < A::TK; ++j) {
@@ -242,25 +235,11 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         }
       }
       // dV += (P o Z)^T dO.
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        for (short n = 0; n < A::TV; ++n) {
-          simdgroup_matrix<float, 8, 8> gf;
-          frag_load(gf, Gs + (j * 8 + fr) * A::kLdV + n * 8 + fc, short(1));
-          simdgroup_multiply_accumulate(dvf.frag[n], ptz.frag[j], gf, dvf.frag[n]);
-        }
-      }
+      attn_mma_b<T, A::kLdV>(dvf, ptz, Gs, lane);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) times the softcap slope.
       FragTile<1, A::TK> ds;
       ds.clear();
-      for (short n = 0; n < A::TV; ++n) {
-#pragma clang loop unroll(full)
-        for (short j = 0; j < A::TK; ++j) {
-          simdgroup_matrix<float, 8, 8> gt;
-          frag_load(gt, Gs + (j * 8 + fc) * A::kLdV + n * 8 + fr, A::kLdV);
-          simdgroup_multiply_accumulate(ds.frag[j], vf.frag[n], gt, ds.frag[j]);
-        }
-      }
+      attn_mma_bt<T, A::kLdV>(ds, vf, Gs, lane);
 #pragma clang loop unroll(full)
       for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
@@ -273,35 +252,15 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         }
       }
       // dK += dS^T Q.
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        for (short d = 0; d < A::TD; ++d) {
-          simdgroup_matrix<float, 8, 8> qf;
-          frag_load(qf, Qs + (j * 8 + fr) * A::kLdE + d * 8 + fc, short(1));
-          simdgroup_multiply_accumulate(dkf.frag[d], ds.frag[j], qf, dkf.frag[d]);
-        }
-      }
+      attn_mma_b<T, A::kLdE>(dkf, ds, Qs, lane);
     }
   }
 
   if (!key_ok) return;  // no barrier follows
   const int Hkv = p.Hq / p.group;
-  device T* dk_row = dk + ((steel_i64(zb) * Hkv + hk) * p.S + key) * p.E;
-  device T* dv_row = dv + ((steel_i64(zb) * Hkv + hk) * p.S + key) * p.Ev;
-  for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const int col = d * 8 + fc + e;
-      if (attn_align_e || col < p.E) dk_row[col] = T(dkf.frag[d].thread_elements()[e] * bp.scale);
-    }
-  }
-  for (short n = 0; n < A::TV; ++n) {
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const int col = n * 8 + fc + e;
-      if (attn_align_ev || col < p.Ev) dv_row[col] = T(dvf.frag[n].thread_elements()[e]);
-    }
-  }
+  const steel_i64 at = (steel_i64(zb) * Hkv + hk) * p.S + key;
+  attn_store_row_frags<T, A::TD>(dk + at * p.E, dkf, p.E, attn_align_e, bp.scale, lane);
+  attn_store_row_frags<T, A::TV>(dv + at * p.Ev, dvf, p.Ev, attn_align_ev, 1.0f, lane);
 }
 
 template <typename T, short DE, short DV>
@@ -364,14 +323,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     // S = Q K^T and P, as the forward computes them.
     FragTile<1, A::TK> ps;
     ps.clear();
-    for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        simdgroup_matrix<float, 8, 8> kt;
-        frag_load(kt, Ks + (j * 8 + fc) * A::kLdE + d * 8 + fr, A::kLdE);
-        simdgroup_multiply_accumulate(ps.frag[j], qf.frag[d], kt, ps.frag[j]);
-      }
-    }
+    attn_mma_bt<T, A::kLdE>(ps, qf, Ks, lane);
     FragTile<1, A::TK> slope;
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
@@ -388,14 +340,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     // dP = dO V^T, dS = P (dP - delta) times the softcap slope.
     FragTile<1, A::TK> ds;
     ds.clear();
-    for (short n = 0; n < A::TV; ++n) {
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        simdgroup_matrix<float, 8, 8> vt;
-        frag_load(vt, Vs + (j * 8 + fc) * A::kLdV + n * 8 + fr, A::kLdV);
-        simdgroup_multiply_accumulate(ds.frag[j], gf.frag[n], vt, ds.frag[j]);
-      }
-    }
+    attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
       const float2 z = attn_dropout ? attn_dropout_pair(p, uint(zb) * uint(p.Hq) + uint(h), row,
@@ -409,25 +354,11 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
       }
     }
     // dQ += dS K.
-#pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-      for (short d = 0; d < A::TD; ++d) {
-        simdgroup_matrix<float, 8, 8> kf;
-        frag_load(kf, Ks + (j * 8 + fr) * A::kLdE + d * 8 + fc, short(1));
-        simdgroup_multiply_accumulate(dqf.frag[d], ds.frag[j], kf, dqf.frag[d]);
-      }
-    }
+    attn_mma_b<T, A::kLdE>(dqf, ds, Ks, lane);
   }
 
   if (!row_ok) return;  // no barrier follows
-  device T* dq_row = dq + at * p.E;
-  for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const int col = d * 8 + fc + e;
-      if (attn_align_e || col < p.E) dq_row[col] = T(dqf.frag[d].thread_elements()[e] * bp.scale);
-    }
-  }
+  attn_store_row_frags<T, A::TD>(dq + at * p.E, dqf, p.E, attn_align_e, bp.scale, lane);
 }
 
 // dsinks[h] = sum over the batch's rows of exp(sink - lse) * (grad_lse - delta'), where the

@@ -103,6 +103,56 @@ inline void attn_load_row_frags(thread FragTile<1, N>& f, const device T* row_pt
   }
 }
 
+// acc[j] += a[d] * tile^T over d < TA, j < TC: tile (threadgroup memory, rows of kLd) holds
+// the B operand transposed, as K holds K^T for Q K^T (lane element (d, j) at tile[j * kLd + d]).
+// Every product of the kernels' loops is one of these two shapes, in this order.
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                        const threadgroup T* tile, ushort lane) {
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  for (short d = 0; d < TA; ++d) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < TC; ++j) {
+      simdgroup_matrix<float, 8, 8> b;
+      frag_load(b, tile + (j * 8 + fc) * kLd + d * 8 + fr, kLd);
+      simdgroup_multiply_accumulate(acc.frag[j], a.frag[d], b, acc.frag[j]);
+    }
+  }
+}
+
+// acc[n] += a[j] * tile over j < TA, n < TC: tile holds the B operand as it lies (V for P V).
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                       const threadgroup T* tile, ushort lane) {
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TA; ++j) {
+    for (short n = 0; n < TC; ++n) {
+      simdgroup_matrix<float, 8, 8> b;
+      frag_load(b, tile + (j * 8 + fr) * kLd + n * 8 + fc, short(1));
+      simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
+    }
+  }
+}
+
+// Stores the lane's elements of a row of fragments (the row frag_row(lane) names, `row_ptr`
+// pointing at its element 0), times `mult`, up to `cols` columns: the inverse of
+// attn_load_row_frags for outputs.
+template <typename T, short N>
+inline void attn_store_row_frags(device T* row_ptr, thread const FragTile<1, N>& f, int cols,
+                                 bool whole_cols, float mult, ushort lane) {
+  const short fc = frag_col(lane);
+  for (short d = 0; d < N; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      if (whole_cols || col < cols) row_ptr[col] = T(f.frag[d].thread_elements()[e] * mult);
+    }
+  }
+}
+
 // The key tiles [t_begin, t_end) of size bk that query rows row0 .. last_row may see (causal and
 // window bounds, score.h's rule); tiles wholly hidden from every row are never visited.
 inline void attn_key_tiles(constant AttnParams& p, AttnExtent x, int row0, int last_row, int bk,
@@ -217,14 +267,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     // S = Q K^T: the K tile read transposed (lane element (d, key) at Ks[key * ld + d]).
     FragTile<1, A::TK> s;
     s.clear();
-    for (short d = 0; d < A::TD; ++d) {
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        simdgroup_matrix<float, 8, 8> kt;
-        frag_load(kt, Ks + (j * 8 + fc) * A::kLdK + d * 8 + fr, A::kLdK);
-        simdgroup_multiply_accumulate(s.frag[j], qf.frag[d], kt, s.frag[j]);
-      }
-    }
+    attn_mma_bt<T, A::kLdK>(s, qf, Ks, lane);
 
     attn_transform_scores<T, A::TK>(s, p, ext, row, key0, row_ok, mask, mask_row, edge, lane);
     const float factor = sm.update<A::TK>(s);
@@ -250,26 +293,13 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
 
     // O += P V: the probabilities are already in the A-operand layout of a fragment.
-#pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-      for (short n = 0; n < A::TV; ++n) {
-        simdgroup_matrix<float, 8, 8> vf;
-        frag_load(vf, Vs + (j * 8 + fr) * A::kLdV + n * 8 + fc, short(1));
-        simdgroup_multiply_accumulate(o.frag[n], s.frag[j], vf, o.frag[n]);
-      }
-    }
+    attn_mma_b<T, A::kLdV>(o, s, Vs, lane);
   }
 
   if (!row_ok) return;  // no barrier follows
   const float inv = sm.inverse_sum();
-  device T* o_row = out + o_off + h * p.o_hs + row * p.o_rs;
-  for (short n = 0; n < A::TV; ++n) {
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const int col = n * 8 + fc + e;
-      if (attn_align_ev || col < p.Ev) o_row[col] = T(o.frag[n].thread_elements()[e] * inv);
-    }
-  }
+  attn_store_row_frags<T, A::TV>(out + o_off + h * p.o_hs + row * p.o_rs, o, p.Ev, attn_align_ev,
+                                 inv, lane);
   // One lane of the four that share a row writes its log-sum-exp.
   if ((lane & 9) == 0) lse[lse_off + row] = sm.lse();
 }
