@@ -2,6 +2,7 @@
 store, no network beyond the machine) over a model whose attention and projections are steel
 ops gives the gradients of one process on the whole batch."""
 
+import datetime
 import os
 
 import pytest
@@ -51,7 +52,9 @@ def _step(model, x):
 
 
 def _worker(rank, store, result):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    # A bounded wait: a rank that never arrives fails the test instead of hanging the run.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         calls = []
         real = reference.sdpa_forward
@@ -71,6 +74,7 @@ def _worker(rank, store, result):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # once seen waiting for its second process under a loaded 2-core CI run
 def test_two_process_ddp_step_matches_one_process(tmp_path, monkeypatch):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
