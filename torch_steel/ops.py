@@ -482,8 +482,7 @@ def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen
         "sdpa_varlen",
         [q, k, v, cu_seqlens_q, None, attn.sinks, block_table, seqused_k],
         attn.run_options(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
-        lambda: ref.sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k,
-                                       *attn.math()),  # fmt: skip
+        lambda: ref.sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, *attn.math()),
     )
     return out, lse
 
@@ -530,10 +529,9 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                           seqused_k, max_seqlen_q, max_seqlen_k)  # fmt: skip
         attn = _resolve("sdpa_varlen", query.shape[-1], dropout_p, is_causal, scale, sinks,
                         softcap, window, causal_align, seed, offset)  # fmt: skip
-        out, lse = torch.ops.steel.sdpa_paged_forward(
-            query, key, value, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-            *attn._replace(num_splits=splits),
-        )
+        attn = attn._replace(num_splits=splits)
+        cache = (cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k)
+        out, lse = torch.ops.steel.sdpa_paged_forward(query, key, value, *cache, *attn)
         return (out, lse) if return_lse else out
     inputs = _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap, window,

@@ -202,8 +202,8 @@ def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
         _check_same_device(op, name, t, q)
     batch = block_table.shape[0]
     if seqused_k.shape[0] != batch or cu_q.shape[0] != batch + 1:
-        fail(op, f"block_table has {batch} rows, seqused_k {seqused_k.shape[0]} entries and "
-             f"cu_seqlens_q {cu_q.shape[0]} offsets: expected batch, batch and batch + 1")  # fmt: skip
+        counts = f"{batch} rows, seqused_k {seqused_k.shape[0]}, cu_seqlens_q {cu_q.shape[0]}"
+        fail(op, f"block_table has {counts}: expected batch, batch and batch + 1 entries")
     check_cu_seqlens(op, cu_q, cu_q, q.shape[0], q.shape[0], max_q, max_q, q.device)
     used = seqused_k.tolist()
     covered = block_table.shape[1] * page_size

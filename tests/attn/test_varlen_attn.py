@@ -195,14 +195,15 @@ def test_paged_kv_cache_through_varlen_attn():
                                window_size=(-1, 0), return_aux=AuxRequest(lse=True),
                                seqused_k=torch.tensor(used, dtype=torch.int32),
                                block_table=table, num_splits=1)  # fmt: skip
+        aux = AuxRequest(lse=True)
         ref_out, ref_lse = varlen_attn(q, k, v, cu(lq), cu(used), 2, 37, enable_gqa=True,
-                                       window_size=(-1, 0), return_aux=AuxRequest(lse=True))  # fmt: skip
+                                       window_size=(-1, 0), return_aux=aux)  # fmt: skip
     torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    bad = torch.tensor([[7, 2, 9], [0, 8, 8]], dtype=torch.int32)  # page 9 of 9
     with torch_steel.backend("sim"), pytest.raises(ValueError, match="not a page of the pool"):
         varlen_attn(q, pool_k, pool_v, cu(lq), None, 2, 48, enable_gqa=True,
-                    seqused_k=torch.tensor(used, dtype=torch.int32),
-                    block_table=torch.tensor([[7, 2, 9], [0, 8, 8]], dtype=torch.int32))  # fmt: skip
+                    seqused_k=torch.tensor(used, dtype=torch.int32), block_table=bad)  # fmt: skip
 
 
 def test_seqused_k_without_a_table_keeps_the_first_keys():
