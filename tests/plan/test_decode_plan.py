@@ -15,7 +15,7 @@ import torch
 from torch_steel import sim
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
-from gemm_helpers import requires_planner  # noqa: E402
+from gemm_helpers import requires_planner, simulator_ready  # noqa: E402
 
 pytestmark = requires_planner
 
@@ -199,3 +199,16 @@ def test_varlen_decode_without_pages():
     assert dp["rows"] == 8 and dp["heads_per_tg"] == 2
     # 2 sequences x 2 KV heads of 40 threadgroups wanted, 400 keys at most: 2 partitions.
     assert (dp["splits"], dp["split_keys"]) == (2, 224)
+
+
+@pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
+def test_every_planned_decode_kernel_is_in_the_library():
+    """The plan's head-dim table and decode.metal's instantiations name the same kernels."""
+    kernels = set(sim._sim_build.shader_library().handle.kernels())
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for E in range(8, 513, 8):
+            for Ev in (8, E, 128, 256, 512):
+                p = sim.plan("sdpa", [t(1, 1, 1, E, dtype=dtype), t(1, 1, 600, E, dtype=dtype),
+                                      t(1, 1, 600, Ev, dtype=dtype), None, None],
+                             {"num_splits": 2})  # fmt: skip
+                assert [d.kernel in kernels for d in p.dispatches] == [True, True], p.dispatches
