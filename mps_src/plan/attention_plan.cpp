@@ -319,8 +319,11 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {
       k.bindings.push_back(params);
-    } else if (b.index != STEEL_ATTN_BUF_CU_K || !dec.paged) {
-      k.bindings.push_back(b);  // q .. lse, cu_seqlens (cu_seqlens_k unless paged)
+    } else if (b.index == STEEL_ATTN_BUF_CU_K && dec.paged) {
+      // Declared by every varlen pipeline, never read by a paged one: cu_seqlens_q stands in.
+      k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_K, l.cu_q_slot));
+    } else {
+      k.bindings.push_back(b);  // q .. lse, cu_seqlens
     }
   }
   if (dec.paged) {

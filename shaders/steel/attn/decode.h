@@ -31,8 +31,6 @@ using namespace metal;
 
 constant bool attn_split [[function_constant(STEEL_ATTN_FC_SPLIT)]];
 constant bool attn_paged [[function_constant(STEEL_ATTN_FC_PAGED)]];
-// Varlen keys come from cu_seqlens_k unless the cache is paged (seqused_k instead).
-constant bool attn_cu_k = attn_varlen && !attn_paged;
 
 namespace steel {
 
@@ -99,7 +97,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     const device int* row = table + steel_i64(zb) * dp.table_stride;
     k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
     v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
-  } else if (attn_varlen) {
+  } else if (attn_varlen) {  // paged varlen reads seqused_k instead of cu_seqlens_k
     const int k_begin = clamp(cu_k[zb], 0, p.S);
     ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
     k_off = k_begin * p.k_rs;

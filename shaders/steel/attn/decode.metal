@@ -4,7 +4,8 @@
 // Host names: steel_attention_decode_<dtype>_e<DE>_v<DV> over the head-dim pairs of
 // attention.metal (the same table in attention_plan.cpp picks among them), and
 // steel_attention_decode_merge_<dtype>. The optional buffers exist only in the pipelines whose
-// function constants use them.
+// function constants use them (a paged pipeline has cu_seqlens_k bound, to cu_seqlens_q, and
+// never reads it: a buffer's function_constant must name one constant, not an expression).
 #include <metal_stdlib>
 
 #include "../params.h"
@@ -24,7 +25,7 @@ template <typename T, short DE, short DV>
     device float* lse [[buffer(STEEL_ATTN_BUF_LSE)]],
     constant AttnDecodeParams& params [[buffer(STEEL_ATTN_BUF_PARAMS)]],
     const device int* cu_q [[buffer(STEEL_ATTN_BUF_CU_Q), function_constant(attn_varlen)]],
-    const device int* cu_k [[buffer(STEEL_ATTN_BUF_CU_K), function_constant(attn_cu_k)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_CU_K), function_constant(attn_varlen)]],
     const device int* table [[buffer(STEEL_ATTN_BUF_TABLE), function_constant(attn_paged)]],
     const device int* seqused [[buffer(STEEL_ATTN_BUF_SEQUSED), function_constant(attn_paged)]],
     device float* part_o [[buffer(STEEL_ATTN_BUF_PART_O), function_constant(attn_split)]],
