@@ -389,9 +389,48 @@ def decode_params(dispatch):
     """AttnDecodeParams (params.h): the forward's fields, then the split and the cache."""
     out = params(dispatch)
     raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
-    names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size"]
-    out.update(zip(names, struct.unpack_from("5i", raw, 312), strict=True))
+    names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages", "max_pages",
+             "table_stride", "row_block"]  # fmt: skip
+    out.update(zip(names, struct.unpack_from("9i", raw, 312), strict=True))
     return out
+
+
+def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
+    """One block of query rows i0..last of a sequence of S keys, for every partition and KV head
+    (chunk) of the grid: adds its traffic with `add`, returns the key tiles it visits."""
+    de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+    paged, split = d.constants[FC_PAGED], d.constants[FC_SPLIT]
+    begin, end = 0, S
+    if d.constants[FC_HAS_HI]:
+        end = min(end, last + shift + p["hi_off"] + 1)
+    if d.constants[FC_HAS_LO]:
+        begin = max(0, i0 + shift - p["lo_off"])
+    t0, t1 = begin // bk, (-(-end // bk) if end > begin else begin // bk)
+    per = p["split_keys"] // bk
+    rows = p["heads_per_tg"] * (last - i0 + 1)
+    chunks = p["group"] // p["heads_per_tg"]
+    tiles = 0
+    for s in range(p["splits"]):
+        ts = range(max(t0, s * per), max(max(t0, s * per), min(t1, (s + 1) * per)))
+        keys = sum(min(bk, S - t * bk) for t in ts)
+        for _ in range(p["Hq"] // p["group"] * chunks):
+            tiles += len(ts)
+            add(BUF_Q, "read", rows * p["E"] * es)
+            add(BUF_K, "read", keys * p["E"] * es)
+            add(BUF_V, "read", keys * p["Ev"] * es)
+            if paged:
+                add(BUF_TABLE, "read", keys * (de // vec + dv // vec) * 4)
+            if d.constants[FC_MASK]:
+                add(BUF_MASK, "read", rows * keys * mask_es)
+            if split:
+                add(BUF_PART_O, "written", rows * p["Ev"] * 4)
+                add(BUF_PART_ML, "written", rows * 2 * 4)
+            else:
+                if d.constants[FC_SINKS]:
+                    add(BUF_SINKS, "read", THREADS * sinks_es)
+                add(BUF_OUT, "written", rows * p["Ev"] * es)
+                add(BUF_LSE, "written", rows * 4)
+    return tiles
 
 
 def decode_model(plan, seqs, es, mask_es, sinks_es):
@@ -408,8 +447,6 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
     bk = bk_of(de, dv, es)
     vec = 16 // es
     varlen, paged, split = d.constants[FC_VARLEN], d.constants[FC_PAGED], d.constants[FC_SPLIT]
-    has_hi, has_lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
-    chunks = p["group"] // p["heads_per_tg"]
     buffers: dict[int, dict[str, int]] = {}
 
     def add(index, kind, n):
@@ -425,34 +462,9 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         if L == 0:
             continue
         shift = (S - L if d.constants[FC_VARLEN_BR] else 0) if varlen else p["shift"]
-        begin, end = 0, S
-        if has_hi:
-            end = min(end, L - 1 + shift + p["hi_off"] + 1)
-        if has_lo:
-            begin = max(0, shift - p["lo_off"])
-        t0, t1 = begin // bk, (-(-end // bk) if end > begin else begin // bk)
-        per = p["split_keys"] // bk
-        rows = p["heads_per_tg"] * L
-        for s in range(p["splits"]):
-            ts = range(max(t0, s * per), max(max(t0, s * per), min(t1, (s + 1) * per)))
-            keys = sum(min(bk, S - t * bk) for t in ts)
-            for _ in range(p["Hq"] // p["group"] * chunks):
-                tiles += len(ts)
-                add(BUF_Q, "read", rows * p["E"] * es)
-                add(BUF_K, "read", keys * p["E"] * es)
-                add(BUF_V, "read", keys * p["Ev"] * es)
-                if paged:
-                    add(BUF_TABLE, "read", keys * (de // vec + dv // vec) * 4)
-                if d.constants[FC_MASK]:
-                    add(BUF_MASK, "read", rows * keys * mask_es)
-                if split:
-                    add(BUF_PART_O, "written", rows * p["Ev"] * 4)
-                    add(BUF_PART_ML, "written", rows * 2 * 4)
-                else:
-                    if d.constants[FC_SINKS]:
-                        add(BUF_SINKS, "read", THREADS * sinks_es)
-                    add(BUF_OUT, "written", rows * p["Ev"] * es)
-                    add(BUF_LSE, "written", rows * 4)
+        for i0 in range(0, L, p["row_block"]):
+            tiles += decode_block(d, p, add, i0, min(i0 + p["row_block"], L) - 1, S, shift, bk,
+                                  vec, es, mask_es, sinks_es)  # fmt: skip
     mma = tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
     models = [(buffers, mma)]
     if split:

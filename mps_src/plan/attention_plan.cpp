@@ -235,11 +235,16 @@ bool decode_serves(const Common& c, int64_t rows, const Options& options) {
 
 namespace {
 
-// The largest divisor of the group whose heads' rows fit one threadgroup's STEEL_ATTN_BQ rows.
+// Query rows per threadgroup block: all of them up to STEEL_ATTN_BQ (decode), else BQ.
+int64_t decode_row_block(int64_t rows) {
+  return std::min<int64_t>(std::max<int64_t>(rows, 1), STEEL_ATTN_BQ);
+}
+
+// The largest divisor of the group whose heads' row blocks fit one threadgroup's BQ rows.
 int64_t decode_heads_per_tg(int64_t group, int64_t rows) {
   int64_t best = 1;
   for (int64_t d = 1; d <= group; ++d) {
-    if (group % d == 0 && d * std::max<int64_t>(rows, 1) <= STEEL_ATTN_BQ) best = d;
+    if (group % d == 0 && d * decode_row_block(rows) <= STEEL_ATTN_BQ) best = d;
   }
   return best;
 }
@@ -251,7 +256,9 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
   const int64_t bk = key_tile(c);
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
   const int64_t group = c.Hq / c.Hkv;
-  const int64_t threadgroups = dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows));
+  const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
+  const int64_t threadgroups =
+      dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
   int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
   if (n <= 0) {
     const int64_t cores = std::max<int64_t>(
@@ -280,6 +287,7 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   dp.split_keys = static_cast<int32_t>(split_keys);
   dp.heads_per_tg = static_cast<int32_t>(per_tg);
   dp.rows = static_cast<int32_t>(dec.rows);
+  dp.row_block = static_cast<int32_t>(decode_row_block(dec.rows));
   if (dec.paged) {
     dp.page_size = static_cast<int32_t>(dec.page_size);
     dp.pages = static_cast<int32_t>(dec.pages);
@@ -334,7 +342,8 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
     k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_O, part_o_slot));
     k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_ML, part_o_slot + 1));
   }
-  k.grid[0] = static_cast<uint32_t>(splits);
+  k.grid[0] = static_cast<uint32_t>(splits * ceil_div(std::max<int64_t>(dec.rows, 1),
+                                                       decode_row_block(dec.rows)));
   k.grid[1] = static_cast<uint32_t>(c.Hkv * (group / per_tg));
   k.grid[2] = static_cast<uint32_t>(dec.count);
   k.threads[0] = static_cast<uint32_t>(kThreads);

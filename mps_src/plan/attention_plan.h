@@ -119,8 +119,9 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
 // ---- Decode (shaders/steel/attn/decode.metal) ----
 //
 // At most STEEL_ATTN_DECODE_MAX_L query rows per (batch entry, head), no dropout: the decode
-// kernels serve the call. The query heads of one KV head share a threadgroup (heads_per_tg of
-// them, the largest divisor of the group with heads_per_tg * rows <= 32), and the keys are split
+// kernels serve the call (a paged cache: any number of rows, in blocks of 32). The query heads
+// of one KV head share a threadgroup (heads_per_tg of them, the largest divisor of the group
+// with heads_per_tg * min(rows, 32) <= 32), and the keys are split
 // into partitions when the (batch entry, KV head) threadgroups alone would leave the GPU idle:
 // about kDecodeTgPerCore threadgroups per core, of at least kDecodeMinSplitKeys keys each, at
 // most STEEL_ATTN_DECODE_MAX_SPLITS. The core count is the option "gpu_cores" (the Metal host

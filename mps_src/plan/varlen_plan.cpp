@@ -14,7 +14,7 @@
 // serve the batch instead (attn::add_decode), split over max_seqlen_k keys. A paged KV cache
 // (tensors 6 and 7: block_table int32 [sequences, max_pages], seqused_k int32 [sequences]; k and
 // v are pools [pages, page_size, Hkv, D] and cu_seqlens_k is absent) is read by the decode
-// kernels only: with longer query sequences it is refused (reference math serves it).
+// kernels only, for any max_seqlen_q (blocks of 32 query rows; no dropout).
 #include <algorithm>
 #include <string>
 
@@ -130,11 +130,9 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   if (max_q < 0 || max_k < 0) {
     return Plan::refuse("sdpa_varlen: the options max_seqlen_q and max_seqlen_k are required");
   }
-  if (paged && !attn::decode_serves(c, max_q, options)) {
-    return Plan::refuse("sdpa_varlen: a paged KV cache is read by the decode kernels only: at "
-                        "most " + std::to_string(STEEL_ATTN_DECODE_MAX_L) +
-                        " query rows per sequence and no dropout, got max_seqlen_q = " +
-                        std::to_string(max_q));
+  if (paged && c.dropout_p > 0.0) {
+    return Plan::refuse("sdpa_varlen: a paged KV cache is read by the decode kernels, which have "
+                        "no dropout");
   }
   // cu_seqlens are int32, so token offsets fit in 31 bits; the kernels' row and key indices
   // within a sequence (and the diagonals, up to max_seqlen_q + max_seqlen_k) must fit too.
@@ -211,7 +209,7 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   l.cu_q_slot = kSlotCuQ;
   l.cu_k_slot = kSlotCuK;
   l.set_grid(std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
-  if (attn::decode_serves(c, max_q, options)) {
+  if (paged || attn::decode_serves(c, max_q, options)) {
     attn::Decode dec;
     dec.rows = std::min(max_q, Tq);
     dec.keys = paged ? std::min(max_k, max_pages * page_size) : std::min(max_k, Tk);

@@ -287,7 +287,8 @@ static_assert(offsetof(AttnBackwardParams, y_bs) == 368, "AttnBackwardParams.y_b
 #define STEEL_ATTN_BUF_PART_ML 13  // split only: fp32 [rows, 2] each partial's row max, sum
 
 // Decode serves at most this many query rows per (batch entry, head), and packs the query
-// heads of one KV head into a threadgroup of STEEL_ATTN_BQ rows (heads_per_tg * L <= BQ).
+// heads of one KV head into a threadgroup of STEEL_ATTN_BQ rows (heads_per_tg * L <= BQ). A
+// paged cache takes the decode kernels for any L, in blocks of BQ rows.
 #define STEEL_ATTN_DECODE_MAX_L 8
 // The merge reads one partition per lane: at most 32 partitions.
 #define STEEL_ATTN_DECODE_MAX_SPLITS 32
@@ -305,12 +306,14 @@ struct AttnDecodeParams {
   int32_t pages;         // paged: pages in the pools
   int32_t max_pages;     // paged: block_table's columns
   int32_t table_stride;  // paged: block_table's row stride
+  int32_t row_block;     // query rows per threadgroup block: min(rows, STEEL_ATTN_BQ)
+  int32_t pad_;          // keeps the 64-bit fields aligned
   steel_i64 k_ps;        // paged: page strides of the key and value pools
   steel_i64 v_ps;
 };
 
-static_assert(sizeof(AttnDecodeParams) == 360, "AttnDecodeParams layout changed");
+static_assert(sizeof(AttnDecodeParams) == 368, "AttnDecodeParams layout changed");
 #ifndef __METAL_VERSION__
 static_assert(offsetof(AttnDecodeParams, splits) == 312, "AttnDecodeParams.splits moved");
-static_assert(offsetof(AttnDecodeParams, k_ps) == 344, "AttnDecodeParams.k_ps moved");
+static_assert(offsetof(AttnDecodeParams, k_ps) == 352, "AttnDecodeParams.k_ps moved");
 #endif

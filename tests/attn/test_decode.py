@@ -259,6 +259,19 @@ def test_paged_options(num_splits):
                 window=(50, 0), causal_align="bottom_right")  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_paged_chunked_prefill(num_splits):
+    """More than 8 query rows per sequence over a paged cache (chunked prefill): the decode
+    kernel in blocks of 32 rows of one head, causal aligned bottom-right."""
+    gen = torch.Generator().manual_seed(12)
+    lq, used = [40, 1, 70], [300, 33, 70]
+    q = rand(sum(lq), 4, 64, dtype=torch.float16, gen=gen)
+    k_pool, v_pool, table = paged_cache(used, 16, 2, 64, torch.float16, gen)
+    sinks = rand(4, dtype=torch.float32, gen=gen)
+    check_paged(q, k_pool, v_pool, lq, used, table, num_splits, is_causal=True,
+                causal_align="bottom_right", sinks=sinks)  # fmt: skip
+
+
 def test_packed_varlen_decode():
     """Packed keys (cu_seqlens_k) with few query rows take the decode kernels too."""
     gen = torch.Generator().manual_seed(8)

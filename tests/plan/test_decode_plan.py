@@ -22,7 +22,7 @@ pytestmark = requires_planner
 SPLIT, PAGED, VARLEN = 322, 323, 316
 BUF_PARAMS, BUF_CU_Q, BUF_CU_K, BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = (
     7, 8, 9, 10, 11, 12, 13)  # fmt: skip
-DECODE_PARAMS_SIZE = 360
+DECODE_PARAMS_SIZE = 368
 
 
 def t(*shape, dtype=torch.float16):
@@ -38,9 +38,9 @@ def decode_params(dispatch):
     raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
     assert len(raw) == DECODE_PARAMS_SIZE
     names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages", "max_pages",
-             "table_stride"]  # fmt: skip
-    out = dict(zip(names, struct.unpack_from("8i", raw, 312), strict=True))
-    out["k_ps"], out["v_ps"] = struct.unpack_from("2q", raw, 344)
+             "table_stride", "row_block"]  # fmt: skip
+    out = dict(zip(names, struct.unpack_from("9i", raw, 312), strict=True))
+    out["k_ps"], out["v_ps"] = struct.unpack_from("2q", raw, 352)
     return out
 
 
@@ -164,8 +164,7 @@ def test_paged_plan_copies_a_table_with_strided_columns():
 @pytest.mark.parametrize(
     "change,reason",
     [
-        ({"max_seqlen_q": 9}, "a paged KV cache is read by the decode kernels only"),
-        ({"dropout_p": 0.5}, "a paged KV cache is read by the decode kernels only"),
+        ({"dropout_p": 0.5}, "a paged KV cache is read by the decode kernels, which have no"),
         ({"table": torch.empty(2, 32, dtype=torch.int64)}, "block_table must be int32"),
         ({"table": torch.empty(3, 32, dtype=torch.int32)}, "block_table must be int32 [2, "),
         ({"seqused": torch.empty(2, dtype=torch.float32)}, "seqused_k int32 [2]"),
@@ -212,3 +211,19 @@ def test_every_planned_decode_kernel_is_in_the_library():
                                       t(1, 1, 600, Ev, dtype=dtype), None, None],
                              {"num_splits": 2})  # fmt: skip
                 assert [d.kernel in kernels for d in p.dispatches] == [True, True], p.dispatches
+
+
+def test_paged_prefill_takes_blocks_of_32_rows():
+    """A paged cache with long query sequences (chunked prefill) runs the same kernel in blocks
+    of 32 rows of one head: grid x = splits * row blocks."""
+    pool = t(100, 16, 2, 64)
+    q = t(130, 8, 64)
+    p = sim.plan("sdpa_varlen", [q, pool, pool, cu(0, 30, 130), None, None,
+                                 torch.empty(2, 100, dtype=torch.int32),
+                                 torch.empty(2, dtype=torch.int32)],
+                 {"max_seqlen_q": 100, "max_seqlen_k": 1600, "scale": 0.125})  # fmt: skip
+    assert p.ok, p.reason
+    d = p.dispatches[0]
+    dp = decode_params(d)
+    assert (dp["row_block"], dp["heads_per_tg"], dp["rows"]) == (32, 1, 100)
+    assert d.grid == (dp["splits"] * 4, 8, 2)

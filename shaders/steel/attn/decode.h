@@ -2,8 +2,10 @@
 // cache, where a prefill block would hold 1 to 8 of its 32 rows and read K and V once per query
 // head. Decode is bound by reading the cache, so:
 //   - GQA packing: one threadgroup serves heads_per_tg query heads of one KV head (all of the
-//     group when group * L <= 32), packed as rows r = g * L + i (head h0 + g, query row i) of
-//     the forward block's 32 rows; every K and V tile is read once for all of them;
+//     group when group * L <= 32), packed as rows r = g * R + i (head h0 + g, query row i0 + i,
+//     R = row_block = min(L, 32)) of the forward block's 32 rows; every K and V tile is read
+//     once for all of them. Longer query sequences (a paged cache's chunked prefill) take
+//     blocks of 32 rows, one head each: grid x is then splits * row blocks;
 //   - split-K: with few (batch, KV head) pairs the keys are cut into `splits` partitions of
 //     split_keys keys (a multiple of the key tile), one threadgroup each, grid
 //     (splits, Hkv * head chunks, batch entries or sequences). Each partition leaves its rows'
@@ -80,7 +82,8 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
                                    ushort lane) {
   using A = AttnForward<T, DE, DV>;
   constant AttnParams& p = dp.fwd;
-  const int split = int(tg.x);
+  const int split = int(tg.x) % dp.splits;
+  const int i0 = (int(tg.x) / dp.splits) * dp.row_block;  // the block's first query row
   const int chunks = p.group / dp.heads_per_tg;
   const int hk = int(tg.y) / chunks;
   const int h0 = hk * p.group + (int(tg.y) % chunks) * dp.heads_per_tg;
@@ -108,19 +111,20 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     m_off = attn_batch_offset(p, p.m_bs, zb);
   }
   if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
-  // A sequence without query rows has nothing to compute or merge. Uniform over the
-  // threadgroup, before any barrier.
-  if (ext.L == 0) return;
+  // A block past the sequence's query rows (or a sequence without any) has nothing to compute
+  // or merge. Uniform over the threadgroup, before any barrier.
+  if (i0 >= ext.L) return;
+  const int last_row = min(i0 + dp.row_block, ext.L) - 1;
   k += k_off + hk * p.k_hs;
   v += v_off + hk * p.v_hs;
 
-  // This lane's packed row: head h0 + g, query row i. Lanes past the packed rows keep a head
-  // of the group for the addresses they form but read nothing through them.
+  // This lane's packed row: head h0 + g, query row i of the block. Lanes past the packed rows
+  // keep a head and row of the block for the addresses they form but read nothing through them.
   const short fr = frag_row(lane);
   const int r = simdgroup * 8 + fr;
-  const int g = r / ext.L;
-  const int i = r - g * ext.L;
-  const bool row_ok = g < dp.heads_per_tg;
+  const int g = r / dp.row_block;
+  const int i = min(i0 + r - g * dp.row_block, last_row);
+  const bool row_ok = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
   const int h = h0 + min(g, dp.heads_per_tg - 1);
 
   FragTile<1, A::TD> qf;
@@ -140,7 +144,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
 
   // The key tiles some row may see, within this partition's keys.
   int t_begin, t_end;
-  attn_key_tiles(p, ext, 0, ext.L - 1, A::BK, t_begin, t_end);
+  attn_key_tiles(p, ext, i0, last_row, A::BK, t_begin, t_end);
   const int tiles_per_split = dp.split_keys / A::BK;
   t_begin = max(t_begin, split * tiles_per_split);
   t_end = max(t_begin, min(t_end, (split + 1) * tiles_per_split));
@@ -154,7 +158,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
-    const bool edge = attn_edge_tile(p, ext, 0, ext.L - 1, key0, A::BK);
+    const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
     k_rows.key0 = key0;
     v_rows.key0 = key0;
     // Paged rows are found from the table; dense ones start key0 rows in.
