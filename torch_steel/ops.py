@@ -512,7 +512,7 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     sequence's pages in order, seqused_k int32 [batch] its keys (the last page partly filled),
     and cu_seqlens_k is None. Key j of sequence b is slot j % page_size of page
     block_table[b, j // page_size]. Inference only (no autograd); served by the decode kernels
-    (at most 8 query rows per sequence), by reference math otherwise.
+    (blocks of 32 query rows beyond 8 rows per sequence).
     num_splits: how many partitions the decode kernels split each sequence's keys into
     (None lets the plan choose from the shapes; 1 computes each sequence in one pass, so its
     result is bitwise the same whatever else is in the batch).

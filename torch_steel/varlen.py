@@ -27,8 +27,8 @@ The semantics are those of PyTorch's FlashAttention 2 varlen path (aten/.../flas
   - seqused_k alone keeps the first seqused_k[b] keys of each sequence (gathered: a copy);
   - a paged KV cache: key and value are pools [pages, page_size, Hkv, D], block_table int32
     [B, max_pages], seqused_k int32 [B] and cu_seq_k None (steel::sdpa_paged_forward: the decode
-    kernels for at most 8 query rows per sequence, reference math otherwise). PyTorch's varlen
-    backward takes no block table: the paged path is inference only.
+    kernels, for any number of query rows). PyTorch's varlen backward takes no block table: the
+    paged path is inference only.
 """
 
 import math

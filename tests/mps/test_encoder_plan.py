@@ -292,7 +292,7 @@ _ATTN_CASES = {
                                           _t(3, dtype=torch.int32), None, None,
                                           _t(2, 20, dtype=torch.int32), _t(2, dtype=torch.int32)],
                           {"max_seqlen_q": 2, "max_seqlen_k": 320}),
-    "sdpa_varlen_paged_prefill_refused": ("sdpa_varlen", [_t(40, 8, 64), _t(40, 16, 2, 64),
+    "sdpa_varlen_paged_prefill": ("sdpa_varlen", [_t(40, 8, 64), _t(40, 16, 2, 64),
                                           _t(40, 16, 2, 64), _t(3, dtype=torch.int32), None,
                                           None, _t(2, 20, dtype=torch.int32),
                                           _t(2, dtype=torch.int32)],
