@@ -17,9 +17,14 @@ For every shape of the table:
     modelled per sequence (each threadgroup reads its two cu_seqlens entries; blocks past its
     sequence's end read nothing else), against the sum of the sequences' minimums and against
     the dense plan of the same batch padded to the longest sequences;
+  - decode (issue 9, item 7): few query rows against a KV cache, dense or paged, through the
+    decode kernels: the partitions the plan chose, K and V bytes read against the cache's size
+    (GQA packing reads them once per KV head: the ratio is ~1), the partials' scratch, and the
+    model of every dispatch (partial kernel and merge) against the simulator's counters;
   - on a Mac with MPS (--mps): steel.sdpa against F.sdpa, median of --iters runs, and peak
     memory, for B 1..8, H 8..32, L 128..16384, D 64 and 128, causal and not, as a table and
-    (with matplotlib) a plot bench/attention_mps.png.
+    (with matplotlib) a plot bench/attention_mps.png; and decode: tokens per second and time
+    per call for KV 1k..32k, B 1..8, H 8..32, D 64/128, GQA 1 and 4 (bench/decode_mps.png).
 
     python bench/bench_attention.py [--dtype float16] [--sim-limit 3e8] [--mps] [--iters 20]
 """
@@ -45,6 +50,8 @@ BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS, BUF_CU_Q
     10
 )
 BUF_BWD_PARAMS = 17
+BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = 10, 11, 12, 13
+FC_ALIGN_E, FC_ALIGN_EV, FC_VARLEN, FC_SPLIT, FC_PAGED = 302, 303, 316, 322, 323
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
 BQ = 32
 THREADS = 128
@@ -363,6 +370,255 @@ def varlen_table(dtype, sim_limit) -> int:
     return failures
 
 
+# (name, B, Hq, Hkv, L, S, E, options, page size or None) of one decode call
+DECODE_SHAPES = [
+    ("1 token, KV 4k, GQA 32/8 d128", 1, 32, 8, 1, 4096, 128, {}, None),
+    ("1 token, KV 32k, GQA 32/8 d128", 1, 32, 8, 1, 32768, 128, {}, None),
+    ("B 8, KV 4k, MHA 8 d64", 8, 8, 8, 1, 4096, 64, {}, None),
+    ("4 tokens, KV 2k, GQA 16/4 causal", 2, 16, 4, 4, 2048, 128,
+     {"is_causal": True, "bottom_right": True}, None),
+    ("paged 16, KV 1k..8k, GQA 32/8", 4, 32, 8, 1, 8192, 128, {}, 16),
+    ("sim: 1 token, KV 1000, GQA 8/2 d64", 1, 8, 2, 1, 1000, 64, {}, None),
+    ("sim: 3 tokens, KV 700, GQA 4/1 mask", 2, 4, 1, 3, 700, 64, {"mask": True, "sinks": True},
+     None),
+    ("sim: paged 64, KV 1..900, GQA 8/2", 3, 8, 2, 2, 900, 64, {"sinks": True}, 64),
+]  # fmt: skip
+
+
+def decode_params(dispatch):
+    """AttnDecodeParams (params.h): the forward's fields, then the split and the cache."""
+    out = params(dispatch)
+    raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
+    names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages", "max_pages",
+             "table_stride", "row_block"]  # fmt: skip
+    out.update(zip(names, struct.unpack_from("9i", raw, 312), strict=True))
+    return out
+
+
+def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
+    """One block of query rows i0..last of a sequence of S keys, for every partition and KV head
+    (chunk) of the grid: adds its traffic with `add`, returns the key tiles it visits."""
+    de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+    paged, split = d.constants[FC_PAGED], d.constants[FC_SPLIT]
+    begin, end = 0, S
+    if d.constants[FC_HAS_HI]:
+        end = min(end, last + shift + p["hi_off"] + 1)
+    if d.constants[FC_HAS_LO]:
+        begin = max(0, i0 + shift - p["lo_off"])
+    t0, t1 = begin // bk, (-(-end // bk) if end > begin else begin // bk)
+    per = p["split_keys"] // bk
+    rows = p["heads_per_tg"] * (last - i0 + 1)
+    chunks = p["group"] // p["heads_per_tg"]
+    tiles = 0
+    for s in range(p["splits"]):
+        ts = range(max(t0, s * per), max(max(t0, s * per), min(t1, (s + 1) * per)))
+        keys = sum(min(bk, S - t * bk) for t in ts)
+        for _ in range(p["Hq"] // p["group"] * chunks):
+            tiles += len(ts)
+            add(BUF_Q, "read", rows * p["E"] * es)
+            add(BUF_K, "read", keys * p["E"] * es)
+            add(BUF_V, "read", keys * p["Ev"] * es)
+            if paged:
+                add(BUF_TABLE, "read", keys * (de // vec + dv // vec) * 4)
+            if d.constants[FC_MASK]:
+                add(BUF_MASK, "read", rows * keys * mask_es)
+            if split:
+                add(BUF_PART_O, "written", rows * p["Ev"] * 4)
+                add(BUF_PART_ML, "written", rows * 2 * 4)
+            else:
+                if d.constants[FC_SINKS]:
+                    add(BUF_SINKS, "read", THREADS * sinks_es)
+                add(BUF_OUT, "written", rows * p["Ev"] * es)
+                add(BUF_LSE, "written", rows * 4)
+    return tiles
+
+
+def decode_model(plan, seqs, es, mask_es, sinks_es):
+    """Per dispatch of a decode plan, ({binding: {"read", "written"}}, MMAs), from decode.h's
+    loops. `seqs` lists (L, S) per batch entry or sequence. Every threadgroup of the partial
+    kernel reads its rows' q (each split again: q is small), the K and V rows of the key tiles
+    of its partition that some row may see (bounded at S and the head dims), the mask of its
+    rows there, one block-table entry per 16-byte chunk it loads (paged), and writes out and lse
+    (one pass) or the fp32 partials; the merge reads each row's partials once. Every lane reads
+    the cu_seqlens / seqused_k entries and the sink it needs."""
+    d = plan.dispatches[0]
+    p = decode_params(d)
+    de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+    bk = bk_of(de, dv, es)
+    vec = 16 // es
+    varlen, paged, split = d.constants[FC_VARLEN], d.constants[FC_PAGED], d.constants[FC_SPLIT]
+    buffers: dict[int, dict[str, int]] = {}
+
+    def add(index, kind, n):
+        entry = buffers.setdefault(index, {"read": 0, "written": 0})
+        entry[kind] += n
+
+    tiles = 0
+    for L, S in seqs:
+        if varlen:
+            add(BUF_CU_Q, "read", d.grid[0] * d.grid[1] * THREADS * 2 * 4)
+            add(BUF_SEQUSED if paged else BUF_CU_K, "read",
+                d.grid[0] * d.grid[1] * THREADS * (1 if paged else 2) * 4)  # fmt: skip
+        if L == 0:
+            continue
+        shift = (S - L if d.constants[FC_VARLEN_BR] else 0) if varlen else p["shift"]
+        for i0 in range(0, L, p["row_block"]):
+            tiles += decode_block(d, p, add, i0, min(i0 + p["row_block"], L) - 1, S, shift, bk,
+                                  vec, es, mask_es, sinks_es)  # fmt: skip
+    mma = tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
+    models = [(buffers, mma)]
+    if split:
+        merge: dict[int, dict[str, int]] = {}
+        heads = p["Hq"]
+        for L, _ in seqs:
+            if varlen:
+                entry = merge.setdefault(BUF_CU_Q, {"read": 0, "written": 0})
+                entry["read"] += p["rows"] * heads * 32 * 2 * 4
+            for index, kind, n in [
+                (BUF_PART_ML, "read", p["splits"] * 2 * 4),
+                (BUF_PART_O, "read", p["splits"] * p["Ev"] * 4),
+                (BUF_SINKS, "read", 32 * sinks_es if d.constants[FC_SINKS] else 0),
+                (BUF_OUT, "written", p["Ev"] * es),
+                (BUF_LSE, "written", 4),
+            ]:
+                if n:
+                    entry = merge.setdefault(index, {"read": 0, "written": 0})
+                    entry[kind] += n * heads * L
+        models.append((merge, 0))
+    return models
+
+
+def counted_all(counters) -> list[dict[int, dict[str, int]]]:
+    """counted() for every dispatch of a plan."""
+    return [counted([c]) for c in counters]
+
+
+def decode_inputs(B, Hq, Hkv, L, S, E, options, page, dtype, device):
+    """[q, k, v, mask, sinks] for "sdpa", or the paged "sdpa_varlen" tensors (ragged lengths up
+    to S over shuffled pages), with the run options and the (L, S) of each sequence."""
+    opts = run_options(E, {k: v for k, v in options.items() if k not in ("mask", "sinks")})
+    sinks = torch.randn(Hq, dtype=torch.float32, device=device) if options.get("sinks") else None
+    if page is None:
+        q, k, v, _ = inputs(B, Hq, Hkv, L, S, E, E, None, dtype, device)
+        mask = torch.rand(B, 1, L, S, device=device) > 0.2 if options.get("mask") else None
+        return [q, k, v, mask, sinks], opts, [(L, S)] * B
+    used = [max(1, S * (b + 1) // B) for b in range(B)]
+    need = [-(-n // page) for n in used]
+    pool = sum(need)
+    k = torch.randn(pool, page, Hkv, E, dtype=dtype, device=device)
+    v = torch.randn(pool, page, Hkv, E, dtype=dtype, device=device)
+    order = torch.randperm(pool, generator=torch.Generator().manual_seed(0))
+    table = torch.zeros(B, max(need), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[at : at + n].to(torch.int32)
+        at += n
+    q = torch.randn(B * L, Hq, E, dtype=dtype, device=device)
+    cu_q = cu_seqlens([L] * B, device)
+    seq = torch.tensor(used, dtype=torch.int32, device=device)
+    tensors = [q, k, v, cu_q, None, sinks, table.to(device), seq]
+    opts = {**opts, "max_seqlen_q": L, "max_seqlen_k": max(used), "bottom_right": True}
+    return tensors, opts, [(L, n) for n in used]
+
+
+def decode_table(dtype, sim_limit) -> int:
+    """Decode plans: partitions, K + V read against the cache (once under GQA packing), the
+    scratch, and the model against the simulator's counters per dispatch."""
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    failures = 0
+    print(f"\nsteel attention decode, {dtype}; traffic in MB")
+    print(f"{'shape':36} {'splits':>6} {'heads/tg':>8} {'cache MB':>9} {'K+V MB':>9} "
+          f"{'ratio':>6} {'total MB':>9} {'scratch MB':>10} {'sim MB':>16}")  # fmt: skip
+    for name, B, Hq, Hkv, L, S, E, options, page in DECODE_SHAPES:
+        tensors, opts, seqs = decode_inputs(B, Hq, Hkv, L, S, E, options, page, dtype, "meta")
+        op = "sdpa" if page is None else "sdpa_varlen"
+        p = sim.plan(op, tensors, opts)
+        if not p.ok:
+            print(f"{name:36} refused: {p.reason}")
+            continue
+        mask_es = 1
+        sinks_es = 4
+        models = decode_model(p, seqs, es, mask_es, sinks_es)
+        cache = sum(2 * Hkv * n * E * es for _, n in seqs)
+        kv = sum(models[0][0].get(i, {"read": 0})["read"] for i in (BUF_K, BUF_V))
+        moved = sum(total(b) for b, _ in models)
+        scratch = sum(math.prod(a.sizes) * 4 for a in p.allocations if not a.is_output)
+        dp = decode_params(p.dispatches[0])
+        sim_col = "-"
+        if run_sim and sum(Hq * L * n * 2 * E for _, n in seqs) <= sim_limit:
+            cpu, _, _ = decode_inputs(B, Hq, Hkv, L, S, E, options, page, dtype, "cpu")
+            _, counters = sim.run_op(op, cpu, opts, counters=True, checkers=False)
+            got = counted_all(counters)
+            sim_col = f"{sum(total(g) for g in got) / 1e6:.3f}"
+            if got != [b for b, _ in models] or [c["mma"] for c in counters] != [
+                m for _, m in models
+            ]:
+                print(f"  model {models}\n  sim   {got}", file=sys.stderr)
+                sim_col += " MISMATCH"
+                failures += 1
+        print(f"{name:36} {dp['splits']:6} {dp['heads_per_tg']:8} {cache / 1e6:9.3f} "
+              f"{kv / 1e6:9.3f} {kv / cache:6.3f} {moved / 1e6:9.3f} {scratch / 1e6:10.3f} "
+              f"{sim_col:>16}")  # fmt: skip
+    if failures:
+        print(f"{failures} decode shape(s) where the model and the simulator disagree")
+    return failures
+
+
+def decode_mps_table(dtype, iters) -> None:
+    """Decode on MPS: one new token per sequence against KV 1k..32k, steel against F.sdpa
+    (enable_gqa for GQA 4), time per call and tokens per second, as a table and a plot."""
+    import torch.nn.functional as F
+
+    import torch_steel
+
+    rows = []
+    print(f"\nMPS decode: steel.sdpa against F.sdpa, {dtype}, median of {iters} runs, 1 token")
+    print(f"{'B':>2} {'H':>3} {'GQA':>3} {'KV':>6} {'D':>4} {'steel ms':>9} {'F.sdpa ms':>9} "
+          f"{'steel tok/s':>11} {'F.sdpa tok/s':>12} {'speedup':>7}")  # fmt: skip
+    for B in (1, 4, 8):
+        for H in (8, 32):
+            for gqa in (1, 4):
+                for S in (1024, 4096, 16384, 32768):
+                    for D in (64, 128):
+                        q, k, v, _ = inputs(B, H, H // gqa, 1, S, D, D, None, dtype, "mps")
+
+                        def ours(q=q, k=k, v=v, g=gqa > 1):
+                            return torch_steel.sdpa(q, k, v, enable_gqa=g)
+
+                        def theirs(q=q, k=k, v=v, g=gqa > 1):
+                            return F.scaled_dot_product_attention(q, k, v, enable_gqa=g)
+
+                        shape = f"{B:2} {H:3} {gqa:3} {S:6} {D:4}"
+                        try:
+                            t_ours, t_theirs = time_ms(ours, iters), time_ms(theirs, iters)
+                        except RuntimeError as error:
+                            print(f"{shape} failed: {error}")
+                            continue
+                        rows.append((B, H, gqa, S, D, t_ours, t_theirs))
+                        print(f"{shape} {t_ours:9.3f} {t_theirs:9.3f} {B * 1e3 / t_ours:11.0f} "
+                              f"{B * 1e3 / t_theirs:12.0f} {t_theirs / t_ours:7.2f}")  # fmt: skip
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots()
+    for gqa in (1, 4):
+        for D in (64, 128):
+            pts = [(r[3], r[0] * 1e3 / r[5]) for r in rows
+                   if r[0] == 1 and r[1] == 32 and r[2] == gqa and r[4] == D]  # fmt: skip
+            ref = [(r[3], r[0] * 1e3 / r[6]) for r in rows
+                   if r[0] == 1 and r[1] == 32 and r[2] == gqa and r[4] == D]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"steel GQA {gqa} D {D}")
+                ax.plot(*zip(*ref, strict=True), linestyle="--", label=f"F.sdpa GQA {gqa} D {D}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV length (B 1, H 32, 1 query token)")
+    ax.set_ylabel("tokens per second")
+    ax.legend()
+    fig.savefig(Path(__file__).with_name("decode_mps.png"), dpi=120)
+
+
 def peak_mb(fn):
     torch.mps.synchronize()
     torch.mps.empty_cache()
@@ -439,8 +695,10 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     failures = traffic_table(dtype, args.sim_limit) + varlen_table(dtype, args.sim_limit)
+    failures += decode_table(dtype, args.sim_limit)
     if args.mps and torch.backends.mps.is_available():
         mps_table(dtype, args.iters)
+        decode_mps_table(dtype, args.iters)
     return 1 if failures else 0
 
 

@@ -14,8 +14,11 @@ Internal ops, what the Metal kernels implement; autograd connects forward to bac
       mask_grad asks for the gradient of a float attn_mask, in the mask's shape)
   steel::sdpa_varlen_forward / steel::sdpa_varlen_backward: the same over packed tensors, with
       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k in place of attn_mask.
+  steel::sdpa_paged_forward(q, k_pool, v_pool, cu_seqlens_q, block_table, seqused_k,
+      max_seqlen_q, max_seqlen_k, <attention options>) -> (out, lse): varlen against a paged KV
+      cache (inference: no autograd).
   <attention options> = dropout_p, is_causal, scale, sinks, softcap, window_left, window_right,
-      bottom_right, seed, offset (all resolved: see Attn and torch_steel.reference).
+      bottom_right, seed, offset, num_splits (all resolved: see Attn and torch_steel.reference).
 
 Every op goes through torch_steel.backends.run with these run_op names and arguments. Absent
 tensors are None. Outputs are contiguous, except sdpa's `out`, which has the query's memory
@@ -27,12 +30,15 @@ out of any other layout into it):
   "sdpa_backward"         [grad_out, q, k, v, out, lse, attn_mask, sinks, grad_lse]
                           -> [dq, dk, dv] + [dsinks] when sinks is given + [dmask] when the
                           option mask_grad is true
-  "sdpa_varlen"           [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] -> [out, lse]
+  "sdpa_varlen"           [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] -> [out, lse], or
+                          [q, k_pool, v_pool, cu_seqlens_q, None, sinks, block_table, seqused_k]
+                          over a paged KV cache (steel::sdpa_paged_forward)
   "sdpa_varlen_backward"  [grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks,
                           grad_lse] -> [dq, dk, dv] + [dsinks]
       options: dropout_p, is_causal, scale, softcap (0 = off), window_left, window_right
       (-1 = unbounded), bottom_right, offset, seed_lo, seed_hi (the 64-bit seed in 32-bit halves:
-      option numbers are doubles); varlen adds max_seqlen_q, max_seqlen_k.
+      option numbers are doubles), num_splits (decode key partitions, 0 = the plan's choice);
+      varlen adds max_seqlen_q, max_seqlen_k.
       lse is float32 [*batch, Hq, L] ([Hq, total_q] for varlen; float64 for float64 inputs).
   "gemm"                  [a, b, bias, c] -> [out]; options alpha, beta, activation.
 """
@@ -51,7 +57,8 @@ _LIB = torch.library.Library("steel", "FRAGMENT")  # holds the composite ops def
 
 _OPTIONS = (
     "float dropout_p, bool is_causal, float scale, Tensor? sinks, float softcap, "
-    "int window_left, int window_right, bool bottom_right, int seed, int offset"
+    "int window_left, int window_right, bool bottom_right, int seed, int offset, "
+    "int num_splits=0"
 )
 _VARLEN = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
 _EXTENSIONS = (
@@ -73,6 +80,12 @@ class Attn(NamedTuple):
     bottom_right: bool
     seed: int
     offset: int
+    num_splits: int = 0  # decode key partitions: 0 lets the plan choose, 1 is one pass
+
+    def math(self):
+        """The options the reference takes (everything but num_splits, which changes only how
+        the kernels split the work)."""
+        return tuple(self)[:-1]
 
     def run_options(self, **extra):
         """run_op options: sinks is a tensor argument, the seed travels as two 32-bit halves."""
@@ -122,7 +135,7 @@ def sdpa_forward(q, k, v, attn_mask, *options):
         "sdpa",
         [q, k, v, attn_mask, attn.sinks],
         attn.run_options(),
-        lambda: ref.sdpa_forward(q, k, v, attn_mask, *attn),
+        lambda: ref.sdpa_forward(q, k, v, attn_mask, *attn.math()),
     )
     strides = ref.layout_strides(q, out.shape)
     if list(out.stride()) != strides and out.numel() > 1:
@@ -152,7 +165,7 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *
 
     def reference():
         dq, dk, dv, dsinks, dmask = ref.sdpa_backward(
-            grad_out, grad_lse, q, k, v, lse, attn_mask, *attn, mask_grad=mask_grad
+            grad_out, grad_lse, q, k, v, lse, attn_mask, *attn.math(), mask_grad=mask_grad
         )
         return [g for g in (dq, dk, dv, dsinks, dmask) if g is not None]
 
@@ -356,7 +369,7 @@ def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         "sdpa_varlen",
         [q, k, v, cu_seqlens_q, cu_seqlens_k, attn.sinks],
         attn.run_options(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
-        lambda: ref.sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *attn),
+        lambda: ref.sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *attn.math()),
     )
     return out, lse
 
@@ -381,7 +394,7 @@ def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu
 
     def reference():
         dq, dk, dv, dsinks = ref.sdpa_varlen_backward(
-            grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *attn
+            grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *attn.math()
         )
         return [dq, dk, dv] + ([dsinks] if dsinks is not None else [])
 
@@ -452,10 +465,38 @@ def _varlen_composite(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 _LIB.impl("sdpa_varlen", _varlen_composite, "CompositeImplicitAutograd")
 
 
+@torch.library.custom_op(
+    "steel::sdpa_paged_forward",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor block_table, "
+        f"Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)"
+    ),
+)
+def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
+                       max_seqlen_k, *options):  # fmt: skip
+    attn = Attn(*options)
+    check.check_paged("sdpa_varlen", q, k, v, attn.sinks, cu_seqlens_q, block_table, seqused_k,
+                      max_seqlen_q, max_seqlen_k)  # fmt: skip
+    out, lse = run(
+        "sdpa_varlen",
+        [q, k, v, cu_seqlens_q, None, attn.sinks, block_table, seqused_k],
+        attn.run_options(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k),
+        lambda: ref.sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, *attn.math()),
+    )
+    return out, lse
+
+
+@sdpa_paged_forward.register_fake
+def _(q, k, v, *rest):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=ref.compute_dtype(q.dtype))
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), lse
+
+
 def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 dropout_p=0.0, is_causal=False, scale=None, *, sinks=None, softcap=None,
-                window=None, causal_align="top_left", seed=None, offset=0,
-                return_lse=False):  # fmt: skip
+                window=None, causal_align="top_left", seed=None, offset=0, return_lse=False,
+                block_table=None, seqused_k=None, num_splits=None):  # fmt: skip
     """Attention over packed variable-length sequences (flash-attn's varlen convention).
 
     query [total_q, heads, E], key [total_k, heads_kv, E], value [total_k, heads_kv, Ev];
@@ -465,10 +506,37 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     Options as in torch_steel.sdpa; is_causal and window align per sequence (causal_align
     defaults to "top_left" like sdpa; flash-attn's causal is "bottom_right"). Dropout treats the
     sequence index as the batch index. lse is [heads, total_q].
+
+    A paged KV cache (PyTorch's varlen_attn convention): key and value are pools
+    [pages, page_size, heads_kv, E|Ev], block_table int32 [batch, max_pages] lists each
+    sequence's pages in order, seqused_k int32 [batch] its keys (the last page partly filled),
+    and cu_seqlens_k is None. Key j of sequence b is slot j % page_size of page
+    block_table[b, j // page_size]. Inference only (no autograd); served by the decode kernels
+    (blocks of 32 query rows beyond 8 rows per sequence).
+    num_splits: how many partitions the decode kernels split each sequence's keys into
+    (None lets the plan choose from the shapes; 1 computes each sequence in one pass, so its
+    result is bitwise the same whatever else is in the batch).
     """
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 0):
+        check.fail("sdpa_varlen", f"num_splits must be an int >= 0 (0: the plan's choice), "
+                   f"got {num_splits!r}")  # fmt: skip
+    splits = 0 if num_splits is None else num_splits
+    if block_table is not None or seqused_k is not None:
+        if block_table is None or seqused_k is None or cu_seqlens_k is not None:
+            check.fail("sdpa_varlen", "a paged KV cache takes block_table and seqused_k, and "
+                       "cu_seqlens_k=None")  # fmt: skip
+        check.check_paged("sdpa_varlen", query, key, value, sinks, cu_seqlens_q, block_table,
+                          seqused_k, max_seqlen_q, max_seqlen_k)  # fmt: skip
+        attn = _resolve("sdpa_varlen", query.shape[-1], dropout_p, is_causal, scale, sinks,
+                        softcap, window, causal_align, seed, offset)  # fmt: skip
+        attn = attn._replace(num_splits=splits)
+        cache = (cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k)
+        out, lse = torch.ops.steel.sdpa_paged_forward(query, key, value, *cache, *attn)
+        return (out, lse) if return_lse else out
     inputs = _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap, window,
                             causal_align, seed, offset)  # fmt: skip
+    inputs = (*inputs[:-1], splits)  # num_splits is the last option
     out, lse = torch.ops.steel.sdpa_varlen_forward(*inputs)
     return (out, lse) if return_lse else out
 

@@ -152,15 +152,13 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causa
     args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
             enable_gqa, seqused_k, block_table, num_splits)  # fmt: skip
     left, right = window_size if window_size is not None else (-1, -1)
-    if (
-        not _backend_serves(query.device.type)
-        or cu_seq_k is None
-        or seqused_k is not None
-        or block_table is not None
-        or (num_splits or 1) > 1
-        or value.shape[-1] != query.shape[-1]
-    ):
+    if not _backend_serves(query.device.type) or value.shape[-1] != query.shape[-1]:
         return _varlen_module()._varlen_attn._init_fn(*args)  # PyTorch's own (flash, cuDNN)
+    if cu_seq_k is None or seqused_k is not None or block_table is not None or num_splits:
+        # A KV cache (paged or not) and split counts: the decode kernels, as without patch().
+        from . import varlen
+
+        return varlen.varlen_attn_kernel(*args)
     # PyTorch has no varlen kernel for MPS: a refused Metal plan falls back to reference math
     # with steel's one-time warning (TORCH_STEEL_STRICT=1 makes it an error).
     inputs = ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,

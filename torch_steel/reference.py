@@ -266,6 +266,28 @@ def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
     return out, lse
 
 
+def paged_keys(pool, block_table, seqused_k):
+    """A paged pool [pages, page_size, H, D] gathered to packed [total_k, H, D] rows and their
+    cu_seqlens_k: sequence b's keys are its first seqused_k[b] slots of the pages
+    block_table[b, 0], block_table[b, 1], ... in that order."""
+    page_size = pool.shape[1]
+    parts, offsets = [], [0]
+    for b, used in enumerate(seqused_k.tolist()):
+        pages = block_table[b, : -(-used // page_size)].long()
+        parts.append(pool[pages].reshape(-1, *pool.shape[2:])[:used])
+        offsets.append(offsets[-1] + used)
+    packed = torch.cat(parts) if parts else pool.new_empty(0, *pool.shape[2:])
+    return packed, torch.tensor(offsets, dtype=torch.int32, device=pool.device)
+
+
+def sdpa_paged_forward(q, k_pool, v_pool, cu_seqlens_q, block_table, seqused_k, *options):
+    """Packed queries against a paged KV cache (see paged_keys); sdpa_varlen_forward's
+    results."""
+    k, cu_k = paged_keys(k_pool, block_table, seqused_k)
+    v, _ = paged_keys(v_pool, block_table, seqused_k)
+    return sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_k, *options)
+
+
 def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, lse, cu_seqlens_q, cu_seqlens_k, *options):
     """sdpa_backward per sequence, accumulated into packed gradients."""
     dq = q.new_zeros(q.shape)

@@ -171,6 +171,56 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
             fail(op, f"{name} has a sequence of length {max(lengths)} > max_seqlen {longest}")
 
 
+def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
+    """Packed queries against a paged KV cache: q [total_q, heads, E], key and value pools
+    [pages, page_size, heads_kv, E|Ev], block_table int32 [batch, max_pages], seqused_k int32
+    [batch]. Reads the offsets, the lengths and the pages they use (a device sync on MPS): a
+    page out of the pool or a length beyond the table is an error, never a read outside."""
+    _check_float_same(op, ("query", "key", "value"), (q, k, v))
+    if q.dim() != 3:
+        fail(op, f"query must be packed [total_tokens, heads, dim], got rank {q.dim()}")
+    for name, t in (("key", k), ("value", v)):
+        if t.dim() != 4:
+            fail(op, f"a paged {name} must be a pool [pages, page_size, heads_kv, dim], got "
+                 f"rank {t.dim()}")  # fmt: skip
+    if k.shape[:3] != v.shape[:3]:
+        fail(op, f"key pool {list(k.shape)} and value pool {list(v.shape)} must agree in all but "
+             "the last dim")  # fmt: skip
+    if q.shape[-1] != k.shape[-1]:
+        fail(op, f"query and key head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    pages, page_size, hk = k.shape[0], k.shape[1], k.shape[2]
+    if hk == 0 or q.shape[1] % hk != 0:
+        fail(op, f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({hk})")
+    if pages == 0 or page_size == 0:
+        fail(op, f"the key/value pools hold no keys ({pages} pages of {page_size})")
+    _check_sinks(op, sinks, q.shape[1], q)
+    for name, t, rank in (("block_table", block_table, 2), ("seqused_k", seqused_k, 1),
+                          ("cu_seqlens_q", cu_q, 1)):  # fmt: skip
+        if not torch.is_tensor(t) or t.dtype != torch.int32 or t.dim() != rank:
+            got = f"{_dtypes(t)} of rank {t.dim()}" if torch.is_tensor(t) else type(t).__name__
+            fail(op, f"{name} must be an int32 tensor of rank {rank}, got {got}")
+        _check_same_device(op, name, t, q)
+    batch = block_table.shape[0]
+    if seqused_k.shape[0] != batch or cu_q.shape[0] != batch + 1:
+        counts = f"{batch} rows, seqused_k {seqused_k.shape[0]}, cu_seqlens_q {cu_q.shape[0]}"
+        fail(op, f"block_table has {counts}: expected batch, batch and batch + 1 entries")
+    check_cu_seqlens(op, cu_q, cu_q, q.shape[0], q.shape[0], max_q, max_q, q.device)
+    used = seqused_k.tolist()
+    covered = block_table.shape[1] * page_size
+    for b, n in enumerate(used):
+        if not 0 <= n <= covered:
+            fail(op, f"seqused_k[{b}] = {n} keys, but the block table covers {covered} "
+                 f"({block_table.shape[1]} pages of {page_size})")  # fmt: skip
+        if n > max_k:
+            fail(op, f"seqused_k[{b}] = {n} > max_seqlen_k {max_k}")
+    table = block_table.tolist()
+    for b, n in enumerate(used):
+        for j, page in enumerate(table[b][: -(-n // page_size)]):
+            if not 0 <= page < pages:
+                fail(op, f"block_table[{b}, {j}] = {page} is not a page of the pool "
+                     f"(0 .. {pages - 1})")  # fmt: skip
+
+
 def gemm_out_shape(a, b):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return (*batch, a.shape[-2], b.shape[-1])

@@ -228,6 +228,143 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
   return out;
 }
 
+bool decode_serves(const Common& c, int64_t rows, const Options& options) {
+  return rows <= STEEL_ATTN_DECODE_MAX_L && c.dropout_p == 0.0 &&
+         options.number("decode", 1.0) != 0.0;
+}
+
+namespace {
+
+// Query rows per threadgroup block: all of them up to STEEL_ATTN_BQ (decode), else BQ.
+int64_t decode_row_block(int64_t rows) {
+  return std::min<int64_t>(std::max<int64_t>(rows, 1), STEEL_ATTN_BQ);
+}
+
+// The largest divisor of the group whose heads' row blocks fit one threadgroup's BQ rows.
+int64_t decode_heads_per_tg(int64_t group, int64_t rows) {
+  int64_t best = 1;
+  for (int64_t d = 1; d <= group; ++d) {
+    if (group % d == 0 && d * decode_row_block(rows) <= STEEL_ATTN_BQ) best = d;
+  }
+  return best;
+}
+
+}  // namespace
+
+void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
+                  int64_t* split_keys) {
+  const int64_t bk = key_tile(c);
+  const int64_t keys = std::max<int64_t>(dec.keys, 1);
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
+  const int64_t threadgroups =
+      dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
+  int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
+  if (n <= 0) {
+    const int64_t cores = std::max<int64_t>(
+        1, static_cast<int64_t>(options.number("gpu_cores", kDecodeDefaultCores)));
+    const int64_t target = cores * kDecodeTgPerCore;
+    n = threadgroups >= target
+            ? 1
+            : std::min(ceil_div(target, std::max<int64_t>(threadgroups, 1)),
+                       ceil_div(keys, kDecodeMinSplitKeys));
+  }
+  n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
+  *split_keys = ceil_div(ceil_div(keys, n), bk) * bk;
+  *splits = ceil_div(keys, *split_keys);  // rounding up the partitions may leave fewer
+}
+
+void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
+                const Decode& dec, const Options& options, Plan* plan) {
+  int64_t splits = 1, split_keys = 0;
+  decode_split(c, dec, options, &splits, &split_keys);
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
+  AttnDecodeParams dp;
+  std::memset(&dp, 0, sizeof(dp));
+  dp.fwd = p;
+  dp.splits = static_cast<int32_t>(splits);
+  dp.split_keys = static_cast<int32_t>(split_keys);
+  dp.heads_per_tg = static_cast<int32_t>(per_tg);
+  dp.rows = static_cast<int32_t>(dec.rows);
+  dp.row_block = static_cast<int32_t>(decode_row_block(dec.rows));
+  if (dec.paged) {
+    dp.page_size = static_cast<int32_t>(dec.page_size);
+    dp.pages = static_cast<int32_t>(dec.pages);
+    dp.max_pages = static_cast<int32_t>(dec.max_pages);
+    dp.table_stride = static_cast<int32_t>(dec.table_stride);
+    dp.k_ps = dec.k_ps;
+    dp.v_ps = dec.v_ps;
+  }
+  const bool split = splits > 1;
+  // The forward's specialization (its constants are the decode kernel's too), then decode's own.
+  const Dispatch fwd = dispatch(c, d, p, l);
+  std::vector<FunctionConstant> constants = fwd.constants;
+  constants.push_back(fc_bool(STEEL_ATTN_FC_SPLIT, split));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_PAGED, dec.paged));
+  const Binding params = bytes_binding(STEEL_ATTN_BUF_PARAMS, &dp, sizeof(dp));
+  const int32_t q_slot = 0;
+  const Binding sinks = tensor_binding(STEEL_ATTN_BUF_SINKS, l.sinks_slot >= 0 ? l.sinks_slot
+                                                                              : q_slot);
+  const int32_t part_o_slot = plan->inputs + static_cast<int32_t>(plan->allocations.size());
+  if (split) {
+    const int64_t partial_rows = dec.count * c.Hq * dec.rows * splits;
+    Allocation o;
+    o.name = "partial_out";
+    o.dtype = DType::Float32;
+    o.sizes = {partial_rows, c.Ev};
+    Allocation ml = o;
+    ml.name = "partial_max_sum";
+    ml.sizes = {partial_rows, 2};
+    plan->allocations.push_back(o);
+    plan->allocations.push_back(ml);
+  }
+
+  Dispatch k;
+  k.kernel = std::string("steel_attention_decode_") + dtype_tag(c.dtype) + "_e" +
+             std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
+  k.constants = constants;
+  for (const Binding& b : fwd.bindings) {
+    if (b.index == STEEL_ATTN_BUF_PARAMS) {
+      k.bindings.push_back(params);
+    } else if (b.index == STEEL_ATTN_BUF_CU_K && dec.paged) {
+      // Declared by every varlen pipeline, never read by a paged one: cu_seqlens_q stands in.
+      k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_K, l.cu_q_slot));
+    } else {
+      k.bindings.push_back(b);  // q .. lse, cu_seqlens
+    }
+  }
+  if (dec.paged) {
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_TABLE, dec.table_slot));
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_SEQUSED, dec.seqused_slot));
+  }
+  if (split) {
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_O, part_o_slot));
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_ML, part_o_slot + 1));
+  }
+  k.grid[0] = static_cast<uint32_t>(splits * ceil_div(std::max<int64_t>(dec.rows, 1),
+                                                       decode_row_block(dec.rows)));
+  k.grid[1] = static_cast<uint32_t>(c.Hkv * (group / per_tg));
+  k.grid[2] = static_cast<uint32_t>(dec.count);
+  k.threads[0] = static_cast<uint32_t>(kThreads);
+  plan->dispatches.push_back(k);
+  if (!split) return;
+
+  Dispatch m;
+  m.kernel = std::string("steel_attention_decode_merge_") + dtype_tag(c.dtype);
+  m.constants = constants;
+  m.bindings = {sinks, tensor_binding(STEEL_ATTN_BUF_OUT, l.out_slot),
+                tensor_binding(STEEL_ATTN_BUF_LSE, l.lse_slot), params};
+  if (l.varlen) m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_Q, l.cu_q_slot));
+  m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_O, part_o_slot));
+  m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_ML, part_o_slot + 1));
+  m.grid[0] = static_cast<uint32_t>(dec.rows);
+  m.grid[1] = static_cast<uint32_t>(c.Hq);
+  m.grid[2] = static_cast<uint32_t>(dec.count);
+  m.threads[0] = 32;
+  plan->dispatches.push_back(m);
+}
+
 }  // namespace attn
 
 using attn::Common;
@@ -397,6 +534,15 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   l.out_slot = kSlotOut;
   l.lse_slot = kSlotLse;
   l.set_grid(L, Hq, batch_count);
+  if (attn::decode_serves(c, L, options)) {
+    attn::Decode dec;
+    dec.rows = L;
+    dec.keys = S;
+    dec.count = batch_count;
+    plan.inputs = static_cast<int32_t>(tensors.size());  // the scratch slots follow out and lse
+    attn::add_decode(c, diag, p, l, dec, options, &plan);
+    return plan;
+  }
   plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
   return plan;
 }
@@ -414,7 +560,9 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   const int32_t kSlotGrad = 0, kSlotOut = 4, kSlotLse = 5, kSlotGradLse = 8;
   const int32_t kForwardSlots[5] = {1, 2, 3, 6, 7};  // q, k, v, mask, sinks
   const TensorList forward_tensors = {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]};
-  const Plan fwd = plan_attention(forward_tensors, options);
+  Options prefill = options;  // the backward reads the prefill kernel's params and tiles
+  prefill.numbers["decode"] = 0.0;
+  const Plan fwd = plan_attention(forward_tensors, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
   if (options.number("mask_grad", 0.0) != 0.0) {
     return Plan::refuse("sdpa_backward: the gradient of attn_mask is not in the Metal kernels yet");

@@ -115,5 +115,45 @@ struct Launch {
 // The kernel's dispatch: host name, function constants, bindings in buffer order, threads.
 Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l);
 
+
+// ---- Decode (shaders/steel/attn/decode.metal) ----
+//
+// At most STEEL_ATTN_DECODE_MAX_L query rows per (batch entry, head), no dropout: the decode
+// kernels serve the call (a paged cache: any number of rows, in blocks of 32). The query heads
+// of one KV head share a threadgroup (heads_per_tg of them, the largest divisor of the group
+// with heads_per_tg * min(rows, 32) <= 32), and the keys are split
+// into partitions when the (batch entry, KV head) threadgroups alone would leave the GPU idle:
+// about kDecodeTgPerCore threadgroups per core, of at least kDecodeMinSplitKeys keys each, at
+// most STEEL_ATTN_DECODE_MAX_SPLITS. The core count is the option "gpu_cores" (the Metal host
+// passes the device's; kDecodeDefaultCores otherwise); the option "num_splits" fixes the count
+// (1: one pass, so a sequence's result does not depend on the rest of the batch), and
+// "decode" = 0 keeps the prefill kernel (the backward's plan builds on it).
+constexpr int64_t kDecodeDefaultCores = 10;
+constexpr int64_t kDecodeTgPerCore = 4;
+constexpr int64_t kDecodeMinSplitKeys = 256;
+
+// Whether the decode kernels serve `rows` query rows per (batch entry, head).
+bool decode_serves(const Common& c, int64_t rows, const Options& options);
+
+// What a decode launch adds to the forward's: the shape it is split over and the paged cache.
+struct Decode {
+  int64_t rows = 0;   // query rows per (batch entry, head): L, or max_seqlen_q (varlen)
+  int64_t keys = 0;   // keys of the longest sequence: S, or max_seqlen_k (varlen, paged)
+  int64_t count = 0;  // batch entries or sequences
+  bool paged = false;
+  int32_t table_slot = -1, seqused_slot = -1;  // paged only
+  int64_t page_size = 0, pages = 0, max_pages = 0, table_stride = 0, k_ps = 0, v_ps = 0;
+};
+
+// The partition count and keys per partition (a multiple of the key tile) for `dec`.
+void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
+                  int64_t* split_keys);
+
+// Appends the decode dispatches to `plan` (whose allocations hold out and lse, in the slots of
+// `l`): one pass, or the partial kernel and the merge with their fp32 scratch of
+// count * Hq * rows * splits * (Ev + 2) floats allocated after them.
+void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
+                const Decode& dec, const Options& options, Plan* plan);
+
 }  // namespace attn
 }  // namespace steel

@@ -9,6 +9,12 @@
 // their bottom-right shift S - L is taken per sequence on the device (STEEL_ATTN_FC_VARLEN_BR).
 // q, k, v are read in place at any strides whose last one is 1 (the row stride steps over
 // tokens); out is a fresh [total_q, Hq, Ev] tensor, lse [Hq, total_q] as flash-attn lays it out.
+//
+// With at most STEEL_ATTN_DECODE_MAX_L query rows per sequence (max_seqlen_q) the decode kernels
+// serve the batch instead (attn::add_decode), split over max_seqlen_k keys. A paged KV cache
+// (tensors 6 and 7: block_table int32 [sequences, max_pages], seqused_k int32 [sequences]; k and
+// v are pools [pages, page_size, Hkv, D] and cu_seqlens_k is absent) is read by the decode
+// kernels only, for any max_seqlen_q (blocks of 32 query rows; no dropout).
 #include <algorithm>
 #include <string>
 
@@ -19,25 +25,57 @@ namespace steel {
 using attn::Common;
 
 Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
-  if (tensors.size() != 6 || !tensors[0] || !tensors[1] || !tensors[2] || !tensors[3] ||
-      !tensors[4]) {
+  const bool paged = tensors.size() == 8 && tensors[6].has_value();
+  if ((tensors.size() != 6 && tensors.size() != 8) || !tensors[0] || !tensors[1] || !tensors[2] ||
+      !tensors[3] || (!paged && !tensors[4]) ||
+      (tensors.size() == 8 && paged != tensors[7].has_value())) {
     return Plan::refuse(
         "sdpa_varlen takes tensors [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks] with all but "
-        "sinks present");
+        "sinks present, or [..., block_table, seqused_k] with cu_seqlens_k absent (a paged KV "
+        "cache)");
+  }
+  if (paged && tensors[4]) {
+    return Plan::refuse("sdpa_varlen: a paged KV cache (block_table) takes no cu_seqlens_k");
   }
   TensorDesc q = *tensors[0];
   TensorDesc k = *tensors[1];
   TensorDesc v = *tensors[2];
   const TensorDesc& cu_q = *tensors[3];
-  const TensorDesc& cu_k = *tensors[4];
+  const TensorDesc& cu_k = paged ? *tensors[3] : *tensors[4];
   std::optional<TensorDesc> sinks = tensors[5];
   const int32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotCuQ = 3, kSlotCuK = 4, kSlotSinks = 5;
-  const int32_t kSlotOut = 6, kSlotLse = 7;
+  const int32_t kSlotTable = 6, kSlotSeqused = 7;
+  const int32_t kSlotOut = static_cast<int32_t>(tensors.size()), kSlotLse = kSlotOut + 1;
 
   // ---- dtypes, shapes, offsets, options ----
   std::string why = attn::check_dtypes("sdpa_varlen", q, k, v);
   if (!why.empty()) return Plan::refuse(why);
+  // A paged pool [pages, page_size, Hkv, D] is read as [pages * page_size, Hkv, D] rows below,
+  // its page stride kept apart.
+  int64_t page_size = 0, pages = 0, k_ps = 0, v_ps = 0;
+  if (paged) {
+    if (q.dim() != 3 || k.dim() != 4 || v.dim() != 4 || k.sizes[0] != v.sizes[0] ||
+        k.sizes[1] != v.sizes[1] || k.sizes[2] != v.sizes[2] || k.sizes[3] != q.sizes[2]) {
+      return Plan::refuse("sdpa_varlen: a paged KV cache takes q [tokens, heads, dim] and key and "
+                          "value pools [pages, page_size, heads_kv, dim], got " +
+                          shape_str(q.sizes) + ", " + shape_str(k.sizes) + ", " +
+                          shape_str(v.sizes));
+    }
+    pages = k.sizes[0];
+    page_size = k.sizes[1];
+    k_ps = k.strides[0];
+    v_ps = v.strides[0];
+    for (TensorDesc* t : {&k, &v}) {
+      if (t->strides[3] != 1 && t->sizes[3] != 1) continue;  // refused below
+      t->sizes.erase(t->sizes.begin());
+      t->strides.erase(t->strides.begin());
+      t->sizes[0] = pages * page_size;
+    }
+  }
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) {
+    if (paged) {
+      return Plan::refuse("sdpa_varlen: paged key and value pools need a last stride of 1");
+    }
     return Plan::refuse("sdpa_varlen: q, k, v must be packed [tokens, heads, dim], got " +
                         shape_str(q.sizes) + ", " + shape_str(k.sizes) + ", " +
                         shape_str(v.sizes));
@@ -59,6 +97,29 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
     }
   }
   const int64_t sequences = cu_q.sizes[0] - 1;
+  int64_t max_pages = 0;
+  if (paged) {
+    const TensorDesc& table = *tensors[kSlotTable];
+    const TensorDesc& used = *tensors[kSlotSeqused];
+    if (table.dtype != DType::Int32 || table.dim() != 2 || table.sizes[0] != sequences ||
+        used.dtype != DType::Int32 || used.dim() != 1 || used.sizes[0] != sequences) {
+      return Plan::refuse("sdpa_varlen: block_table must be int32 [" + std::to_string(sequences) +
+                          ", max_pages] and seqused_k int32 [" + std::to_string(sequences) +
+                          "], got " + dtype_name(table.dtype) + " " + shape_str(table.sizes) +
+                          " and " + dtype_name(used.dtype) + " " + shape_str(used.sizes));
+    }
+    max_pages = table.sizes[1];
+    if (pages == 0 || page_size == 0 || max_pages == 0) {
+      return Plan::refuse("sdpa_varlen: an empty paged KV cache (" + std::to_string(pages) +
+                          " pages of " + std::to_string(page_size) + " keys, " +
+                          std::to_string(max_pages) + " table columns)");
+    }
+    if (pages > kInt32Max || max_pages * page_size > kInt32Max / 2) {
+      return Plan::refuse("sdpa_varlen: " + std::to_string(max_pages) + " pages of " +
+                          std::to_string(page_size) +
+                          " keys per sequence beyond the kernels' 32-bit key indexing");
+    }
+  }
   Plan plan;
   Common c;
   why = attn::common("sdpa_varlen", q.dtype, Hq, Hkv, E, Ev, sinks, kSlotSinks, options, &c,
@@ -68,6 +129,10 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   const int64_t max_k = static_cast<int64_t>(options.number("max_seqlen_k", -1));
   if (max_q < 0 || max_k < 0) {
     return Plan::refuse("sdpa_varlen: the options max_seqlen_q and max_seqlen_k are required");
+  }
+  if (paged && c.dropout_p > 0.0) {
+    return Plan::refuse("sdpa_varlen: a paged KV cache is read by the decode kernels, which have "
+                        "no dropout");
   }
   // cu_seqlens are int32, so token offsets fit in 31 bits; the kernels' row and key indices
   // within a sequence (and the diagonals, up to max_seqlen_q + max_seqlen_k) must fit too.
@@ -93,7 +158,17 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   attn::read_in_place(&k, kSlotK, &plan);
   attn::read_in_place(&v, kSlotV, &plan);
   if (sequences > 0 && cu_q.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuQ);
-  if (sequences > 0 && cu_k.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuK);
+  if (!paged && sequences > 0 && cu_k.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuK);
+  int64_t table_stride = 0;
+  if (paged) {
+    const TensorDesc& table = *tensors[kSlotTable];
+    table_stride = table.strides[0];
+    if (table.strides[1] != 1 || table_stride < 0) {
+      plan.contiguous_inputs.push_back(kSlotTable);
+      table_stride = max_pages;
+    }
+    if (tensors[kSlotSeqused]->strides[0] != 1) plan.contiguous_inputs.push_back(kSlotSeqused);
+  }
   std::sort(plan.contiguous_inputs.begin(), plan.contiguous_inputs.end());
 
   // ---- outputs: out [total_q, Hq, Ev], lse [Hq, total_q] ----
@@ -122,8 +197,9 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
 
   // ---- the dispatch ----
   attn::Launch l;
-  l.vec_k = attn::vec_rows(c, k, 1, 0);
-  l.vec_v = attn::vec_rows(c, v, 1, 0);
+  // Paged rows start at page strides too.
+  l.vec_k = attn::vec_rows(c, k, 1, 0, &k_ps, paged ? 1 : 0);
+  l.vec_v = attn::vec_rows(c, v, 1, 0, &v_ps, paged ? 1 : 0);
   l.varlen = true;
   // Without a diagonal the alignment changes nothing: one pipeline serves both.
   l.varlen_br = c.bottom_right && (diag.has_hi || diag.has_lo);
@@ -133,6 +209,26 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   l.cu_q_slot = kSlotCuQ;
   l.cu_k_slot = kSlotCuK;
   l.set_grid(std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
+  if (paged || attn::decode_serves(c, max_q, options)) {
+    attn::Decode dec;
+    dec.rows = std::min(max_q, Tq);
+    dec.keys = paged ? std::min(max_k, max_pages * page_size) : std::min(max_k, Tk);
+    dec.count = sequences;
+    dec.paged = paged;
+    if (paged) {
+      dec.table_slot = kSlotTable;
+      dec.seqused_slot = kSlotSeqused;
+      dec.page_size = page_size;
+      dec.pages = pages;
+      dec.max_pages = max_pages;
+      dec.table_stride = table_stride;
+      dec.k_ps = k_ps;
+      dec.v_ps = v_ps;
+    }
+    plan.inputs = static_cast<int32_t>(tensors.size());  // the scratch slots follow out and lse
+    attn::add_decode(c, diag, p, l, dec, options, &plan);
+    return plan;
+  }
   plan.dispatches.push_back(attn::dispatch(c, diag, p, l));
   return plan;
 }

@@ -271,3 +271,49 @@ static_assert(offsetof(AttnBackwardParams, scale) == 312, "AttnBackwardParams.sc
 static_assert(offsetof(AttnBackwardParams, g_bs) == 320, "AttnBackwardParams.g_bs moved");
 static_assert(offsetof(AttnBackwardParams, y_bs) == 368, "AttnBackwardParams.y_bs moved");
 #endif
+
+// ---- Attention decode ------------------------------------------------------------------------
+
+// Function-constant indices of the decode kernels beyond the forward's (shaders/steel/attn/
+// decode.h; they share alignment, mask, diagonals, sinks, softcap, batch and varlen).
+#define STEEL_ATTN_FC_SPLIT 322  // bool: the keys are split; partials go to the merge kernel
+#define STEEL_ATTN_FC_PAGED 323  // bool: K and V are page pools read through a block table
+
+// Buffer indices of the decode kernels beyond the forward's (q .. cu_seqlens_k as there; the
+// decode kernels take AttnDecodeParams at STEEL_ATTN_BUF_PARAMS).
+#define STEEL_ATTN_BUF_TABLE 10    // paged only: int32 block_table [sequences, max_pages]
+#define STEEL_ATTN_BUF_SEQUSED 11  // paged only: int32 seqused_k [sequences], keys per sequence
+#define STEEL_ATTN_BUF_PART_O 12   // split only: fp32 [rows, Ev] unnormalised partial outputs
+#define STEEL_ATTN_BUF_PART_ML 13  // split only: fp32 [rows, 2] each partial's row max, sum
+
+// Decode serves at most this many query rows per (batch entry, head), and packs the query
+// heads of one KV head into a threadgroup of STEEL_ATTN_BQ rows (heads_per_tg * L <= BQ). A
+// paged cache takes the decode kernels for any L, in blocks of BQ rows.
+#define STEEL_ATTN_DECODE_MAX_L 8
+// The merge reads one partition per lane: at most 32 partitions.
+#define STEEL_ATTN_DECODE_MAX_SPLITS 32
+
+// The decode kernels' run-time values: the forward's, the split of the keys, and the paged
+// cache. Partials of query row i of head h of batch entry (or sequence) zb, partition s, are
+// row ((zb * Hq + h) * rows + i) * splits + s of the partial buffers.
+struct AttnDecodeParams {
+  AttnParams fwd;
+  int32_t splits;        // partitions of the keys (1: one pass, no partials)
+  int32_t split_keys;    // keys per partition, a multiple of the key tile
+  int32_t heads_per_tg;  // query heads of one KV head served by one threadgroup
+  int32_t rows;          // query rows per (batch entry, head) the partials hold: L or max_seqlen_q
+  int32_t page_size;     // paged: keys per page
+  int32_t pages;         // paged: pages in the pools
+  int32_t max_pages;     // paged: block_table's columns
+  int32_t table_stride;  // paged: block_table's row stride
+  int32_t row_block;     // query rows per threadgroup block: min(rows, STEEL_ATTN_BQ)
+  int32_t pad_;          // keeps the 64-bit fields aligned
+  steel_i64 k_ps;        // paged: page strides of the key and value pools
+  steel_i64 v_ps;
+};
+
+static_assert(sizeof(AttnDecodeParams) == 368, "AttnDecodeParams layout changed");
+#ifndef __METAL_VERSION__
+static_assert(offsetof(AttnDecodeParams, splits) == 312, "AttnDecodeParams.splits moved");
+static_assert(offsetof(AttnDecodeParams, k_ps) == 352, "AttnDecodeParams.k_ps moved");
+#endif

@@ -95,3 +95,36 @@ def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
     assert [c["mma"] for c in counters] == bench_attention.backward_mma(p, B, 2)
     scratch = [a for a in p.allocations if not a.is_output]
     assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,options,page,num_splits",
+    [
+        (2, 4, 1, 3, 300, 64, {"mask": True, "sinks": True}, None, 1),
+        (1, 8, 2, 1, 500, 64, {"sinks": True, "is_causal": True, "bottom_right": True}, None, 3),
+        (1, 16, 2, 5, 200, 40, {"window_left": 50, "window_right": 0}, None, 2),
+        (3, 8, 2, 2, 400, 64, {"sinks": True}, 16, 0),
+        (2, 4, 4, 1, 200, 128, {}, 64, 1),
+        (2, 4, 2, 40, 300, 64, {"is_causal": True}, 16, 2),  # paged chunked prefill: 2 row blocks
+    ],
+)  # fmt: skip
+def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, page, num_splits):
+    """Every dispatch of a decode plan (partial kernel, merge) moves the bytes and runs the MMAs
+    bench_attention.decode_model predicts; K and V are read once per KV head (GQA packing): the
+    bytes read from them equal the cache's size (decode rows without a window see every key)."""
+    tensors, opts, seqs = bench_attention.decode_inputs(B, Hq, Hkv, L, S, E, options, page,
+                                                        torch.float16, "cpu")  # fmt: skip
+    opts["num_splits"] = num_splits
+    op = "sdpa" if page is None else "sdpa_varlen"
+    p = sim.plan(op, tensors, opts)
+    assert p.dispatches[0].kernel.startswith("steel_attention_decode_")
+    models = bench_attention.decode_model(p, seqs, 2, 1, 4)
+    assert len(models) == (2 if p.dispatches[0].grid[0] > 1 else 1)
+    _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted_all(counters) == [b for b, _ in models]
+    assert [c["mma"] for c in counters] == [m for _, m in models]
+    kv = counters[0]["buffers"][bench_attention.BUF_K]["read"]
+    kv += counters[0]["buffers"][bench_attention.BUF_V]["read"]
+    cache = sum(2 * Hkv * n * E * 2 for _, n in seqs)
+    if L <= 8 and "window_left" not in options:  # one block of rows that see every key
+        assert kv == cache

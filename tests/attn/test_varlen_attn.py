@@ -179,12 +179,41 @@ def test_other_backends_keep_pytorchs_behaviour_on_cpu():
             varlen_attn(q, k, v, cu([3, 4]), cu([3, 4]), 4, 4)
 
 
-def test_paged_kv_is_refused_with_a_reason():
-    q, k, v = packed([3, 4], [3, 4], 2, 2, 32, torch.float16)
-    with pytest.raises(NotImplementedError, match="seqused_k / block_table"):
-        with torch_steel.backend("sim"):
-            varlen_attn(q, k, v, cu([3, 4]), cu([3, 4]), 4, 4,
-                        seqused_k=torch.tensor([3, 4], dtype=torch.int32))  # fmt: skip
+def test_paged_kv_cache_through_varlen_attn():
+    """block_table / seqused_k with cu_seq_k None (the paged convention) run the decode kernel;
+    the oracle gathers each sequence's pages by hand and runs the packed definition."""
+    gen = torch.Generator().manual_seed(3)
+    lq, used, page = [1, 2], [37, 5], 16
+    q = rand(sum(lq), 4, 32, dtype=torch.float16, gen=gen)
+    pool_k = rand(9, page, 2, 32, dtype=torch.float16, gen=gen)
+    pool_v = rand(9, page, 2, 32, dtype=torch.float16, gen=gen)
+    table = torch.tensor([[7, 2, 5], [0, 8, 8]], dtype=torch.int32)
+    k = torch.cat([pool_k[table[b].long()].reshape(-1, 2, 32)[:n] for b, n in enumerate(used)])
+    v = torch.cat([pool_v[table[b].long()].reshape(-1, 2, 32)[:n] for b, n in enumerate(used)])
+    with torch_steel.backend("sim"):
+        out, lse = varlen_attn(q, pool_k, pool_v, cu(lq), None, 2, 48, enable_gqa=True,
+                               window_size=(-1, 0), return_aux=AuxRequest(lse=True),
+                               seqused_k=torch.tensor(used, dtype=torch.int32),
+                               block_table=table, num_splits=1)  # fmt: skip
+        aux = AuxRequest(lse=True)
+        ref_out, ref_lse = varlen_attn(q, k, v, cu(lq), cu(used), 2, 37, enable_gqa=True,
+                                       window_size=(-1, 0), return_aux=aux)  # fmt: skip
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    bad = torch.tensor([[7, 2, 9], [0, 8, 8]], dtype=torch.int32)  # page 9 of 9
+    with torch_steel.backend("sim"), pytest.raises(ValueError, match="not a page of the pool"):
+        varlen_attn(q, pool_k, pool_v, cu(lq), None, 2, 48, enable_gqa=True,
+                    seqused_k=torch.tensor(used, dtype=torch.int32), block_table=bad)  # fmt: skip
+
+
+def test_seqused_k_without_a_table_keeps_the_first_keys():
+    q, k, v = packed([3, 4], [6, 9], 2, 2, 32, torch.float16)
+    with torch_steel.backend("sim"):
+        out = varlen_attn(q, k, v, cu([3, 4]), cu([6, 9]), 4, 9,
+                          seqused_k=torch.tensor([2, 9], dtype=torch.int32))  # fmt: skip
+        keep = torch.cat([torch.arange(0, 2), torch.arange(6, 15)])
+        ref = varlen_attn(q, k[keep], v[keep], cu([3, 4]), cu([2, 9]), 4, 9)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
 def test_opcheck_on_the_reference_route():

@@ -282,6 +282,21 @@ _ATTN_CASES = {
                                  {"softcap": 20.0, "is_causal": True}),
     "sdpa_dropout_refused": ("sdpa", [_t(1, 1, 8, 64), _t(1, 1, 8, 64), _t(1, 1, 8, 64), None,
                                       None], {"dropout_p": 1.0}),
+    # Decode: one pass, and split-K (partial kernel + merge, the partials as scratch).
+    "sdpa_decode_one_pass": ("sdpa", [_t(4, 32, 1, 128), _t(4, 8, 4096, 128),
+                                      _t(4, 8, 4096, 128), None, _t(32)], {"num_splits": 1}),
+    "sdpa_decode_split": ("sdpa", [_t(1, 8, 4, 64), _t(1, 2, 3000, 64), _t(1, 2, 3000, 64),
+                                   _t(4, 3000, dtype=torch.bool), _t(8)],
+                          {"is_causal": True, "bottom_right": True}),
+    "sdpa_varlen_paged": ("sdpa_varlen", [_t(3, 8, 64), _t(40, 16, 2, 64), _t(40, 16, 2, 64),
+                                          _t(3, dtype=torch.int32), None, None,
+                                          _t(2, 20, dtype=torch.int32), _t(2, dtype=torch.int32)],
+                          {"max_seqlen_q": 2, "max_seqlen_k": 320}),
+    "sdpa_varlen_paged_prefill": ("sdpa_varlen", [_t(40, 8, 64), _t(40, 16, 2, 64),
+                                          _t(40, 16, 2, 64), _t(3, dtype=torch.int32), None,
+                                          None, _t(2, 20, dtype=torch.int32),
+                                          _t(2, dtype=torch.int32)],
+                                          {"max_seqlen_q": 30, "max_seqlen_k": 320}),
 }  # fmt: skip
 
 

@@ -105,6 +105,25 @@ CASES = {
         ),
         {},
     ),
+    # A paged KV cache (inference only: no autograd, so no gradients asked for).
+    "sdpa_paged_forward": (
+        torch.ops.steel.sdpa_paged_forward,
+        (
+            _t(3, 4, 8),
+            _t(5, 4, 2, 8),
+            _t(5, 4, 2, 6),
+            _cu(0, 1, 3),
+            torch.tensor([[4, 0], [2, -1]], dtype=torch.int32),
+            torch.tensor([7, 3], dtype=torch.int32),
+            2,
+            7,
+            *ATTN,
+            _t(4),
+            *EXT,
+            1,
+        ),
+        {},
+    ),
     "gemm": (
         torch.ops.steel.gemm,
         (

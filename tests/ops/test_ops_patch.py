@@ -448,14 +448,19 @@ def test_varlen_attn_runs_steel(window, steel_backend, steel_calls):
         torch.testing.assert_close(got, want)
 
 
-def test_varlen_attn_options_steel_lacks_go_to_pytorch(steel_calls):
+def test_varlen_attn_num_splits_goes_to_the_decode_route(steel_calls):
+    """num_splits (and a KV cache) take torch_steel.varlen's kernel under patch() too, with the
+    same results as without it."""
     from torch.nn.attention.varlen import varlen_attn
 
     (q, k, v), cu_q, cu_k = _varlen_inputs()
-    with torch_steel.backend("reference"), torch_steel.patch(devices=CPU):
-        with pytest.raises(RuntimeError):  # PyTorch's flash kernel: CUDA only
-            varlen_attn(q, k, v, cu_q, cu_k, 4, 5, enable_gqa=True, num_splits=2)
-    assert steel_calls == []
+    with torch_steel.backend("reference"):
+        with torch.no_grad(), torch_steel.patch(devices=CPU):
+            out = varlen_attn(q, k, v, cu_q, cu_k, 4, 5, enable_gqa=True, num_splits=2)
+        with torch.no_grad():
+            expected = varlen_attn(q, k, v, cu_q, cu_k, 4, 5, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert steel_calls == ["varlen_forward", "varlen_forward"]
 
 
 def test_varlen_attn_compiles(steel_calls):

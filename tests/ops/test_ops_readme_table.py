@@ -120,8 +120,16 @@ def varlen_attn():
 
 
 def varlen_attn_options():
-    with pytest.raises(RuntimeError):  # PyTorch's own kernel: CUDA only
+    from torch.nn.attention.varlen import varlen_attn
+
+    with torch.no_grad():
         _varlen(num_splits=2)
+        q = torch.randn(2, 2, 8)
+        pool = torch.randn(3, 4, 2, 8)
+        table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+        used = torch.tensor([6, 3], dtype=torch.int32)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+        varlen_attn(q, pool, pool, cu, None, 1, 6, block_table=table, seqused_k=used)
 
 
 def mha_weights():

@@ -51,8 +51,10 @@ def t(*shape, dtype=torch.float16):
 
 
 def options(**kw):
+    # The prefill kernel's plan: decode (L <= 8) is off here (tests/plan/test_decode_plan.py).
     base = {"dropout_p": 0.0, "is_causal": False, "scale": 0.125, "softcap": 0.0,
-            "window_left": -1, "window_right": -1, "bottom_right": False}  # fmt: skip
+            "window_left": -1, "window_right": -1, "bottom_right": False,
+            "decode": False}  # fmt: skip
     return {**base, **kw}
 
 

@@ -1,0 +1,229 @@
+"""The decode launch plan (attn::add_decode in mps_src/plan/attention_plan.cpp, reached from the
+"sdpa" and "sdpa_varlen" planners) through torch_steel.sim.plan: when decode serves, GQA packing,
+the partition count (one pass vs split-K) from S, the (batch, KV head) threadgroups and the core
+count, the partials' scratch, the paged cache's bindings and params, and each refusal."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
+from gemm_helpers import requires_planner, simulator_ready  # noqa: E402
+
+pytestmark = requires_planner
+
+SPLIT, PAGED, VARLEN = 322, 323, 316
+BUF_PARAMS, BUF_CU_Q, BUF_CU_K, BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = (
+    7, 8, 9, 10, 11, 12, 13)  # fmt: skip
+DECODE_PARAMS_SIZE = 368
+
+
+def t(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def dense(B, Hq, Hkv, L, S, E=64, **options):
+    return sim.plan("sdpa", [t(B, Hq, L, E), t(B, Hkv, S, E), t(B, Hkv, S, E), None, None],
+                    {"scale": 0.125, **options})  # fmt: skip
+
+
+def decode_params(dispatch):
+    raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
+    assert len(raw) == DECODE_PARAMS_SIZE
+    names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages", "max_pages",
+             "table_stride", "row_block"]  # fmt: skip
+    out = dict(zip(names, struct.unpack_from("9i", raw, 312), strict=True))
+    out["k_ps"], out["v_ps"] = struct.unpack_from("2q", raw, 352)
+    return out
+
+
+def bound(dispatch):
+    return {b.index: b.slot for b in dispatch.bindings if b.kind == "tensor"}
+
+
+@pytest.mark.parametrize("L", [1, 5, 8])
+def test_up_to_eight_rows_take_the_decode_kernel(L):
+    p = dense(1, 4, 4, L, 100)
+    assert p.ok and [d.kernel for d in p.dispatches] == ["steel_attention_decode_f16_e64_v64"]
+    assert p.dispatches[0].threads == (128, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "L,options", [(9, {}), (1, {"dropout_p": 0.1}), (1, {"decode": False})],
+)  # fmt: skip
+def test_prefill_otherwise(L, options):
+    p = dense(1, 4, 4, L, 100, **options)
+    assert p.ok and [d.kernel for d in p.dispatches] == ["steel_attention_f16_e64_v64"]
+
+
+@pytest.mark.parametrize(
+    "group,L,per_tg",
+    [(1, 1, 1), (4, 1, 4), (8, 4, 8), (8, 5, 4), (8, 8, 4), (6, 6, 3), (32, 1, 32)],
+)
+def test_gqa_packing(group, L, per_tg):
+    """The query heads of a KV head share a threadgroup: the largest divisor of the group whose
+    rows fit 32; the grid's y covers the KV heads times the threadgroups a group needs."""
+    p = dense(1, 2 * group, 2, L, 64, num_splits=1)
+    d = p.dispatches[0]
+    assert decode_params(d)["heads_per_tg"] == per_tg
+    assert d.grid == (1, 2 * group // per_tg, 1)
+
+
+@pytest.mark.parametrize(
+    "B,Hkv,S,options,splits,split_keys",
+    [
+        (1, 1, 4096, {}, 16, 256),  # 1 threadgroup, 40 wanted: S / 256 bounds it
+        (1, 1, 100_000, {}, 32, 3136),  # capped at 32 partitions (the merge's lanes)
+        (1, 2, 4096, {"gpu_cores": 2}, 4, 1024),  # 8 threadgroups wanted, 2 pairs
+        (4, 8, 4096, {}, 2, 2048),  # 32 pairs of 40 wanted
+        (8, 8, 4096, {}, 1, 4096),  # 64 pairs: one pass
+        (1, 1, 256, {}, 1, 256),  # too short to split
+        (1, 1, 4096, {"num_splits": 1}, 1, 4096),  # forced one pass (batch invariance)
+        (1, 1, 4096, {"num_splits": 7}, 7, 608),  # forced count, keys rounded to the tile
+        (1, 1, 40, {"num_splits": 7}, 2, 32),  # no more partitions than key tiles
+        (1, 1, 0, {}, 1, 32),  # no keys: one pass, zeros (or the sink)
+    ],
+)  # fmt: skip
+def test_partitions(B, Hkv, S, options, splits, split_keys):
+    p = dense(B, Hkv, Hkv, 1, S, **options)
+    assert p.ok, p.reason
+    dp = decode_params(p.dispatches[0])
+    assert (dp["splits"], dp["split_keys"]) == (splits, split_keys)
+    assert p.dispatches[0].grid == (splits, Hkv, B)
+    assert p.dispatches[0].constants[SPLIT] == (splits > 1)
+    kernels = [d.kernel for d in p.dispatches]
+    if splits == 1:
+        assert kernels == ["steel_attention_decode_f16_e64_v64"]
+        assert [a.name for a in p.allocations] == ["out", "lse"]
+        assert BUF_PART_O not in bound(p.dispatches[0])
+    else:
+        assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
+        # Partials of O(B * Hq * L * splits * Ev) floats, scratch (not outputs), after out, lse.
+        scratch = [(a.name, a.sizes, a.dtype, a.is_output) for a in p.allocations[2:]]
+        rows = B * Hkv * splits
+        assert scratch == [("partial_out", (rows, 64), torch.float32, False),
+                           ("partial_max_sum", (rows, 2), torch.float32, False)]  # fmt: skip
+        first = p.inputs + 2
+        for d in p.dispatches:
+            assert bound(d)[BUF_PART_O] == first and bound(d)[BUF_PART_ML] == first + 1
+        merge = p.dispatches[1]
+        assert merge.grid == (1, Hkv, B) and merge.threads == (32, 1, 1)
+
+
+def test_merge_grid_covers_rows_heads_batch():
+    p = dense(3, 8, 2, 4, 3000, num_splits=4)
+    merge = p.dispatches[1]
+    assert merge.grid == (4, 8, 3)
+    assert p.allocations[2].sizes == (3 * 8 * 4 * 4, 64)
+
+
+def cu(*offsets):
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def paged_plan(q, k, v, table, seqused, cu_k=None, **options):
+    base = {"max_seqlen_q": 2, "max_seqlen_k": 500, "scale": 0.125}
+    tensors = [q, k, v, cu(0, 1, 3), cu_k, None, table, seqused]
+    return sim.plan("sdpa_varlen", tensors, {**base, **options})
+
+
+def test_paged_plan_binds_the_table_and_reads_pages_in_place():
+    pool = t(30, 16, 2, 64)
+    table = torch.empty(2, 40, dtype=torch.int32)[:, :32]  # a strided view: read in place
+    seq = torch.empty(2, dtype=torch.int32)
+    p = paged_plan(t(3, 8, 64), pool, pool, table, seq, num_splits=2)
+    assert p.ok, p.reason
+    d = p.dispatches[0]
+    assert d.constants[PAGED] and d.constants[VARLEN]
+    slots = bound(d)
+    assert slots[BUF_TABLE] == 6 and slots[BUF_SEQUSED] == 7 and slots[BUF_CU_K] == 3
+    assert slots[BUF_CU_Q] == 3 and p.contiguous_inputs == []
+    dp = decode_params(d)
+    assert (dp["page_size"], dp["pages"], dp["max_pages"], dp["table_stride"]) == (16, 30, 32, 40)
+    assert (dp["k_ps"], dp["v_ps"]) == (16 * 2 * 64, 16 * 2 * 64)
+    assert dp["rows"] == 2 and dp["heads_per_tg"] == 4 and d.grid == (2, 2, 2)
+    assert [a.name for a in p.allocations[:2]] == ["out", "lse"]
+    assert p.allocations[0].sizes == (3, 8, 64) and p.allocations[2].sizes == (2 * 8 * 2 * 2, 64)
+
+
+def test_paged_plan_copies_a_table_with_strided_columns():
+    pool = t(30, 16, 2, 64)
+    table = torch.empty(32, 2, dtype=torch.int32).t()
+    p = paged_plan(t(3, 8, 64), pool, pool, table, torch.empty(2, dtype=torch.int32))
+    assert p.ok and p.contiguous_inputs == [6]
+    assert decode_params(p.dispatches[0])["table_stride"] == 32
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"dropout_p": 0.5}, "a paged KV cache is read by the decode kernels, which have no"),
+        ({"table": torch.empty(2, 32, dtype=torch.int64)}, "block_table must be int32"),
+        ({"table": torch.empty(3, 32, dtype=torch.int32)}, "block_table must be int32 [2, "),
+        ({"seqused": torch.empty(2, dtype=torch.float32)}, "seqused_k int32 [2]"),
+        ({"k": t(30 * 16, 2, 64)}, "value pools [pages, page_size, heads_kv, dim]"),
+        ({"cu_k": cu(0, 1, 3)}, "a paged KV cache (block_table) takes no cu_seqlens_k"),
+        ({"k": t(0, 16, 2, 64), "v": t(0, 16, 2, 64)}, "an empty paged KV cache"),
+        ({"k": t(30, 16, 2, 64).transpose(-1, -2).contiguous().transpose(-1, -2),
+          "v": t(30, 16, 2, 64).transpose(-1, -2).contiguous().transpose(-1, -2)},
+         "need a last stride of 1"),
+    ],
+)  # fmt: skip
+def test_paged_refusals(change, reason):
+    args = {"q": t(3, 8, 64), "k": t(30, 16, 2, 64), "v": t(30, 16, 2, 64),
+            "table": torch.empty(2, 32, dtype=torch.int32),
+            "seqused": torch.empty(2, dtype=torch.int32), "cu_k": None}  # fmt: skip
+    options = {key: change.pop(key) for key in list(change) if key in ("max_seqlen_q", "dropout_p")}
+    args.update(change)
+    p = paged_plan(args["q"], args["k"], args["v"], args["table"], args["seqused"], args["cu_k"],
+                   **options)  # fmt: skip
+    assert not p.ok and reason in p.reason, p.reason
+
+
+def test_varlen_decode_without_pages():
+    q, k = t(10, 4, 64), t(500, 2, 64)
+    p = sim.plan("sdpa_varlen", [q, k, k, cu(0, 2, 10), cu(0, 100, 500), None],
+                 {"max_seqlen_q": 8, "max_seqlen_k": 400, "scale": 0.125})  # fmt: skip
+    d = p.dispatches[0]
+    assert d.kernel == "steel_attention_decode_f16_e64_v64" and not d.constants[PAGED]
+    assert bound(d)[BUF_CU_K] == 4 and BUF_TABLE not in bound(d)
+    dp = decode_params(d)
+    assert dp["rows"] == 8 and dp["heads_per_tg"] == 2
+    # 2 sequences x 2 KV heads of 40 threadgroups wanted, 400 keys at most: 2 partitions.
+    assert (dp["splits"], dp["split_keys"]) == (2, 224)
+
+
+@pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
+def test_every_planned_decode_kernel_is_in_the_library():
+    """The plan's head-dim table and decode.metal's instantiations name the same kernels."""
+    kernels = set(sim._sim_build.shader_library().handle.kernels())
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for E in range(8, 513, 8):
+            for Ev in (8, E, 128, 256, 512):
+                p = sim.plan("sdpa", [t(1, 1, 1, E, dtype=dtype), t(1, 1, 600, E, dtype=dtype),
+                                      t(1, 1, 600, Ev, dtype=dtype), None, None],
+                             {"num_splits": 2})  # fmt: skip
+                assert [d.kernel in kernels for d in p.dispatches] == [True, True], p.dispatches
+
+
+def test_paged_prefill_takes_blocks_of_32_rows():
+    """A paged cache with long query sequences (chunked prefill) runs the same kernel in blocks
+    of 32 rows of one head: grid x = splits * row blocks."""
+    pool = t(100, 16, 2, 64)
+    q = t(130, 8, 64)
+    p = sim.plan("sdpa_varlen", [q, pool, pool, cu(0, 30, 130), None, None,
+                                 torch.empty(2, 100, dtype=torch.int32),
+                                 torch.empty(2, dtype=torch.int32)],
+                 {"max_seqlen_q": 100, "max_seqlen_k": 1600, "scale": 0.125})  # fmt: skip
+    assert p.ok, p.reason
+    d = p.dispatches[0]
+    dp = decode_params(d)
+    assert (dp["row_block"], dp["heads_per_tg"], dp["rows"]) == (32, 1, 100)
+    assert d.grid == (dp["splits"] * 4, 8, 2)
