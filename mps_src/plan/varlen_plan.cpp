@@ -53,6 +53,7 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   // A paged pool [pages, page_size, Hkv, D] is read as [pages * page_size, Hkv, D] rows below,
   // its page stride kept apart.
   int64_t page_size = 0, pages = 0, k_ps = 0, v_ps = 0;
+  bool copy_pool[2] = {false, false};
   if (paged) {
     if (q.dim() != 3 || k.dim() != 4 || v.dim() != 4 || k.sizes[0] != v.sizes[0] ||
         k.sizes[1] != v.sizes[1] || k.sizes[2] != v.sizes[2] || k.sizes[3] != q.sizes[2]) {
@@ -63,19 +64,21 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
     }
     pages = k.sizes[0];
     page_size = k.sizes[1];
+    // A pool whose rows are not contiguous is copied first (as read_in_place copies packed
+    // k, v); its copy is dense, so the page and slot strides are the copy's.
+    copy_pool[0] = k.strides[3] != 1 && k.sizes[3] != 1;
+    copy_pool[1] = v.strides[3] != 1 && v.sizes[3] != 1;
+    if (copy_pool[0]) k = k.contiguous();
+    if (copy_pool[1]) v = v.contiguous();
     k_ps = k.strides[0];
     v_ps = v.strides[0];
     for (TensorDesc* t : {&k, &v}) {
-      if (t->strides[3] != 1 && t->sizes[3] != 1) continue;  // refused below
       t->sizes.erase(t->sizes.begin());
       t->strides.erase(t->strides.begin());
       t->sizes[0] = pages * page_size;
     }
   }
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) {
-    if (paged) {
-      return Plan::refuse("sdpa_varlen: paged key and value pools need a last stride of 1");
-    }
     return Plan::refuse("sdpa_varlen: q, k, v must be packed [tokens, heads, dim], got " +
                         shape_str(q.sizes) + ", " + shape_str(k.sizes) + ", " +
                         shape_str(v.sizes));
@@ -155,6 +158,8 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
 
   // ---- layouts: last dim contiguous, or a copy; the offsets as one int32 vector each ----
   attn::read_in_place(&q, kSlotQ, &plan);
+  if (copy_pool[0]) plan.contiguous_inputs.push_back(kSlotK);
+  if (copy_pool[1]) plan.contiguous_inputs.push_back(kSlotV);
   attn::read_in_place(&k, kSlotK, &plan);
   attn::read_in_place(&v, kSlotV, &plan);
   if (sequences > 0 && cu_q.strides[0] != 1) plan.contiguous_inputs.push_back(kSlotCuQ);

@@ -19,6 +19,7 @@ The pieces, bottom up:
   gemm_calls()            steel::gemm within gemm_plan.cpp's envelope, by tile regime
   sdpa_calls()            steel::sdpa (the attention forward) within attention_plan.cpp's
   varlen_calls()          steel::sdpa_varlen (packed sequences) within varlen_plan.cpp's
+  paged_calls()           sdpa_varlen against a paged KV cache (the decode kernels)
   gemm_refusals(), sdpa_refusals(), varlen_refusals()
                           calls outside the envelope, as run_op arguments, that the plan must
                           refuse with a reason
@@ -39,7 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import strategies as st
@@ -697,7 +698,14 @@ class VarlenCall:
 
     extra_q / extra_k: how far max_seqlen_* exceed the longest sequence (a bound, as flash-attn
     allows); packed: q, k, v are the three slices of one fused [tokens, 3, H, E] projection
-    (lq == lk, Hq == Hkv, E == Ev), laid out by q_layout (rank 4)."""
+    (lq == lk, Hq == Hkv, E == Ev), laid out by q_layout (rank 4).
+
+    page_size > 0: a paged KV cache instead (varlen_attn's convention): key and value are pools
+    [pages, page_size, Hkv, E|Ev] laid out by k_layout / v_layout (rank 4), sequence b's lk[b]
+    keys on its pages in a shuffled order (block_table), spare_pages more pages in the pool
+    than the sequences use; the table's entries past a sequence's pages hold a page number
+    outside the pool, which nothing may read. num_splits: the decode kernels' partitions
+    (None: the plan's choice)."""
 
     dtype: torch.dtype
     lq: tuple[int, ...]
@@ -720,6 +728,9 @@ class VarlenCall:
     dropout_p: float
     seed: int
     packed: bool = False
+    page_size: int = 0
+    spare_pages: int = 0
+    num_splits: int | None = None
 
     def cu_seqlens(self):
         def offsets(lengths):
@@ -734,12 +745,37 @@ class VarlenCall:
         """The keyword arguments of torch_steel.sdpa_varlen besides tensors and lengths."""
         return {"dropout_p": self.dropout_p, "is_causal": self.is_causal, "scale": self.scale,
                 "softcap": self.softcap, "window": self.window,
-                "causal_align": self.causal_align, "seed": 1234}  # fmt: skip
+                "causal_align": self.causal_align, "seed": 1234,
+                "num_splits": self.num_splits}  # fmt: skip
+
+    def pages_of(self):
+        """Pages per sequence (a sequence of no keys still has a table row)."""
+        return [-(-n // self.page_size) for n in self.lk]
 
     def build(self):
-        """({q, k, v, sinks}, [Guarded])."""
+        """({q, k, v, sinks, block_table, seqused_k}, [Guarded]); k and v are the pools when
+        paged (block_table and seqused_k None otherwise)."""
         gen = torch.Generator().manual_seed(self.seed)
         Tq, Tk = sum(self.lq), sum(self.lk)
+        if self.page_size:
+            pages = self.pages_of()
+            pool = sum(pages) + self.spare_pages
+            gq = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
+            slots = (pool, self.page_size, self.Hkv)
+            gk = guarded("k_pool", (*slots, self.E), self.dtype, self.k_layout, gen)
+            gv = guarded("v_pool", (*slots, self.Ev), self.dtype, self.v_layout, gen)
+            order = torch.randperm(pool, generator=gen).to(torch.int32)
+            table = torch.full((len(self.lk), max(pages) + 1), pool + 7, dtype=torch.int32)
+            start = 0
+            for b, n in enumerate(pages):
+                table[b, :n] = order[start : start + n]
+                start += n
+            used = torch.tensor(self.lk, dtype=torch.int32)
+            t = {"q": gq.tensor, "k": gk.tensor, "v": gv.tensor, "sinks": None,
+                 "block_table": table, "seqused_k": used}  # fmt: skip
+            guards = [gq, gk, gv]
+            self._sinks(t, guards, gen)
+            return t, guards
         if self.packed:
             qkv = guarded("qkv", (Tq, 3, self.Hq, self.E), self.dtype, self.q_layout, gen)
             guards = [qkv]
@@ -750,13 +786,16 @@ class VarlenCall:
             gv = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
             guards = [gq, gk, gv]
             q, k, v = gq.tensor, gk.tensor, gv.tensor
-        t = {"q": q, "k": k, "v": v, "sinks": None}
+        t = {"q": q, "k": k, "v": v, "sinks": None, "block_table": None, "seqused_k": None}
+        self._sinks(t, guards, gen)
+        return t, guards
+
+    def _sinks(self, t, guards, gen):
         if self.sinks is not None:
             dtype, layout = self.sinks
             g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
             guards.append(g)
             t["sinks"] = g.tensor
-        return t, guards
 
 
 @st.composite
@@ -812,6 +851,40 @@ def varlen_calls(draw, dtypes=DTYPES, max_len=300):
     return VarlenCall(dtype, tuple(lq), tuple(lk), Hq, Hkv, E, Ev, q_layout, k_layout, v_layout,
                       draw(extra), draw(extra), is_causal, causal_align, window, sinks, softcap,
                       scale, dropout_p, seed, packed)  # fmt: skip
+
+
+@st.composite
+def paged_calls(draw, dtypes=DTYPES, max_kv=2000):
+    """sdpa_varlen against a paged KV cache (the decode kernels, varlen_plan.cpp's paged
+    envelope): a varlen_calls() draw whose sequences get 0 to 8 query rows (now and then a
+    chunk of prefill rows) and 0 to max_kv keys on pages of 1 to 64 slots, no dropout, any
+    num_splits."""
+    call = draw(varlen_calls(dtypes))
+    n = len(call.lq)
+    rows = st.one_of(st.integers(0, 8), st.integers(1, 2), sizes((ATTN_BQ,), 100))
+    lq = [draw(rows) for _ in range(n)]
+    if sum(lq) == 0:
+        lq[0] = 1
+    lk = [draw(st.one_of(st.just(0), sizes((16, 64, 256), max_kv))) for _ in range(n)]
+    page_size = draw(st.sampled_from([16, 16, 64, 64, 1, 7, 32]))
+    group = call.Hq // call.Hkv
+    de, dv = _instantiation(call.E, call.Ev)
+
+    def cost():  # the decode kernel pads a sequence's rows x group to blocks of 32
+        blocks = sum(-(-a * group // ATTN_BQ) * ATTN_BQ * b for a, b in zip(lq, lk))
+        return call.Hkv * blocks * (de + dv)
+
+    while cost() > ATTN_BUDGET:
+        lk = [b // 2 for b in lk]
+    k_layout = draw(layouts(4))
+    v_layout = draw(st.one_of(st.just(k_layout), layouts(4)))
+    return replace(
+        call, lq=tuple(lq), lk=tuple(lk), k_layout=k_layout, v_layout=v_layout, packed=False,
+        dropout_p=0.0, page_size=page_size,
+        spare_pages=max(draw(st.sampled_from([0, 1, 5])), int(sum(lk) == 0)),  # a pool not empty
+        num_splits=draw(st.sampled_from([None, None, 1, 2, 3, 32])),
+        q_layout=call.q_layout if not call.packed else Layout.contiguous(3),
+    )  # fmt: skip
 
 
 VARLEN_REFUSALS = ("float64", "mixed_v", "rank", "heads", "head_dim", "cu_dtype", "cu_counts",

@@ -8,22 +8,38 @@ GQA ratios, head dims on and between the instantiations, heads-outer / strided /
 offset / stride-0 views and fused QKV slices, causal in both alignments, windows, sinks,
 softcap, scale, dropout, all three dtypes): out and lse agree with float64 reference math (a
 dense reference call per sequence, dropout keyed the same way), and no byte of any input's
-guard buffer changed. For calls drawn by strategies.varlen_refusals(): the plan refuses with a
-reason.
+guard buffer changed. The same for calls against a paged KV cache drawn by
+strategies.paged_calls() (the decode kernels: 0 to 8 query rows or a prefill chunk per sequence,
+up to 2000 keys on shuffled pages of 1 to 64 slots, spare pool pages, table entries past a
+sequence's pages outside the pool, any num_splits), whose oracle gathers each sequence's keys
+from its pages into a packed cu_seqlens_k batch. For calls drawn by
+strategies.varlen_refusals(): the plan refuses with a reason.
 """
 
 from __future__ import annotations
 
+import torch
 from attn_helpers import assert_attention_close, score_error
 from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import given
-from strategies import varlen_calls, varlen_refusals
+from strategies import paged_calls, varlen_calls, varlen_refusals
 
 import torch_steel
 
 pytestmark = requires_simulator
 
 EPS32 = 2.0**-24
+
+
+def gather_pages(call, t):
+    """The paged cache's keys and values as a packed [sum(lk), Hkv, D] batch: sequence b's
+    first lk[b] slots of its pages, in table order (the oracle's own reading of the table)."""
+    ks, vs = [], []
+    for b, (n, pages) in enumerate(zip(call.lk, call.pages_of())):
+        rows = t["block_table"][b, :pages].long()
+        ks.append(t["k"][rows].flatten(0, 1)[:n])
+        vs.append(t["v"][rows].flatten(0, 1)[:n])
+    return torch.cat(ks), torch.cat(vs)
 
 
 def check_varlen(call):
@@ -39,20 +55,25 @@ def check_varlen(call):
     cu_q, cu_k = call.cu_seqlens()
     max_q, max_k = call.max_seqlens()
     kwargs = call.kwargs()
+    k, v = t["k"], t["v"]
+    paged = {}
+    if call.page_size:
+        paged = {"block_table": t["block_table"], "seqused_k": t["seqused_k"]}
+        k, v = gather_pages(call, t)
     with strict_sim():
-        out, lse = torch_steel.sdpa_varlen(t["q"], t["k"], t["v"], cu_q, cu_k, max_q, max_k,
-                                           sinks=t["sinks"], return_lse=True,
+        out, lse = torch_steel.sdpa_varlen(t["q"], t["k"], t["v"], cu_q,
+                                           None if paged else cu_k, max_q, max_k,
+                                           sinks=t["sinks"], return_lse=True, **paged,
                                            **kwargs)  # fmt: skip
     sinks = None if t["sinks"] is None else t["sinks"].double()
     with torch_steel.backend("reference"):
-        ref_out, ref_lse = torch_steel.sdpa_varlen(t["q"].double(), t["k"].double(),
-                                                   t["v"].double(), cu_q, cu_k, max_q, max_k,
-                                                   sinks=sinks, return_lse=True,
-                                                   **kwargs)  # fmt: skip
-    err = score_error(t["q"].transpose(0, 1), t["k"].transpose(0, 1), call.scale)
+        ref_out, ref_lse = torch_steel.sdpa_varlen(t["q"].double(), k.double(), v.double(), cu_q,
+                                                   cu_k, max_q, max_k, sinks=sinks,
+                                                   return_lse=True, **kwargs)  # fmt: skip
+    err = score_error(t["q"].transpose(0, 1), k.transpose(0, 1), call.scale)
     if call.softcap:
         err += 8 * EPS32 * call.softcap
-    v_max = float(t["v"].double().abs().max()) if t["v"].numel() else 0.0
+    v_max = float(v.double().abs().max()) if v.numel() else 0.0
     v_max /= 1.0 - call.dropout_p
     assert_attention_close(out, lse, ref_out, ref_lse, call.dtype, v_max, err)
     for g in guards:
@@ -64,6 +85,14 @@ def check_varlen(call):
 def test_varlen_matches_float64(call):
     """Fixed-seed subset: 100 drawn calls agree with float64 math and leave their inputs and
     guard bytes untouched."""
+    check_varlen(call)
+
+
+@fixed(60)
+@given(paged_calls())
+def test_paged_matches_float64(call):
+    """Fixed-seed subset: 60 drawn calls on a paged KV cache agree with float64 math on the
+    gathered cache and leave their inputs, pools and guard bytes untouched."""
     check_varlen(call)
 
 
@@ -80,6 +109,15 @@ def test_varlen_refusals_have_a_reason(case):
 @given(varlen_calls())
 def test_fuzz_varlen(call):
     """-m fuzz: random calls agree with float64 math and leave their guard buffers untouched."""
+    check_varlen(call)
+
+
+@fuzz_mark
+@fuzz()
+@given(paged_calls())
+def test_fuzz_paged(call):
+    """-m fuzz: random calls on a paged KV cache agree with float64 math on the gathered cache
+    and leave their guard buffers untouched."""
     check_varlen(call)
 
 
