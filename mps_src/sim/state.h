@@ -195,7 +195,7 @@ std::string where();
 std::string pc_text(const void* pc);
 // Reports a fault of the running lane (or throws when called on the scheduler).
 // `pc`, an address in shader code, is named in the message as "[pc <library>+0x<offset>]" (which
-// torch_steel/sim.py turns into file:line).
+// torch_steel/sim/__init__.py turns into file:line).
 [[noreturn]] void lane_fail(std::string message, const void* pc = nullptr);
 
 // checkers.cpp

@@ -8,8 +8,8 @@ import torch
 from sim_helpers import requires_clang
 
 from torch_steel import sim
-from torch_steel._sim_translate import TranslateError, translate
 from torch_steel.errors import SimulatorError
+from torch_steel.sim.translate import TranslateError, translate
 
 KERNELS = Path(__file__).parent / "kernels"
 

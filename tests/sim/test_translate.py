@@ -1,4 +1,4 @@
-"""The MSL pre-pass (torch_steel/_sim_translate.py) and what the shim refuses at compile time.
+"""The MSL pre-pass (torch_steel/sim/translate.py) and what the shim refuses at compile time.
 
 Unit tests look at the translated text; the refusal tests translate a small kernel and run
 `clang++-19 -fsyntax-only` on it against the shim: the control snippet must compile, each
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_steel._sim_translate import TranslateError, translate
+from torch_steel.sim.translate import TranslateError, translate
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "mps_src" / "sim" / "shim"
