@@ -591,14 +591,14 @@ const LaneInfo& lane() {
 }
 
 void* buffer(uint32_t index) {
-  if (index > kMaxBufferIndex || !g.buffer_bound[index]) {
-    lane_fail(format("[[buffer(%u)]] is not bound by this dispatch", index),
-              __builtin_return_address(0));
-  }
+  // Metal lets a dispatch leave a parameter unbound that the compiled kernel does not use (a
+  // mask pointer only offset and read under a false template constant): poison, as for a
+  // buffer a function constant disables, so that only an access that matters is an error.
+  if (index > kMaxBufferIndex || !g.buffer_bound[index]) return bind_disabled(index, true);
   return g.buffer_base[index];
 }
 
-void* disabled_buffer(uint32_t index) { return bind_disabled(index); }
+void* disabled_buffer(uint32_t index) { return bind_disabled(index, false); }
 
 void* threadgroup_buffer(uint32_t index) {
   auto it = g.tg_args.find(index);
@@ -977,6 +977,7 @@ Counters launch(const LaunchSpec& spec) {
       std::string where = g.disabled_where;
       const void* pc = g.disabled_pc;
       uint32_t index = g.disabled_index;
+      const char* reason = g.disabled_reason;
       unbind_device(false);
       reset_threadgroup_memory(spec);
       g.counters = Counters();
@@ -986,10 +987,10 @@ Counters launch(const LaunchSpec& spec) {
       run_grid(spec);
       if (snapshot_outputs() != first) {
         throw SimError(where +
-                       format("reads [[buffer(%u)]], which a function constant disables (no "
-                              "buffer is bound to it), and the value read changes the results: "
-                              "Metal leaves out only reads whose value is unused",
-                              index) +
+                       format("reads [[buffer(%u)]], which %s (no buffer is bound to it), and "
+                              "the value read changes the results: Metal leaves out only reads "
+                              "whose value is unused",
+                              index, reason) +
                        pc_text(pc));
       }
     }
