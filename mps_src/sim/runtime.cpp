@@ -614,6 +614,9 @@ void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align) {
   return allocate_threadgroup_array(decl_id, bytes, align, __builtin_return_address(0));
 }
 
+bool worst_precision() { return g.worst_precision; }
+uint64_t precision_seed() { return g.precision_seed; }
+
 bool function_constant_defined(uint32_t index) { return g.constants.count(index) != 0; }
 
 namespace {
@@ -930,12 +933,28 @@ void run_grid(const LaunchSpec& spec) {
 
 }  // namespace
 
+namespace {
+// TORCH_STEEL_SIM_FAST_MATH: unset or "exact" (the shim's correctly rounded results) or "worst"
+// (runtime.h: worst_precision); TORCH_STEEL_SIM_FAST_MATH_SEED: an unsigned integer.
+void read_precision_mode() {
+  const char* mode = std::getenv("TORCH_STEEL_SIM_FAST_MATH");
+  const std::string m = mode != nullptr ? mode : "";
+  if (m != "" && m != "exact" && m != "worst") {
+    throw SimError("TORCH_STEEL_SIM_FAST_MATH=" + m + ": expected exact or worst");
+  }
+  g.worst_precision = m == "worst";
+  const char* seed = std::getenv("TORCH_STEEL_SIM_FAST_MATH_SEED");
+  g.precision_seed = seed != nullptr ? std::strtoull(seed, nullptr, 10) : 0;
+}
+}  // namespace
+
 Counters launch(const LaunchSpec& spec) {
   std::lock_guard<std::mutex> lock(launch_mutex());
   validate(spec);
   g.entry = find_kernel(spec);
   g.kernel = spec.kernel;
   g.checkers = spec.checkers;
+  read_precision_mode();
   std::copy(spec.grid, spec.grid + 3, g.grid);
   std::copy(spec.threads, spec.threads + 3, g.threads);
   g.nlanes = spec.threads[0] * spec.threads[1] * spec.threads[2];

@@ -131,6 +131,8 @@ struct Sim {
   std::string kernel;
   KernelEntry entry = nullptr;
   bool checkers = true;
+  bool worst_precision = false;  // runtime.h: worst_precision
+  uint64_t precision_seed = 0;
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
   uint32_t tg_pos[3] = {0, 0, 0};
