@@ -53,3 +53,11 @@ def test_default_argument_before_a_body_with_a_threadgroup_array():
     out = torch.zeros(4)
     run("accepted_default_argument", grid=(1,), threads=(4,), buffers={0: out})
     assert out.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_address_space_qualified_member_functions_on_device_objects():
+    pairs = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    out = torch.zeros(6)
+    run("accepted_device_members", grid=(1,), threads=(2,), buffers={0: pairs, 1: out})
+    assert out.tolist() == [-1.0, 3.0, 60.0, -2.0, 8.0, 160.0]
+    assert pairs.tolist() == [[2.0, 4.0], [6.0, 10.0]]

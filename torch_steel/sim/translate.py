@@ -620,6 +620,8 @@ class _Translator:
                 if nk is not None:
                     k = stmt_start = nk
                     continue
+            if s == ")" and scopes and scopes[-1] == "class" and not in_directive:
+                self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
             if s == "{":
@@ -1059,6 +1061,75 @@ class _Translator:
             f"&__steel_fc_{name}> {name}{{}};",
         )
         return semi + 1
+
+    # ---- float f() const device { ... }: a member function for objects in an address space
+    def as_member(self, r: _Rewriter, close: int) -> None:
+        """C++ has no address-space-qualified member functions. `thread` (MSL's default) is
+        removed; for another space the function is renamed (an overload for thread objects may
+        sit beside it) and, after its body, an explicit-object template of the original name
+        for objects in that space calls it on the object seen as generic memory (the checkers
+        see accesses by address, whatever the space)."""
+        j = close + 1
+        spaces = []
+        while r.t(j) in ("const", "volatile", "device", "constant", "threadgroup", "thread"):
+            if r.t(j) in ("device", "constant", "threadgroup", "thread"):
+                spaces.append(j)
+            j += 1
+        if not spaces or r.t(j) != "{":
+            return
+        is_const = any(r.t(x) == "const" for x in range(close + 1, j))
+        depth, open_ = 0, close
+        while open_ >= 0:
+            depth += r.t(open_) == ")"
+            depth -= r.t(open_) == "("
+            if depth == 0:
+                break
+            open_ -= 1
+        if r.kind(open_ - 1) != "ident":
+            raise r.error(close, "unsupported address-space-qualified member function")
+        conversion = r.t(open_ - 2) == "operator"
+        name = ("operator " if conversion else "") + r.t(open_ - 1)
+        params = r.flat(open_ + 1, close)
+        names = []
+        depth, last = 0, None
+        for x in range(open_ + 1, close + 1):
+            t = r.t(x)
+            if t in ("(", "[", "<"):
+                depth += 1
+            elif t in (")", "]", ">") and x != close:
+                depth -= 1
+            if depth == 0 and (t == "," or x == close) and last is not None:
+                names.append(last)
+                last = None
+            elif depth == 0 and t == "=":
+                depth = -100  # a default argument: skip to the next parameter
+            elif depth < -50 and t == "," and x != close:
+                depth = 0
+            elif depth == 0 and r.kind(x) == "ident":
+                last = t
+        body_end = r.match(j)
+        space = r.t(spaces[0])
+        for x in spaces:
+            r.sub(x, x + 1, "")
+        if space == "thread":
+            return
+        renamed = f"__steel_{space}_" + (f"to_{r.t(open_ - 1)}" if conversion else name)
+        if conversion:
+            r.sub(open_ - 2, open_, f"{r.t(open_ - 1)} {renamed}")
+        else:
+            r.sub(open_ - 1, open_, renamed)
+        c = "const " if is_const else ""
+        self_param = f"this {c}{space} __SteelSelf& __steel_self"
+        target = f"(({c}__SteelSelf&)__steel_self).{renamed}({', '.join(names)})"
+        if conversion:
+            wrapper = f" template <class __SteelSelf> {name}({self_param}) {{ return {target}; }}"
+        else:
+            extra = f", {params}" if params else ""
+            wrapper = (
+                f" template <class __SteelSelf> decltype(auto) {name}({self_param}{extra})"
+                f" {{ return {target}; }}"
+            )
+        r.add_after(body_end, wrapper)
 
     # ---- threadgroup T name[N]; in a function body
     def threadgroup_decl(self, r: _Rewriter, k: int) -> int | None:

@@ -89,3 +89,25 @@ kernel void accepted_default_argument(device float* out [[buffer(0)]],
                                       uint i [[thread_position_in_grid]]) {
   out[i] = accepted_scaled(float(i));
 }
+
+// Member functions qualified with an address space, called on objects in device memory; a
+// thread overload of the same name beside the device one.
+struct AcceptedPair {
+  float a, b;
+  operator float2() const device { return float2(a, b); }
+  float sum() const device { return a + b; }
+  float sum() const thread { return 10.0f * (a + b); }
+  void scale(float s) device { a *= s; b *= s; }
+};
+
+kernel void accepted_device_members(device AcceptedPair* p [[buffer(0)]],
+                                    device float* out [[buffer(1)]],
+                                    uint i [[thread_position_in_grid]]) {
+  const float2 v = p[i];
+  out[i * 3 + 0] = v.x - v.y;
+  out[i * 3 + 1] = p[i].sum();
+  p[i].scale(2.0f);
+  AcceptedPair local;
+  local = p[i];
+  out[i * 3 + 2] = local.sum();
+}
