@@ -18,7 +18,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-# What the simulator compiles at first use (torch_steel/_sim_build.py looks for it here when
+# What the simulator compiles at first use (torch_steel/sim/build.py looks for it here when
 # the package is not running from a checkout).
 NATIVE_SOURCES = ["shaders", "mps_src/plan", "mps_src/sim"]
 

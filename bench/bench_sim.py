@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torch_steel import _sim_build, sim  # noqa: E402
+from torch_steel import sim  # noqa: E402
 
 ATTENTION = ROOT / "tests" / "sim" / "kernels" / "exec_attention.metal"
 
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
     args = parser.parse_args()
     if not sim.available():
-        sys.exit(f"the simulator is not available ({_sim_build.INSTALL_HINT})")
+        sys.exit(f"the simulator is not available ({sim.build.INSTALL_HINT})")
     torch.manual_seed(0)
     for checkers in (True, False):
         bench_gemm(args.size, args.repeat, checkers)

@@ -10,13 +10,13 @@ def pytest_sessionstart(session):
     would have verified no kernel at all."""
     if not os.environ.get("CI"):
         return
-    from torch_steel import _sim_build
     from torch_steel.errors import SimulatorError
+    from torch_steel.sim import build
 
-    if _sim_build._clang() is None:
-        pytest.exit(f"CI: clang-19 is missing ({_sim_build.INSTALL_HINT})", returncode=1)
+    if build._clang() is None:
+        pytest.exit(f"CI: clang-19 is missing ({build.INSTALL_HINT})", returncode=1)
     try:
-        _sim_build.extension()
-        _sim_build.shader_library()
+        build.extension()
+        build.shader_library()
     except SimulatorError as e:
         pytest.exit(f"CI: the Metal simulator does not build: {e}", returncode=1)

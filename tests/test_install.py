@@ -304,7 +304,7 @@ def _check_installed(target: Path) -> None:
     for rel in ("shaders/steel/gemm/gemm.metal", "mps_src/plan/plan.cpp", "mps_src/sim/sim.h"):
         assert (native / rel).is_file(), rel
     script = (
-        "import torch_steel, torch_steel._sim_build as b; "
+        "import torch_steel, torch_steel.sim.build as b; "
         "print(torch_steel.__file__); print(b.IN_CHECKOUT); print(b.ROOT)"
     )
     out = _run(

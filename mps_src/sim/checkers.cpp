@@ -164,10 +164,10 @@ size_t gap_for(size_t bytes) {
   if (best != nullptr && best->disabled) {
     snprintf(buf, sizeof buf,
              "out-of-bounds device %s of %zu bytes at byte offset %lld of [[buffer(%u)]], which "
-             "a function constant disables (the simulator backs it with %zu bytes of poison so "
-             "that reads whose value is unused do not fault)",
+             "%s (the simulator backs it with %zu bytes of poison so that reads whose value is "
+             "unused do not fault)",
              op, n, static_cast<long long>(a) - static_cast<long long>(best->lo), best->index,
-             kPoisonBytes);
+             absent_reason(*best), kPoisonBytes);
     lane_fail(buf, g.access_pc);
   }
   if (best == nullptr) {
@@ -244,20 +244,22 @@ void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write)
   }
 }
 
-// An access through a parameter that a function constant disables. Metal has no buffer there:
+// An access through a parameter that a function constant disables or that the dispatch does not
+// bind. Metal has no buffer there:
 // a write is an error; a read is what the compiler removes when its value is unused, which
 // launch() finds out by running the dispatch again with other poison (state.h).
 void disabled_access(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
   if (write) {
     char buf[256];
     snprintf(buf, sizeof buf,
-             "device write of %zu bytes at byte offset %lld of [[buffer(%u)]], which a function "
-             "constant disables (no buffer is bound to it)",
-             n, static_cast<long long>(a - b.lo), b.index);
+             "device write of %zu bytes at byte offset %lld of [[buffer(%u)]], which %s (no "
+             "buffer is bound to it)",
+             n, static_cast<long long>(a - b.lo), b.index, absent_reason(b));
     lane_fail(buf, g.access_pc);
   }
   if (g.disabled_reads++ == 0) {
     g.disabled_index = b.index;
+    g.disabled_reason = absent_reason(b);
     g.disabled_where = where();
     g.disabled_pc = g.access_pc;
   }
@@ -484,7 +486,7 @@ void bind_device(const LaunchSpec& spec) {
   steel_sim_arenas.dev_size = g_arena_bytes;
 }
 
-void* bind_disabled(uint32_t index) {
+void* bind_disabled(uint32_t index, bool unbound) {
   if (index > kMaxBufferIndex) {
     lane_fail(fmt("[[buffer(%llu)]]: Metal has 31 buffer slots (0-30)", index));
   }
@@ -496,6 +498,7 @@ void* bind_disabled(uint32_t index) {
     d.lo = reinterpret_cast<uintptr_t>(p);
     d.hi = d.lo + kPoisonBytes;
     d.disabled = true;
+    d.unbound = unbound;
     g.dev.push_back(d);
     g.dev_last = nullptr;
     g.disabled_base[index] = p;

@@ -591,14 +591,14 @@ const LaneInfo& lane() {
 }
 
 void* buffer(uint32_t index) {
-  if (index > kMaxBufferIndex || !g.buffer_bound[index]) {
-    lane_fail(format("[[buffer(%u)]] is not bound by this dispatch", index),
-              __builtin_return_address(0));
-  }
+  // Metal lets a dispatch leave a parameter unbound that the compiled kernel does not use (a
+  // mask pointer only offset and read under a false template constant): poison, as for a
+  // buffer a function constant disables, so that only an access that matters is an error.
+  if (index > kMaxBufferIndex || !g.buffer_bound[index]) return bind_disabled(index, true);
   return g.buffer_base[index];
 }
 
-void* disabled_buffer(uint32_t index) { return bind_disabled(index); }
+void* disabled_buffer(uint32_t index) { return bind_disabled(index, false); }
 
 void* threadgroup_buffer(uint32_t index) {
   auto it = g.tg_args.find(index);
@@ -613,6 +613,9 @@ void* threadgroup_buffer(uint32_t index) {
 void* threadgroup_array(uint32_t decl_id, size_t bytes, size_t align) {
   return allocate_threadgroup_array(decl_id, bytes, align, __builtin_return_address(0));
 }
+
+bool worst_precision() { return g.worst_precision; }
+uint64_t precision_seed() { return g.precision_seed; }
 
 bool function_constant_defined(uint32_t index) { return g.constants.count(index) != 0; }
 
@@ -930,12 +933,28 @@ void run_grid(const LaunchSpec& spec) {
 
 }  // namespace
 
+namespace {
+// TORCH_STEEL_SIM_FAST_MATH: unset or "exact" (the shim's correctly rounded results) or "worst"
+// (runtime.h: worst_precision); TORCH_STEEL_SIM_FAST_MATH_SEED: an unsigned integer.
+void read_precision_mode() {
+  const char* mode = std::getenv("TORCH_STEEL_SIM_FAST_MATH");
+  const std::string m = mode != nullptr ? mode : "";
+  if (m != "" && m != "exact" && m != "worst") {
+    throw SimError("TORCH_STEEL_SIM_FAST_MATH=" + m + ": expected exact or worst");
+  }
+  g.worst_precision = m == "worst";
+  const char* seed = std::getenv("TORCH_STEEL_SIM_FAST_MATH_SEED");
+  g.precision_seed = seed != nullptr ? std::strtoull(seed, nullptr, 10) : 0;
+}
+}  // namespace
+
 Counters launch(const LaunchSpec& spec) {
   std::lock_guard<std::mutex> lock(launch_mutex());
   validate(spec);
   g.entry = find_kernel(spec);
   g.kernel = spec.kernel;
   g.checkers = spec.checkers;
+  read_precision_mode();
   std::copy(spec.grid, spec.grid + 3, g.grid);
   std::copy(spec.threads, spec.threads + 3, g.threads);
   g.nlanes = spec.threads[0] * spec.threads[1] * spec.threads[2];
@@ -977,6 +996,7 @@ Counters launch(const LaunchSpec& spec) {
       std::string where = g.disabled_where;
       const void* pc = g.disabled_pc;
       uint32_t index = g.disabled_index;
+      const char* reason = g.disabled_reason;
       unbind_device(false);
       reset_threadgroup_memory(spec);
       g.counters = Counters();
@@ -986,10 +1006,10 @@ Counters launch(const LaunchSpec& spec) {
       run_grid(spec);
       if (snapshot_outputs() != first) {
         throw SimError(where +
-                       format("reads [[buffer(%u)]], which a function constant disables (no "
-                              "buffer is bound to it), and the value read changes the results: "
-                              "Metal leaves out only reads whose value is unused",
-                              index) +
+                       format("reads [[buffer(%u)]], which %s (no buffer is bound to it), and "
+                              "the value read changes the results: Metal leaves out only reads "
+                              "whose value is unused",
+                              index, reason) +
                        pc_text(pc));
       }
     }

@@ -84,6 +84,15 @@ void register_kernel(const char* host_name, KernelEntry entry);
 // dispatch with more threads per threadgroup is refused, as Metal's pipeline refuses it.
 void register_kernel_limited(const char* host_name, KernelEntry entry, uint32_t max_threads);
 
+// The pessimistic-precision mode (TORCH_STEEL_SIM_FAST_MATH=worst, read at each launch): the
+// shim's fast:: and half-precision transcendentals then return results at the edge of the
+// error bounds the MSL specification allows (steel_shim/math.h), each moved up or down as a hash
+// of the seed (TORCH_STEEL_SIM_FAST_MATH_SEED, default 0), the function and its arguments
+// decides, so that a run is reproducible and a tolerance that holds under several seeds holds
+// for any conforming GPU. 0 when off.
+bool worst_precision();
+uint64_t precision_seed();
+
 // Raise a SimulatorError from shader-side code (e.g. an unsupported shim feature at run time).
 [[noreturn]] void fail(const char* message);
 // The same, naming `pc` (a return address into shader code) as the place.

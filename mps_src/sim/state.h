@@ -92,8 +92,17 @@ struct DeviceBuffer {
   // Race shadow of this buffer's bytes (null for inline bytes), see DevShadow.
   struct DevShadow* writers = nullptr;
   BufferCounters counters;
-  bool disabled = false;  // the poison region of a buffer a function constant disables
+  // The poison region of a buffer a function constant disables or the dispatch leaves unbound
+  // (Metal binds nothing there; a kernel may still hold the pointer, as long as a read of it is
+  // dead code there).
+  bool disabled = false;
+  bool unbound = false;  // not bound at all (rather than disabled by a function constant)
 };
+
+// Why a disabled region has no buffer, for messages: "which <reason>".
+inline const char* absent_reason(const DeviceBuffer& b) {
+  return b.unbound ? "the dispatch does not bind" : "a function constant disables";
+}
 
 // Race-checker shadow of one threadgroup-memory byte: the last write and the latest reads, each
 // stamped with the threadgroup epoch (advanced by threadgroup barriers and threadgroup starts)
@@ -122,6 +131,8 @@ struct Sim {
   std::string kernel;
   KernelEntry entry = nullptr;
   bool checkers = true;
+  bool worst_precision = false;  // runtime.h: worst_precision
+  uint64_t precision_seed = 0;
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
   uint32_t tg_pos[3] = {0, 0, 0};
@@ -136,13 +147,15 @@ struct Sim {
   DeviceBuffer* dev_last = nullptr;
   void* buffer_base[kMaxBufferIndex + 1] = {};
   bool buffer_bound[kMaxBufferIndex + 1] = {};
-  // Buffers disabled by function constants (runtime.h: disabled_buffer): their poison regions
-  // (null until a lane first asks), the byte they are filled with in this run, and the first
-  // read of one (where and which), for the second run that tells a dead read from a used one.
+  // Buffers disabled by function constants or left unbound (runtime.h: disabled_buffer): their
+  // poison regions (null until a lane first asks), the byte they are filled with in this run,
+  // and the first read of one (where, which and why it has no buffer), for the second run that
+  // tells a dead read from a used one.
   void* disabled_base[kMaxBufferIndex + 1] = {};
   uint8_t poison = 0xFF;
   uint64_t disabled_reads = 0;
   uint32_t disabled_index = 0;
+  const char* disabled_reason = "";
   std::string disabled_where;
   const void* disabled_pc = nullptr;
 
@@ -195,12 +208,12 @@ std::string where();
 std::string pc_text(const void* pc);
 // Reports a fault of the running lane (or throws when called on the scheduler).
 // `pc`, an address in shader code, is named in the message as "[pc <library>+0x<offset>]" (which
-// torch_steel/sim.py turns into file:line).
+// torch_steel/sim/__init__.py turns into file:line).
 [[noreturn]] void lane_fail(std::string message, const void* pc = nullptr);
 
 // checkers.cpp
 void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena
-void* bind_disabled(uint32_t index);         // the poison region of a disabled buffer
+void* bind_disabled(uint32_t index, bool unbound);  // the poison region of a disabled buffer
 // The bytes of every region that is written back, for comparing two runs of one dispatch.
 std::vector<uint8_t> snapshot_outputs();
 void unbind_device(bool write_back);         // copies them back (on success) and unmaps

@@ -81,7 +81,7 @@ def test_instantiated_head_dims_pick_their_kernel(E, Ev, dtype):
 @pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
 def test_every_planned_kernel_is_in_the_library():
     """The plan's kernel table and attention.metal's instantiations name the same kernels."""
-    kernels = set(sim._sim_build.shader_library().handle.kernels())
+    kernels = set(sim.build.shader_library().handle.kernels())
     for dtype in DTYPES:
         for E in range(8, 513, 8):
             for Ev in (8, E, 128, 256, 512):

@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from torch_steel import _sim_build
+from torch_steel.sim import build
 
 requires_clang = pytest.mark.skipif(
-    shutil.which(_sim_build.CXX) is None,
-    reason=f"clang-19 is not installed ({_sim_build.INSTALL_HINT})",
+    shutil.which(build.CXX) is None,
+    reason=f"clang-19 is not installed ({build.INSTALL_HINT})",
 )

@@ -413,6 +413,18 @@ def test_write_through_a_disabled_buffer_is_reported():
         )
 
 
+def test_unbound_buffer_that_the_kernel_does_not_read_is_fine():
+    out = torch.zeros(32)
+    run("exec_unbound_unused", grid=(1,), threads=(32,), buffers={0: out})
+    assert torch.equal(out, torch.arange(32.0))
+
+
+def test_read_of_an_unbound_buffer_is_reported():
+    match = r"exec_unbound_read.*reads \[\[buffer\(1\)\]\], which the dispatch does not bind"
+    with pytest.raises(SimulatorError, match=match):
+        run("exec_unbound_read", grid=(1,), threads=(32,), buffers={0: torch.zeros(32)})
+
+
 # ------------------------------------------------------------------------- memory intrinsics
 
 

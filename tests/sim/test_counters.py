@@ -75,7 +75,7 @@ def _gemm_ready() -> str | None:
     p = sim.plan("gemm", [torch.zeros(64, 64), torch.zeros(64, 64), None, None], {})
     if not p.ok:
         return f"the gemm plan refuses 64x64x64 float32: {p.reason}"
-    lib = sim._sim_build.shader_library()
+    lib = sim.build.shader_library()
     missing = [d.kernel for d in p.dispatches if d.kernel not in lib.handle.kernels()]
     if missing:
         return f"gemm kernels {missing} did not build in the simulator: {lib.errors[:500]}"

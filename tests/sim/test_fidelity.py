@@ -74,3 +74,77 @@ def test_own_fast_overload_does_not_capture_float_calls():
     run("lang_fast_overload", grid=(1,), threads=(4,), buffers={0: x, 1: out, 2: hout})
     assert torch.allclose(out.double(), torch.exp2(x.double()), rtol=1e-6, atol=0)
     assert torch.equal(hout, torch.exp2(x.half().float()).half())
+
+
+def _precision_run(monkeypatch, mode, seed=0):
+    if mode is None:
+        monkeypatch.delenv("TORCH_STEEL_SIM_FAST_MATH", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_STEEL_SIM_FAST_MATH", mode)
+    monkeypatch.setenv("TORCH_STEEL_SIM_FAST_MATH_SEED", str(seed))
+    x = torch.linspace(-3.0, 3.0, 64)
+    out = torch.zeros(64 * 9)
+    hout = torch.zeros(64 * 4, dtype=torch.float16)
+    run("lang_precision", grid=(1,), threads=(64,), buffers={0: x, 1: out, 2: hout})
+    return x.double(), out.view(64, 9).double(), hout.view(64, 4).double()
+
+
+def _ulp(v, dtype):
+    """The spacing of dtype's values at |v| (float64 in, float64 out)."""
+    t = v.abs().to(dtype)
+    return (torch.nextafter(t, torch.full_like(t, float("inf"))) - t).double()
+
+
+def test_worst_precision_moves_results_to_the_edge_of_the_msl_bounds(monkeypatch):
+    x, exact, hexact = _precision_run(monkeypatch, None)
+    _, worst, hworst = _precision_run(monkeypatch, "worst")
+    p = (x.float().abs() + 0.25).double()  # as the kernel computes it
+    truth = torch.stack(
+        [x.exp(), torch.exp2(x), p.log(), torch.log2(p), p.rsqrt(), x.sin(), x / 3.0], dim=1
+    )
+    in_half = (p >= 0.5) & (p <= 2.0)
+    bounds = torch.stack(
+        [
+            (3 + (2 * x).abs().floor()) * _ulp(truth[:, 0], torch.float32),
+            (3 + (2 * x).abs().floor()) * _ulp(truth[:, 1], torch.float32),
+            torch.where(in_half, 2.0**-21, 3 * _ulp(truth[:, 2], torch.float32)),
+            torch.where(in_half, 2.0**-22, 2 * _ulp(truth[:, 3], torch.float32)),
+            2 * _ulp(truth[:, 4], torch.float32),
+            torch.full_like(x, 2.0**-13),
+            2.5 * _ulp(truth[:, 6], torch.float32),
+        ],
+        dim=1,
+    )
+    err = (worst[:, :7] - truth).abs()
+    assert (err <= bounds).all(), (err / bounds).max()
+    # At the edge: beyond what a correctly rounded result could be off (half an ulp of float),
+    # for most results (a few are exact or sit where the bound and the rounding meet).
+    moved = err > (exact[:, :7] - truth).abs() + 0.25 * bounds
+    assert moved.float().mean() > 0.9
+    # Not perturbed: precise float and the correctly rounded sqrt.
+    assert torch.equal(worst[:, 7:], exact[:, 7:])
+    # half exp, log, tanh: within 1 ulp of half from the binary32 result; moved to the
+    # neighbour of the rounded result unless that neighbour is beyond the bound (then the
+    # rounded result is already the farthest on its side: about half the time); sqrt correctly
+    # rounded.
+    hf = torch.stack(
+        [x.half().double().exp(), p.half().double().log(), x.half().double().tanh()], 1
+    )
+    herr = (hworst[:, :3] - hf).abs()
+    assert (herr <= _ulp(hf, torch.float16) * (1 + 2**-10)).all()
+    assert (hworst[:, :3] != hexact[:, :3]).float().mean() > 0.3
+    assert torch.equal(hworst[:, 3], hexact[:, 3])
+
+
+def test_worst_precision_is_deterministic_per_seed(monkeypatch):
+    _, a, ha = _precision_run(monkeypatch, "worst", seed=7)
+    _, b, hb = _precision_run(monkeypatch, "worst", seed=7)
+    _, c, hc = _precision_run(monkeypatch, "worst", seed=8)
+    assert torch.equal(a, b) and torch.equal(ha, hb)
+    assert not torch.equal(a, c)
+
+
+def test_unknown_precision_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCH_STEEL_SIM_FAST_MATH", "sloppy")
+    with pytest.raises(SimulatorError, match="expected exact or worst"):
+        _precision_run(monkeypatch, "sloppy")

@@ -8,8 +8,8 @@ import torch
 from sim_helpers import requires_clang
 
 from torch_steel import sim
-from torch_steel._sim_translate import TranslateError, translate
 from torch_steel.errors import SimulatorError
+from torch_steel.sim.translate import TranslateError, translate
 
 KERNELS = Path(__file__).parent / "kernels"
 
@@ -51,6 +51,8 @@ def test_pre_pass_accepts_the_msl_forms():
 
 COMPILE = [
     "a cast between address spaces is not MSL",
+    "reinterpret_cast from 'threadgroup float *' to 'device float *' is not allowed",
+    "reinterpret_cast from 'device float *' to 'float *' is not allowed",
     "variable length arrays",
     "memory_order_seq_cst",
     "64-bit atomics support only atomic_fetch_min/max_explicit on ulong",

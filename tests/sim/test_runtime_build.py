@@ -10,8 +10,8 @@ import pytest
 import torch
 from sim_helpers import requires_clang
 
-from torch_steel import _sim_build
 from torch_steel.errors import SimulatorError
+from torch_steel.sim import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def _slow_build(out: Path) -> None:
 
 
 def _build_in_process(out: str) -> None:
-    _sim_build._locked_build(Path(out), _slow_build)
+    build._locked_build(Path(out), _slow_build)
 
 
 def test_concurrent_builds_of_one_directory_run_once(tmp_path):
@@ -50,9 +50,9 @@ def test_failed_build_is_retried(tmp_path):
         raise SimulatorError("compiler said no")
 
     with pytest.raises(SimulatorError, match="compiler said no"):
-        _sim_build._locked_build(out, broken)
+        build._locked_build(out, broken)
     assert not (out / "done").exists()
-    _sim_build._locked_build(out, _slow_build)
+    build._locked_build(out, _slow_build)
     assert (out / "done").exists()
 
 
@@ -140,9 +140,9 @@ def test_builds_unused_for_a_week_are_collected(tmp_path):
     for d in (old, recent):
         d.mkdir()
         (d / "done").write_text("ok\n")
-    week = _sim_build.STALE_SECONDS + 60
+    week = build.STALE_SECONDS + 60
     os.utime(old / "done", (time.time() - week, time.time() - week))
-    _sim_build._locked_build(tmp_path / "test-new", _slow_build)
+    build._locked_build(tmp_path / "test-new", _slow_build)
     assert not old.exists()
     assert recent.exists() and (tmp_path / "test-new" / "done").exists()
 
@@ -162,8 +162,9 @@ def test_regular_install_builds_outside_a_checkout(tmp_path):
     )  # fmt: skip
     script = (
         "import torch\n"
-        "from torch_steel import _sim_build, sim\n"
-        "assert not _sim_build.IN_CHECKOUT, _sim_build.ROOT\n"
+        "from torch_steel import sim\n"
+        "from torch_steel.sim import build\n"
+        "assert not build.IN_CHECKOUT, build.ROOT\n"
         "a, b = torch.randn(33, 17), torch.randn(17, 9)\n"
         "(out,) = sim.run_op('gemm', [a, b, None, None], {'beta': 0.0})\n"
         "print(float((out - a @ b).abs().max()))\n"

@@ -20,7 +20,7 @@ def _gemm_ready() -> str | None:
     p = sim.plan("gemm", [torch.zeros(64, 64), torch.zeros(64, 64), None, None], {})
     if not p.ok:
         return f"the gemm plan refuses 64x64x64 float32: {p.reason}"
-    kernels = sim._sim_build.shader_library().handle.kernels()
+    kernels = sim.build.shader_library().handle.kernels()
     if any(d.kernel not in kernels for d in p.dispatches):
         return "the gemm kernels did not build in the simulator"
     return None

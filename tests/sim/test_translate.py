@@ -1,4 +1,4 @@
-"""The MSL pre-pass (torch_steel/_sim_translate.py) and what the shim refuses at compile time.
+"""The MSL pre-pass (torch_steel/sim/translate.py) and what the shim refuses at compile time.
 
 Unit tests look at the translated text; the refusal tests translate a small kernel and run
 `clang++-19 -fsyntax-only` on it against the shim: the control snippet must compile, each
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_steel._sim_translate import TranslateError, translate
+from torch_steel.sim.translate import TranslateError, translate
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "mps_src" / "sim" / "shim"
@@ -74,7 +74,7 @@ def test_plain_kernel_is_registered_with_its_parameter_sources():
         "::steel_shim::attr<::steel_shim::kThreadPositionInGrid>, "
         "::steel_shim::attr<::steel_shim::kThreadIndexInSimdgroup>>"
     )
-    assert 'STEEL_SIM_REGISTER(("add"), __steel_kernel_add::params, add)' in out
+    assert 'STEEL_SIM_REGISTER(("add"), (__steel_kernel_add::params), add)' in out
     # The registration follows the body's closing brace, on its line.
     assert out.split("\n")[10].startswith("} struct __steel_kernel_add")
 
@@ -100,11 +100,12 @@ def test_template_kernel_instantiations_are_registered():
     assert "STEEL_SIM_REGISTER" not in lines[4]  # a template: only its instances register
     assert "struct __steel_kernel_scale" in lines[4]
     assert squash(lines[6]) == squash(
-        'STEEL_SIM_REGISTER(("scale_f16_2"), ns::__steel_kernel_scale::params, ns::scale<half, 2>)'
+        'STEEL_SIM_REGISTER(("scale_f16_2"), '
+        "(ns::__steel_kernel_scale::template instance<half, 2>), ns::scale<half, 2>)"
     )
     # Inside a macro the registration pastes the name (it may be a macro parameter) and the
     # directive keeps its line continuations.
-    assert "ns::__steel_kernel_ ## scale::params" in lines[8]
+    assert "ns::__steel_kernel_ ## scale::template instance<" in lines[8]
     assert '"scale_" # name' in lines[8]
     assert lines[7].endswith("\\") and lines[8].endswith("\\")
 
@@ -128,7 +129,8 @@ def test_long_form_instantiation_is_registered():
     )
     lines = tr(src).split("\n")[1:]
     assert squash(lines[0]) == squash(
-        'STEEL_SIM_REGISTER(("scale_f32"), ns::__steel_kernel_scale::params, ns::scale<float, 4>)'
+        'STEEL_SIM_REGISTER(("scale_f32"), '
+        "(ns::__steel_kernel_scale::template instance<float, 4>), ns::scale<float, 4>)"
     )
     assert lines[1] == "" and len(lines) == 3
 

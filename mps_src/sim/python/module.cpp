@@ -1,4 +1,4 @@
-// The Python face of the simulator (torch_steel/sim.py and torch_steel/_sim_build.py use it).
+// The Python face of the simulator (torch_steel/sim/__init__.py and torch_steel/sim/build.py use it).
 // Only pybind11: tensors cross as (data pointer, bound bytes), so this module does not depend
 // on the torch C++ API and builds in seconds.
 #include <pybind11/pybind11.h>
@@ -24,7 +24,7 @@ struct PlanHandle {
   steel::Plan plan;
 };
 
-// (dtype code, sizes, strides, storage offset) or None, as torch_steel/sim.py sends it.
+// (dtype code, sizes, strides, storage offset) or None, as torch_steel/sim/__init__.py sends it.
 using Desc = std::optional<std::tuple<int, std::vector<int64_t>, std::vector<int64_t>, int64_t>>;
 
 PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,

@@ -33,7 +33,7 @@ inline void range(const void* p, size_t n, bool write, const void* pc) {
 
 extern "C" {
 
-// The memory intrinsics of shader code (torch_steel/_sim_ir.py redirects every llvm.memcpy,
+// The memory intrinsics of shader code (torch_steel/sim/ir.py redirects every llvm.memcpy,
 // memmove and memset to a wrapper that calls this first): kind 1 copies from src, kind 0 fills.
 __attribute__((visibility("hidden"))) void steel_sim_memop(void* dst, const void* src,
                                                            uint64_t n, int kind,

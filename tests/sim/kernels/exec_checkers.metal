@@ -314,3 +314,15 @@ kernel void exec_private_array(device float* out [[buffer(0)]],
   for (uint i = 0; i < 8; ++i) a[i] = float(i * gid);
   out[gid] = a[index];
 }
+
+// A dispatch may leave a buffer unbound that the kernel only offsets (PyTorch's decode kernels
+// bind no mask when a template constant says there is none; Metal's compiler drops the mask).
+template <bool kHasExtra>
+kernel void exec_unbound(device float* out [[buffer(0)]],
+                         const device float* extra [[buffer(1)]],
+                         uint i [[thread_position_in_grid]]) {
+  extra += i;
+  out[i] = kHasExtra ? extra[0] : float(i);
+}
+template [[host_name("exec_unbound_unused")]] [[kernel]] decltype(exec_unbound<false>) exec_unbound<false>;
+template [[host_name("exec_unbound_read")]] [[kernel]] decltype(exec_unbound<true>) exec_unbound<true>;

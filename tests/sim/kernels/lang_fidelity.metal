@@ -44,3 +44,26 @@ kernel void lang_fast_overload(const device float* x [[buffer(0)]], device float
   out[i] = fast::exp2(x[i]);
   hout[i] = fast::exp2(half(x[i]));
 }
+
+// Transcendentals that MSL lets a GPU compute inexactly (TORCH_STEEL_SIM_FAST_MATH=worst moves
+// them to the edge of the specification's bounds), and some that it does not.
+kernel void lang_precision(const device float* x [[buffer(0)]],
+                           device float* out [[buffer(1)]],
+                           device half* hout [[buffer(2)]],
+                           uint i [[thread_position_in_grid]]) {
+  const float v = x[i];
+  const float p = fabs(v) + 0.25f;
+  out[i * 9 + 0] = fast::exp(v);
+  out[i * 9 + 1] = fast::exp2(v);
+  out[i * 9 + 2] = fast::log(p);
+  out[i * 9 + 3] = fast::log2(p);
+  out[i * 9 + 4] = fast::rsqrt(p);
+  out[i * 9 + 5] = fast::sin(v);
+  out[i * 9 + 6] = fast::divide(v, 3.0f);
+  out[i * 9 + 7] = precise::exp(v);
+  out[i * 9 + 8] = sqrt(p);
+  hout[i * 4 + 0] = exp(half(v));
+  hout[i * 4 + 1] = log(half(p));
+  hout[i * 4 + 2] = tanh(half(v));
+  hout[i * 4 + 3] = sqrt(half(p));
+}

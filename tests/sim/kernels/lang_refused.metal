@@ -11,6 +11,15 @@ kernel void refused_as_cast(device float* out [[buffer(0)]], uint t [[thread_ind
   out[t] = scratch[t];
 }
 
+// reinterpret_cast cannot change an address space either (clang refuses it as Metal does).
+kernel void refused_as_reinterpret(device float* out [[buffer(0)]],
+                                   uint t [[thread_index_in_threadgroup]]) {
+  threadgroup float scratch[32];
+  device float* wrong = reinterpret_cast<device float*>(scratch);  // threadgroup -> device
+  thread float* local = reinterpret_cast<thread float*>(out);       // device -> thread
+  wrong[t] = local[t];
+}
+
 kernel void refused_vla(device float* out [[buffer(0)]], constant uint& n [[buffer(1)]]) {
   float values[n];
   values[0] = 1.0f;

@@ -1,4 +1,4 @@
-// What the source pre-pass (torch_steel/_sim_translate.py) rewrites MSL into: vector
+// What the source pre-pass (torch_steel/sim/translate.py) rewrites MSL into: vector
 // constructors, struct copies across address spaces, function constants, threadgroup arrays
 // declared in kernel bodies.
 #pragma once

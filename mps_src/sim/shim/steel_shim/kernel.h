@@ -149,6 +149,17 @@ void entry() {
   invoke(Params{}, kKernel);
 }
 
+// The type in parentheses that STEEL_SIM_REGISTER is given (a template's instance names its
+// arguments, whose commas the parentheses keep from the preprocessor): unwrap_t<void(T)> is T.
+template <typename F>
+struct unwrap;
+template <typename T>
+struct unwrap<void(T)> {
+  using type = T;
+};
+template <typename F>
+using unwrap_t = typename unwrap<F>::type;
+
 template <typename Params, auto kKernel>
 inline bool register_instance(const char* host_name) {
   steel_sim::register_kernel_limited(host_name, &entry<Params, kKernel>, Params::max_threads);
@@ -159,8 +170,9 @@ inline bool register_instance(const char* host_name) {
 
 #define STEEL_SIM_CAT2(a, b) a##b
 #define STEEL_SIM_CAT(a, b) STEEL_SIM_CAT2(a, b)
-// One registration per use; __COUNTER__ keeps the names apart when a macro instantiates many
-// kernels from one source line.
-#define STEEL_SIM_REGISTER(host_name, params, ...)                                       \
-  [[maybe_unused]] static const bool STEEL_SIM_CAT(steel_sim_registered_, __COUNTER__) = \
-      ::steel_shim::register_instance<params, &__VA_ARGS__>(host_name);
+// One registration per use (`params` is a parenthesized type); __COUNTER__ keeps the names apart
+// when a macro instantiates many kernels from one source line.
+#define STEEL_SIM_REGISTER(host_name, params, ...)                                            \
+  [[maybe_unused]] static const bool STEEL_SIM_CAT(steel_sim_registered_, __COUNTER__) =      \
+      ::steel_shim::register_instance<::steel_shim::unwrap_t<void params>, &__VA_ARGS__>( \
+          host_name);

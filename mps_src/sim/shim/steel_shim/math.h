@@ -135,6 +135,124 @@ inline bool_of<T> test1(T x, F f) {
   }
 }
 
+// ---- the pessimistic-precision mode (runtime.h: worst_precision)
+//
+// Off, every function is evaluated in binary32 and rounded once to its type. With
+// TORCH_STEEL_SIM_FAST_MATH=worst, the results that MSL lets a GPU compute less accurately are
+// moved to the edge of the specification's bound (section 7, the accuracy tables):
+// - half (and bfloat, which the tables do not cover: treated as half) exp, exp2, exp10, log,
+//   log2, log10, sin, cos, tan, asin, acos, atan, atan2, sinh, cosh, tanh, rsqrt, pow, powr:
+//   1 ulp of the type (the half-precision table: <= 1 ulp);
+// - fast:: float (the fast-math table): exp, exp2, exp10 by 3 + floor(|2x|) ulp; log by 2^-21
+//   absolute for x in [0.5, 2], else 3 ulp; log2 by 2^-22 absolute in [0.5, 2], else 2 ulp;
+//   sin and cos by 2^-13 absolute for x in [-pi, pi]; rsqrt by 2 ulp; divide by 2.5 ulp for a
+//   divisor in [2^-126, 2^126].
+// "Moved to the edge": the representable value farthest from the exact result (the function
+// in binary64, or for half the binary32 result) that is still within the bound.
+// Precise float functions, sqrt, divide outside fast:: and the correctly rounded operations
+// keep their results. Zeros, infinities and NaNs are left as they are (a perturbation never
+// changes a result's sign), so edge cases keep their specified values. Whether a result moves
+// up or down is a hash of the seed, the function and the argument bits: deterministic, and the
+// same for every lane that computes the same value.
+enum class Fn : uint32_t {
+  exp = 1, exp2, exp10, log, log2, log10, sin, cos, tan, asin, acos, atan, atan2, sinh, cosh,
+  tanh, rsqrt, pow, powr, divide
+};
+
+inline uint64_t precision_hash(Fn fn, float x, float y) {
+  uint64_t z = steel_sim::precision_seed() ^ (uint64_t(fn) << 56) ^
+               (uint64_t(__builtin_bit_cast(uint32_t, x)) << 24) ^
+               uint64_t(__builtin_bit_cast(uint32_t, y));
+  z += 0x9e3779b97f4a7c15ull;  // splitmix64's finalizer
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// The spacing of E's values at |v| (a normal v; the smallest subnormal's below).
+template <typename E>
+inline double ulp_of(double v) {
+  constexpr int kDigits = __is_same(E, float) ? 24 : __is_same(E, half) ? 11 : 8;
+  constexpr int kMinExp = __is_same(E, half) ? -14 : -126;
+  int e = 0;
+  __builtin_frexp(v, &e);  // |v| = m 2^e, m in [0.5, 1)
+  const int lo = kMinExp - (kDigits - 1);
+  return __builtin_ldexp(1.0, (e - kDigits) > lo ? (e - kDigits) : lo);
+}
+
+// The value of type E farthest from `truth` (towards larger magnitude when `up`) within `err`
+// of it, keeping its sign; `nearest` is truth rounded to E. Zeros, infinities and NaNs stay.
+template <typename E>
+inline E farthest_within(double truth, E nearest, bool up, double err) {
+  if (truth == 0.0 || !__builtin_isfinite(truth) || !__builtin_isfinite(float(nearest))) {
+    return nearest;
+  }
+  const double mag = __builtin_fabs(truth) + (up ? err : -err);
+  if (mag <= 0.0) return nearest;
+  E r = E(float(__builtin_copysign(mag, truth)));
+  if (!__builtin_isfinite(float(r))) return nearest;
+  // Rounded past the bound: one step back towards the truth.
+  if (__builtin_fabs(double(float(r)) - truth) > err) {
+    using U = metal::conditional_t<sizeof(E) == 4, uint32_t, uint16_t>;
+    const U bits = __builtin_bit_cast(U, r);
+    r = __builtin_bit_cast(E, U(up ? bits - 1 : bits + 1));  // one step of magnitude
+  }
+  return r;
+}
+
+// `nearest` (= truth rounded to E) made as wrong as `ulps` ulps of E at the truth, or `abs_err`
+// when that is not 0, allow, in the direction the hash of (fn, x, y) picks.
+template <typename E>
+inline E worst(double truth, E nearest, Fn fn, float x, float y, double ulps, double abs_err) {
+  if (!steel_sim::worst_precision()) return nearest;
+  const bool up = (precision_hash(fn, x, y) >> 63) != 0;
+  const double err = abs_err != 0.0 ? abs_err : ulps * ulp_of<E>(truth);
+  return err == 0.0 ? nearest : farthest_within(truth, nearest, up, err);
+}
+
+// A function of the half-precision table: 1 ulp of half or bfloat from the binary32 result
+// (whose own error, 2^-24 relative, is far below half's ulp); float stays as computed (precise
+// float is what this project's shaders use, Metal built without fast math).
+template <typename E>
+inline E worst_half(float v, Fn fn, float x, float y = 0.0f) {
+  if constexpr (__is_same(E, float)) {
+    return v;
+  } else {
+    return worst(double(v), E(v), fn, x, y, 1.0, 0.0);
+  }
+}
+
+template <typename T, typename F>
+inline T map2_inexact(T x, T y, Fn fn, F f) {
+  using E = elem_t<T>;
+  if constexpr (vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < vinfo<T>::size; ++k) {
+      const float a = float(E(x[k])), b = float(E(y[k]));
+      r[k] = worst_half<E>(f(a, b), fn, a, b);
+    }
+    return r;
+  } else {
+    return worst_half<T>(f(float(x), float(y)), fn, float(x), float(y));
+  }
+}
+
+template <typename T, typename F>
+inline T map1_inexact(T x, Fn fn, F f) {
+  using E = elem_t<T>;
+  if constexpr (vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < vinfo<T>::size; ++k) {
+      const float v = float(E(x[k]));
+      r[k] = worst_half<E>(f(v), fn, v);
+    }
+    return r;
+  } else {
+    const float v = float(x);
+    return worst_half<T>(f(v), fn, v);
+  }
+}
+
 }  // namespace steel_shim
 
 namespace metal {
@@ -144,23 +262,31 @@ namespace metal {
   inline T name(T x) {                                                 \
     return steel_shim::map1(x, [](float v) -> float { return expr; }); \
   }
-STEEL_SHIM_UNARY(exp, __builtin_expf(v))
-STEEL_SHIM_UNARY(exp2, __builtin_exp2f(v))
-STEEL_SHIM_UNARY(exp10, __builtin_powf(10.0f, v))
-STEEL_SHIM_UNARY(log, __builtin_logf(v))
-STEEL_SHIM_UNARY(log2, __builtin_log2f(v))
-STEEL_SHIM_UNARY(log10, __builtin_log10f(v))
+// A function whose half-precision result may be 1 ulp off (steel_shim::worst_half).
+#define STEEL_SHIM_UNARY_INEXACT(name, expr)                                                 \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                 \
+  inline T name(T x) {                                                                       \
+    return steel_shim::map1_inexact(x, steel_shim::Fn::name,                                 \
+                                    [](float v) -> float { return expr; });                  \
+  }
+STEEL_SHIM_UNARY_INEXACT(exp, __builtin_expf(v))
+STEEL_SHIM_UNARY_INEXACT(exp2, __builtin_exp2f(v))
+STEEL_SHIM_UNARY_INEXACT(exp10, __builtin_powf(10.0f, v))
+STEEL_SHIM_UNARY_INEXACT(log, __builtin_logf(v))
+STEEL_SHIM_UNARY_INEXACT(log2, __builtin_log2f(v))
+STEEL_SHIM_UNARY_INEXACT(log10, __builtin_log10f(v))
 STEEL_SHIM_UNARY(sqrt, __builtin_sqrtf(v))
-STEEL_SHIM_UNARY(rsqrt, 1.0f / __builtin_sqrtf(v))
-STEEL_SHIM_UNARY(sin, __builtin_sinf(v))
-STEEL_SHIM_UNARY(cos, __builtin_cosf(v))
-STEEL_SHIM_UNARY(tan, __builtin_tanf(v))
-STEEL_SHIM_UNARY(asin, __builtin_asinf(v))
-STEEL_SHIM_UNARY(acos, __builtin_acosf(v))
-STEEL_SHIM_UNARY(atan, __builtin_atanf(v))
-STEEL_SHIM_UNARY(sinh, __builtin_sinhf(v))
-STEEL_SHIM_UNARY(cosh, __builtin_coshf(v))
-STEEL_SHIM_UNARY(tanh, __builtin_tanhf(v))
+STEEL_SHIM_UNARY_INEXACT(rsqrt, 1.0f / __builtin_sqrtf(v))
+STEEL_SHIM_UNARY_INEXACT(sin, __builtin_sinf(v))
+STEEL_SHIM_UNARY_INEXACT(cos, __builtin_cosf(v))
+STEEL_SHIM_UNARY_INEXACT(tan, __builtin_tanf(v))
+STEEL_SHIM_UNARY_INEXACT(asin, __builtin_asinf(v))
+STEEL_SHIM_UNARY_INEXACT(acos, __builtin_acosf(v))
+STEEL_SHIM_UNARY_INEXACT(atan, __builtin_atanf(v))
+STEEL_SHIM_UNARY_INEXACT(sinh, __builtin_sinhf(v))
+STEEL_SHIM_UNARY_INEXACT(cosh, __builtin_coshf(v))
+STEEL_SHIM_UNARY_INEXACT(tanh, __builtin_tanhf(v))
+#undef STEEL_SHIM_UNARY_INEXACT
 STEEL_SHIM_UNARY(erf, __builtin_erff(v))
 STEEL_SHIM_UNARY(floor, __builtin_floorf(v))
 STEEL_SHIM_UNARY(ceil, __builtin_ceilf(v))
@@ -203,10 +329,22 @@ inline T fract(T x) {
   inline T name(T x, steel_shim::elem_t<T> y) {                                                 \
     return name(x, T(y));                                                                       \
   }
-STEEL_SHIM_BINARY(pow, __builtin_powf(a, b))
-STEEL_SHIM_BINARY(powr, __builtin_powf(a, b))
+// Functions whose half-precision result may be 1 ulp off (steel_shim::worst_half).
+#define STEEL_SHIM_BINARY_INEXACT(name, expr)                                                   \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
+  inline T name(T x, T y) {                                                                     \
+    return steel_shim::map2_inexact(x, y, steel_shim::Fn::name,                                 \
+                                    [](float a, float b) -> float { return expr; });            \
+  }                                                                                             \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
+  inline T name(T x, steel_shim::elem_t<T> y) {                                                 \
+    return name(x, T(y));                                                                       \
+  }
+STEEL_SHIM_BINARY_INEXACT(pow, __builtin_powf(a, b))
+STEEL_SHIM_BINARY_INEXACT(powr, __builtin_powf(a, b))
+STEEL_SHIM_BINARY_INEXACT(atan2, __builtin_atan2f(a, b))
+#undef STEEL_SHIM_BINARY_INEXACT
 STEEL_SHIM_BINARY(fmod, __builtin_fmodf(a, b))
-STEEL_SHIM_BINARY(atan2, __builtin_atan2f(a, b))
 STEEL_SHIM_BINARY(copysign, __builtin_copysignf(a, b))
 STEEL_SHIM_BINARY(fmin, __builtin_fminf(a, b))
 STEEL_SHIM_BINARY(fmax, __builtin_fmaxf(a, b))
@@ -442,10 +580,66 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
 // fast::exp2(float) call.
 namespace fast {
 using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil,
-    metal::copysign, metal::cos, metal::cosh, metal::divide, metal::erf, metal::exp,
-    metal::exp10, metal::exp2, metal::fabs, metal::floor, metal::fma, metal::fmod, metal::fract,
-    metal::log, metal::log10, metal::log2, metal::pow, metal::powr, metal::rint, metal::round,
-    metal::rsqrt, metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
+    metal::copysign, metal::cosh, metal::erf, metal::fabs, metal::floor, metal::fma, metal::fmod,
+    metal::fract, metal::log10, metal::pow, metal::powr, metal::rint, metal::round, metal::sinh,
+    metal::sqrt, metal::tan, metal::tanh, metal::trunc;
+
+// The fast-math table's bounds for float (steel_shim::worst, measured from the function in
+// binary64); half and bfloat arguments get the metal:: function (fast:: changes only single
+// precision). `ulps` and `abs_err` are expressions of the argument x.
+#define STEEL_SHIM_FAST_INEXACT(name, exact, ulps, abs_err)                                  \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                               \
+  inline T name(T x) {                                                                     \
+    if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                              \
+      return metal::name(x);                                                               \
+    } else if constexpr (steel_shim::vinfo<T>::is_vector) {                                \
+      T r;                                                                                 \
+      for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::name(float(x[k])); \
+      return r;                                                                            \
+    } else {                                                                               \
+      return steel_shim::worst(exact, metal::name(x), steel_shim::Fn::name, x, 0.0f, ulps, \
+                               abs_err);                                                   \
+    }                                                                                      \
+  }
+#define STEEL_SHIM_IN(lo, hi) (x >= (lo) && x <= (hi))
+// exp, exp2, exp10: <= 3 + floor(fabs(2 * x)) ulp.
+STEEL_SHIM_FAST_INEXACT(exp, __builtin_exp(x), 3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
+STEEL_SHIM_FAST_INEXACT(exp2, __builtin_exp2(x), 3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
+STEEL_SHIM_FAST_INEXACT(exp10, __builtin_pow(10.0, x),
+                        3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
+// log: for x in [0.5, 2] an absolute error <= 2^-21, else <= 3 ulp; log2: 2^-22, else 2 ulp.
+STEEL_SHIM_FAST_INEXACT(log, __builtin_log(x), 3, STEEL_SHIM_IN(0.5f, 2.0f) ? 0x1p-21 : 0.0)
+STEEL_SHIM_FAST_INEXACT(log2, __builtin_log2(x), 2, STEEL_SHIM_IN(0.5f, 2.0f) ? 0x1p-22 : 0.0)
+// sin, cos: for x in [-pi, pi] an absolute error <= 2^-13 (the table gives no bound outside:
+// kept as computed there).
+STEEL_SHIM_FAST_INEXACT(sin, __builtin_sin(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
+STEEL_SHIM_FAST_INEXACT(cos, __builtin_cos(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
+// rsqrt: <= 2 ulp.
+STEEL_SHIM_FAST_INEXACT(rsqrt, 1.0 / __builtin_sqrt(x), 2, 0.0)
+#undef STEEL_SHIM_IN
+#undef STEEL_SHIM_FAST_INEXACT
+
+// divide: <= 2.5 ulp for y in [2^-126, 2^126].
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T divide(T x, T y) {
+  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
+    return metal::divide(x, y);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
+      r[k] = fast::divide(float(x[k]), float(y[k]));
+    }
+    return r;
+  } else {
+    const float ay = __builtin_fabsf(y);
+    const double ulps = ay >= 0x1p-126f && ay <= 0x1p126f ? 2.5 : 0.0;
+    return steel_shim::worst(double(x) / double(y), x / y, steel_shim::Fn::divide, x, y, ulps, 0.0);
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline T divide(T x, steel_shim::elem_t<T> y) {
+  return fast::divide(x, T(y));
+}
 
 namespace steel_fast {
 template <typename T>

@@ -300,6 +300,10 @@ class _Translator:
     def __init__(self, path: str):
         self.path = path
         self.branches: list[bool | None] = []
+        # Object-like macros of this file whose body makes a declaration constant
+        # (`#define C10_METAL_CONSTEXPR constant constexpr`): the pre-pass sees a declaration
+        # before the preprocessor expands them.
+        self.constant_macros: set[str] = set()
 
     # ------------------------------------------------------------------ expression rewrites
     def expressions(self, r: _Rewriter) -> None:
@@ -508,9 +512,10 @@ class _Translator:
     # ------------------------------------------------------------------ directives
     def conditional(self, word: str, text: str) -> None:
         """Tracks #if nesting: whether the current lines are seen by the Metal compiler
-        (False inside `#ifndef __METAL_VERSION__` and the like, None when unknown)."""
+        (False inside `#ifndef __METAL_VERSION__`, the `#else` of `#ifdef __METAL__` and the like,
+        None when unknown)."""
         rest = text.split(word, 1)[1]
-        mentions = "__METAL_VERSION__" in rest
+        mentions = re.search(r"\b__METAL(_VERSION)?__\b", rest) is not None
         negated = word == "ifndef" or "!" in rest
         if word in ("if", "ifdef", "ifndef"):
             self.branches.append((not negated) if mentions else None)
@@ -539,8 +544,10 @@ class _Translator:
             return tok.text
         if word != "define":
             return tok.text
-        head = re.match(r"[ \t]*#[ \t]*define[ \t]+\w+(\([^)]*\))?", tok.text)
+        head = re.match(r"[ \t]*#[ \t]*define[ \t]+(\w+)(\([^)]*\))?", tok.text)
         body = tok.text[head.end() :]
+        if head.group(2) is None and re.search(r"\b(const|constexpr|constant)\b", body):
+            self.constant_macros.add(head.group(1))
         r = _Rewriter(_tokenize(body, tok.line), self.path, in_directive=True)
         self.expressions(r)
         self.statements(r, in_directive=True)
@@ -613,6 +620,8 @@ class _Translator:
                 if nk is not None:
                     k = stmt_start = nk
                     continue
+            if s == ")" and scopes and scopes[-1] == "class" and not in_directive:
+                self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
             if s == "{":
@@ -671,7 +680,10 @@ class _Translator:
             j += 1
         if j >= len(r.sig) or r.t(j) in ("(", "{", ":") or len(words) < 2:
             return False  # a function, a definition with a body, a bit field, an expression
-        if any(w in ("const", "constexpr", "constant", "operator", "~") for w in words):
+        if any(
+            w in ("const", "constexpr", "constant", "operator", "~") or w in self.constant_macros
+            for w in words
+        ):
             return False
         if member and "static" not in words:
             return False
@@ -688,7 +700,11 @@ class _Translator:
                 depth += 1
             elif t == "(":
                 if depth == 0:
-                    return r.kind(j - 1) == "ident" and r.t(j - 2) not in (".", "->", "=", "(")
+                    return (
+                        r.kind(j - 1) == "ident"
+                        and r.t(j - 1) not in ("for", "if", "while", "switch")
+                        and r.t(j - 2) not in (".", "->", "=", "(")
+                    )
                 depth -= 1
             elif t in (";", "{", "}"):
                 return False
@@ -729,14 +745,21 @@ class _Translator:
 
     @staticmethod
     def scope_kind(r: _Rewriter, stmt_start: int, brace: int) -> str:
-        words = [r.t(j) for j in range(stmt_start, brace)]
-        if "namespace" in words or words[:1] == ["extern"]:
-            return "namespace"
-        if "=" in words or (words and words[-1] in (",", "(", "return")):
-            return "init"
         j = stmt_start
         if r.t(j) == "template" and r.t(j + 1) == "<":
-            j = r.match(j + 1) + 1
+            j = r.match(j + 1) + 1  # default template arguments are not initializers
+        words = [r.t(x) for x in range(j, brace)]
+        if "namespace" in words or words[:1] == ["extern"]:
+            return "namespace"
+        # `T x = {`, `f(a, {`: a braced initializer. An `=` inside parentheses is a default
+        # argument and `operator=` a name: the brace opens a function body.
+        depth = 0
+        for x, w in enumerate(words):
+            depth += (w in ("(", "[")) - (w in (")", "]"))
+            if w == "=" and depth == 0 and (x == 0 or words[x - 1] != "operator"):
+                return "init"
+        if words and words[-1] in (",", "(", "return"):
+            return "init"
         if r.t(j) in ("struct", "class", "union", "enum"):
             return "class"
         return "block"
@@ -776,6 +799,7 @@ class _Translator:
             while name_end < semi and r.t(name_end) != "<":
                 name_end += 1
             qual_parts = [r.t(x) for x in range(close + 1, name_end)]
+            args = r.flat(name_end + 1, r.match(name_end)) if name_end < semi else ""
         else:
             # The long form: template [[...]] [[kernel]] void f<...>(parameters...);
             paren = self.signature_paren(r, j, semi)
@@ -791,6 +815,7 @@ class _Translator:
                 start -= 2
             func = r.flat(start, paren)
             qual_parts = [r.t(x) for x in range(start, name_end)]
+            args = r.flat(name_end + 1, paren - 1)
         base = qual_parts[-1]
         qual = "".join(qual_parts[:-1])
         if host is None:
@@ -798,7 +823,11 @@ class _Translator:
         params = (
             f"{qual}__steel_kernel_ ## {base}" if r.in_directive else f"{qual}__steel_kernel_{base}"
         )
-        r.sub(k, stop, f"STEEL_SIM_REGISTER(({host}), {params}::params, {func})")
+        r.sub(
+            k,
+            stop,
+            f"STEEL_SIM_REGISTER(({host}), ({params}::template instance<{args}>), {func})",
+        )
         return stop
 
     @staticmethod
@@ -841,7 +870,7 @@ class _Translator:
                     raise r.error(marker, f"unsupported kernel attribute [[{name}]]")
         r.sub(marker, marker_end, "")
         # Attributes before the marker at the start of the declaration (e.g. [[host_name]]).
-        is_template = self.follows_template_head(r, marker)
+        head = self.template_head(r, marker)
         j = marker_end
         declared: list[str] = []  # the tokens before the parameter list, attributes left out
         while r.t(j) != "(":
@@ -886,17 +915,25 @@ class _Translator:
         plist = f"::steel_shim::plist<{', '.join(params)}>"
         if max_threads is not None:  # checked at launch, as Metal's pipeline limits it
             plist = f"::steel_shim::limited<({max_threads}), {plist}>"
-        struct = (
-            f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = {plist}; }};"
-        )
-        if not is_template:
-            struct += f" STEEL_SIM_REGISTER(({host}), __steel_kernel_{name}::params, {name})"
+        if head is None:
+            struct = (
+                f" struct __steel_kernel_{name} {{{''.join(conditions)} using params = {plist}; }};"
+                f" STEEL_SIM_REGISTER(({host}), (__steel_kernel_{name}::params), {name})"
+            )
+        else:
+            # Per instantiation (the limit may depend on the template parameters): an
+            # instantiation registers `instance<its template arguments>`.
+            struct = (
+                f" struct __steel_kernel_{name} {{{''.join(conditions)}"
+                f" template <{head}> using instance = {plist}; }};"
+            )
         r.add_after(body_end, struct)
         return close + 1
 
     @staticmethod
-    def follows_template_head(r: _Rewriter, k: int) -> bool:
-        """Whether `template <...>` (and maybe attributes) comes right before token k."""
+    def template_head(r: _Rewriter, k: int) -> str | None:
+        """The parameters of the `template <...>` (maybe followed by attributes) right before
+        token k, or None."""
         j = k - 1
         while r.t(j) == "]" and r.t(j - 1) == "]":
             depth = 0
@@ -908,15 +945,16 @@ class _Translator:
                 j -= 1
             j -= 1
         if r.t(j) != ">":
-            return False
+            return None
+        close = j
         depth = 0
         while j >= 0:
             depth += r.t(j) == ">"
             depth -= r.t(j) == "<"
             if depth == 0:
-                return r.t(j - 1) == "template"
+                return r.flat(j + 1, close) if r.t(j - 1) == "template" else None
             j -= 1
-        return False
+        return None
 
     def kernel_params(
         self, r: _Rewriter, a: int, b: int, struct: str
@@ -1023,6 +1061,75 @@ class _Translator:
             f"&__steel_fc_{name}> {name}{{}};",
         )
         return semi + 1
+
+    # ---- float f() const device { ... }: a member function for objects in an address space
+    def as_member(self, r: _Rewriter, close: int) -> None:
+        """C++ has no address-space-qualified member functions. `thread` (MSL's default) is
+        removed; for another space the function is renamed (an overload for thread objects may
+        sit beside it) and, after its body, an explicit-object template of the original name
+        for objects in that space calls it on the object seen as generic memory (the checkers
+        see accesses by address, whatever the space)."""
+        j = close + 1
+        spaces = []
+        while r.t(j) in ("const", "volatile", "device", "constant", "threadgroup", "thread"):
+            if r.t(j) in ("device", "constant", "threadgroup", "thread"):
+                spaces.append(j)
+            j += 1
+        if not spaces or r.t(j) != "{":
+            return
+        is_const = any(r.t(x) == "const" for x in range(close + 1, j))
+        depth, open_ = 0, close
+        while open_ >= 0:
+            depth += r.t(open_) == ")"
+            depth -= r.t(open_) == "("
+            if depth == 0:
+                break
+            open_ -= 1
+        if r.kind(open_ - 1) != "ident":
+            raise r.error(close, "unsupported address-space-qualified member function")
+        conversion = r.t(open_ - 2) == "operator"
+        name = ("operator " if conversion else "") + r.t(open_ - 1)
+        params = r.flat(open_ + 1, close)
+        names = []
+        depth, last = 0, None
+        for x in range(open_ + 1, close + 1):
+            t = r.t(x)
+            if t in ("(", "[", "<"):
+                depth += 1
+            elif t in (")", "]", ">") and x != close:
+                depth -= 1
+            if depth == 0 and (t == "," or x == close) and last is not None:
+                names.append(last)
+                last = None
+            elif depth == 0 and t == "=":
+                depth = -100  # a default argument: skip to the next parameter
+            elif depth < -50 and t == "," and x != close:
+                depth = 0
+            elif depth == 0 and r.kind(x) == "ident":
+                last = t
+        body_end = r.match(j)
+        space = r.t(spaces[0])
+        for x in spaces:
+            r.sub(x, x + 1, "")
+        if space == "thread":
+            return
+        renamed = f"__steel_{space}_" + (f"to_{r.t(open_ - 1)}" if conversion else name)
+        if conversion:
+            r.sub(open_ - 2, open_, f"{r.t(open_ - 1)} {renamed}")
+        else:
+            r.sub(open_ - 1, open_, renamed)
+        c = "const " if is_const else ""
+        self_param = f"this {c}{space} __SteelSelf& __steel_self"
+        target = f"(({c}__SteelSelf&)__steel_self).{renamed}({', '.join(names)})"
+        if conversion:
+            wrapper = f" template <class __SteelSelf> {name}({self_param}) {{ return {target}; }}"
+        else:
+            extra = f", {params}" if params else ""
+            wrapper = (
+                f" template <class __SteelSelf> decltype(auto) {name}({self_param}{extra})"
+                f" {{ return {target}; }}"
+            )
+        r.add_after(body_end, wrapper)
 
     # ---- threadgroup T name[N]; in a function body
     def threadgroup_decl(self, r: _Rewriter, k: int) -> int | None:

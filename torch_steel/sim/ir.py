@@ -1,6 +1,6 @@
 """Makes the memory intrinsics of a shader TU visible to the simulator's checkers.
 
-    python _sim_ir.py in.ll out.ll
+    python torch_steel/sim/ir.py in.ll out.ll
 
 Shader code is compiled with -fsanitize-coverage=trace-loads,trace-stores, which reports every
 load and store instruction, but not `llvm.memcpy` / `llvm.memmove` / `llvm.memset`: clang emits

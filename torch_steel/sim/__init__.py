@@ -8,6 +8,11 @@
 Kernel faults (out-of-bounds access, threadgroup-memory race, divergent barrier or simd op,
 resource limits) raise torch_steel.errors.SimulatorError naming the kernel; refused plans raise
 torch_steel.errors.PlanRefused.
+
+The front end of the simulator is this package: this module (planning and running),
+build.py (the on-demand build of mps_src/sim and the shaders), translate.py (the MSL source
+pre-pass) and ir.py (the IR pass that shows clang's memory intrinsics to the checkers). The
+execution half is C++ in mps_src/sim/.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from typing import Any
 
 import torch
 
-from torch_steel import _sim_build
 from torch_steel.errors import PlanRefused, SimulatorError
+from torch_steel.sim import build
 
 # steel::DType codes (mps_src/plan/plan.h).
 _DTYPES = {
@@ -47,7 +52,7 @@ _DTYPE_NAMES = {
 
 def available() -> bool:
     """True when clang-19 is installed and the simulator builds on this machine."""
-    return _sim_build.available()
+    return build.available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +160,7 @@ def plan(
     op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
 ) -> Plan:
     """The launch plan for `op` (refused plans have ok=False and a reason; nothing is raised)."""
-    ext = _sim_build.extension()
+    ext = build.extension()
     numbers, strings = _options(options)
     try:
         descs = [_desc(t) for t in tensors]
@@ -223,10 +228,10 @@ def _symbolize(message: str) -> str:
         found = []
         for function, location in zip(lines[0::2], lines[1::2], strict=False):
             path, _, rest = location.partition(":")
-            if path == "??" or Path(path).resolve().is_relative_to(_sim_build.SHIM):
+            if path == "??" or Path(path).resolve().is_relative_to(build.SHIM):
                 continue  # the shim's own frames say nothing about the kernel
             try:
-                path = str(Path(path).resolve().relative_to(_sim_build.ROOT))
+                path = str(Path(path).resolve().relative_to(build.ROOT))
             except ValueError:
                 pass
             found.append(f"{path}:{rest} ({function})")
@@ -238,8 +243,8 @@ def _symbolize(message: str) -> str:
     return _PC.sub(frames, message)
 
 
-def _call(lib: _sim_build.ShaderLibrary, fn, *args):
-    ext = _sim_build.extension()
+def _call(lib: build.ShaderLibrary, fn, *args):
+    ext = build.extension()
     try:
         return fn(lib.handle, *args)
     except ext.SimError as e:
@@ -278,8 +283,8 @@ def run_op(
     for a in p.allocations:
         slots.append(_allocate(a))
     raw_slots = [None if t is None else (t.data_ptr(), _extent_bytes(t)) for t in slots]
-    lib = _sim_build.shader_library()
-    ext = _sim_build.extension()
+    lib = build.shader_library()
+    ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
     raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers)
     outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
@@ -334,8 +339,8 @@ def run_kernel(
         else:
             raise TypeError(f"constant {index}: expected bool, int or float, got {v!r}")
     raw_tgmem = [(int(i), int(n)) for i, n in sorted((threadgroup_memory or {}).items())]
-    lib = _sim_build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs])
-    ext = _sim_build.extension()
+    lib = build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs])
+    ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
     raw = _call(
         lib, ext.launch, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3, use_checkers

@@ -9,7 +9,7 @@ and a library already loaded by another process (pytest-xdist) is never overwrit
   ext-<hash>/                     the pybind module (mps_src/sim/python/module.cpp) built with
                                   torch.utils.cpp_extension; links the runtime by soname
   lib-<hash>/lib/*.so            translated shaders (a mirror of shaders/ rewritten by
-                                  torch_steel._sim_translate), one TU per .metal file, compiled
+                                  torch_steel.sim.translate), one TU per .metal file, compiled
                                   with -fsanitize-coverage so every load and store reaches the
                                   checkers (mps_src/sim/shader/callbacks.cpp is linked in)
   test-<hash>/lib/*.so           the same for run_kernel's test-only .metal files
@@ -37,7 +37,8 @@ from pathlib import Path
 
 from torch_steel.errors import SimulatorError
 
-PACKAGE = Path(__file__).resolve().parent
+FRONT = Path(__file__).resolve().parent  # torch_steel/sim: the front end
+PACKAGE = FRONT.parent
 # A checkout (pip install -e .) has the native sources beside the package; a regular install
 # carries a copy of them in the package (setup.py, NATIVE_SOURCES).
 _CHECKOUT = PACKAGE.parent
@@ -317,10 +318,10 @@ def extension():
 
 def _translator():
     try:
-        from torch_steel._sim_translate import translate
+        from torch_steel.sim.translate import translate
     except ImportError as e:
         raise SimulatorError(
-            f"the shader pre-pass torch_steel._sim_translate is missing: {e}"
+            f"the shader pre-pass torch_steel.sim.translate is missing: {e}"
         ) from None
     return translate
 
@@ -363,9 +364,9 @@ def _shader_lib(
         f" -include {_q(SIM_SRC / 'shader_prelude.h')}"
     )
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
-    # Optimized IR, its memory intrinsics made visible to the checkers (_sim_ir.py), then
+    # Optimized IR, its memory intrinsics made visible to the checkers (sim/ir.py), then
     # machine code from that IR without optimizing it again.
-    memops = f"{_q(sys.executable)} {_q(PACKAGE / '_sim_ir.py')}"
+    memops = f"{_q(sys.executable)} {_q(FRONT / 'ir.py')}"
     rules = (
         f"rule ll\n  command = $cxx -x c++ {flags} -S -emit-llvm $in -o $out 2> $log\n"
         f"rule memops\n  command = {memops} $in $out 2>> $log\n"
@@ -527,7 +528,7 @@ def _load(lib_dir: Path) -> ShaderLibrary:
 
 
 def _lang_inputs() -> list[Path]:
-    helpers = [PACKAGE / "_sim_translate.py", PACKAGE / "_sim_ir.py"]
+    helpers = [FRONT / "translate.py", FRONT / "ir.py"]
     return _files(SHIM, "*") + [h for h in helpers if h.exists()]
 
 
@@ -612,7 +613,7 @@ def test_library(sources: list[Path], include_dirs: list[Path] = ()) -> ShaderLi
     return lib
 
 
-if __name__ == "__main__":  # python -m torch_steel._sim_build: build everything, print where
+if __name__ == "__main__":  # python -m torch_steel.sim.build: build everything, print where
     print(runtime_dir(), file=sys.stderr)
     extension()
     shader_library()
