@@ -416,8 +416,9 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   const TensorList forward_tensors = {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]};
   const Plan fwd = plan_attention(forward_tensors, options);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
-  if (options.number("mask_grad", 0.0) != 0.0) {
-    return Plan::refuse("sdpa_backward: the gradient of attn_mask is not in the Metal kernels yet");
+  const bool mask_grad = options.number("mask_grad", 0.0) != 0.0;
+  if (mask_grad && (!tensors[6] || tensors[6]->dtype == DType::Bool)) {
+    return Plan::refuse("sdpa_backward: mask_grad needs a float attn_mask");
   }
   Plan plan;
   for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);
@@ -472,7 +473,8 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   const bool has_sinks = tensors[7].has_value();
   const int32_t first = static_cast<int32_t>(tensors.size());
   const int32_t kSlotDq = first, kSlotDk = first + 1, kSlotDv = first + 2;
-  const int32_t kSlotDsinks = first + 3, kSlotDelta = first + (has_sinks ? 4 : 3);
+  const int32_t kSlotDsinks = first + 3, kSlotDmask = first + (has_sinks ? 4 : 3);
+  const int32_t kSlotDelta = kSlotDmask + (mask_grad ? 1 : 0);
   auto output = [&](const char* name, DType dtype, std::vector<int64_t> sizes) {
     Allocation a;
     a.name = name;
@@ -486,6 +488,10 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   output("dk", dtype, tensors[2]->sizes);
   output("dv", dtype, tensors[3]->sizes);
   if (has_sinks) output("dsinks", tensors[7]->dtype, tensors[7]->sizes);
+  if (mask_grad) {
+    output("dmask", tensors[6]->dtype, tensors[6]->sizes);
+    plan.allocations.back().zero_init = empty || S == 0;  // no key: no dS to sum
+  }
   Allocation delta;
   delta.name = "delta";
   delta.dtype = DType::Float32;
@@ -505,17 +511,21 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   AttnParams& p = bp.fwd;
   bp.scale = static_cast<float>(options.number("scale", 1.0 / std::sqrt(double(E))));
   bp.batch = static_cast<int32_t>(batch_count);
-  std::vector<int64_t> mask_strides(nd, 0);
+  // The mask as read, and dmask: contiguous in the mask's shape, 0 where the mask broadcasts.
+  std::vector<int64_t> mask_strides(nd, 0), dm_strides(nd, 0);
   if (tensors[6]) {
     std::vector<int64_t> full = batch;
     full.insert(full.end(), {Hq, L, S});
     broadcast_strides(*tensors[6], full, &mask_strides);
+    broadcast_strides(tensors[6]->contiguous(), full, &dm_strides);
   }
-  std::vector<std::vector<int64_t>> merged;  // per merged dim: size, q, k, v, mask, grad, out
+  // per merged dim: size, q, k, v, mask, grad, out, dmask
+  std::vector<std::vector<int64_t>> merged;
   for (int64_t d = 0; d < nd - 3; ++d) {
     if (batch[d] == 1) continue;
-    std::vector<int64_t> dim = {batch[d],          q.strides[d],    k.strides[d], v.strides[d],
-                                mask_strides[d],   grad.strides[d], out.strides[d]};
+    std::vector<int64_t> dim = {batch[d],        q.strides[d],    k.strides[d],
+                                v.strides[d],    mask_strides[d], grad.strides[d],
+                                out.strides[d],  dm_strides[d]};
     if (!merged.empty()) {
       std::vector<int64_t>& o = merged.back();
       bool joins = true;
@@ -541,7 +551,16 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     p.m_bs[d] = merged[d][4];
     bp.g_bs[d] = merged[d][5];
     bp.y_bs[d] = merged[d][6];
+    bp.dm_bs[d] = merged[d][7];
   }
+  // dmask's threadgroups: one per element of the batch and head dims it keeps; each sums the
+  // (batch, head) pairs it broadcasts over.
+  bp.dm_hs = dm_strides[nd - 3];
+  int64_t dm_entries = bp.dm_hs != 0 ? Hq : 1;
+  for (size_t d = 0; d < merged.size(); ++d) dm_entries *= merged[d][7] != 0 ? merged[d][0] : 1;
+  bp.dm_rs = dm_strides[nd - 2];
+  bp.dm_cs = dm_strides[nd - 1];
+  bp.dm_combos = static_cast<int32_t>(batch_count * Hq / dm_entries);
   bp.g_hs = grad.strides[nd - 3];
   bp.g_rs = grad.strides[nd - 2];
   bp.y_hs = out.strides[nd - 3];
@@ -626,6 +645,23 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     ds.threads[0] = 32;
     plan.dispatches.push_back(ds);
   }
+
+  if (mask_grad && S > 0) {
+    const bool rows = bp.dm_rs == 0, keys = bp.dm_cs == 0;
+    Dispatch dm;
+    dm.kernel = "steel_attention_bwd_dmask_" + tag;
+    dm.constants = constants;
+    dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_ROWS, rows));
+    dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_KEYS, keys));
+    dm.bindings = inputs;
+    dm.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DMASK, kSlotDmask));
+    dm.bindings.push_back(params);
+    dm.grid[0] = static_cast<uint32_t>(rows ? 1 : ceil_div(L, STEEL_ATTN_BQ));
+    dm.grid[1] = static_cast<uint32_t>(keys ? 1 : ceil_div(S, bk));
+    dm.grid[2] = static_cast<uint32_t>(dm_entries);
+    dm.threads[0] = static_cast<uint32_t>(attn::kThreads);
+    plan.dispatches.push_back(dm);
+  }  // without keys the mask has no elements, or broadcasts over S = 0 keys: dmask = 0
   return plan;
 }
 

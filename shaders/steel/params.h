@@ -234,6 +234,10 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 // alignment, mask, diagonals, softcap, batch).
 #define STEEL_ATTN_FC_GRAD_LSE 320  // bool: the lse output has a gradient (delta -= grad_lse)
 #define STEEL_ATTN_FC_ALIGN_Q 321   // bool: L % the dK/dV kernel's query tile == 0
+// The dmask kernel's sums: the float attn_mask broadcasts over query rows (its row dim is 1),
+// or over keys, so that each of its elements gathers dS over that whole dim.
+#define STEEL_ATTN_FC_DMASK_ROWS 322  // bool
+#define STEEL_ATTN_FC_DMASK_KEYS 323  // bool
 
 // Buffer indices of the backward kernels (q, k, v, mask, sinks as in the forward).
 #define STEEL_ATTN_BUF_GRAD_OUT 8
@@ -246,6 +250,7 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #define STEEL_ATTN_BUF_DV 15
 #define STEEL_ATTN_BUF_DSINKS 16
 #define STEEL_ATTN_BUF_BWD_PARAMS 17
+#define STEEL_ATTN_BUF_DMASK 18    // the gradient of a float attn_mask, in the mask's shape
 
 // Rows of the delta pre-pass per threadgroup (one simdgroup a row).
 #define STEEL_ATTN_DELTA_ROWS 4
@@ -263,11 +268,23 @@ struct AttnBackwardParams {
   steel_i64 y_bs[STEEL_ATTN_MAX_BATCH_DIMS];  // the forward's out: batch, head, row strides
   steel_i64 y_hs;
   steel_i64 y_rs;
+  // dmask (contiguous in the mask's own shape): strides per merged batch dim, head, row, key,
+  // 0 along every dim the mask broadcasts over. Its threadgroups own the mask's elements
+  // (grid z: one per element of its kept batch and head dims) and sum dS over the broadcast
+  // (batch, head) pairs in a fixed order: dm_combos of them.
+  steel_i64 dm_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 dm_hs;
+  steel_i64 dm_rs;
+  steel_i64 dm_cs;
+  int32_t dm_combos;
+  int32_t pad_;
 };
 
-static_assert(sizeof(AttnBackwardParams) == 416, "AttnBackwardParams layout changed");
+static_assert(sizeof(AttnBackwardParams) == 480, "AttnBackwardParams layout changed");
 #ifndef __METAL_VERSION__
 static_assert(offsetof(AttnBackwardParams, scale) == 312, "AttnBackwardParams.scale moved");
 static_assert(offsetof(AttnBackwardParams, g_bs) == 320, "AttnBackwardParams.g_bs moved");
 static_assert(offsetof(AttnBackwardParams, y_bs) == 368, "AttnBackwardParams.y_bs moved");
+static_assert(offsetof(AttnBackwardParams, dm_bs) == 416, "AttnBackwardParams.dm_bs moved");
+static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParams.dm_combos");
 #endif

@@ -1,7 +1,9 @@
-// Steel attention backward kernels (see backward.h): the delta pre-pass, dK/dV, dQ and dsinks.
+// Steel attention backward kernels (see backward.h): the delta pre-pass, dK/dV, dQ, dmask and
+// dsinks.
 //
 // Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
-// steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dsinks_<dtype>. The head-dim
+// steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dmask_<dtype>_e<DE>_v<DV>,
+// steel_attention_bwd_dsinks_<dtype>. The head-dim
 // pairs are the forward's (attention.metal) where both tiles fit without sharing a buffer:
 // float16 and bfloat16 up to 256, float32 up to 128; mps_src/plan/attention_plan.cpp refuses
 // the others.
@@ -67,6 +69,25 @@ template <typename T, short DE, short DV>
                                     simdgroup, lane);
 }
 
+template <typename T, short DE, short DV>
+[[kernel]] void steel_attention_bwd_dmask(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]], const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device T* v [[buffer(STEEL_ATTN_BUF_V)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
+    const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    device uchar* dmask [[buffer(STEEL_ATTN_BUF_DMASK)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
+  threadgroup float red[STEEL_ATTN_SIMDGROUPS * AttnBackward<T, DE, DV>::BK];
+  attention_bwd_dmask_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dmask, params, smem,
+                                       red, tg, simdgroup, lane);
+}
+
 template <typename T>
 [[kernel]] void steel_attention_bwd_dsinks(
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
@@ -84,7 +105,9 @@ template <typename T>
   template [[host_name("steel_attention_bwd_dkdv_" #tname "_e" #de "_v" #dv)]] [[kernel]] \
   decltype(steel_attention_bwd_dkdv<T, de, dv>) steel_attention_bwd_dkdv<T, de, dv>;     \
   template [[host_name("steel_attention_bwd_dq_" #tname "_e" #de "_v" #dv)]] [[kernel]]   \
-  decltype(steel_attention_bwd_dq<T, de, dv>) steel_attention_bwd_dq<T, de, dv>;
+  decltype(steel_attention_bwd_dq<T, de, dv>) steel_attention_bwd_dq<T, de, dv>;         \
+  template [[host_name("steel_attention_bwd_dmask_" #tname "_e" #de "_v" #dv)]] [[kernel]] \
+  decltype(steel_attention_bwd_dmask<T, de, dv>) steel_attention_bwd_dmask<T, de, dv>;
 
 #define STEEL_ATTN_BWD_DTYPE(tname, T)                                                        \
   template [[host_name("steel_attention_bwd_delta_" #tname)]] [[kernel]]                      \

@@ -14,6 +14,8 @@
 //   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
 //      and streams the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 //   4. dsinks (with sinks): per head, -sum over rows of exp(sink - lse) * delta, one simdgroup.
+//   5. dmask (a float attn_mask that requires grad): dS itself, summed over the dims the mask
+//      broadcasts over by the threadgroup that owns each mask element.
 // Causal and window bounds skip the same tiles as the forward, in both directions. Softcap
 // multiplies dS by its derivative 1 - tanh^2; dQ and dK get the softmax scale when stored.
 #pragma once
@@ -31,6 +33,8 @@ using namespace metal;
 
 constant bool attn_grad_lse [[function_constant(STEEL_ATTN_FC_GRAD_LSE)]];
 constant bool attn_align_q [[function_constant(STEEL_ATTN_FC_ALIGN_Q)]];
+constant bool attn_dmask_rows [[function_constant(STEEL_ATTN_FC_DMASK_ROWS)]];
+constant bool attn_dmask_keys [[function_constant(STEEL_ATTN_FC_DMASK_KEYS)]];
 // A log-sum-exp in nats, in the score unit (score.h).
 constant float attn_units_per_nat = 1.0f / attn_unit_nats;
 
@@ -263,6 +267,72 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   attn_store_row_frags<T, A::TV>(dv + at * p.Ev, dvf, p.Ev, attn_align_ev, 1.0f, lane);
 }
 
+// The lane's query row for the dQ and dmask kernels: Q (scaled as in the forward, score.h) and
+// dO in registers, and the row's lse, delta and 1 / normaliser (0 and -inf past L).
+template <typename T, short TD, short TV>
+inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>& gf,
+                              thread float& lse_row, thread float& delta_row,
+                              thread float& norm_row, const device T* q,
+                              const device T* grad_out, const device float* lse,
+                              const device float* delta, constant AttnBackwardParams& bp, int zb,
+                              int h, int row, bool row_ok, ushort lane) {
+  constant AttnParams& p = bp.fwd;
+  attn_load_row_frags<T, TD>(qf, q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs +
+                                     row * p.q_rs,
+                             row_ok, p.E, attn_align_e, p.q_scale, lane);
+  attn_load_row_frags<T, TV>(gf, grad_out + attn_batch_offset(p, bp.g_bs, zb) + h * bp.g_hs +
+                                     row * bp.g_rs,
+                             row_ok, p.Ev, attn_align_ev, 1.0f, lane);
+  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  lse_row = row_ok ? lse[at] : -INFINITY;
+  delta_row = row_ok ? delta[at] : 0.0f;
+  norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
+}
+
+// dS at the score level for one lane's row against a key tile (the forward's orientation): with
+// Q and dO of the row in registers and the K and V tiles in threadgroup memory, S = Q K^T and P
+// as the forward computes them, dP = dO V^T, dS = P (dP o Z - delta). dS is the gradient of the
+// additive mask (added after the softcap); `slope` receives the softcap's derivative 1 - tanh^2,
+// which dQ (and dK) take on top. `bh` is the dropout's batch-head index.
+template <typename T, short kLdE, short kLdV, short TD, short TV, short TK>
+inline void attn_bwd_score_grads(thread FragTile<1, TK>& ds, thread FragTile<1, TK>& slope,
+                                 thread const FragTile<1, TD>& qf,
+                                 thread const FragTile<1, TV>& gf, const threadgroup T* Ks,
+                                 const threadgroup T* Vs, constant AttnParams& p, AttnExtent ext,
+                                 int row, int key0, bool row_ok, const device uchar* mask,
+                                 steel_i64 mask_row, bool edge, float lse_row, float norm_row,
+                                 float delta_row, uint bh, ushort lane) {
+  const short fc = frag_col(lane);
+  FragTile<1, TK> ps;
+  ps.clear();
+  attn_mma_bt<T, kLdE>(ps, qf, Ks, lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int key = key0 + j * 8 + fc + e;
+      float th = 0.0f;
+      const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok,
+                                    mask, mask_row + key * p.m_cs, edge, th);
+      ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
+      slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
+    }
+  }
+  ds.clear();
+  attn_mma_bt<T, kLdV>(ds, gf, Vs, lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+    const float2 z = attn_dropout ? attn_dropout_pair(p, bh, row, key0 + j * 8 + fc)
+                                  : float2(1.0f);
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const float pv = ps.frag[j].thread_elements()[e];
+      const float dp = ds.frag[j].thread_elements()[e] * z[e];
+      ds.frag[j].thread_elements()[e] = pv * (dp - delta_row);
+    }
+  }
+}
+
 template <typename T, short DE, short DV>
 inline void attention_bwd_dq_block(const device T* q, const device T* k, const device T* v,
                                    const device uchar* mask, const device T* grad_out,
@@ -284,19 +354,12 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
   v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
 
-  // Q (scaled as in the forward, score.h) and dO of the lane's row in registers.
   FragTile<1, A::TD> qf;
   FragTile<1, A::TV> gf;
-  attn_load_row_frags<T, A::TD>(qf, q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs +
-                                        row * p.q_rs,
-                                row_ok, p.E, attn_align_e, p.q_scale, lane);
-  attn_load_row_frags<T, A::TV>(gf, grad_out + attn_batch_offset(p, bp.g_bs, zb) +
-                                        h * bp.g_hs + row * bp.g_rs,
-                                row_ok, p.Ev, attn_align_ev, 1.0f, lane);
+  float lse_row, delta_row, norm_row;
+  attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp, zb, h,
+                       row, row_ok, lane);
   const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
-  const float lse_row = row_ok ? lse[at] : -INFINITY;
-  const float delta_row = row_ok ? delta[at] : 0.0f;
-  const float norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
   FragTile<1, A::TD> dqf;
   dqf.clear();
 
@@ -320,38 +383,15 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
                      attn_vec_v, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // S = Q K^T and P, as the forward computes them.
-    FragTile<1, A::TK> ps;
-    ps.clear();
-    attn_mma_bt<T, A::kLdE>(ps, qf, Ks, lane);
-    FragTile<1, A::TK> slope;
-#pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-#pragma clang loop unroll(full)
-      for (short e = 0; e < 2; ++e) {
-        const int key = key0 + j * 8 + fc + e;
-        float th = 0.0f;
-        const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok, mask,
-                                      mask_row + key * p.m_cs, edge, th);
-        ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
-        slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
-      }
-    }
-    // dP = dO V^T, dS = P (dP - delta) times the softcap slope.
     FragTile<1, A::TK> ds;
-    ds.clear();
-    attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
+    FragTile<1, A::TK> slope;
+    attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
+                                              row_ok, mask, mask_row, edge, lse_row, norm_row,
+                                              delta_row, uint(zb) * uint(p.Hq) + uint(h), lane);
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
-      const float2 z = attn_dropout ? attn_dropout_pair(p, uint(zb) * uint(p.Hq) + uint(h), row,
-                                                        key0 + j * 8 + fc)
-                                    : float2(1.0f);
-#pragma clang loop unroll(full)
-      for (short e = 0; e < 2; ++e) {
-        const float pv = ps.frag[j].thread_elements()[e];
-        const float dp = ds.frag[j].thread_elements()[e] * z[e];
-        ds.frag[j].thread_elements()[e] = pv * (dp - delta_row) * slope.frag[j].thread_elements()[e];
-      }
+      ds.frag[j].thread_elements()[0] *= slope.frag[j].thread_elements()[0];
+      ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
     }
     // dQ += dS K.
     attn_mma_b<T, A::kLdE>(dqf, ds, Ks, lane);
@@ -359,6 +399,183 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
 
   if (!row_ok) return;  // no barrier follows
   attn_store_row_frags<T, A::TD>(dq + at * p.E, dqf, p.E, attn_align_e, bp.scale, lane);
+}
+
+// (batch entry, head) of the pair `combo` summed into dmask's threadgroup `entry`, and dmask's
+// element offset of that entry. Merged batch dims and the head dim are mixed-radix digits,
+// innermost (the head) first: the digits of dims dmask keeps come from `entry`, the others from
+// `combo`.
+inline void attn_dmask_pair(constant AttnBackwardParams& bp, int entry, int combo,
+                            thread int& zb, thread int& h, thread steel_i64& dm_off) {
+  constant AttnParams& p = bp.fwd;
+  const bool keep_h = bp.dm_hs != 0;
+  h = keep_h ? entry % p.Hq : combo % p.Hq;
+  if (keep_h) {
+    entry /= p.Hq;
+  } else {
+    combo /= p.Hq;
+  }
+  dm_off = h * bp.dm_hs;
+  zb = 0;
+  int step = 1;
+  if (attn_has_batch) {
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      const int size = p.batch_shape[d];
+      const bool keep = bp.dm_bs[d] != 0;
+      const int i = keep ? entry % size : combo % size;
+      if (keep) {
+        entry /= size;
+      } else {
+        combo /= size;
+      }
+      zb += i * step;
+      step *= size;
+      dm_off += i * bp.dm_bs[d];
+    }
+  }
+}
+
+// dmask, the gradient of a float attn_mask (dS at the score level, attn_bwd_score_grads), in
+// the mask's own shape. A threadgroup owns BQ rows by BK keys of one element of the mask's
+// batch and head dims (or every row, every key along a dim the mask broadcasts over, with
+// STEEL_ATTN_FC_DMASK_ROWS / _KEYS), and adds dS of every (batch, head) pair the mask
+// broadcasts over into fp32 registers in a fixed order; rows and keys are then summed across
+// lanes (and, for rows, across simdgroups through `red`) in a fixed order too: no atomics,
+// deterministic, and no scratch of B * H * L * S. Q and dO rows are read from device memory for
+// each key tile they meet, K and V tiles for each row block: O(L S) of traffic per pair, paid
+// only when the mask's gradient is asked for.
+template <typename T, short DE, short DV>
+inline void attention_bwd_dmask_block(const device T* q, const device T* k, const device T* v,
+                                      const device uchar* mask, const device T* grad_out,
+                                      const device float* lse, const device float* delta,
+                                      device uchar* dmask, constant AttnBackwardParams& bp,
+                                      threadgroup T* smem, threadgroup float* red, uint3 tg,
+                                      ushort simdgroup, ushort lane) {
+  using A = AttnBackward<T, DE, DV>;
+  constant AttnParams& p = bp.fwd;
+  const AttnExtent ext = attn_dense_extent(p);
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  const int rb_begin = attn_dmask_rows ? 0 : int(tg.x);
+  const int rb_end = attn_dmask_rows ? (p.L + A::BQ - 1) / A::BQ : rb_begin + 1;
+  const int kt_begin = attn_dmask_keys ? 0 : int(tg.y);
+  const int kt_end = attn_dmask_keys ? (p.S + A::BK - 1) / A::BK : kt_begin + 1;
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + A::kEElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+
+  FragTile<1, A::TK> acc;
+  acc.clear();
+  steel_i64 dm_off = 0;
+  bool first = true;
+  for (int c = 0; c < bp.dm_combos; ++c) {
+    int zb, h;
+    attn_dmask_pair(bp, int(tg.z), c, zb, h, dm_off);
+    const int hk = h / p.group;
+    const device T* k_h = k + attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
+    const device T* v_h = v + attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+    for (int rb = rb_begin; rb < rb_end; ++rb) {
+      const int row0 = rb * A::BQ;
+      const int row = row0 + simdgroup * 8 + fr;
+      const bool row_ok = attn_align_l || row < p.L;
+      FragTile<1, A::TD> qf;
+      FragTile<1, A::TV> gf;
+      float lse_row, delta_row, norm_row;
+      attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp,
+                           zb, h, row, row_ok, lane);
+      const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+      const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+      int t_begin, t_end;  // the visible tiles (the others have dS = 0) among the owned ones
+      attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
+      t_begin = max(t_begin, kt_begin);
+      t_end = min(t_end, kt_end);
+      for (int t = t_begin; t < t_end; ++t) {
+        const int key0 = t * A::BK;
+        const short valid = short(min(int(A::BK), p.S - key0));
+        const bool whole = attn_align_s || valid == A::BK;
+        const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
+        if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
+        first = false;
+        A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E),
+                         whole && attn_align_e, attn_vec_k, thread_index);
+        A::LoaderV::load(Vs, v_h + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+                         whole && attn_align_ev, attn_vec_v, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        FragTile<1, A::TK> ds;
+        FragTile<1, A::TK> slope;
+        attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
+                                                  row_ok, mask, mask_row, edge, lse_row,
+                                                  norm_row, delta_row,
+                                                  uint(zb) * uint(p.Hq) + uint(h), lane);
+#pragma clang loop unroll(full)
+        for (short j = 0; j < A::TK; ++j) {
+          acc.frag[j].thread_elements()[0] += ds.frag[j].thread_elements()[0];
+          acc.frag[j].thread_elements()[1] += ds.frag[j].thread_elements()[1];
+        }
+      }
+    }
+  }
+
+  // Keys broadcast: the row's sum over the lane's keys, then over the four lanes of the row
+  // (lane bits 0 and 3, fragment.h's map); it goes to key 0.
+  if (attn_dmask_keys) {
+    float sum = 0.0f;
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+      sum += acc.frag[j].thread_elements()[0] + acc.frag[j].thread_elements()[1];
+    }
+    sum += simd_shuffle_xor(sum, ushort(1));
+    sum += simd_shuffle_xor(sum, ushort(8));
+    acc.clear();
+    acc.frag[0].thread_elements()[0] = sum;
+  }
+  // Rows broadcast: each column's sum over the simdgroup's 8 rows (lane bits 1, 2, 4), then over
+  // the simdgroups in order; the sums go to row 0 of simdgroup 0.
+  if (attn_dmask_rows) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        float x = acc.frag[j].thread_elements()[e];
+        x += simd_shuffle_xor(x, ushort(2));
+        x += simd_shuffle_xor(x, ushort(4));
+        x += simd_shuffle_xor(x, ushort(16));
+        if (fr == 0) red[simdgroup * A::BK + j * 8 + fc + e] = x;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (simdgroup != 0) return;  // no barrier follows
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        float x = 0.0f;
+        for (short g = 0; g < STEEL_ATTN_SIMDGROUPS; ++g) x += red[g * A::BK + j * 8 + fc + e];
+        acc.frag[j].thread_elements()[e] = x;
+      }
+    }
+  }
+
+  const int row = attn_dmask_rows ? fr : int(tg.x) * A::BQ + simdgroup * 8 + fr;
+  const int rows = attn_dmask_rows ? 1 : p.L;
+  const int keys = attn_dmask_keys ? 1 : p.S;
+  if (row >= rows) return;
+  const bool f32 = attn_mask == kSteelAttnMaskAddF32;
+#pragma clang loop unroll(full)
+  for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int key = (attn_dmask_keys ? 0 : int(tg.y) * A::BK) + j * 8 + fc + e;
+      if (key >= keys) continue;
+      const steel_i64 at = dm_off + row * bp.dm_rs + key * bp.dm_cs;
+      const float x = acc.frag[j].thread_elements()[e];
+      if (f32) {
+        ((device float*)dmask)[at] = x;
+      } else {
+        ((device T*)dmask)[at] = T(x);
+      }
+    }
+  }
 }
 
 // dsinks[h] = sum over the batch's rows of exp(sink - lse) * (grad_lse - delta'), where the
