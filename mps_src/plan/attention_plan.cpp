@@ -451,10 +451,11 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     const size_t e_at = tag.find("_e"), v_at = tag.find("_v");
     const int de = std::stoi(tag.substr(e_at + 2, v_at - e_at - 2));
     const int dv = std::stoi(tag.substr(v_at + 2));
-    if (steel_attn_shared_kv(de, dv, es)) {
+    if (steel_attn_bwd_bk(de, dv, es) == 0) {
       return Plan::refuse(std::string("sdpa_backward: head dims ") + std::to_string(E) + "/" +
-                          std::to_string(Ev) + " in " + dtype_name(dtype) +
-                          " need more threadgroup memory than the backward tiles have");
+                          std::to_string(Ev) + " in " + dtype_name(dtype) + " need more than " +
+                          std::to_string(STEEL_ATTN_TG_BUDGET) +
+                          " bytes of threadgroup memory for two 8-row backward tiles");
     }
   }
   std::vector<int64_t> rows = batch;
@@ -572,7 +573,7 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     if (c.index != STEEL_ATTN_FC_HAS_BATCH) constants.push_back(c);
   }
   constants.push_back(fc_bool(STEEL_ATTN_FC_HAS_BATCH, !merged.empty()));
-  const int64_t bk = steel_attn_bk(std::stoi(tag.substr(tag.find("_e") + 2)),
+  const int64_t bk = steel_attn_bwd_bk(std::stoi(tag.substr(tag.find("_e") + 2)),
                                    std::stoi(tag.substr(tag.find("_v") + 2)), es);
   constants.push_back(fc_bool(STEEL_ATTN_FC_GRAD_LSE, has_grad_lse));
   constants.push_back(fc_bool(STEEL_ATTN_FC_ALIGN_Q, L % bk == 0));

@@ -172,6 +172,17 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
              : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
 }
 
+// The backward kernels keep both tiles of a step resident (Q and dO rows in the dK/dV kernel, K
+// and V in the dQ and dmask kernels): their tile is the largest of 32, 16, 8 rows for which the
+// two separate tiles fit the forward's budget, smaller than the forward's where the forward
+// shares one buffer; 0 where none fits (float32 at head dim 512, which the planner refuses).
+constexpr int steel_attn_bwd_bk(int de, int dv, int elem_bytes) {
+  return steel_attn_separate_bytes(32, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET   ? 32
+         : steel_attn_separate_bytes(16, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 16
+         : steel_attn_separate_bytes(8, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET  ? 8
+                                                                                     : 0;
+}
+
 // Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;
 // strides and offsets are 64-bit (see steel_i64). Strides are in elements.
 //

@@ -3,10 +3,9 @@
 //
 // Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dmask_<dtype>_e<DE>_v<DV>,
-// steel_attention_bwd_dsinks_<dtype>. The head-dim
-// pairs are the forward's (attention.metal) where both tiles fit without sharing a buffer:
-// float16 and bfloat16 up to 256, float32 up to 128; mps_src/plan/attention_plan.cpp refuses
-// the others.
+// steel_attention_bwd_dsinks_<dtype>. The head-dim pairs are the forward's (attention.metal)
+// where a backward tile fits (params.h's steel_attn_bwd_bk): all of them but float32 at 512,
+// which mps_src/plan/attention_plan.cpp refuses.
 #include <metal_stdlib>
 
 #include "../params.h"
@@ -122,7 +121,7 @@ template <typename T>
   STEEL_ATTN_BWD_PAIR(tname, T, 96, 96)                                                       \
   STEEL_ATTN_BWD_PAIR(tname, T, 128, 128)
 
-#define STEEL_ATTN_BWD_WIDE(tname, T)   \
+#define STEEL_ATTN_BWD_WIDE(tname, T)     \
   STEEL_ATTN_BWD_PAIR(tname, T, 160, 160) \
   STEEL_ATTN_BWD_PAIR(tname, T, 192, 128) \
   STEEL_ATTN_BWD_PAIR(tname, T, 192, 192) \
@@ -130,6 +129,9 @@ template <typename T>
 
 STEEL_ATTN_BWD_DTYPE(f16, half)
 STEEL_ATTN_BWD_WIDE(f16, half)
+STEEL_ATTN_BWD_PAIR(f16, half, 512, 512)
 STEEL_ATTN_BWD_DTYPE(bf16, bfloat)
 STEEL_ATTN_BWD_WIDE(bf16, bfloat)
+STEEL_ATTN_BWD_PAIR(bf16, bfloat, 512, 512)
 STEEL_ATTN_BWD_DTYPE(f32, float)
+STEEL_ATTN_BWD_WIDE(f32, float)

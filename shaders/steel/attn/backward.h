@@ -40,26 +40,29 @@ constant float attn_units_per_nat = 1.0f / attn_unit_nats;
 
 namespace steel {
 
-// Tiles of the backward kernels for head dims DE, DV. The dK/dV kernel's query tile has the
-// forward's key-tile size (Q and dO rows take the place of K and V rows: the same bytes), and
-// the dQ kernel streams key tiles exactly as the forward does.
+// Tiles of the backward kernels for head dims DE, DV: query rows (dQ) and keys (dK/dV) per
+// threadgroup as in the forward, and a streamed tile of BK rows (params.h's steel_attn_bwd_bk)
+// of Q and dO (dK/dV) or K and V (dQ, dmask) in two separate buffers.
 template <typename T, short DE, short DV>
 struct AttnBackward {
-  using F = AttnForward<T, DE, DV>;
-  static constant constexpr short BQ = F::BQ;   // dQ: query rows per threadgroup
-  static constant constexpr short BKV = 32;     // dK/dV: keys per threadgroup
-  static constant constexpr short BK = F::BK;   // key tile (dQ) and query tile (dK/dV)
-  static constant constexpr short kLdE = F::kLdK;
-  static constant constexpr short kLdV = F::kLdV;
-  static constant constexpr int kEElems = F::kKElems;
-  static constant constexpr int kTileElems = F::kKElems + F::kVElems;
-  static constant constexpr short TD = F::TD;
-  static constant constexpr short TV = F::TV;
-  static constant constexpr short TK = F::TK;
+  static constant constexpr short BQ = STEEL_ATTN_BQ;  // dQ: query rows per threadgroup
+  static constant constexpr short BKV = 32;            // dK/dV: keys per threadgroup
+  static constant constexpr short BK = short(steel_attn_bwd_bk(DE, DV, int(sizeof(T))));
+  static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
+  static constant constexpr short kLdE = short(steel_attn_ld(DE, int(sizeof(T))));
+  static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
+  static constant constexpr int kEElems = BK * kLdE;
+  static constant constexpr int kTileElems = BK * (kLdE + kLdV);
+  static constant constexpr short TD = DE / 8;
+  static constant constexpr short TV = DV / 8;
+  static constant constexpr short TK = BK / 8;
+  static_assert(BK > 0, "no backward tile fits these head dims (the planner refuses them)");
   static_assert(BKV == 8 * STEEL_ATTN_SIMDGROUPS, "one 8-key fragment row per simdgroup");
-  static_assert(!F::kShared, "the backward keeps both tiles resident (the planner refuses)");
-  using LoaderE = typename F::LoaderK;
-  using LoaderV = typename F::LoaderV;
+  static_assert(kTileElems * int(sizeof(T)) ==
+                    steel_attn_separate_bytes(BK, DE, DV, int(sizeof(T))),
+                "the planner's threadgroup-memory figure must match the kernel's");
+  using LoaderE = AttnTileLoader<T, BK, DE, kLdE, kThreads>;
+  using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
 };
 
 // The backward runs dense launches only: the extent is the whole call's.
