@@ -262,13 +262,16 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #define STEEL_ATTN_BUF_DSINKS 16
 #define STEEL_ATTN_BUF_BWD_PARAMS 17
 #define STEEL_ATTN_BUF_DMASK 18    // the gradient of a float attn_mask, in the mask's shape
+#define STEEL_ATTN_BUF_BWD_CU_Q 19  // varlen only: cu_seqlens_q, cu_seqlens_k (int32)
+#define STEEL_ATTN_BUF_BWD_CU_K 20
 
 // Rows of the delta pre-pass per threadgroup (one simdgroup a row).
 #define STEEL_ATTN_DELTA_ROWS 4
 
 // The backward's run-time values: the forward's, plus where grad_out and the forward's output
 // lie. dq, dk, dv are contiguous in q's, k's and v's shapes; lse, grad_lse and delta are
-// contiguous [batch, Hq, L].
+// contiguous [batch, Hq, L]. Varlen (STEEL_ATTN_FC_VARLEN): as AttnParams says, with batch 1
+// and lse, grad_lse, delta [Hq, total_q].
 struct AttnBackwardParams {
   AttnParams fwd;
   float scale;        // the softmax scale, applied to dq and dk when they are stored

@@ -24,12 +24,14 @@ template <typename T>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* grad_lse [[buffer(STEEL_ATTN_BUF_GRAD_LSE)]],
     device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
-  attention_bwd_delta<T>(q, k, mask, sinks, grad_out, out, lse, grad_lse, delta, params, tg,
-                         simdgroup, lane);
+  attention_bwd_delta<T>(q, k, mask, sinks, grad_out, out, lse, grad_lse, delta, cu_q, cu_k,
+                         params, tg, simdgroup, lane);
 }
 
 template <typename T, short DE, short DV>
@@ -41,13 +43,15 @@ template <typename T, short DE, short DV>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
     device T* dk [[buffer(STEEL_ATTN_BUF_DK)]], device T* dv [[buffer(STEEL_ATTN_BUF_DV)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
-  attention_bwd_dkdv_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dk, dv, params, smem,
-                                      tg, simdgroup, lane);
+  attention_bwd_dkdv_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+                                      params, smem, tg, simdgroup, lane);
 }
 
 template <typename T, short DE, short DV>
@@ -59,13 +63,15 @@ template <typename T, short DE, short DV>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
     device T* dq [[buffer(STEEL_ATTN_BUF_DQ)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
-  attention_bwd_dq_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dq, params, smem, tg,
-                                    simdgroup, lane);
+  attention_bwd_dq_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dq, cu_q, cu_k, params,
+                                    smem, tg, simdgroup, lane);
 }
 
 template <typename T, short DE, short DV>

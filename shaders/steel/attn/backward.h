@@ -65,8 +65,62 @@ struct AttnBackward {
   using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
 };
 
-// The backward runs dense launches only: the extent is the whole call's.
-inline AttnExtent attn_dense_extent(constant AttnParams& p) { return {p.L, p.S, p.shift}; }
+// Where a threadgroup's (batch entry | sequence) `zb` lies: its extent (score.h) and the element
+// offsets of its first row in q, k, v, the mask, grad_out and out, and of row 0 of head 0 in
+// lse and delta ([batch, Hq, L] dense, [Hq, total_q] varlen: the head stride is L in both).
+// Dense launches take the whole call's extent and the batch strides. Varlen launches
+// (STEEL_ATTN_FC_VARLEN, no mask) read sequence zb's tokens from cu_seqlens as the forward does
+// (forward.h), clamped to the token counts so that offsets that break the convention give wrong
+// rows, never accesses outside a buffer.
+struct AttnBwdSeq {
+  AttnExtent ext;
+  int q0, k0;  // the first query and key token (varlen; 0 dense)
+  steel_i64 q, k, v, m, g, y, rows;
+};
+
+inline AttnBwdSeq attn_bwd_seq(constant AttnBackwardParams& bp, const device int* cu_q,
+                               const device int* cu_k, int zb) {
+  constant AttnParams& p = bp.fwd;
+  AttnBwdSeq s;
+  if (attn_varlen) {
+    const int q_begin = clamp(cu_q[zb], 0, p.L);
+    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
+    const int k_begin = clamp(cu_k[zb], 0, p.S);
+    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
+    s.ext.L = q_end - q_begin;
+    s.ext.S = k_end - k_begin;
+    s.ext.shift = attn_varlen_br ? s.ext.S - s.ext.L : 0;
+    s.q0 = q_begin;
+    s.k0 = k_begin;
+    s.q = q_begin * p.q_rs;
+    s.k = k_begin * p.k_rs;
+    s.v = k_begin * p.v_rs;
+    s.m = 0;
+    s.g = q_begin * bp.g_rs;
+    s.y = q_begin * bp.y_rs;
+    s.rows = q_begin;
+  } else {
+    s.ext = {p.L, p.S, p.shift};
+    s.q0 = 0;
+    s.k0 = 0;
+    s.q = attn_batch_offset(p, p.q_bs, zb);
+    s.k = attn_batch_offset(p, p.k_bs, zb);
+    s.v = attn_batch_offset(p, p.v_bs, zb);
+    s.m = attn_batch_offset(p, p.m_bs, zb);
+    s.g = attn_batch_offset(p, bp.g_bs, zb);
+    s.y = attn_batch_offset(p, bp.y_bs, zb);
+    s.rows = steel_i64(zb) * p.Hq * p.L;
+  }
+  return s;
+}
+
+// The element offset of (head, row) in dq (of dk, dv: key-value head, key), which are
+// contiguous: [batch, heads, rows, dim] dense, packed [tokens, heads, dim] varlen.
+inline steel_i64 attn_bwd_grad_at(int zb, int first_token, int heads, int rows, int head,
+                                  int row, int dim) {
+  return attn_varlen ? (steel_i64(first_token + row) * heads + head) * dim
+                     : ((steel_i64(zb) * heads + head) * rows + row) * dim;
+}
 
 // The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
 inline float attn_probability(float s, float lse) {
@@ -89,15 +143,17 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
                                 const device uchar* sinks, const device T* grad_out,
                                 const device T* out, const device float* lse,
                                 const device float* grad_lse, device float* delta,
+                                const device int* cu_q, const device int* cu_k,
                                 constant AttnBackwardParams& bp, uint3 tg, ushort simdgroup,
                                 ushort lane) {
   constant AttnParams& p = bp.fwd;
   const int row = int(tg.x) * STEEL_ATTN_DELTA_ROWS + simdgroup;
-  if (row >= p.L) return;  // the whole simdgroup
   const int h = int(tg.y);
   const int zb = int(tg.z);
-  grad_out += attn_batch_offset(p, bp.g_bs, zb) + h * bp.g_hs + row * bp.g_rs;
-  out += attn_batch_offset(p, bp.y_bs, zb) + h * bp.y_hs + row * bp.y_rs;
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  if (row >= sq.ext.L) return;  // the whole simdgroup; no barrier here
+  grad_out += sq.g + h * bp.g_hs + row * bp.g_rs;
+  out += sq.y + h * bp.y_hs + row * bp.y_rs;
   float acc = 0.0f;
   for (int c = lane; c < p.Ev; c += 32) acc += float(grad_out[c]) * float(out[c]);
   acc = simd_sum(acc);
@@ -105,19 +161,22 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
   // Rows of huge |lse| get their normaliser back: sum over the visible keys of exp(s - lse)
   // (one key a lane, scores as the other kernels compute them), so that the kernels' P sums to
   // 1 as the forward's did. Uniform per simdgroup (one row); every other row has 1.
-  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
   const float l = lse[at];
   float inv_norm = 1.0f;
   if (l != -INFINITY && fabs(l) >= kAttnHugeLse) {
-    const device T* q_row = q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs + row * p.q_rs;
-    const device T* k_h = k + attn_batch_offset(p, p.k_bs, zb) + (h / p.group) * p.k_hs;
-    const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+    const device T* q_row = q + sq.q + h * p.q_hs + row * p.q_rs;
+    const device T* k_h = k + sq.k + (h / p.group) * p.k_hs;
+    const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
     float sum = 0.0f;
-    for (int key = lane; key < p.S; key += 32) {
+    for (int key = lane; key < sq.ext.S; key += 32) {
       float x = 0.0f;
-      for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
+      for (int d = 0; d < p.E; ++d) {
+        x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
+      }
       float th = 0.0f;
-      const float s = attn_score<T>(x, p, attn_dense_extent(p), row, key, true, mask, mask_row + key * p.m_cs, true, th);
+      const float s = attn_score<T>(x, p, sq.ext, row, key, true, mask,
+                                    mask_row + key * p.m_cs, true, th);
       sum += attn_probability(s, l);
     }
     sum = simd_sum(sum);
@@ -136,30 +195,34 @@ template <typename T, short DE, short DV>
 inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const device T* v,
                                      const device uchar* mask, const device T* grad_out,
                                      const device float* lse, const device float* delta,
-                                     device T* dk, device T* dv,
-                                     constant AttnBackwardParams& bp, threadgroup T* smem,
-                                     uint3 tg, ushort simdgroup, ushort lane) {
+                                     device T* dk, device T* dv, const device int* cu_q,
+                                     const device int* cu_k, constant AttnBackwardParams& bp,
+                                     threadgroup T* smem, uint3 tg, ushort simdgroup,
+                                     ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
-  const AttnExtent ext = attn_dense_extent(p);
   const int key0 = int(tg.x) * A::BKV;
   const int hk = int(tg.y);
   const int zb = int(tg.z);
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  const AttnExtent ext = sq.ext;
+  // Varlen: the grid covers the longest sequence; blocks past this one's keys have none to
+  // write. Uniform over the threadgroup, before any barrier. (A sequence without query rows
+  // still writes its keys' zero gradients below.)
+  if (attn_varlen && key0 >= ext.S) return;
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int key = key0 + simdgroup * 8 + fr;  // this lane's key
-  const bool key_ok = key < p.S;
-  const int last_key = min(key0 + int(A::BKV), p.S) - 1;
+  const bool key_ok = key < ext.S;
+  const int last_key = min(key0 + int(A::BKV), ext.S) - 1;
 
   // K and V of the simdgroup's 8 keys in registers, zero past S and the head dims.
   FragTile<1, A::TD> kf;
   FragTile<1, A::TV> vf;
-  attn_load_row_frags<T, A::TD>(
-      kf, k + attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
-      attn_align_e, 1.0f, lane);
-  attn_load_row_frags<T, A::TV>(
-      vf, v + attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
-      attn_align_ev, 1.0f, lane);
+  attn_load_row_frags<T, A::TD>(kf, k + sq.k + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
+                                attn_align_e, 1.0f, lane);
+  attn_load_row_frags<T, A::TV>(vf, v + sq.v + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
+                                attn_align_ev, 1.0f, lane);
   FragTile<1, A::TD> dkf;
   FragTile<1, A::TV> dvf;
   dkf.clear();
@@ -167,36 +230,33 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
   // The query rows that see some key of the block (the forward's bounds, read the other way).
   int row_begin = 0;
-  int row_end = p.L;
-  if (attn_has_hi) row_begin = max(0, key0 - p.shift - p.hi_off);
-  if (attn_has_lo) row_end = min(p.L, last_key - p.shift + p.lo_off + 1);
+  int row_end = ext.L;
+  if (attn_has_hi) row_begin = max(0, key0 - ext.shift - p.hi_off);
+  if (attn_has_lo) row_end = min(ext.L, last_key - ext.shift + p.lo_off + 1);
   const int t_begin = row_begin / A::BK;
   const int t_end = row_end > row_begin ? (row_end + A::BK - 1) / A::BK : t_begin;
-  const bool keys_whole = key0 + A::BKV <= p.S;
+  const bool keys_whole = key0 + A::BKV <= ext.S;
 
   threadgroup T* Qs = smem;
   threadgroup T* Gs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 q_base = attn_batch_offset(p, p.q_bs, zb);
-  const steel_i64 g_base = attn_batch_offset(p, bp.g_bs, zb);
-  const steel_i64 m_base = attn_batch_offset(p, p.m_bs, zb);
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
-    const device T* q_h = q + q_base + h * p.q_hs;
-    const device T* g_h = grad_out + g_base + h * bp.g_hs;
-    const device float* lse_h = lse + (steel_i64(zb) * p.Hq + h) * p.L;
-    const device float* delta_h = delta + (steel_i64(zb) * p.Hq + h) * p.L;
+    const device T* q_h = q + sq.q + h * p.q_hs;
+    const device T* g_h = grad_out + sq.g + h * bp.g_hs;
+    const device float* lse_h = lse + sq.rows + steel_i64(h) * p.L;
+    const device float* delta_h = delta + sq.rows + steel_i64(h) * p.L;
     const device float* norm_h = delta_h + attn_rows(bp);
-    const steel_i64 mask_key = m_base + h * p.m_hs + key * p.m_cs;
+    const steel_i64 mask_key = sq.m + h * p.m_hs + key * p.m_cs;
     for (int t = t_begin; t < t_end; ++t) {
       const int row0 = t * A::BK;
-      const short valid = short(min(int(A::BK), p.L - row0));
+      const short valid = short(min(int(A::BK), ext.L - row0));
       const bool whole = attn_align_q || valid == A::BK;
       const int last_row = row0 + valid - 1;
       const bool edge = !whole || !keys_whole ||
-                        (attn_has_hi && last_key > row0 + p.shift + p.hi_off) ||
-                        (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+                        (attn_has_hi && last_key > row0 + ext.shift + p.hi_off) ||
+                        (attn_has_lo && key0 < last_row + ext.shift - p.lo_off);
 
       if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
       first = false;
@@ -216,7 +276,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
           const int row = row0 + j * 8 + fc + e;
-          const bool row_ok = row < p.L;
+          const bool row_ok = row < ext.L;
           float th = 0.0f;
           const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, ext, row, key,
                                         row_ok, mask, mask_key + row * p.m_rs, edge, th);
@@ -252,7 +312,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
           const int row = row0 + j * 8 + fc + e;
-          const float d_row = row < p.L ? delta_h[row] : 0.0f;
+          const float d_row = row < ext.L ? delta_h[row] : 0.0f;
           const float pv = pt.frag[j].thread_elements()[e];
           const float dp = ds.frag[j].thread_elements()[e] * keep.frag[j].thread_elements()[e];
           ds.frag[j].thread_elements()[e] = pv * (dp - d_row) * slope.frag[j].thread_elements()[e];
@@ -265,9 +325,10 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
   if (!key_ok) return;  // no barrier follows
   const int Hkv = p.Hq / p.group;
-  const steel_i64 at = (steel_i64(zb) * Hkv + hk) * p.S + key;
-  attn_store_row_frags<T, A::TD>(dk + at * p.E, dkf, p.E, attn_align_e, bp.scale, lane);
-  attn_store_row_frags<T, A::TV>(dv + at * p.Ev, dvf, p.Ev, attn_align_ev, 1.0f, lane);
+  attn_store_row_frags<T, A::TD>(dk + attn_bwd_grad_at(zb, sq.k0, Hkv, p.S, hk, key, p.E), dkf,
+                                 p.E, attn_align_e, bp.scale, lane);
+  attn_store_row_frags<T, A::TV>(dv + attn_bwd_grad_at(zb, sq.k0, Hkv, p.S, hk, key, p.Ev), dvf,
+                                 p.Ev, attn_align_ev, 1.0f, lane);
 }
 
 // The lane's query row for the dQ and dmask kernels: Q (scaled as in the forward, score.h) and
@@ -277,16 +338,15 @@ inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>
                               thread float& lse_row, thread float& delta_row,
                               thread float& norm_row, const device T* q,
                               const device T* grad_out, const device float* lse,
-                              const device float* delta, constant AttnBackwardParams& bp, int zb,
-                              int h, int row, bool row_ok, ushort lane) {
+                              const device float* delta, constant AttnBackwardParams& bp,
+                              thread const AttnBwdSeq& sq, int h, int row, bool row_ok,
+                              ushort lane) {
   constant AttnParams& p = bp.fwd;
-  attn_load_row_frags<T, TD>(qf, q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs +
-                                     row * p.q_rs,
-                             row_ok, p.E, attn_align_e, p.q_scale, lane);
-  attn_load_row_frags<T, TV>(gf, grad_out + attn_batch_offset(p, bp.g_bs, zb) + h * bp.g_hs +
-                                     row * bp.g_rs,
-                             row_ok, p.Ev, attn_align_ev, 1.0f, lane);
-  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  attn_load_row_frags<T, TD>(qf, q + sq.q + h * p.q_hs + row * p.q_rs, row_ok, p.E,
+                             attn_align_e, p.q_scale, lane);
+  attn_load_row_frags<T, TV>(gf, grad_out + sq.g + h * bp.g_hs + row * bp.g_rs, row_ok, p.Ev,
+                             attn_align_ev, 1.0f, lane);
+  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
   lse_row = row_ok ? lse[at] : -INFINITY;
   delta_row = row_ok ? delta[at] : 0.0f;
   norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
@@ -340,43 +400,44 @@ template <typename T, short DE, short DV>
 inline void attention_bwd_dq_block(const device T* q, const device T* k, const device T* v,
                                    const device uchar* mask, const device T* grad_out,
                                    const device float* lse, const device float* delta,
-                                   device T* dq, constant AttnBackwardParams& bp,
-                                   threadgroup T* smem, uint3 tg, ushort simdgroup,
-                                   ushort lane) {
+                                   device T* dq, const device int* cu_q, const device int* cu_k,
+                                   constant AttnBackwardParams& bp, threadgroup T* smem,
+                                   uint3 tg, ushort simdgroup, ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
-  const AttnExtent ext = attn_dense_extent(p);
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
   const int zb = int(tg.z);
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  const AttnExtent ext = sq.ext;
+  if (attn_varlen && row0 >= ext.L) return;  // past the sequence: uniform, before any barrier
   const int hk = h / p.group;
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int row = row0 + simdgroup * 8 + fr;
-  const bool row_ok = attn_align_l || row < p.L;
-  k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
-  v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+  const bool row_ok = attn_align_l || row < ext.L;
+  k += sq.k + hk * p.k_hs;
+  v += sq.v + hk * p.v_hs;
 
   FragTile<1, A::TD> qf;
   FragTile<1, A::TV> gf;
   float lse_row, delta_row, norm_row;
-  attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp, zb, h,
+  attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp, sq, h,
                        row, row_ok, lane);
-  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
   FragTile<1, A::TD> dqf;
   dqf.clear();
 
-  const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+  const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
   int t_begin, t_end;
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   threadgroup T* Ks = smem;
   threadgroup T* Vs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+  const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
-    const short valid = short(min(int(A::BK), p.S - key0));
+    const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -401,7 +462,8 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   }
 
   if (!row_ok) return;  // no barrier follows
-  attn_store_row_frags<T, A::TD>(dq + at * p.E, dqf, p.E, attn_align_e, bp.scale, lane);
+  attn_store_row_frags<T, A::TD>(dq + attn_bwd_grad_at(zb, sq.q0, p.Hq, p.L, h, row, p.E), dqf,
+                                 p.E, attn_align_e, bp.scale, lane);
 }
 
 // (batch entry, head) of the pair `combo` summed into dmask's threadgroup `entry`, and dmask's
@@ -456,7 +518,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
                                       ushort simdgroup, ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
-  const AttnExtent ext = attn_dense_extent(p);
+  const AttnExtent ext = {p.L, p.S, p.shift};  // dense launches only: varlen has no mask
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int rb_begin = attn_dmask_rows ? 0 : int(tg.x);
@@ -474,9 +536,10 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
   for (int c = 0; c < bp.dm_combos; ++c) {
     int zb, h;
     attn_dmask_pair(bp, int(tg.z), c, zb, h, dm_off);
+    const AttnBwdSeq sq = attn_bwd_seq(bp, nullptr, nullptr, zb);
     const int hk = h / p.group;
-    const device T* k_h = k + attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
-    const device T* v_h = v + attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+    const device T* k_h = k + sq.k + hk * p.k_hs;
+    const device T* v_h = v + sq.v + hk * p.v_hs;
     for (int rb = rb_begin; rb < rb_end; ++rb) {
       const int row0 = rb * A::BQ;
       const int row = row0 + simdgroup * 8 + fr;
@@ -485,8 +548,8 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
       FragTile<1, A::TV> gf;
       float lse_row, delta_row, norm_row;
       attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp,
-                           zb, h, row, row_ok, lane);
-      const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+                           sq, h, row, row_ok, lane);
+      const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
       const int last_row = min(row0 + int(A::BQ), p.L) - 1;
       int t_begin, t_end;  // the visible tiles (the others have dS = 0) among the owned ones
       attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
