@@ -46,6 +46,7 @@ BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS, BUF_CU_Q
 )
 BUF_BWD_PARAMS = 17
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
+STEEL_FC_GRAD_LSE = 320
 BQ = 32
 THREADS = 128
 BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
@@ -178,39 +179,158 @@ def varlen_model(plan, lq, lk, es, sinks_es):
     return buffers, mma, tiles, max(dense_tiles, 1)
 
 
+def bwd_bk_of(de, dv, es):
+    """steel_attn_bwd_bk (params.h): the backward's streamed tile, both tiles resident."""
+    ld_sum = (de + 16 // es) + (dv + 16 // es)
+    return next((bk for bk in (32, 16, 8) if bk * ld_sum * es <= BUDGET), 0)
+
+
+# Buffer indices of the backward kernels (params.h).
+(BUF_GRAD_OUT, BUF_FWD_OUT, BUF_FWD_LSE, BUF_GRAD_LSE, BUF_DELTA, BUF_DQ, BUF_DK, BUF_DV,
+ BUF_DSINKS, _, BUF_DMASK, BUF_BWD_CU_Q, BUF_BWD_CU_K) = range(8, 21)  # fmt: skip
+FC_VARLEN, FC_DMASK_ROWS, FC_DMASK_KEYS = 316, 322, 323
+
+
+def _add(buffers, index, read=0, written=0):
+    if read or written:
+        entry = buffers.setdefault(index, {"read": 0, "written": 0})
+        entry["read"] += read
+        entry["written"] += written
+
+
+def _query_tiles(p, key0, bk, has_hi, has_lo):
+    """[(first row, valid rows)] of the query tiles the dK/dV block at key0 visits."""
+    last_key = min(key0 + 32, p["S"]) - 1
+    begin, end = 0, p["L"]
+    if has_hi:
+        begin = max(0, key0 - p["shift"] - p["hi_off"])
+    if has_lo:
+        end = min(p["L"], last_key - p["shift"] + p["lo_off"] + 1)
+    if end <= begin:
+        return []
+    return [(r, min(bk, p["L"] - r)) for r in range(begin // bk * bk, end, bk)]
+
+
+def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
+    """Predicted ({binding: {"read", "written"}}, MMAs) of each dispatch of an "sdpa_backward" or
+    "sdpa_varlen_backward" plan, from backward.h's loops. `extents`: (L, S, count) per batch
+    extent, count (batch entry or sequence) repeats of it: [(L, S, B)] dense, [(L_b, S_b, 1)]
+    per sequence varlen. Every load is counted as the lanes issue it: a row's lse (and delta and
+    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, the 32 keys'
+    lanes of a dK/dV block per query tile, all 32 lanes of a pre-pass row); the delta pre-pass's
+    normaliser recovery (rows of |lse| >= 4096) is not modelled (the shapes here have none)."""
+    results = []
+    for d in plan.dispatches:
+        p = params(d, BUF_BWD_PARAMS)
+        raw = next(b.bytes for b in d.bindings if b.index == BUF_BWD_PARAMS)
+        dm_hs, dm_rs, dm_cs = struct.unpack_from("3q", raw, 448)
+        (dm_combos,) = struct.unpack_from("i", raw, 472)
+        kind = d.kernel.split("_")[3]
+        hi, lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
+        varlen = d.constants[FC_VARLEN]
+        E, Ev, Hq, group = p["E"], p["Ev"], p["Hq"], p["group"]
+        buffers, mma = {}, 0
+        if kind in ("dkdv", "dq", "dmask"):
+            de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+            bk = bwd_bk_of(de, dv, es)
+            td, tv, tk, sg = de // 8, dv // 8, bk // 8, THREADS // 32
+        for L, S, count in extents:
+            x = {**p, "L": L, "S": S}
+            if varlen:  # each sequence's own diagonal shift
+                x["shift"] = S - L if d.constants[FC_VARLEN_BR] else 0
+            if kind == "delta" and L:
+                rows = count * Hq * L
+                _add(buffers, BUF_GRAD_OUT, rows * Ev * es)
+                _add(buffers, BUF_FWD_OUT, rows * Ev * es)
+                _add(buffers, BUF_FWD_LSE, rows * 32 * 4)
+                _add(buffers, BUF_GRAD_LSE, rows * 4 if d.constants[STEEL_FC_GRAD_LSE] else 0)
+                _add(buffers, BUF_DELTA, written=rows * 8)
+            elif kind == "dkdv":
+                pairs = count * Hq // group
+                for key0 in range(0, S, 32):
+                    vk = min(32, S - key0)
+                    _add(buffers, BUF_K, pairs * vk * E * es)
+                    _add(buffers, BUF_V, pairs * vk * Ev * es)
+                    _add(buffers, BUF_DK, written=pairs * vk * E * es)
+                    _add(buffers, BUF_DV, written=pairs * vk * Ev * es)
+                    for _, vr in _query_tiles(x, key0, bk, hi, lo):
+                        n = pairs * group
+                        _add(buffers, BUF_Q, n * vr * E * es)
+                        _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                        _add(buffers, BUF_FWD_LSE, n * vr * 32 * 4)
+                        _add(buffers, BUF_DELTA, n * vr * 32 * 8)
+                        _add(
+                            buffers, BUF_MASK, n * vr * vk * mask_es if d.constants[FC_MASK] else 0
+                        )
+                        mma += n * sg * tk * (2 * td + 2 * tv)
+            elif kind == "dq":
+                n = count * Hq
+                for _, vr, tiles in visited_tiles(x, bk, hi, lo):
+                    _add(buffers, BUF_Q, n * vr * E * es)
+                    _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                    _add(buffers, BUF_FWD_LSE, n * vr * 4 * 4)
+                    _add(buffers, BUF_DELTA, n * vr * 4 * 8)
+                    _add(buffers, BUF_DQ, written=n * vr * E * es)
+                    for key0 in tiles:
+                        vk = min(bk, S - key0)
+                        _add(buffers, BUF_K, n * vk * E * es)
+                        _add(buffers, BUF_V, n * vk * Ev * es)
+                        _add(
+                            buffers, BUF_MASK, n * vr * vk * mask_es if d.constants[FC_MASK] else 0
+                        )
+                        mma += n * sg * tk * (2 * td + tv)
+            elif kind == "dmask":
+                # Each (batch entry, head) pair is summed by one threadgroup per mask element
+                # tile it touches: its row blocks' Q and dO once per key-tile threadgroup, the
+                # visible tiles among the threadgroup's own.
+                n = count * Hq
+                key_tgs = 1 if d.constants[FC_DMASK_KEYS] else -(-S // bk)
+                for row0, vr, tiles in visited_tiles(x, bk, hi, lo):
+                    _add(buffers, BUF_Q, n * key_tgs * vr * E * es)
+                    _add(buffers, BUF_GRAD_OUT, n * key_tgs * vr * Ev * es)
+                    _add(buffers, BUF_FWD_LSE, n * key_tgs * vr * 4 * 4)
+                    _add(buffers, BUF_DELTA, n * key_tgs * vr * 4 * 8)
+                    for key0 in tiles:
+                        vk = min(bk, S - key0)
+                        _add(buffers, BUF_K, n * vk * E * es)
+                        _add(buffers, BUF_V, n * vk * Ev * es)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_es)
+                        mma += n * sg * tk * (td + tv)
+                rows = 1 if dm_rs == 0 else L
+                keys = 1 if dm_cs == 0 else S
+                elements = count * Hq // dm_combos * rows * keys
+                _add(buffers, BUF_DMASK, written=elements * mask_es)
+            elif kind == "dsinks":
+                rows = count * L
+                _add(buffers, BUF_FWD_LSE, Hq * rows * 4)
+                _add(buffers, BUF_DELTA, Hq * rows * 8)  # every row has a finite lse (the sink)
+        if kind == "dsinks":
+            _add(buffers, BUF_SINKS, Hq * 32 * sinks_es)
+            _add(buffers, BUF_DSINKS, written=Hq * sinks_es)
+        if varlen and kind != "dsinks":
+            launched = d.grid[0] * d.grid[1] * d.grid[2] * d.threads[0]
+            _add(buffers, BUF_BWD_CU_Q, launched * 2 * 4)
+            _add(buffers, BUF_BWD_CU_K, launched * 2 * 4)
+        results.append((buffers, mma))
+    return results
+
+
+def backward_minimum(q, k, v, mask_numel, es, mask_es):
+    """The least a backward can move: q, k, v, grad_out, out read once, lse read once; dq, dk,
+    dv written once; the mask read once and, when its gradient is asked, written once."""
+    rows = q.numel() // q.shape[-1]
+    ev = v.shape[-1]
+    reads = (q.numel() + k.numel() + v.numel() + 2 * rows * ev) * es + rows * 4
+    return reads + (q.numel() + k.numel() + v.numel()) * es + 2 * mask_numel * mask_es
+
+
 def backward_mma(plan, batch, es):
-    """Predicted MMAs of each dispatch of an "sdpa_backward" plan (backward.h's loops): dK/dV
+    """Predicted MMAs of each dispatch of an "sdpa_backward" plan (backward_model's count): dK/dV
     visits, per 32-key block and query head of its group, the query tiles that see the block,
     with four products a tile (S^T, dV, dP^T, dK); dQ visits the forward's key tiles with three
-    (S, dP, dQ). The pre-pass and dsinks use none."""
-    out = []
-    for d in plan.dispatches:
-        if "_dkdv_" not in d.kernel and "_dq_" not in d.kernel:
-            out.append(0)
-            continue
-        p = params(d, BUF_BWD_PARAMS)
-        de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
-        bk = bk_of(de, dv, es)
-        td, tv, tk = de // 8, dv // 8, bk // 8
-        sg = THREADS // 32
-        if "_dq_" in d.kernel:
-            tiles = sum(
-                len(t)
-                for _, _, t in visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
-            )
-            out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + tv))
-            continue
-        tiles = 0
-        for key0 in range(0, p["S"], 32):
-            last_key = min(key0 + 32, p["S"]) - 1
-            begin, end = 0, p["L"]
-            if d.constants[FC_HAS_HI]:
-                begin = max(0, key0 - p["shift"] - p["hi_off"])
-            if d.constants[FC_HAS_LO]:
-                end = min(p["L"], last_key - p["shift"] + p["lo_off"] + 1)
-            tiles += (-(-end // bk) - begin // bk) if end > begin else 0
-        out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + 2 * tv))
-    return out
+    (S, dP, dQ); dmask two (S, dP). The pre-pass and dsinks use none."""
+    p = params(plan.dispatches[0], BUF_BWD_PARAMS)
+    return [m for _, m in backward_model(plan, [(p["L"], p["S"], batch)], es)]
 
 
 def visible_pairs(L, S, options):

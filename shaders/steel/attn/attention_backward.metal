@@ -1,5 +1,6 @@
 // Steel attention backward kernels (see backward.h): the delta pre-pass, dK/dV, dQ, dmask and
-// dsinks.
+// dsinks, dense or over packed variable-length sequences (STEEL_ATTN_FC_VARLEN, which also makes
+// the cu_seqlens buffers of the first three present).
 //
 // Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dmask_<dtype>_e<DE>_v<DV>,
@@ -24,8 +25,8 @@ template <typename T>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* grad_lse [[buffer(STEEL_ATTN_BUF_GRAD_LSE)]],
     device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
-    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
-    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q), function_constant(attn_varlen)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K), function_constant(attn_varlen)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
@@ -43,8 +44,8 @@ template <typename T, short DE, short DV>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
     device T* dk [[buffer(STEEL_ATTN_BUF_DK)]], device T* dv [[buffer(STEEL_ATTN_BUF_DV)]],
-    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
-    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q), function_constant(attn_varlen)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K), function_constant(attn_varlen)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
@@ -63,8 +64,8 @@ template <typename T, short DE, short DV>
     const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
     const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
     device T* dq [[buffer(STEEL_ATTN_BUF_DQ)]],
-    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q)]],
-    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_BWD_CU_Q), function_constant(attn_varlen)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_BWD_CU_K), function_constant(attn_varlen)]],
     constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
