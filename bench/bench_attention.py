@@ -228,6 +228,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
         kind = d.kernel.split("_")[3]
         hi, lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
         varlen = d.constants[FC_VARLEN]
+        mask_read = mask_es if d.constants[FC_MASK] else 0
         E, Ev, Hq, group = p["E"], p["Ev"], p["Hq"], p["group"]
         buffers, mma = {}, 0
         if kind in ("dkdv", "dq", "dmask"):
@@ -259,9 +260,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                         _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
                         _add(buffers, BUF_FWD_LSE, n * vr * 32 * 4)
                         _add(buffers, BUF_DELTA, n * vr * 32 * 8)
-                        _add(
-                            buffers, BUF_MASK, n * vr * vk * mask_es if d.constants[FC_MASK] else 0
-                        )
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
                         mma += n * sg * tk * (2 * td + 2 * tv)
             elif kind == "dq":
                 n = count * Hq
@@ -275,9 +274,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                         vk = min(bk, S - key0)
                         _add(buffers, BUF_K, n * vk * E * es)
                         _add(buffers, BUF_V, n * vk * Ev * es)
-                        _add(
-                            buffers, BUF_MASK, n * vr * vk * mask_es if d.constants[FC_MASK] else 0
-                        )
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
                         mma += n * sg * tk * (2 * td + tv)
             elif kind == "dmask":
                 # Each (batch entry, head) pair is summed by one threadgroup per mask element
@@ -285,7 +282,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                 # visible tiles among the threadgroup's own.
                 n = count * Hq
                 key_tgs = 1 if d.constants[FC_DMASK_KEYS] else -(-S // bk)
-                for row0, vr, tiles in visited_tiles(x, bk, hi, lo):
+                for _, vr, tiles in visited_tiles(x, bk, hi, lo):
                     _add(buffers, BUF_Q, n * key_tgs * vr * E * es)
                     _add(buffers, BUF_GRAD_OUT, n * key_tgs * vr * Ev * es)
                     _add(buffers, BUF_FWD_LSE, n * key_tgs * vr * 4 * 4)
