@@ -17,9 +17,15 @@ For every shape of the table:
     modelled per sequence (each threadgroup reads its two cu_seqlens entries; blocks past its
     sequence's end read nothing else), against the sum of the sequences' minimums and against
     the dense plan of the same batch padded to the longest sequences;
+  - the backward (issue 11, item 7): every dispatch's bytes and MMAs (backward_model: the
+    delta pre-pass, dK/dV, dQ, and dmask / dsinks when planned) against the minimum (q, k, v,
+    grad_out, out, lse read once, dq, dk, dv written once) and the ideal MMAs, checked against
+    the simulator; its scratch is delta, 8 bytes per query row: peak memory O(L), never L x S;
   - on a Mac with MPS (--mps): steel.sdpa against F.sdpa, median of --iters runs, and peak
     memory, for B 1..8, H 8..32, L 128..16384, D 64 and 128, causal and not, as a table and
-    (with matplotlib) a plot bench/attention_mps.png.
+    (with matplotlib) a plot bench/attention_mps.png; the same shapes forward + backward
+    against F.sdpa's autograd; and a small GPT's training step (6 layers, d_model 512,
+    L 1k..32k) with F.sdpa patched to steel and unpatched, time and peak memory.
 
     python bench/bench_attention.py [--dtype float16] [--sim-limit 3e8] [--mps] [--iters 20]
 """
@@ -480,6 +486,64 @@ def varlen_table(dtype, sim_limit) -> int:
     return failures
 
 
+def backward_table(dtype, sim_limit) -> int:
+    """The backward's traffic per plan (model == simulator where it runs) against the minimum;
+    its only scratch is delta, two floats per query row: O(L) memory, no L x S buffer."""
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    failures = 0
+    print(f"\nsteel attention backward, {dtype}; traffic in MB (all dispatches); MMAs in thousands")
+    print(f"{'shape':28} {'model MB':>9} {'min MB':>8} {'ratio':>6} {'sim MB':>9} {'kMMA':>9} "
+          f"{'ideal':>9} {'scratch B':>10}")  # fmt: skip
+    for name, B, Hq, Hkv, L, S, E, Ev, options, _ in SHAPES:
+        opts = run_options(E, options)
+        tensors = backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, "meta")
+        p = sim.plan("sdpa_backward", tensors, opts)
+        if not p.ok:
+            print(f"{name:28} refused: {p.reason}")
+            continue
+        predicted = backward_model(p, [(L, S, B)], es)
+        moved = sum(total(b) for b, _ in predicted)
+        mma = sum(m for _, m in predicted)
+        minimum = backward_minimum(*tensors[1:4], 0, es, 0)
+        # S, dP, dV, dK, dQ over the visible pairs: 2 E + 3 Ev (in 8x8x8 products) a pair.
+        ideal = B * Hq * visible_pairs(L, S, options) * (3 * E + 2 * Ev) / 512
+        scratch = sum(math.prod(a.sizes) * 4 for a in p.allocations if not a.is_output)
+        sim_col = "-"
+        if run_sim and B * Hq * L * S * (E + Ev) <= sim_limit:
+            cpu = backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, "cpu")
+            _, counters = sim.run_op("sdpa_backward", cpu, opts, counters=True, checkers=False)
+            got = counted_backward(counters)
+            sim_col = f"{sum(total(b) for b in got) / 1e6:.3f}"
+            if got != [b for b, _ in predicted] or [c["mma"] for c in counters] != [
+                m for _, m in predicted
+            ]:
+                sim_col += " MISMATCH"
+                failures += 1
+        print(f"{name:28} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} {moved / minimum:6.2f} "
+              f"{sim_col:>9} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} {scratch:10d}")  # fmt: skip
+    if failures:
+        print(f"{failures} shape(s) where the backward model and the simulator disagree")
+    return failures
+
+
+def counted_backward(counters):
+    """The simulator's per-binding bytes of each backward dispatch, without the params."""
+    return [
+        {i: dict(v) for i, v in c["buffers"].items()
+         if (v["read"] or v["written"]) and i != BUF_BWD_PARAMS}
+        for c in counters
+    ]  # fmt: skip
+
+
+def backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, device):
+    """The "sdpa_backward" tensors [grad_out, q, k, v, out, lse, mask, sinks, grad_lse]."""
+    q, k, v, _ = inputs(B, Hq, Hkv, L, S, E, Ev, None, dtype, device)
+    out = torch.randn(B, Hq, L, Ev, dtype=dtype, device=device)
+    lse = torch.randn(B, Hq, L, dtype=torch.float32, device=device)
+    return [torch.randn_like(out), q, k, v, out, lse, None, None, None]
+
+
 def peak_mb(fn):
     torch.mps.synchronize()
     torch.mps.empty_cache()
@@ -546,6 +610,120 @@ def mps_table(dtype, iters) -> None:
     fig.savefig(Path(__file__).with_name("attention_mps.png"), dpi=120)
 
 
+def time_mps_training(B, H, L, D, causal, dtype, iters):
+    """(steel ms, F.sdpa ms, steel MB, F.sdpa MB) of forward + backward on MPS, with autograd
+    through each (steel: the backward kernels; F.sdpa: PyTorch's MPS backward, which holds the
+    L x S probabilities)."""
+    import torch.nn.functional as F
+
+    import torch_steel
+
+    q, k, v, _ = inputs(B, H, H, L, L, D, D, None, dtype, "mps")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grad = torch.randn_like(q)
+
+    def ours():
+        torch.autograd.grad(torch_steel.sdpa(q, k, v, is_causal=causal), (q, k, v), grad)
+
+    def theirs():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return time_ms(ours, iters), time_ms(theirs, iters), peak_mb(ours), peak_mb(theirs)
+
+
+def mps_training_table(dtype, iters) -> None:
+    """Forward + backward against F.sdpa with autograd, the forward table's shapes."""
+    print(f"\nMPS: steel.sdpa forward+backward against F.sdpa's autograd, {dtype}, median of "
+          f"{iters} runs")  # fmt: skip
+    print(f"{'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'steel ms':>9} {'F.sdpa ms':>9} "
+          f"{'speedup':>7} {'steel MB':>9} {'F.sdpa MB':>9}")  # fmt: skip
+    for B, H, L, D, causal in itertools.product((1, 4, 8), (8, 32), (128, 1024, 4096, 16384),
+                                                (64, 128), (False, True)):  # fmt: skip
+        shape = f"{B:2} {H:3} {L:6} {D:4} {causal!s:>6}"
+        try:
+            t_ours, t_theirs, m_ours, m_theirs = time_mps_training(B, H, L, D, causal, dtype,
+                                                                   iters)  # fmt: skip
+        except RuntimeError as error:  # out of memory: PyTorch's L x S backward first
+            print(f"{shape} failed: {str(error).splitlines()[0]}")
+            continue
+        print(f"{shape} {t_ours:9.3f} {t_theirs:9.3f} {t_theirs / t_ours:7.2f} {m_ours:9.1f} "
+              f"{m_theirs:9.1f}")  # fmt: skip
+
+
+class TinyGPT(torch.nn.Module):
+    """A small GPT (pre-norm blocks, causal F.sdpa attention, GELU MLP, tied embedding)."""
+
+    def __init__(self, layers=6, d_model=512, heads=8, vocab=8192):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({
+                "ln1": torch.nn.LayerNorm(d_model), "qkv": torch.nn.Linear(d_model, 3 * d_model),
+                "proj": torch.nn.Linear(d_model, d_model), "ln2": torch.nn.LayerNorm(d_model),
+                "up": torch.nn.Linear(d_model, 4 * d_model),
+                "down": torch.nn.Linear(4 * d_model, d_model),
+            })
+            for _ in range(layers)
+        )  # fmt: skip
+        self.ln = torch.nn.LayerNorm(d_model)
+
+    def forward(self, tokens):
+        import torch.nn.functional as F
+
+        x = self.embed(tokens)
+        B, L, C = x.shape
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b["proj"](att.transpose(1, 2).reshape(B, L, C))
+            x = x + b["down"](F.gelu(b["up"](b["ln2"](x))))
+        return self.ln(x) @ self.embed.weight.T
+
+
+def time_gpt_step(L, dtype, iters, patched):
+    """(ms, peak MB) of one training step (forward, loss, backward, AdamW) of TinyGPT at
+    sequence length L, batch 1, with F.sdpa served by steel (patched) or by PyTorch."""
+    import contextlib
+
+    import torch_steel
+
+    model = TinyGPT().to("mps", dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 8192, (1, L + 1), device="mps")
+
+    def step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[0, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    with torch_steel.patch() if patched else contextlib.nullcontext():
+        return time_ms(step, iters), peak_mb(step)
+
+
+def mps_gpt_table(dtype, iters) -> None:
+    print(f"\nMPS: TinyGPT training step (6 layers, d_model 512, 8 heads, batch 1), {dtype}")
+    print(
+        f"{'L':>6} {'steel ms':>9} {'torch ms':>9} {'speedup':>7} {'steel MB':>9} {'torch MB':>9}"
+    )
+    for L in (1024, 2048, 4096, 8192, 16384, 32768):
+        cols = []
+        for patched in (True, False):
+            try:
+                cols.append(time_gpt_step(L, dtype, iters, patched))
+            except RuntimeError as error:  # PyTorch's backward runs out of memory first
+                cols.append(None)
+                print(f"{L:6} {'steel' if patched else 'torch'} failed: "
+                      f"{str(error).splitlines()[0]}")  # fmt: skip
+        (ours, theirs) = cols
+        fmt = lambda c, i: f"{c[i]:9.1f}" if c else f"{'OOM':>9}"  # noqa: E731
+        speedup = f"{theirs[0] / ours[0]:7.2f}" if ours and theirs else f"{'-':>7}"
+        print(f"{L:6} {fmt(ours, 0)} {fmt(theirs, 0)} {speedup} {fmt(ours, 1)} {fmt(theirs, 1)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -556,8 +734,11 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     failures = traffic_table(dtype, args.sim_limit) + varlen_table(dtype, args.sim_limit)
+    failures += backward_table(dtype, args.sim_limit)
     if args.mps and torch.backends.mps.is_available():
         mps_table(dtype, args.iters)
+        mps_training_table(dtype, args.iters)
+        mps_gpt_table(dtype, args.iters)
     return 1 if failures else 0
 
 

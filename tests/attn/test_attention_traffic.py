@@ -97,18 +97,6 @@ def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
     assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
 
 
-def counted_backward(counters):
-    """The simulator's per-binding bytes of each dispatch, without the params struct."""
-    return [
-        {
-            i: dict(v)
-            for i, v in c["buffers"].items()
-            if (v["read"] or v["written"]) and i != bench_attention.BUF_BWD_PARAMS
-        }
-        for c in counters
-    ]
-
-
 @pytest.mark.parametrize(
     "B,Hq,Hkv,L,S,E,Ev,options,mask_shape,sinks,mask_grad",
     [
@@ -135,7 +123,7 @@ def test_backward_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, option
     p = sim.plan("sdpa_backward", tensors, opts)
     predicted = bench_attention.backward_model(p, [(L, S, B)], es, es, 4)
     _, counters = sim.run_op("sdpa_backward", tensors, opts, counters=True, checkers=False)
-    assert counted_backward(counters) == [b for b, _ in predicted]
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
     assert [c["mma"] for c in counters] == [m for _, m in predicted]
     scratch = [a for a in p.allocations if not a.is_output]
     assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
@@ -159,5 +147,5 @@ def test_varlen_backward_traffic_model_matches_counters(lq, lk, Hq, Hkv, options
     p = sim.plan("sdpa_varlen_backward", args, opts)
     predicted = bench_attention.backward_model(p, list(zip(lq, lk, [1] * len(lq))), 2, 0, 4)
     _, counters = sim.run_op("sdpa_varlen_backward", args, opts, counters=True, checkers=False)
-    assert counted_backward(counters) == [b for b, _ in predicted]
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
     assert [c["mma"] for c in counters] == [m for _, m in predicted]
