@@ -18,6 +18,7 @@ The pieces, bottom up:
   Guarded                 a view into a sentinel-filled guard buffer, and its check
   gemm_calls()            steel::gemm within gemm_plan.cpp's envelope, by tile regime
   sdpa_calls()            steel::sdpa (the attention forward) within attention_plan.cpp's
+  varlen_calls()          steel::sdpa_varlen (packed ragged sequences) within varlen_plan.cpp's
   gemm_refusals(), sdpa_refusals()
                           calls outside the envelope, as run_op arguments, that the plan must
                           refuse with a reason
@@ -637,6 +638,101 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     return SdpaCall(dtype, batch, kv_batch, Hq, Hkv, L, S, E, Ev, q_layout, k_layout, v_layout,
                     mask, is_causal, causal_align, window, sinks, softcap, scale, seed,
                     packed)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """torch_steel.sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    is_causal=, scale=, sinks=, softcap=, window=, causal_align=, return_lse=True) over packed
+    q [total_q, Hq, E], k [total_k, Hkv, E], v [total_k, Hkv, Ev]; sequence b has
+    seqlens_q[b] query and seqlens_k[b] key tokens (0 allowed)."""
+
+    dtype: torch.dtype
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    Hq: int
+    Hkv: int
+    E: int
+    Ev: int
+    q_layout: Layout
+    k_layout: Layout
+    v_layout: Layout
+    is_causal: bool
+    causal_align: str
+    window: tuple[int, int] | None
+    sinks: tuple[torch.dtype, Layout] | None
+    softcap: float | None
+    scale: float | None
+    seed: int
+
+    def kwargs(self):
+        return {"is_causal": self.is_causal, "scale": self.scale, "softcap": self.softcap,
+                "window": self.window, "causal_align": self.causal_align}  # fmt: skip
+
+    def offsets(self):
+        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+        cq, ck = [0], [0]
+        for lq, lk in zip(self.seqlens_q, self.seqlens_k, strict=True):
+            cq.append(cq[-1] + lq)
+            ck.append(ck[-1] + lk)
+        return (torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32),
+                max(self.seqlens_q), max(self.seqlens_k))  # fmt: skip
+
+    def build(self):
+        """({q, k, v, sinks}, [Guarded])."""
+        gen = torch.Generator().manual_seed(self.seed)
+        Tq, Tk = sum(self.seqlens_q), sum(self.seqlens_k)
+        q = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
+        k = guarded("k", (Tk, self.Hkv, self.E), self.dtype, self.k_layout, gen)
+        v = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
+        guards = [q, k, v]
+        t = {"q": q.tensor, "k": k.tensor, "v": v.tensor, "sinks": None}
+        if self.sinks is not None:
+            dtype, layout = self.sinks
+            g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
+            guards.append(g)
+            t["sinks"] = g.tensor
+        return t, guards
+
+
+@st.composite
+def varlen_calls(draw, dtypes=DTYPES, max_len=300):
+    """A steel::sdpa_varlen call in the plan's envelope: 1 to 4 sequences of lengths on and
+    around the tiles, empty ones included, L != S."""
+    dtype = draw(st.sampled_from(dtypes))
+    E = draw(head_dims())
+    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims()))
+    count = draw(st.integers(1, 4))
+    length = st.one_of(st.just(0), sizes((ATTN_BQ,), max_len))
+    lq = [draw(length) for _ in range(count)]
+    lk = [draw(st.one_of(st.just(n), length)) for n in lq]
+    if max(lq) == 0:
+        lq[0] = 1
+    Hkv = draw(st.sampled_from([1, 1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    de, dv = _instantiation(E, Ev)
+
+    def cost():
+        return Hkv * group * sum(-(-n // ATTN_BQ) * ATTN_BQ * m for n, m in zip(lq, lk)) * (de + dv)
+
+    while cost() > ATTN_BUDGET and Hkv * group > 1:
+        Hkv, group = (1, group) if Hkv > 1 else (1, group // 2)
+    while cost() > ATTN_BUDGET:
+        lq = [max(n // 2, min(n, 1)) for n in lq]
+        lk = [m // 2 for m in lk]
+    Hq = Hkv * group
+    q_layout, k_layout = draw(layouts(3)), draw(layouts(3))
+    v_layout = draw(st.one_of(st.just(k_layout), layouts(3)))
+    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))
+    window = draw(st.one_of(st.none(), st.tuples(side, side)))
+    sinks = None
+    if draw(st.integers(0, 3)) == 0:
+        sinks = (draw(st.sampled_from([dtype, torch.float32])), draw(layouts(1)))
+    return VarlenCall(dtype, tuple(lq), tuple(lk), Hq, Hkv, E, Ev, q_layout, k_layout, v_layout,
+                      draw(st.booleans()), draw(st.sampled_from(["top_left", "bottom_right"])),
+                      window, sinks, draw(st.sampled_from([None, None, 0.0, 5.0, 30.0])),
+                      draw(st.sampled_from([None, None, 0.125, -0.3, 2.0])),
+                      draw(st.integers(0, 2**31 - 1)))  # fmt: skip
 
 
 SDPA_REFUSALS = ("float64", "mixed_k", "rank", "rank2", "head_dim", "e_mismatch", "heads",
