@@ -1,14 +1,14 @@
 """Hypothesis strategies that draw calls of the steel kernel ops within each launch plan's
 envelope, shared by every fuzz test (tests/fuzz/test_fuzz_*.py).
 
-A drawn call is a frozen dataclass (GemmCall, SdpaCall) whose repr is the whole recipe: shapes,
-dtypes, options, the memory layout of every tensor argument and the seed of its values. Its
-build() materializes the tensors, each one a view into its own guard buffer (Guarded): a flat
-allocation filled with a sentinel (a NaN payload for floats, 0xA5 for bool), the view's
-elements copied in. After the kernel ran, Guarded.check() compares the whole buffer with its
-snapshot, so that a write anywhere in it (into an input, or between a strided view's elements,
-where the simulator's out-of-bounds checker cannot see it: those bytes lie inside the bound
-extent) fails, and a kernel that reads the gaps gets NaN into its result.
+A drawn call is a frozen dataclass (GemmCall, SdpaCall, VarlenCall) whose repr is the whole
+recipe: shapes, dtypes, options, the memory layout of every tensor argument and the seed of its
+values. Its build() materializes the tensors, each one a view into its own guard buffer
+(Guarded): a flat allocation filled with a sentinel (a NaN payload for floats, 0xA5 for bool),
+the view's elements copied in. After the kernel ran, Guarded.check() compares the whole buffer
+with its snapshot, so that a write anywhere in it (into an input, or between a strided view's
+elements, where the simulator's out-of-bounds checker cannot see it: those bytes lie inside the
+bound extent) fails, and a kernel that reads the gaps gets NaN into its result.
 
 The pieces, bottom up:
   sizes(tiles, hi)        lengths 1..hi, weighted on multiples of the tiles and one either side
@@ -18,41 +18,27 @@ The pieces, bottom up:
   Guarded                 a view into a sentinel-filled guard buffer, and its check
   gemm_calls()            steel::gemm within gemm_plan.cpp's envelope, by tile regime
   sdpa_calls()            steel::sdpa (the attention forward) within attention_plan.cpp's
-  varlen_calls()          steel::sdpa_varlen (packed ragged sequences) within varlen_plan.cpp's
-  gemm_refusals(), sdpa_refusals()
+  varlen_calls()          steel::sdpa_varlen (packed sequences) within varlen_plan.cpp's
+  gemm_refusals(), sdpa_refusals(), varlen_refusals()
                           calls outside the envelope, as run_op arguments, that the plan must
                           refuse with a reason
 
-Adding an op when its kernel lands (varlen, decode, backward): write a frozen dataclass with a
-build() returning (arguments, guards) and a strategy drawing it from the pieces above, e.g.
-
-    @dataclass(frozen=True)
-    class VarlenCall:
-        dtype: torch.dtype
-        seqlens_q: tuple[int, ...]      # st.lists(sizes((32,), 300), min_size=1, max_size=4)
-        seqlens_k: tuple[int, ...]
-        Hq: int; Hkv: int; E: int; Ev: int
-        q_layout: Layout; k_layout: Layout; v_layout: Layout   # layouts(3, ...)
-        options: dict; seed: int
-        def build(self): ... Guarded(values, layout, dtype) per tensor ...
-
-    def varlen_calls(): return st.builds(...) or an @st.composite over sizes()/layouts()
-
-then a test file with two tests over one check function (the fixed-seed subset and the
-@pytest.mark.fuzz run, see test_fuzz_sdpa.py): run the op on the "sim" backend in strict mode,
+Adding an op when its kernel lands (decode, paged KV): write a frozen
+dataclass with a build() returning (arguments, guards) and a strategy drawing it from the pieces
+above (VarlenCall / varlen_calls() is the smallest example), then a test file with two tests
+over one check function (the fixed-seed subset and the @pytest.mark.fuzz run, see
+test_fuzz_varlen.py): run the op on the "sim" backend in strict mode,
 compare with its float64 oracle within the op's tolerance (tests/attn/attn_helpers.py), call
 check() on every guard, and a refusal entry in the op's *_refusals() strategy. The decode
 kernels are sdpa with L <= a few rows: sdpa_calls(max_L=8) draws them once their plan picks
-them. The backward (steel::sdpa_backward) reuses sdpa_calls() whole: build() gives q, k, v,
-mask and sinks; run the forward in strict sim, draw a grad_out of out's shape (and a grad_lse)
-as guarded(...) with any layouts(), call torch.autograd.grad (or torch.ops.steel.sdpa_backward)
-under strict_sim, and compare dq, dk, dv, dsinks with torch_steel.reference.sdpa_backward in
-float64 (a float mask with requires_grad also checks dmask).
+them. The backwards reuse the forwards' calls whole: sdpa_calls() (steel::sdpa_backward,
+test_fuzz_sdpa_backward.py) and varlen_calls() (test_fuzz_sdpa_varlen_backward.py).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -640,101 +626,6 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
                     packed)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class VarlenCall:
-    """torch_steel.sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    is_causal=, scale=, sinks=, softcap=, window=, causal_align=, return_lse=True) over packed
-    q [total_q, Hq, E], k [total_k, Hkv, E], v [total_k, Hkv, Ev]; sequence b has
-    seqlens_q[b] query and seqlens_k[b] key tokens (0 allowed)."""
-
-    dtype: torch.dtype
-    seqlens_q: tuple[int, ...]
-    seqlens_k: tuple[int, ...]
-    Hq: int
-    Hkv: int
-    E: int
-    Ev: int
-    q_layout: Layout
-    k_layout: Layout
-    v_layout: Layout
-    is_causal: bool
-    causal_align: str
-    window: tuple[int, int] | None
-    sinks: tuple[torch.dtype, Layout] | None
-    softcap: float | None
-    scale: float | None
-    seed: int
-
-    def kwargs(self):
-        return {"is_causal": self.is_causal, "scale": self.scale, "softcap": self.softcap,
-                "window": self.window, "causal_align": self.causal_align}  # fmt: skip
-
-    def offsets(self):
-        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-        cq, ck = [0], [0]
-        for lq, lk in zip(self.seqlens_q, self.seqlens_k, strict=True):
-            cq.append(cq[-1] + lq)
-            ck.append(ck[-1] + lk)
-        return (torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32),
-                max(self.seqlens_q), max(self.seqlens_k))  # fmt: skip
-
-    def build(self):
-        """({q, k, v, sinks}, [Guarded])."""
-        gen = torch.Generator().manual_seed(self.seed)
-        Tq, Tk = sum(self.seqlens_q), sum(self.seqlens_k)
-        q = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
-        k = guarded("k", (Tk, self.Hkv, self.E), self.dtype, self.k_layout, gen)
-        v = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
-        guards = [q, k, v]
-        t = {"q": q.tensor, "k": k.tensor, "v": v.tensor, "sinks": None}
-        if self.sinks is not None:
-            dtype, layout = self.sinks
-            g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
-            guards.append(g)
-            t["sinks"] = g.tensor
-        return t, guards
-
-
-@st.composite
-def varlen_calls(draw, dtypes=DTYPES, max_len=300):
-    """A steel::sdpa_varlen call in the plan's envelope: 1 to 4 sequences of lengths on and
-    around the tiles, empty ones included, L != S."""
-    dtype = draw(st.sampled_from(dtypes))
-    E = draw(head_dims())
-    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims()))
-    count = draw(st.integers(1, 4))
-    length = st.one_of(st.just(0), sizes((ATTN_BQ,), max_len))
-    lq = [draw(length) for _ in range(count)]
-    lk = [draw(st.one_of(st.just(n), length)) for n in lq]
-    if max(lq) == 0:
-        lq[0] = 1
-    Hkv = draw(st.sampled_from([1, 1, 2]))
-    group = draw(st.sampled_from([1, 2, 3, 4]))
-    de, dv = _instantiation(E, Ev)
-
-    def cost():
-        return Hkv * group * sum(-(-n // ATTN_BQ) * ATTN_BQ * m for n, m in zip(lq, lk)) * (de + dv)
-
-    while cost() > ATTN_BUDGET and Hkv * group > 1:
-        Hkv, group = (1, group) if Hkv > 1 else (1, group // 2)
-    while cost() > ATTN_BUDGET:
-        lq = [max(n // 2, min(n, 1)) for n in lq]
-        lk = [m // 2 for m in lk]
-    Hq = Hkv * group
-    q_layout, k_layout = draw(layouts(3)), draw(layouts(3))
-    v_layout = draw(st.one_of(st.just(k_layout), layouts(3)))
-    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))
-    window = draw(st.one_of(st.none(), st.tuples(side, side)))
-    sinks = None
-    if draw(st.integers(0, 3)) == 0:
-        sinks = (draw(st.sampled_from([dtype, torch.float32])), draw(layouts(1)))
-    return VarlenCall(dtype, tuple(lq), tuple(lk), Hq, Hkv, E, Ev, q_layout, k_layout, v_layout,
-                      draw(st.booleans()), draw(st.sampled_from(["top_left", "bottom_right"])),
-                      window, sinks, draw(st.sampled_from([None, None, 0.0, 5.0, 30.0])),
-                      draw(st.sampled_from([None, None, 0.125, -0.3, 2.0])),
-                      draw(st.integers(0, 2**31 - 1)))  # fmt: skip
-
-
 SDPA_REFUSALS = ("float64", "mixed_k", "rank", "rank2", "head_dim", "e_mismatch", "heads",
                  "dropout", "mask_dtype", "mask_shape", "sinks_shape", "sinks_dtype",
                  "unmergeable_batch", "batch_mismatch", "max_threads")  # fmt: skip
@@ -794,3 +685,173 @@ def sdpa_refusals(draw):
     elif what == "max_threads":
         options["max_threads"] = draw(st.sampled_from([0, 32, 64, 127]))
     return what, [q, k, v, mask, sinks], options
+
+
+# ----------------------------------------------------------------------------- sdpa_varlen
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """torch_steel.sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p=, is_causal=, scale=, sinks=, softcap=, window=, causal_align=, seed=,
+    return_lse=True) with q [sum(lq), Hq, E], k [sum(lk), Hkv, E], v [sum(lk), Hkv, Ev].
+
+    extra_q / extra_k: how far max_seqlen_* exceed the longest sequence (a bound, as flash-attn
+    allows); packed: q, k, v are the three slices of one fused [tokens, 3, H, E] projection
+    (lq == lk, Hq == Hkv, E == Ev), laid out by q_layout (rank 4)."""
+
+    dtype: torch.dtype
+    lq: tuple[int, ...]
+    lk: tuple[int, ...]
+    Hq: int
+    Hkv: int
+    E: int
+    Ev: int
+    q_layout: Layout
+    k_layout: Layout
+    v_layout: Layout
+    extra_q: int
+    extra_k: int
+    is_causal: bool
+    causal_align: str
+    window: tuple[int, int] | None
+    sinks: tuple[torch.dtype, Layout] | None
+    softcap: float | None
+    scale: float | None
+    dropout_p: float
+    seed: int
+    packed: bool = False
+
+    def cu_seqlens(self):
+        def offsets(lengths):
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+        return offsets(self.lq), offsets(self.lk)
+
+    def max_seqlens(self):
+        return max(self.lq) + self.extra_q, max(self.lk) + self.extra_k
+
+    def kwargs(self):
+        """The keyword arguments of torch_steel.sdpa_varlen besides tensors and lengths."""
+        return {"dropout_p": self.dropout_p, "is_causal": self.is_causal, "scale": self.scale,
+                "softcap": self.softcap, "window": self.window,
+                "causal_align": self.causal_align, "seed": 1234}  # fmt: skip
+
+    def build(self):
+        """({q, k, v, sinks}, [Guarded])."""
+        gen = torch.Generator().manual_seed(self.seed)
+        Tq, Tk = sum(self.lq), sum(self.lk)
+        if self.packed:
+            qkv = guarded("qkv", (Tq, 3, self.Hq, self.E), self.dtype, self.q_layout, gen)
+            guards = [qkv]
+            q, k, v = qkv.tensor.unbind(1)
+        else:
+            gq = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
+            gk = guarded("k", (Tk, self.Hkv, self.E), self.dtype, self.k_layout, gen)
+            gv = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
+            guards = [gq, gk, gv]
+            q, k, v = gq.tensor, gk.tensor, gv.tensor
+        t = {"q": q, "k": k, "v": v, "sinks": None}
+        if self.sinks is not None:
+            dtype, layout = self.sinks
+            g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
+            guards.append(g)
+            t["sinks"] = g.tensor
+        return t, guards
+
+
+@st.composite
+def varlen_calls(draw, dtypes=DTYPES, max_len=300):
+    """A steel::sdpa_varlen forward call in varlen_plan.cpp's envelope: 1 to 5 sequences of
+    lengths on and off the tile edges, empty ones included, lq and lk independent."""
+    dtype = draw(st.sampled_from(dtypes))
+    E = draw(head_dims())
+    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims()))
+    if draw(st.integers(0, 9)) == 0:
+        E, Ev = 192, 128
+    n = draw(st.integers(1, 5))
+    length = st.one_of(st.just(0), sizes((ATTN_BQ,) + ATTN_BK, max_len))
+    lq = [draw(length) for _ in range(n)]
+    lk = [draw(length) for _ in range(n)]
+    if sum(lq) and draw(st.integers(0, 3)) == 0:
+        lk = list(lq)  # self-attention over the packed batch
+    if sum(lq) == 0:  # the plan needs a sequence to hold the query tokens: at least one
+        lq[0] = draw(sizes((ATTN_BQ,), max_len))
+    Hkv = draw(st.sampled_from([1, 1, 2, 3]))
+    group = draw(st.sampled_from([1, 1, 2, 4, 8]))
+    de, dv = _instantiation(E, Ev)
+
+    def cost():  # padded rows x keys x head dims over the sequences and heads
+        tiles = sum(-(-a // ATTN_BQ) * ATTN_BQ * b for a, b in zip(lq, lk))
+        return Hkv * group * tiles * (de + dv)
+
+    while cost() > ATTN_BUDGET and Hkv * group > 1:
+        Hkv, group = (1, group) if Hkv > 1 else (1, group // 2)
+    while cost() > ATTN_BUDGET:
+        lq, lk = [(a + 1) // 2 for a in lq], [b // 2 for b in lk]
+    packed = draw(st.integers(0, 7)) == 0
+    if packed:
+        lk, group, E = list(lq), 1, min(E, Ev)
+        Ev = E
+    Hq = Hkv * group
+    heads_outer = (1, 0, 2)  # [H, tokens, D] in memory
+    q_layout = draw(layouts(4 if packed else 3, orders=[] if packed else [heads_outer]))
+    k_layout = draw(layouts(3, orders=[heads_outer]))
+    v_layout = draw(st.one_of(st.just(k_layout), layouts(3, orders=[heads_outer])))
+    extra = st.sampled_from([0, 0, 0, 1, 31, 100])
+    is_causal = draw(st.booleans())
+    causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
+    side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))
+    window = draw(st.one_of(st.none(), st.tuples(side, side)))
+    sinks = None
+    if draw(st.integers(0, 3)) == 0:
+        sinks = (draw(st.sampled_from([dtype, torch.float32])), draw(layouts(1)))
+    softcap = draw(st.sampled_from([None, None, None, 1.0, 5.0, 30.0]))
+    scale = draw(st.sampled_from([None, None, None, 0.125, 1.0, -0.3, 0.0, 2.0]))
+    dropout_p = draw(st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.5]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return VarlenCall(dtype, tuple(lq), tuple(lk), Hq, Hkv, E, Ev, q_layout, k_layout, v_layout,
+                      draw(extra), draw(extra), is_causal, causal_align, window, sinks, softcap,
+                      scale, dropout_p, seed, packed)  # fmt: skip
+
+
+VARLEN_REFUSALS = ("float64", "mixed_v", "rank", "heads", "head_dim", "cu_dtype", "cu_counts",
+                   "no_max_seqlen", "no_rows", "dropout_one")  # fmt: skip
+
+
+@st.composite
+def varlen_refusals(draw):
+    """(what, run_op tensors [q, k, v, cu_seqlens_q, cu_seqlens_k, sinks], options) that
+    varlen_plan.cpp must refuse."""
+    what = draw(st.sampled_from(VARLEN_REFUSALS))
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    lengths = [draw(sizes((32,), 70)) for _ in range(draw(st.integers(1, 3)))]
+    T, H, E = sum(lengths), draw(st.integers(1, 3)), draw(st.sampled_from([8, 64, 65]))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v = (values((T, H, E), dtype, gen) for _ in range(3))
+    cu_q, cu_k = cu, cu.clone()
+    options = {"scale": 0.125, "max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+    if what == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif what == "mixed_v":
+        v = v.to(draw(st.sampled_from([d for d in DTYPES if d != dtype])))
+    elif what == "rank":
+        q = q.unsqueeze(0)
+    elif what == "heads":
+        q = values((T, 5, E), dtype, gen)
+        k, v = values((T, 2, E), dtype, gen), values((T, 2, E), dtype, gen)
+    elif what == "head_dim":
+        E = draw(st.integers(513, 600))
+        q, k, v = (values((T, 1, E), dtype, gen) for _ in range(3))
+    elif what == "cu_dtype":
+        cu_k = cu_k.to(torch.int64)
+    elif what == "cu_counts":
+        cu_k = torch.cat([cu_k, cu_k[-1:]])
+    elif what == "no_max_seqlen":
+        del options[draw(st.sampled_from(["max_seqlen_q", "max_seqlen_k"]))]
+    elif what == "no_rows":
+        options["max_seqlen_q"] = 0
+    elif what == "dropout_one":
+        options["dropout_p"] = 1.0
+    return what, [q, k, v, cu_q, cu_k, None], options
