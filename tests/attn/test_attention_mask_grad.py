@@ -72,7 +72,15 @@ def test_every_broadcast(shape):
 
 @pytest.mark.parametrize("mask_dtype", ["same", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(2, 3, 33, 47), (1, 1, 33, 47), (2, 3, 1, 1)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((2, 3, 33, 47), marks=pytest.mark.slow),
+        (1, 1, 33, 47),
+        pytest.param((2, 3, 1, 1), marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
 def test_dtypes(dtype, mask_dtype, shape):
     q, k, v = qkv(2, 3, 33, 47, 64, dtype=dtype)
     mask_t = dtype if mask_dtype == "same" else torch.float32

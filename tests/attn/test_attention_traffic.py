@@ -108,7 +108,9 @@ def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
         (1, 2, 2, 9, 17, 192, 128, {"window_right": 3}, None, False, False),
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.float32, marks=pytest.mark.slow)], ids=str
+)
 def test_backward_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, options, mask_shape,
                                                  sinks, mask_grad, dtype):  # fmt: skip
     """Bytes and MMAs of every backward dispatch (bench_attention.backward_model) equal the
