@@ -21,10 +21,17 @@ For every shape of the table:
     decode kernels: the partitions the plan chose, K and V bytes read against the cache's size
     (GQA packing reads them once per KV head: the ratio is ~1), the partials' scratch, and the
     model of every dispatch (partial kernel and merge) against the simulator's counters;
+  - the backward (issue 11, item 7): every dispatch's bytes and MMAs (backward_model: the
+    delta pre-pass, dK/dV, dQ, and dmask / dsinks when planned) against the minimum (q, k, v,
+    grad_out, out, lse read once, dq, dk, dv written once) and the ideal MMAs, checked against
+    the simulator; its scratch is delta, 8 bytes per query row: peak memory O(L), never L x S;
   - on a Mac with MPS (--mps): steel.sdpa against F.sdpa, median of --iters runs, and peak
     memory, for B 1..8, H 8..32, L 128..16384, D 64 and 128, causal and not, as a table and
-    (with matplotlib) a plot bench/attention_mps.png; and decode: tokens per second and time
-    per call for KV 1k..32k, B 1..8, H 8..32, D 64/128, GQA 1 and 4 (bench/decode_mps.png).
+    (with matplotlib) a plot bench/attention_mps.png; decode: tokens per second and time per
+    call for KV 1k..32k, B 1..8, H 8..32, D 64/128, GQA 1 and 4 (bench/decode_mps.png); the
+    prefill shapes forward + backward against F.sdpa's autograd; and a small GPT's training
+    step (6 layers, d_model 512, L 1k..32k) with F.sdpa patched to steel and unpatched, time
+    and peak memory.
 
     python bench/bench_attention.py [--dtype float16] [--sim-limit 3e8] [--mps] [--iters 20]
 """
@@ -53,6 +60,7 @@ BUF_BWD_PARAMS = 17
 BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = 10, 11, 12, 13
 FC_ALIGN_E, FC_ALIGN_EV, FC_VARLEN, FC_SPLIT, FC_PAGED = 302, 303, 316, 322, 323
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
+STEEL_FC_GRAD_LSE = 320
 BQ = 32
 THREADS = 128
 BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
@@ -185,39 +193,155 @@ def varlen_model(plan, lq, lk, es, sinks_es):
     return buffers, mma, tiles, max(dense_tiles, 1)
 
 
+def bwd_bk_of(de, dv, es):
+    """steel_attn_bwd_bk (params.h): the backward's streamed tile, both tiles resident."""
+    ld_sum = (de + 16 // es) + (dv + 16 // es)
+    return next((bk for bk in (32, 16, 8) if bk * ld_sum * es <= BUDGET), 0)
+
+
+# Buffer indices of the backward kernels (params.h).
+(BUF_GRAD_OUT, BUF_FWD_OUT, BUF_FWD_LSE, BUF_GRAD_LSE, BUF_DELTA, BUF_DQ, BUF_DK, BUF_DV,
+ BUF_DSINKS, _, BUF_DMASK, BUF_BWD_CU_Q, BUF_BWD_CU_K) = range(8, 21)  # fmt: skip
+FC_DMASK_ROWS, FC_DMASK_KEYS = 324, 325
+
+
+def _add(buffers, index, read=0, written=0):
+    if read or written:
+        entry = buffers.setdefault(index, {"read": 0, "written": 0})
+        entry["read"] += read
+        entry["written"] += written
+
+
+def _query_tiles(p, key0, bk, has_hi, has_lo):
+    """[(first row, valid rows)] of the query tiles the dK/dV block at key0 visits."""
+    last_key = min(key0 + 32, p["S"]) - 1
+    begin, end = 0, p["L"]
+    if has_hi:
+        begin = max(0, key0 - p["shift"] - p["hi_off"])
+    if has_lo:
+        end = min(p["L"], last_key - p["shift"] + p["lo_off"] + 1)
+    if end <= begin:
+        return []
+    return [(r, min(bk, p["L"] - r)) for r in range(begin // bk * bk, end, bk)]
+
+
+def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
+    """Predicted ({binding: {"read", "written"}}, MMAs) of each dispatch of an "sdpa_backward" or
+    "sdpa_varlen_backward" plan, from backward.h's loops. `extents`: (L, S, count) per batch
+    extent, count (batch entry or sequence) repeats of it: [(L, S, B)] dense, [(L_b, S_b, 1)]
+    per sequence varlen. Every load is counted as the lanes issue it: a row's lse (and delta and
+    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, the 32 keys'
+    lanes of a dK/dV block per query tile, all 32 lanes of a pre-pass row); the delta pre-pass's
+    normaliser recovery (rows of |lse| >= 4096) is not modelled (the shapes here have none)."""
+    results = []
+    for d in plan.dispatches:
+        p = params(d, BUF_BWD_PARAMS)
+        raw = next(b.bytes for b in d.bindings if b.index == BUF_BWD_PARAMS)
+        dm_hs, dm_rs, dm_cs = struct.unpack_from("3q", raw, 448)
+        (dm_combos,) = struct.unpack_from("i", raw, 472)
+        kind = d.kernel.split("_")[3]
+        hi, lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
+        varlen = d.constants[FC_VARLEN]
+        mask_read = mask_es if d.constants[FC_MASK] else 0
+        E, Ev, Hq, group = p["E"], p["Ev"], p["Hq"], p["group"]
+        buffers, mma = {}, 0
+        if kind in ("dkdv", "dq", "dmask"):
+            de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+            bk = bwd_bk_of(de, dv, es)
+            td, tv, tk, sg = de // 8, dv // 8, bk // 8, THREADS // 32
+        for L, S, count in extents:
+            x = {**p, "L": L, "S": S}
+            if varlen:  # each sequence's own diagonal shift
+                x["shift"] = S - L if d.constants[FC_VARLEN_BR] else 0
+            if kind == "delta" and L:
+                rows = count * Hq * L
+                _add(buffers, BUF_GRAD_OUT, rows * Ev * es)
+                _add(buffers, BUF_FWD_OUT, rows * Ev * es)
+                _add(buffers, BUF_FWD_LSE, rows * 32 * 4)
+                _add(buffers, BUF_GRAD_LSE, rows * 4 if d.constants[STEEL_FC_GRAD_LSE] else 0)
+                _add(buffers, BUF_DELTA, written=rows * 8)
+            elif kind == "dkdv":
+                pairs = count * Hq // group
+                for key0 in range(0, S, 32):
+                    vk = min(32, S - key0)
+                    _add(buffers, BUF_K, pairs * vk * E * es)
+                    _add(buffers, BUF_V, pairs * vk * Ev * es)
+                    _add(buffers, BUF_DK, written=pairs * vk * E * es)
+                    _add(buffers, BUF_DV, written=pairs * vk * Ev * es)
+                    for _, vr in _query_tiles(x, key0, bk, hi, lo):
+                        n = pairs * group
+                        _add(buffers, BUF_Q, n * vr * E * es)
+                        _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                        _add(buffers, BUF_FWD_LSE, n * vr * 32 * 4)
+                        _add(buffers, BUF_DELTA, n * vr * 32 * 8)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
+                        mma += n * sg * tk * (2 * td + 2 * tv)
+            elif kind == "dq":
+                n = count * Hq
+                for _, vr, tiles in visited_tiles(x, bk, hi, lo):
+                    _add(buffers, BUF_Q, n * vr * E * es)
+                    _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                    _add(buffers, BUF_FWD_LSE, n * vr * 4 * 4)
+                    _add(buffers, BUF_DELTA, n * vr * 4 * 8)
+                    _add(buffers, BUF_DQ, written=n * vr * E * es)
+                    for key0 in tiles:
+                        vk = min(bk, S - key0)
+                        _add(buffers, BUF_K, n * vk * E * es)
+                        _add(buffers, BUF_V, n * vk * Ev * es)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
+                        mma += n * sg * tk * (2 * td + tv)
+            elif kind == "dmask":
+                # Each (batch entry, head) pair is summed by one threadgroup per mask element
+                # tile it touches: its row blocks' Q and dO once per key-tile threadgroup, the
+                # visible tiles among the threadgroup's own.
+                n = count * Hq
+                key_tgs = 1 if d.constants[FC_DMASK_KEYS] else -(-S // bk)
+                for _, vr, tiles in visited_tiles(x, bk, hi, lo):
+                    _add(buffers, BUF_Q, n * key_tgs * vr * E * es)
+                    _add(buffers, BUF_GRAD_OUT, n * key_tgs * vr * Ev * es)
+                    _add(buffers, BUF_FWD_LSE, n * key_tgs * vr * 4 * 4)
+                    _add(buffers, BUF_DELTA, n * key_tgs * vr * 4 * 8)
+                    for key0 in tiles:
+                        vk = min(bk, S - key0)
+                        _add(buffers, BUF_K, n * vk * E * es)
+                        _add(buffers, BUF_V, n * vk * Ev * es)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_es)
+                        mma += n * sg * tk * (td + tv)
+                rows = 1 if dm_rs == 0 else L
+                keys = 1 if dm_cs == 0 else S
+                elements = count * Hq // dm_combos * rows * keys
+                _add(buffers, BUF_DMASK, written=elements * mask_es)
+            elif kind == "dsinks":
+                rows = count * L
+                _add(buffers, BUF_FWD_LSE, Hq * rows * 4)
+                _add(buffers, BUF_DELTA, Hq * rows * 8)  # every row has a finite lse (the sink)
+        if kind == "dsinks":
+            _add(buffers, BUF_SINKS, Hq * 32 * sinks_es)
+            _add(buffers, BUF_DSINKS, written=Hq * sinks_es)
+        if varlen and kind != "dsinks":
+            launched = d.grid[0] * d.grid[1] * d.grid[2] * d.threads[0]
+            _add(buffers, BUF_BWD_CU_Q, launched * 2 * 4)
+            _add(buffers, BUF_BWD_CU_K, launched * 2 * 4)
+        results.append((buffers, mma))
+    return results
+
+
+def backward_minimum(q, k, v, mask_numel, es, mask_es):
+    """The least a backward can move: q, k, v, grad_out, out read once, lse read once; dq, dk,
+    dv written once; the mask read once and, when its gradient is asked, written once."""
+    rows = q.numel() // q.shape[-1]
+    ev = v.shape[-1]
+    reads = (q.numel() + k.numel() + v.numel() + 2 * rows * ev) * es + rows * 4
+    return reads + (q.numel() + k.numel() + v.numel()) * es + 2 * mask_numel * mask_es
+
+
 def backward_mma(plan, batch, es):
-    """Predicted MMAs of each dispatch of an "sdpa_backward" plan (backward.h's loops): dK/dV
+    """Predicted MMAs of each dispatch of an "sdpa_backward" plan (backward_model's count): dK/dV
     visits, per 32-key block and query head of its group, the query tiles that see the block,
     with four products a tile (S^T, dV, dP^T, dK); dQ visits the forward's key tiles with three
-    (S, dP, dQ). The pre-pass and dsinks use none."""
-    out = []
-    for d in plan.dispatches:
-        if "_dkdv_" not in d.kernel and "_dq_" not in d.kernel:
-            out.append(0)
-            continue
-        p = params(d, BUF_BWD_PARAMS)
-        de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
-        bk = bk_of(de, dv, es)
-        td, tv, tk = de // 8, dv // 8, bk // 8
-        sg = THREADS // 32
-        if "_dq_" in d.kernel:
-            tiles = sum(
-                len(t)
-                for _, _, t in visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
-            )
-            out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + tv))
-            continue
-        tiles = 0
-        for key0 in range(0, p["S"], 32):
-            last_key = min(key0 + 32, p["S"]) - 1
-            begin, end = 0, p["L"]
-            if d.constants[FC_HAS_HI]:
-                begin = max(0, key0 - p["shift"] - p["hi_off"])
-            if d.constants[FC_HAS_LO]:
-                end = min(p["L"], last_key - p["shift"] + p["lo_off"] + 1)
-            tiles += (-(-end // bk) - begin // bk) if end > begin else 0
-        out.append(batch * p["Hq"] * tiles * sg * tk * (2 * td + 2 * tv))
-    return out
+    (S, dP, dQ); dmask two (S, dP). The pre-pass and dsinks use none."""
+    p = params(plan.dispatches[0], BUF_BWD_PARAMS)
+    return [m for _, m in backward_model(plan, [(p["L"], p["S"], batch)], es)]
 
 
 def visible_pairs(L, S, options):
@@ -619,6 +743,64 @@ def decode_mps_table(dtype, iters) -> None:
     fig.savefig(Path(__file__).with_name("decode_mps.png"), dpi=120)
 
 
+def backward_table(dtype, sim_limit) -> int:
+    """The backward's traffic per plan (model == simulator where it runs) against the minimum;
+    its only scratch is delta, two floats per query row: O(L) memory, no L x S buffer."""
+    es = torch.finfo(dtype).bits // 8
+    run_sim = sim.available()
+    failures = 0
+    print(f"\nsteel attention backward, {dtype}; traffic in MB (all dispatches); MMAs in thousands")
+    print(f"{'shape':28} {'model MB':>9} {'min MB':>8} {'ratio':>6} {'sim MB':>9} {'kMMA':>9} "
+          f"{'ideal':>9} {'scratch B':>10}")  # fmt: skip
+    for name, B, Hq, Hkv, L, S, E, Ev, options, _ in SHAPES:
+        opts = run_options(E, options)
+        tensors = backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, "meta")
+        p = sim.plan("sdpa_backward", tensors, opts)
+        if not p.ok:
+            print(f"{name:28} refused: {p.reason}")
+            continue
+        predicted = backward_model(p, [(L, S, B)], es)
+        moved = sum(total(b) for b, _ in predicted)
+        mma = sum(m for _, m in predicted)
+        minimum = backward_minimum(*tensors[1:4], 0, es, 0)
+        # S, dP, dV, dK, dQ over the visible pairs: 2 E + 3 Ev (in 8x8x8 products) a pair.
+        ideal = B * Hq * visible_pairs(L, S, options) * (3 * E + 2 * Ev) / 512
+        scratch = sum(math.prod(a.sizes) * 4 for a in p.allocations if not a.is_output)
+        sim_col = "-"
+        if run_sim and B * Hq * L * S * (E + Ev) <= sim_limit:
+            cpu = backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, "cpu")
+            _, counters = sim.run_op("sdpa_backward", cpu, opts, counters=True, checkers=False)
+            got = counted_backward(counters)
+            sim_col = f"{sum(total(b) for b in got) / 1e6:.3f}"
+            if got != [b for b, _ in predicted] or [c["mma"] for c in counters] != [
+                m for _, m in predicted
+            ]:
+                sim_col += " MISMATCH"
+                failures += 1
+        print(f"{name:28} {moved / 1e6:9.3f} {minimum / 1e6:8.3f} {moved / minimum:6.2f} "
+              f"{sim_col:>9} {mma / 1e3:9.1f} {ideal / 1e3:9.1f} {scratch:10d}")  # fmt: skip
+    if failures:
+        print(f"{failures} shape(s) where the backward model and the simulator disagree")
+    return failures
+
+
+def counted_backward(counters):
+    """The simulator's per-binding bytes of each backward dispatch, without the params."""
+    return [
+        {i: dict(v) for i, v in c["buffers"].items()
+         if (v["read"] or v["written"]) and i != BUF_BWD_PARAMS}
+        for c in counters
+    ]  # fmt: skip
+
+
+def backward_inputs(B, Hq, Hkv, L, S, E, Ev, dtype, device):
+    """The "sdpa_backward" tensors [grad_out, q, k, v, out, lse, mask, sinks, grad_lse]."""
+    q, k, v, _ = inputs(B, Hq, Hkv, L, S, E, Ev, None, dtype, device)
+    out = torch.randn(B, Hq, L, Ev, dtype=dtype, device=device)
+    lse = torch.randn(B, Hq, L, dtype=torch.float32, device=device)
+    return [torch.randn_like(out), q, k, v, out, lse, None, None, None]
+
+
 def peak_mb(fn):
     torch.mps.synchronize()
     torch.mps.empty_cache()
@@ -685,6 +867,120 @@ def mps_table(dtype, iters) -> None:
     fig.savefig(Path(__file__).with_name("attention_mps.png"), dpi=120)
 
 
+def time_mps_training(B, H, L, D, causal, dtype, iters):
+    """(steel ms, F.sdpa ms, steel MB, F.sdpa MB) of forward + backward on MPS, with autograd
+    through each (steel: the backward kernels; F.sdpa: PyTorch's MPS backward, which holds the
+    L x S probabilities)."""
+    import torch.nn.functional as F
+
+    import torch_steel
+
+    q, k, v, _ = inputs(B, H, H, L, L, D, D, None, dtype, "mps")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grad = torch.randn_like(q)
+
+    def ours():
+        torch.autograd.grad(torch_steel.sdpa(q, k, v, is_causal=causal), (q, k, v), grad)
+
+    def theirs():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return time_ms(ours, iters), time_ms(theirs, iters), peak_mb(ours), peak_mb(theirs)
+
+
+def mps_training_table(dtype, iters) -> None:
+    """Forward + backward against F.sdpa with autograd, the forward table's shapes."""
+    print(f"\nMPS: steel.sdpa forward+backward against F.sdpa's autograd, {dtype}, median of "
+          f"{iters} runs")  # fmt: skip
+    print(f"{'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'steel ms':>9} {'F.sdpa ms':>9} "
+          f"{'speedup':>7} {'steel MB':>9} {'F.sdpa MB':>9}")  # fmt: skip
+    for B, H, L, D, causal in itertools.product((1, 4, 8), (8, 32), (128, 1024, 4096, 16384),
+                                                (64, 128), (False, True)):  # fmt: skip
+        shape = f"{B:2} {H:3} {L:6} {D:4} {causal!s:>6}"
+        try:
+            t_ours, t_theirs, m_ours, m_theirs = time_mps_training(B, H, L, D, causal, dtype,
+                                                                   iters)  # fmt: skip
+        except RuntimeError as error:  # out of memory: PyTorch's L x S backward first
+            print(f"{shape} failed: {str(error).splitlines()[0]}")
+            continue
+        print(f"{shape} {t_ours:9.3f} {t_theirs:9.3f} {t_theirs / t_ours:7.2f} {m_ours:9.1f} "
+              f"{m_theirs:9.1f}")  # fmt: skip
+
+
+class TinyGPT(torch.nn.Module):
+    """A small GPT (pre-norm blocks, causal F.sdpa attention, GELU MLP, tied embedding)."""
+
+    def __init__(self, layers=6, d_model=512, heads=8, vocab=8192):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({
+                "ln1": torch.nn.LayerNorm(d_model), "qkv": torch.nn.Linear(d_model, 3 * d_model),
+                "proj": torch.nn.Linear(d_model, d_model), "ln2": torch.nn.LayerNorm(d_model),
+                "up": torch.nn.Linear(d_model, 4 * d_model),
+                "down": torch.nn.Linear(4 * d_model, d_model),
+            })
+            for _ in range(layers)
+        )  # fmt: skip
+        self.ln = torch.nn.LayerNorm(d_model)
+
+    def forward(self, tokens):
+        import torch.nn.functional as F
+
+        x = self.embed(tokens)
+        B, L, C = x.shape
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b["proj"](att.transpose(1, 2).reshape(B, L, C))
+            x = x + b["down"](F.gelu(b["up"](b["ln2"](x))))
+        return self.ln(x) @ self.embed.weight.T
+
+
+def time_gpt_step(L, dtype, iters, patched):
+    """(ms, peak MB) of one training step (forward, loss, backward, AdamW) of TinyGPT at
+    sequence length L, batch 1, with F.sdpa served by steel (patched) or by PyTorch."""
+    import contextlib
+
+    import torch_steel
+
+    model = TinyGPT().to("mps", dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 8192, (1, L + 1), device="mps")
+
+    def step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[0, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    with torch_steel.patch() if patched else contextlib.nullcontext():
+        return time_ms(step, iters), peak_mb(step)
+
+
+def mps_gpt_table(dtype, iters) -> None:
+    print(f"\nMPS: TinyGPT training step (6 layers, d_model 512, 8 heads, batch 1), {dtype}")
+    print(
+        f"{'L':>6} {'steel ms':>9} {'torch ms':>9} {'speedup':>7} {'steel MB':>9} {'torch MB':>9}"
+    )
+    for L in (1024, 2048, 4096, 8192, 16384, 32768):
+        cols = []
+        for patched in (True, False):
+            try:
+                cols.append(time_gpt_step(L, dtype, iters, patched))
+            except RuntimeError as error:  # PyTorch's backward runs out of memory first
+                cols.append(None)
+                print(f"{L:6} {'steel' if patched else 'torch'} failed: "
+                      f"{str(error).splitlines()[0]}")  # fmt: skip
+        (ours, theirs) = cols
+        fmt = lambda c, i: f"{c[i]:9.1f}" if c else f"{'OOM':>9}"  # noqa: E731
+        speedup = f"{theirs[0] / ours[0]:7.2f}" if ours and theirs else f"{'-':>7}"
+        print(f"{L:6} {fmt(ours, 0)} {fmt(theirs, 0)} {speedup} {fmt(ours, 1)} {fmt(theirs, 1)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -695,10 +991,12 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     failures = traffic_table(dtype, args.sim_limit) + varlen_table(dtype, args.sim_limit)
-    failures += decode_table(dtype, args.sim_limit)
+    failures += decode_table(dtype, args.sim_limit) + backward_table(dtype, args.sim_limit)
     if args.mps and torch.backends.mps.is_available():
         mps_table(dtype, args.iters)
         decode_mps_table(dtype, args.iters)
+        mps_training_table(dtype, args.iters)
+        mps_gpt_table(dtype, args.iters)
     return 1 if failures else 0
 
 

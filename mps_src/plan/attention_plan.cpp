@@ -564,8 +564,9 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   prefill.numbers["decode"] = 0.0;
   const Plan fwd = plan_attention(forward_tensors, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
-  if (options.number("mask_grad", 0.0) != 0.0) {
-    return Plan::refuse("sdpa_backward: the gradient of attn_mask is not in the Metal kernels yet");
+  const bool mask_grad = options.number("mask_grad", 0.0) != 0.0;
+  if (mask_grad && (!tensors[6] || tensors[6]->dtype == DType::Bool)) {
+    return Plan::refuse("sdpa_backward: mask_grad needs a float attn_mask");
   }
   Plan plan;
   for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);
@@ -598,10 +599,11 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     const size_t e_at = tag.find("_e"), v_at = tag.find("_v");
     const int de = std::stoi(tag.substr(e_at + 2, v_at - e_at - 2));
     const int dv = std::stoi(tag.substr(v_at + 2));
-    if (steel_attn_shared_kv(de, dv, es)) {
+    if (steel_attn_bwd_bk(de, dv, es) == 0) {
       return Plan::refuse(std::string("sdpa_backward: head dims ") + std::to_string(E) + "/" +
-                          std::to_string(Ev) + " in " + dtype_name(dtype) +
-                          " need more threadgroup memory than the backward tiles have");
+                          std::to_string(Ev) + " in " + dtype_name(dtype) + " need more than " +
+                          std::to_string(STEEL_ATTN_TG_BUDGET) +
+                          " bytes of threadgroup memory for two 8-row backward tiles");
     }
   }
   std::vector<int64_t> rows = batch;
@@ -620,7 +622,8 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   const bool has_sinks = tensors[7].has_value();
   const int32_t first = static_cast<int32_t>(tensors.size());
   const int32_t kSlotDq = first, kSlotDk = first + 1, kSlotDv = first + 2;
-  const int32_t kSlotDsinks = first + 3, kSlotDelta = first + (has_sinks ? 4 : 3);
+  const int32_t kSlotDsinks = first + 3, kSlotDmask = first + (has_sinks ? 4 : 3);
+  const int32_t kSlotDelta = kSlotDmask + (mask_grad ? 1 : 0);
   auto output = [&](const char* name, DType dtype, std::vector<int64_t> sizes) {
     Allocation a;
     a.name = name;
@@ -634,6 +637,10 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   output("dk", dtype, tensors[2]->sizes);
   output("dv", dtype, tensors[3]->sizes);
   if (has_sinks) output("dsinks", tensors[7]->dtype, tensors[7]->sizes);
+  if (mask_grad) {
+    output("dmask", tensors[6]->dtype, tensors[6]->sizes);
+    plan.allocations.back().zero_init = empty || S == 0;  // no key: no dS to sum
+  }
   Allocation delta;
   delta.name = "delta";
   delta.dtype = DType::Float32;
@@ -653,17 +660,21 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   AttnParams& p = bp.fwd;
   bp.scale = static_cast<float>(options.number("scale", 1.0 / std::sqrt(double(E))));
   bp.batch = static_cast<int32_t>(batch_count);
-  std::vector<int64_t> mask_strides(nd, 0);
+  // The mask as read, and dmask: contiguous in the mask's shape, 0 where the mask broadcasts.
+  std::vector<int64_t> mask_strides(nd, 0), dm_strides(nd, 0);
   if (tensors[6]) {
     std::vector<int64_t> full = batch;
     full.insert(full.end(), {Hq, L, S});
     broadcast_strides(*tensors[6], full, &mask_strides);
+    broadcast_strides(tensors[6]->contiguous(), full, &dm_strides);
   }
-  std::vector<std::vector<int64_t>> merged;  // per merged dim: size, q, k, v, mask, grad, out
+  // per merged dim: size, q, k, v, mask, grad, out, dmask
+  std::vector<std::vector<int64_t>> merged;
   for (int64_t d = 0; d < nd - 3; ++d) {
     if (batch[d] == 1) continue;
-    std::vector<int64_t> dim = {batch[d],          q.strides[d],    k.strides[d], v.strides[d],
-                                mask_strides[d],   grad.strides[d], out.strides[d]};
+    std::vector<int64_t> dim = {batch[d],        q.strides[d],    k.strides[d],
+                                v.strides[d],    mask_strides[d], grad.strides[d],
+                                out.strides[d],  dm_strides[d]};
     if (!merged.empty()) {
       std::vector<int64_t>& o = merged.back();
       bool joins = true;
@@ -689,7 +700,16 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     p.m_bs[d] = merged[d][4];
     bp.g_bs[d] = merged[d][5];
     bp.y_bs[d] = merged[d][6];
+    bp.dm_bs[d] = merged[d][7];
   }
+  // dmask's threadgroups: one per element of the batch and head dims it keeps; each sums the
+  // (batch, head) pairs it broadcasts over.
+  bp.dm_hs = dm_strides[nd - 3];
+  int64_t dm_entries = bp.dm_hs != 0 ? Hq : 1;
+  for (size_t d = 0; d < merged.size(); ++d) dm_entries *= merged[d][7] != 0 ? merged[d][0] : 1;
+  bp.dm_rs = dm_strides[nd - 2];
+  bp.dm_cs = dm_strides[nd - 1];
+  bp.dm_combos = static_cast<int32_t>(batch_count * Hq / dm_entries);
   bp.g_hs = grad.strides[nd - 3];
   bp.g_rs = grad.strides[nd - 2];
   bp.y_hs = out.strides[nd - 3];
@@ -701,7 +721,7 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     if (c.index != STEEL_ATTN_FC_HAS_BATCH) constants.push_back(c);
   }
   constants.push_back(fc_bool(STEEL_ATTN_FC_HAS_BATCH, !merged.empty()));
-  const int64_t bk = steel_attn_bk(std::stoi(tag.substr(tag.find("_e") + 2)),
+  const int64_t bk = steel_attn_bwd_bk(std::stoi(tag.substr(tag.find("_e") + 2)),
                                    std::stoi(tag.substr(tag.find("_v") + 2)), es);
   constants.push_back(fc_bool(STEEL_ATTN_FC_GRAD_LSE, has_grad_lse));
   constants.push_back(fc_bool(STEEL_ATTN_FC_ALIGN_Q, L % bk == 0));
@@ -774,6 +794,23 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
     ds.threads[0] = 32;
     plan.dispatches.push_back(ds);
   }
+
+  if (mask_grad && S > 0) {
+    const bool rows = bp.dm_rs == 0, keys = bp.dm_cs == 0;
+    Dispatch dm;
+    dm.kernel = "steel_attention_bwd_dmask_" + tag;
+    dm.constants = constants;
+    dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_ROWS, rows));
+    dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_KEYS, keys));
+    dm.bindings = inputs;
+    dm.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DMASK, kSlotDmask));
+    dm.bindings.push_back(params);
+    dm.grid[0] = static_cast<uint32_t>(rows ? 1 : ceil_div(L, STEEL_ATTN_BQ));
+    dm.grid[1] = static_cast<uint32_t>(keys ? 1 : ceil_div(S, bk));
+    dm.grid[2] = static_cast<uint32_t>(dm_entries);
+    dm.threads[0] = static_cast<uint32_t>(attn::kThreads);
+    plan.dispatches.push_back(dm);
+  }  // without keys the mask has no elements, or broadcasts over S = 0 keys: dmask = 0
   return plan;
 }
 

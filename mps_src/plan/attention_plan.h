@@ -32,6 +32,12 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options);
 // [total_q, Hq, Ev] in q's dtype, lse float32 [Hq, total_q]. One dispatch for the whole batch.
 Plan plan_attention_varlen(const TensorList& tensors, const Options& options);
 
+// The varlen backward, registered as "sdpa_varlen_backward": tensors [grad_out, q, k, v, out,
+// lse, cu_seqlens_q, cu_seqlens_k, sinks, grad_lse] (sinks, grad_lse optional), the varlen
+// forward's options. Outputs dq, dk, dv packed like q, k, v, dsinks when sinks are given; an
+// fp32 scratch of 2 * Hq * total_q.
+Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& options);
+
 namespace attn {
 
 // A (DE, DV) head-dim pair instantiated in attention.metal.

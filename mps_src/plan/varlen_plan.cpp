@@ -16,6 +16,8 @@
 // v are pools [pages, page_size, Hkv, D] and cu_seqlens_k is absent) is read by the decode
 // kernels only, for any max_seqlen_q (blocks of 32 query rows; no dropout).
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <string>
 
 #include "attention_plan.h"
@@ -238,6 +240,163 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   return plan;
 }
 
+// The varlen backward builds on the varlen forward's plan for the same q, k, v, cu_seqlens and
+// sinks (its refusals, kernel, constants and AttnParams), as the dense backward does on the
+// dense forward's: the delta pre-pass, dK/dV, dQ (and dsinks) kernels of
+// attention_backward.metal with STEEL_ATTN_FC_VARLEN, each over (blocks of the longest
+// sequence, heads, sequences), cu_seqlens read on the device.
+Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& options) {
+  if (tensors.size() != 10 || !tensors[0] || !tensors[1] || !tensors[2] || !tensors[3] ||
+      !tensors[4] || !tensors[5] || !tensors[6] || !tensors[7]) {
+    return Plan::refuse(
+        "sdpa_varlen_backward takes tensors [grad_out, q, k, v, out, lse, cu_seqlens_q, "
+        "cu_seqlens_k, sinks, grad_lse] with all but sinks and grad_lse present");
+  }
+  const int32_t kSlotGrad = 0, kSlotOut = 4, kSlotLse = 5, kSlotCuQ = 6, kSlotCuK = 7;
+  const int32_t kSlotSinks = 8, kSlotGradLse = 9;
+  const int32_t kForwardSlots[6] = {1, 2, 3, 6, 7, 8};  // q, k, v, cu_q, cu_k, sinks
+  const Plan fwd = plan_attention_varlen(
+      {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, options);
+  if (!fwd.ok) return Plan::refuse(fwd.reason);
+  Plan plan;
+  for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);
+  TensorDesc q = *tensors[1];
+  const int64_t Tq = q.sizes[0], Hq = q.sizes[1], E = q.sizes[2];
+  const int64_t Tk = tensors[2]->sizes[0], Hkv = tensors[2]->sizes[1];
+  const int64_t sequences = tensors[6]->sizes[0] - 1;
+  TensorDesc grad = *tensors[kSlotGrad], out = *tensors[kSlotOut];
+  if (grad.dtype != q.dtype || grad.sizes != fwd.allocations[0].sizes || out.dtype != q.dtype ||
+      out.sizes != grad.sizes) {
+    return Plan::refuse("sdpa_varlen_backward: grad_out and out must be " +
+                        shape_str(fwd.allocations[0].sizes) + " in q's dtype");
+  }
+  attn::read_in_place(&grad, kSlotGrad, &plan);
+  attn::read_in_place(&out, kSlotOut, &plan);
+  for (int32_t slot : {kSlotLse, kSlotGradLse}) {
+    const std::optional<TensorDesc>& t = tensors[slot];
+    if (!t) continue;
+    if (t->dtype != DType::Float32 || t->sizes != fwd.allocations[1].sizes) {
+      return Plan::refuse("sdpa_varlen_backward: lse and grad_lse must be float32 " +
+                          shape_str(fwd.allocations[1].sizes));
+    }
+    if (!t->is_contiguous()) plan.contiguous_inputs.push_back(slot);
+  }
+  std::sort(plan.contiguous_inputs.begin(), plan.contiguous_inputs.end());
+  const bool empty = fwd.dispatches.empty();
+  std::string tag;
+  int64_t bk = 0;
+  if (!empty) {
+    tag = fwd.dispatches[0].kernel.substr(std::string("steel_attention_").size());
+    const int de = std::stoi(tag.substr(tag.find("_e") + 2));
+    const int dv = std::stoi(tag.substr(tag.find("_v") + 2));
+    bk = steel_attn_bwd_bk(de, dv, static_cast<int>(dtype_size(q.dtype)));
+    if (bk == 0) {
+      return Plan::refuse("sdpa_varlen_backward: head dims " + std::to_string(E) + "/" +
+                          std::to_string(tensors[3]->sizes[2]) + " in " + dtype_name(q.dtype) +
+                          " need more than " + std::to_string(STEEL_ATTN_TG_BUDGET) +
+                          " bytes of threadgroup memory for two 8-row backward tiles");
+    }
+  }
+
+  // ---- outputs: dq, dk, dv packed like q, k, v; dsinks; the delta scratch [2, Hq * Tq] ----
+  const bool has_sinks = tensors[kSlotSinks].has_value();
+  const int32_t first = static_cast<int32_t>(tensors.size());
+  const int32_t kSlotDq = first, kSlotDk = first + 1, kSlotDv = first + 2;
+  const int32_t kSlotDsinks = first + 3, kSlotDelta = first + (has_sinks ? 4 : 3);
+  for (int32_t i = 1; i <= (has_sinks ? 4 : 3); ++i) {
+    const TensorDesc& like = *tensors[i == 4 ? kSlotSinks : i];
+    Allocation a;
+    a.name = i == 1 ? "dq" : i == 2 ? "dk" : i == 3 ? "dv" : "dsinks";
+    a.dtype = like.dtype;
+    a.sizes = like.sizes;
+    a.is_output = true;
+    a.zero_init = empty;  // no kernel writes them; their gradient is 0
+    plan.allocations.push_back(a);
+  }
+  Allocation delta;
+  delta.name = "delta";
+  delta.dtype = DType::Float32;
+  delta.sizes = {2, Hq * Tq};  // delta, then 1 / normaliser, both [Hq, Tq]
+  plan.allocations.push_back(delta);
+  plan.ok = true;
+  if (empty) return plan;
+
+  const Dispatch& f = fwd.dispatches[0];
+  AttnBackwardParams bp;
+  std::memset(&bp, 0, sizeof(bp));
+  const Binding& fp = *std::find_if(f.bindings.begin(), f.bindings.end(), [](const Binding& b) {
+    return b.index == STEEL_ATTN_BUF_PARAMS;
+  });
+  std::memcpy(&bp.fwd, fp.bytes.data(), sizeof(AttnParams));
+  bp.scale = static_cast<float>(options.number("scale", 1.0 / std::sqrt(double(E))));
+  bp.batch = 1;  // the packed tokens are one [Hq, total_q] plane of rows
+  bp.g_hs = grad.strides[1];
+  bp.g_rs = grad.strides[0];
+  bp.y_hs = out.strides[1];
+  bp.y_rs = out.strides[0];
+  const Binding params = bytes_binding(STEEL_ATTN_BUF_BWD_PARAMS, &bp, sizeof(bp));
+  const bool has_grad_lse = tensors[kSlotGradLse].has_value();
+  std::vector<FunctionConstant> constants = f.constants;
+  constants.push_back(fc_bool(STEEL_ATTN_FC_GRAD_LSE, has_grad_lse));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_ALIGN_Q, false));  // no length is known
+  const Binding cu_q = tensor_binding(STEEL_ATTN_BUF_BWD_CU_Q, kSlotCuQ);
+  const Binding cu_k = tensor_binding(STEEL_ATTN_BUF_BWD_CU_K, kSlotCuK);
+  const Binding q_b = tensor_binding(STEEL_ATTN_BUF_Q, 1), k_b = tensor_binding(STEEL_ATTN_BUF_K, 2);
+  const Binding no_mask = tensor_binding(STEEL_ATTN_BUF_MASK, 1);  // never read (varlen)
+  // No sequence is longer than its packed total.
+  const int64_t max_q = std::min<int64_t>(static_cast<int64_t>(options.number("max_seqlen_q", 0)), Tq);
+  const int64_t max_k = std::min<int64_t>(static_cast<int64_t>(options.number("max_seqlen_k", 0)), Tk);
+  auto add = [&](std::string kernel, std::vector<Binding> bindings, int64_t blocks,
+                 int64_t heads, int64_t count, int64_t threads) {
+    Dispatch d;
+    d.kernel = std::move(kernel);
+    d.constants = constants;
+    d.bindings = std::move(bindings);
+    d.grid[0] = static_cast<uint32_t>(blocks);
+    d.grid[1] = static_cast<uint32_t>(heads);
+    d.grid[2] = static_cast<uint32_t>(count);
+    d.threads[0] = static_cast<uint32_t>(threads);
+    plan.dispatches.push_back(d);
+  };
+  const std::string tname = dtype_tag(q.dtype);
+  add("steel_attention_bwd_delta_" + tname,
+      {q_b, k_b, no_mask,
+       tensor_binding(STEEL_ATTN_BUF_SINKS, has_sinks ? kSlotSinks : 1),
+       tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),
+       tensor_binding(STEEL_ATTN_BUF_FWD_OUT, kSlotOut),
+       tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
+       tensor_binding(STEEL_ATTN_BUF_GRAD_LSE, has_grad_lse ? kSlotGradLse : kSlotLse),
+       tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta), cu_q, cu_k, params},
+      ceil_div(max_q, STEEL_ATTN_DELTA_ROWS), Hq, sequences, 32 * STEEL_ATTN_DELTA_ROWS);
+  const std::vector<Binding> inputs = {
+      q_b, k_b, tensor_binding(STEEL_ATTN_BUF_V, 3), no_mask,
+      tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),
+      tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
+      tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta)};
+  const int64_t threads = 32 * STEEL_ATTN_SIMDGROUPS;
+  if (max_k > 0) {
+    std::vector<Binding> b = inputs;
+    b.insert(b.end(), {tensor_binding(STEEL_ATTN_BUF_DK, kSlotDk),
+                       tensor_binding(STEEL_ATTN_BUF_DV, kSlotDv), cu_q, cu_k, params});
+    add("steel_attention_bwd_dkdv_" + tag, b, ceil_div(max_k, 8 * STEEL_ATTN_SIMDGROUPS), Hkv,
+        sequences, threads);
+  }  // without keys dk and dv are empty, and the dQ kernel visits no tile: dq = 0
+  std::vector<Binding> b = inputs;
+  b.insert(b.end(), {tensor_binding(STEEL_ATTN_BUF_DQ, kSlotDq), cu_q, cu_k, params});
+  add("steel_attention_bwd_dq_" + tag, b, ceil_div(max_q, STEEL_ATTN_BQ), Hq, sequences,
+      threads);
+  if (has_sinks) {
+    add("steel_attention_bwd_dsinks_" + tname,
+        {tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
+         tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta),
+         tensor_binding(STEEL_ATTN_BUF_SINKS, kSlotSinks),
+         tensor_binding(STEEL_ATTN_BUF_DSINKS, kSlotDsinks), params},
+        Hq, 1, 1, 32);
+  }
+  return plan;
+}
+
 STEEL_PLANNER("sdpa_varlen", plan_attention_varlen);
+STEEL_PLANNER("sdpa_varlen_backward", plan_attention_varlen_backward);
 
 }  // namespace steel

@@ -172,6 +172,17 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
              : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
 }
 
+// The backward kernels keep both tiles of a step resident (Q and dO rows in the dK/dV kernel, K
+// and V in the dQ and dmask kernels): their tile is the largest of 32, 16, 8 rows for which the
+// two separate tiles fit the forward's budget, smaller than the forward's where the forward
+// shares one buffer; 0 where none fits (float32 at head dim 512, which the planner refuses).
+constexpr int steel_attn_bwd_bk(int de, int dv, int elem_bytes) {
+  return steel_attn_separate_bytes(32, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET   ? 32
+         : steel_attn_separate_bytes(16, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 16
+         : steel_attn_separate_bytes(8, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET  ? 8
+                                                                                     : 0;
+}
+
 // Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;
 // strides and offsets are 64-bit (see steel_i64). Strides are in elements.
 //
@@ -234,6 +245,10 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 // alignment, mask, diagonals, softcap, batch).
 #define STEEL_ATTN_FC_GRAD_LSE 320  // bool: the lse output has a gradient (delta -= grad_lse)
 #define STEEL_ATTN_FC_ALIGN_Q 321   // bool: L % the dK/dV kernel's query tile == 0
+// The dmask kernel's sums: the float attn_mask broadcasts over query rows (its row dim is 1),
+// or over keys, so that each of its elements gathers dS over that whole dim.
+#define STEEL_ATTN_FC_DMASK_ROWS 324  // bool (322, 323: the decode kernels, below)
+#define STEEL_ATTN_FC_DMASK_KEYS 325  // bool
 
 // Buffer indices of the backward kernels (q, k, v, mask, sinks as in the forward).
 #define STEEL_ATTN_BUF_GRAD_OUT 8
@@ -246,13 +261,17 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #define STEEL_ATTN_BUF_DV 15
 #define STEEL_ATTN_BUF_DSINKS 16
 #define STEEL_ATTN_BUF_BWD_PARAMS 17
+#define STEEL_ATTN_BUF_DMASK 18    // the gradient of a float attn_mask, in the mask's shape
+#define STEEL_ATTN_BUF_BWD_CU_Q 19  // varlen only: cu_seqlens_q, cu_seqlens_k (int32)
+#define STEEL_ATTN_BUF_BWD_CU_K 20
 
 // Rows of the delta pre-pass per threadgroup (one simdgroup a row).
 #define STEEL_ATTN_DELTA_ROWS 4
 
 // The backward's run-time values: the forward's, plus where grad_out and the forward's output
 // lie. dq, dk, dv are contiguous in q's, k's and v's shapes; lse, grad_lse and delta are
-// contiguous [batch, Hq, L].
+// contiguous [batch, Hq, L]. Varlen (STEEL_ATTN_FC_VARLEN): as AttnParams says, with batch 1
+// and lse, grad_lse, delta [Hq, total_q].
 struct AttnBackwardParams {
   AttnParams fwd;
   float scale;        // the softmax scale, applied to dq and dk when they are stored
@@ -263,13 +282,25 @@ struct AttnBackwardParams {
   steel_i64 y_bs[STEEL_ATTN_MAX_BATCH_DIMS];  // the forward's out: batch, head, row strides
   steel_i64 y_hs;
   steel_i64 y_rs;
+  // dmask (contiguous in the mask's own shape): strides per merged batch dim, head, row, key,
+  // 0 along every dim the mask broadcasts over. Its threadgroups own the mask's elements
+  // (grid z: one per element of its kept batch and head dims) and sum dS over the broadcast
+  // (batch, head) pairs in a fixed order: dm_combos of them.
+  steel_i64 dm_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 dm_hs;
+  steel_i64 dm_rs;
+  steel_i64 dm_cs;
+  int32_t dm_combos;
+  int32_t pad_;
 };
 
-static_assert(sizeof(AttnBackwardParams) == 416, "AttnBackwardParams layout changed");
+static_assert(sizeof(AttnBackwardParams) == 480, "AttnBackwardParams layout changed");
 #ifndef __METAL_VERSION__
 static_assert(offsetof(AttnBackwardParams, scale) == 312, "AttnBackwardParams.scale moved");
 static_assert(offsetof(AttnBackwardParams, g_bs) == 320, "AttnBackwardParams.g_bs moved");
 static_assert(offsetof(AttnBackwardParams, y_bs) == 368, "AttnBackwardParams.y_bs moved");
+static_assert(offsetof(AttnBackwardParams, dm_bs) == 416, "AttnBackwardParams.dm_bs moved");
+static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParams.dm_combos");
 #endif
 
 // ---- Attention decode ------------------------------------------------------------------------

@@ -128,3 +128,59 @@ def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, pag
     cache = sum(2 * Hkv * n * E * 2 for _, n in seqs)
     if L <= 8 and "window_left" not in options:  # one block of rows that see every key
         assert kv == cache
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,Ev,options,mask_shape,sinks,mask_grad",
+    [
+        (1, 2, 2, 33, 47, 64, 64, {}, None, False, False),
+        (2, 4, 2, 70, 100, 40, 40, {"is_causal": True}, (70, 100), True, True),
+        (1, 2, 1, 50, 30, 96, 96, {"is_causal": True, "bottom_right": True, "window_left": 7},
+         (1, 2, 1, 30), False, True),
+        (2, 2, 2, 20, 40, 256, 256, {}, (2, 1, 20, 1), True, True),
+        (1, 2, 2, 9, 17, 192, 128, {"window_right": 3}, None, False, False),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.float32, marks=pytest.mark.slow)], ids=str
+)
+def test_backward_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, options, mask_shape,
+                                                 sinks, mask_grad, dtype):  # fmt: skip
+    """Bytes and MMAs of every backward dispatch (bench_attention.backward_model) equal the
+    simulator's counters; the only scratch is delta, 2 floats per query row: O(L) memory."""
+    es = torch.finfo(dtype).bits // 8
+    q, k, v, _ = bench_attention.inputs(B, Hq, Hkv, L, S, E, Ev, None, dtype, "cpu")
+    mask = None if mask_shape is None else torch.randn(mask_shape, dtype=dtype)
+    s = torch.randn(Hq, dtype=torch.float32) if sinks else None
+    opts = {**bench_attention.run_options(E, options), "mask_grad": mask_grad}
+    (out, lse) = sim.run_op("sdpa", [q, k, v, mask, s], opts)
+    tensors = [torch.randn_like(out), q, k, v, out, lse, mask, s, torch.randn_like(lse)]
+    p = sim.plan("sdpa_backward", tensors, opts)
+    predicted = bench_attention.backward_model(p, [(L, S, B)], es, es, 4)
+    _, counters = sim.run_op("sdpa_backward", tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
+    assert [c["mma"] for c in counters] == [m for _, m in predicted]
+    scratch = [a for a in p.allocations if not a.is_output]
+    assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
+
+
+@pytest.mark.parametrize(
+    "lq,lk,Hq,Hkv,options",
+    [
+        ([1, 7, 100, 0, 33], [1, 7, 100, 4, 0], 2, 2, {}),
+        ([40, 0, 70], [100, 5, 30], 4, 2, {"is_causal": True, "bottom_right": True}),
+    ],
+)  # fmt: skip
+def test_varlen_backward_traffic_model_matches_counters(lq, lk, Hq, Hkv, options):
+    tensors = bench_attention.varlen_inputs(lq, lk, Hq, Hkv, 64, torch.float16, "cpu")
+    tensors[-1] = torch.randn(Hq, dtype=torch.float32)  # sinks
+    opts = {**bench_attention.run_options(64, options), "max_seqlen_q": max(lq),
+            "max_seqlen_k": max(lk)}  # fmt: skip
+    out, lse = sim.run_op("sdpa_varlen", tensors, opts)
+    q, k, v, cu_q, cu_k, sinks = tensors
+    args = [torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, sinks, None]
+    p = sim.plan("sdpa_varlen_backward", args, opts)
+    predicted = bench_attention.backward_model(p, list(zip(lq, lk, [1] * len(lq))), 2, 0, 4)
+    _, counters = sim.run_op("sdpa_varlen_backward", args, opts, counters=True, checkers=False)
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
+    assert [c["mma"] for c in counters] == [m for _, m in predicted]

@@ -12,12 +12,11 @@ definition of the op's semantics:
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from attn_helpers import OUT_ROUNDING, rand, requires_simulator
+from attn_helpers import OUT_ROUNDING, rand, requires_simulator, strict
 from torch.nn.attention.varlen import AuxRequest, varlen_attn, varlen_attn_out
 
 import torch_steel
@@ -144,16 +143,13 @@ def test_backward_goes_through_steels_varlen_backward():
     grad = rand(*q.shape, dtype=torch.float32, gen=torch.Generator().manual_seed(5))
     calls = []
     real = torch.ops.steel.sdpa_varlen_backward
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch_steel.FallbackWarning)  # no backward kernel yet
-        with torch_steel.backend("sim"):
-            out = varlen_attn(q, k, v, cu(lq), cu(lq), 33, 33, window_size=(-1, 0),
-                              enable_gqa=True)  # fmt: skip
-            torch.ops.steel.sdpa_varlen_backward = lambda *a: calls.append(1) or real(*a)
-            try:
-                dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
-            finally:
-                torch.ops.steel.sdpa_varlen_backward = real
+    with strict(), torch_steel.backend("sim"):  # the varlen backward kernels, no fallback
+        out = varlen_attn(q, k, v, cu(lq), cu(lq), 33, 33, window_size=(-1, 0), enable_gqa=True)
+        torch.ops.steel.sdpa_varlen_backward = lambda *a: calls.append(1) or real(*a)
+        try:
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        finally:
+            torch.ops.steel.sdpa_varlen_backward = real
     assert calls == [1]
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref = padded_definition(*leaves, lq, (-1, 0))

@@ -24,7 +24,7 @@ The pieces, bottom up:
                           calls outside the envelope, as run_op arguments, that the plan must
                           refuse with a reason
 
-Adding an op when its kernel lands (decode, paged KV, the varlen backward): write a frozen
+Adding an op when its kernel lands (decode, paged KV): write a frozen
 dataclass with a build() returning (arguments, guards) and a strategy drawing it from the pieces
 above (VarlenCall / varlen_calls() is the smallest example), then a test file with two tests
 over one check function (the fixed-seed subset and the @pytest.mark.fuzz run, see
@@ -32,7 +32,8 @@ test_fuzz_varlen.py): run the op on the "sim" backend in strict mode,
 compare with its float64 oracle within the op's tolerance (tests/attn/attn_helpers.py), call
 check() on every guard, and a refusal entry in the op's *_refusals() strategy. The decode
 kernels are sdpa with L <= a few rows: sdpa_calls(max_L=8) draws them once their plan picks
-them. The backward (steel::sdpa_backward, test_fuzz_sdpa_backward.py) reuses sdpa_calls() whole.
+them. The backwards reuse the forwards' calls whole: sdpa_calls() (steel::sdpa_backward,
+test_fuzz_sdpa_backward.py) and varlen_calls() (test_fuzz_sdpa_varlen_backward.py).
 """
 
 from __future__ import annotations

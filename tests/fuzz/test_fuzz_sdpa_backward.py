@@ -27,15 +27,19 @@ pytestmark = requires_simulator
 SLACK = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 
 
-def gradients(t, kwargs, dropout, backend, dtype):
+def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None):
+    """(out, grad_out, {name: gradient}) of <out, grad_out> + <lse, ramp>; with mask_grad (and
+    a float mask) the mask is differentiated too; `mask` replaces t's."""
     inputs = {n: t[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v")}
     sinks = t["sinks"]
     if sinks is not None:
         inputs["sinks"] = sinks.detach().to(torch.float64 if dtype == torch.float64 else
                                             sinks.dtype).requires_grad_()  # fmt: skip
-    mask = t["attn_mask"]
+    mask = t["attn_mask"] if mask is None else mask
     if mask is not None and mask.is_floating_point() and dtype == torch.float64:
         mask = mask.double()
+    if mask_grad and mask is not None and mask.is_floating_point():
+        mask = inputs["dmask"] = mask.detach().clone().requires_grad_()
     with torch_steel.backend(backend):
         out, lse = torch_steel.sdpa(inputs["q"], inputs["k"], inputs["v"], mask,
                                     sinks=inputs.get("sinks"), return_lse=True, dropout_p=dropout,
@@ -45,40 +49,39 @@ def gradients(t, kwargs, dropout, backend, dtype):
         w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
         finite = torch.isfinite(lse)
         loss = (out * g.to(out.dtype)).sum() + (torch.where(finite, lse, 0) * w.to(lse.dtype)).sum()
-        return out, g, torch.autograd.grad(loss, list(inputs.values()))
+        grads = torch.autograd.grad(loss, list(inputs.values()))
+    names = ["d" + n if n != "dmask" else n for n in inputs]
+    return out, g, dict(zip(names, grads, strict=True))
 
 
-def check_backward(call, dropout):
-    t, guards = call.build()
-    kwargs = call.kwargs()
-    q, k, v = t["q"], t["k"], t["v"]
-    qe, ke, ve = torch_steel.ops._broadcast_qkv(q, k, v, kwargs["enable_gqa"])
-    probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=q.dtype)
-    lse = torch.empty(qe.shape[:-1])
-    p = sim.plan("sdpa_backward", [probe, qe, ke, ve, probe, lse, t["attn_mask"], t["sinks"], lse],
-                 {"scale": 0.1, "dropout_p": dropout})  # fmt: skip
-    assume(p.ok)
-    with strict_sim():
-        _, _, got = gradients(t, kwargs, dropout, "sim", q.dtype)
-    out, g, want = gradients(t, kwargs, dropout, "reference", torch.float64)
-    err = score_error(q, k, call.scale) + (8 * 2.0**-24 * call.softcap if call.softcap else 0)
-    # delta = rowsum(dO * O) reads out rounded to its dtype: an error of half an ulp of each
-    # |dO O| term in every dS of the row, which dq sees times scale * |k| (its weights sum to
-    # 1), dk times scale * |q| summed over the rows (L at most), and dsinks summed over every
-    # row of the batch (its weights are at most 1).
-    scale = abs(call.scale) if call.scale is not None else call.E**-0.5
-    d_err = OUT_ROUNDING[q.dtype] * float((g.abs() * out.abs().nan_to_num(0.0)).sum(-1).max())
-    q_max, k_max = float(q.double().abs().max()), float(k.double().abs().max())
-    rows = math.prod(call.batch) * call.L
-    extra = {
-        "dq": d_err * scale * k_max,
-        "dk": d_err * scale * q_max * call.L,
-        "dsinks": d_err * rows,
-    }
-    for name, a, r in zip(["dq", "dk", "dv", "dsinks"], got, want, strict=False):
+def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L, dmask_terms=None):
+    """dq, dk, dv (dsinks, dmask) of the kernels within the bound of float64's: the dtype's
+    rounding, SLACK and the score error relative to the largest element, and delta's error.
+
+    delta = rowsum(dO * O) reads out rounded to its dtype: an error of half an ulp of each
+    |dO O| term in every dS of the row, which dq sees times scale * |k| (its weights sum to
+    1), dk times scale * |q| summed over the rows (L at most), dsinks summed over every row of
+    the batch (`rows`; its weights are at most 1). dmask sums n dS terms per element (the
+    broadcast pairs, rows, keys; dmask_terms = (n, max |dS|) from the unbroadcast call): n times
+    one term's bound, and delta's error on each (the weights of a row's dS sum to at most 1,
+    over at most rows * heads rows)."""
+    err = score_error(q, k, scale) + (8 * 2.0**-24 * softcap if softcap else 0)
+    scale = abs(scale) if scale is not None else E**-0.5
+    d_err = OUT_ROUNDING[q.dtype] * float(
+        (g.abs() * out.detach().abs().nan_to_num(0.0)).sum(-1).max()
+    )
+    q_max = float(q.double().abs().max()) if q.numel() else 0.0
+    k_max = float(k.double().abs().max()) if k.numel() else 0.0
+    extra = {"dq": d_err * scale * k_max, "dk": d_err * scale * q_max * L, "dsinks": d_err * rows}
+    assert got.keys() == want.keys()
+    for name in got:
+        a, r = got[name], want[name]
         assert bool((a.isnan() == r.isnan()).all()), f"{name}: NaN where the reference differs"
         r0 = r.nan_to_num(0.0)
         mag = float(r0.abs().max()) if r.numel() else 0.0
+        if name == "dmask":
+            n, ds_max = dmask_terms
+            mag, extra["dmask"] = n * ds_max, d_err * rows * q.shape[-3]
         slack = (
             OUT_ROUNDING[a.dtype] * r0.abs()
             + (SLACK[q.dtype] + 4 * err) * mag
@@ -89,20 +92,48 @@ def check_backward(call, dropout):
         assert bool((diff <= slack).all()), (
             f"{name}: worst error {float(diff.max()):.3g} ({mag:.3g})"
         )
+
+
+def check_backward(call, dropout, mask_grad):
+    t, guards = call.build()
+    kwargs = call.kwargs()
+    q, k, v = t["q"], t["k"], t["v"]
+    qe, ke, ve = torch_steel.ops._broadcast_qkv(q, k, v, kwargs["enable_gqa"])
+    probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=q.dtype)
+    lse = torch.empty(qe.shape[:-1])
+    p = sim.plan("sdpa_backward", [probe, qe, ke, ve, probe, lse, t["attn_mask"], t["sinks"], lse],
+                 {"scale": 0.1, "dropout_p": dropout})  # fmt: skip
+    assume(p.ok)
+    with strict_sim():
+        _, _, got = gradients(t, kwargs, dropout, "sim", q.dtype, mask_grad)
+    out, g, want = gradients(t, kwargs, dropout, "reference", torch.float64, mask_grad)
+    terms = None
+    if "dmask" in want:  # each dmask element sums dS over what the mask broadcasts along
+        mask = t["attn_mask"]
+        full = torch.broadcast_shapes(mask.shape, (*qe.shape[:-1], ke.shape[-2]))
+        ds = gradients(t, kwargs, dropout, "reference", torch.float64, True,
+                       mask.expand(full))[2]["dmask"]  # fmt: skip
+        terms = (
+            math.prod(full) // max(mask.numel(), 1),
+            float(ds.abs().max()) if ds.numel() else 0.0,
+        )
+    assert_gradients_close(got, want, q, k, out, g, call.scale, call.E, call.softcap,
+                           math.prod(call.batch) * call.L, call.L, terms)  # fmt: skip
     for guard in guards:
         guard.check()
 
 
 @fixed(30)
-@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]))
-def test_sdpa_backward_matches_float64(call, dropout):
-    """Fixed-seed subset: 30 drawn calls' gradients agree with float64 autograd."""
-    check_backward(call, dropout)
+@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]), st.booleans())
+def test_sdpa_backward_matches_float64(call, dropout, mask_grad):
+    """Fixed-seed subset: 30 drawn calls' gradients (the mask's too, when float and
+    mask_grad) agree with float64 autograd."""
+    check_backward(call, dropout, mask_grad)
 
 
 @fuzz_mark
 @fuzz()
-@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]))
-def test_fuzz_sdpa_backward(call, dropout):
+@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]), st.booleans())
+def test_fuzz_sdpa_backward(call, dropout, mask_grad):
     """-m fuzz: random calls' gradients agree with float64 autograd."""
-    check_backward(call, dropout)
+    check_backward(call, dropout, mask_grad)

@@ -267,6 +267,8 @@ def test_gemm_encoder_matches_simulator(case, recorder, sim):
 
 
 _LSE = torch.empty(2, 4, 33)
+_CU_Q = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
+_CU_K = torch.tensor([0, 7, 43, 50], dtype=torch.int32)
 _BLHD = _t(2, 33, 4, 64).transpose(1, 2)
 # Attention plans: the forward [q, k, v, mask, sinks] and the backward [grad_out, q, k, v, out,
 # lse, mask, sinks, grad_lse] (the most buffers any plan binds).
@@ -280,6 +282,16 @@ _ATTN_CASES = {
                                  [_BLHD, _BLHD, _t(2, 2, 47, 64), _t(2, 2, 47, 64), _BLHD, _LSE,
                                   _t(1, 4, 1, 47), _t(4), _LSE],
                                  {"softcap": 20.0, "is_causal": True}),
+    "sdpa_backward_mask_grad": ("sdpa_backward",
+                                [_BLHD, _BLHD, _t(2, 2, 47, 64), _t(2, 2, 47, 64), _BLHD, _LSE,
+                                 _t(2, 1, 33, 47), None, None],
+                                {"mask_grad": True, "window_left": 5}),
+    "sdpa_varlen_backward": ("sdpa_varlen_backward",
+                             [_t(40, 4, 64), _t(40, 4, 64), _t(50, 2, 64), _t(50, 2, 64),
+                              _t(40, 4, 64), torch.empty(4, 40), _CU_Q, _CU_K, _t(4),
+                              torch.empty(4, 40)],
+                             {"is_causal": True, "bottom_right": True, "max_seqlen_q": 33,
+                              "max_seqlen_k": 43}),
     "sdpa_dropout_refused": ("sdpa", [_t(1, 1, 8, 64), _t(1, 1, 8, 64), _t(1, 1, 8, 64), None,
                                       None], {"dropout_p": 1.0}),
     # Decode: one pass, and split-K (partial kernel + merge, the partials as scratch).

@@ -229,3 +229,40 @@ def test_empty_outputs_have_no_dispatch():
     p = plan(t(1, 2, 0, 64), t(1, 2, 5, 64), t(1, 2, 5, 64))
     assert p.ok and p.dispatches == [] and p.allocations[0].sizes == (1, 2, 0, 64)
     assert math.prod(p.allocations[1].sizes) == 0
+
+
+DMASK_ROWS, DMASK_KEYS = 324, 325
+
+
+@pytest.mark.parametrize(
+    "mask_shape,grid,combos,rows,keys",
+    [
+        ((2, 4, 33, 47), (2, 2, 8), 1, False, False),
+        ((33, 47), (2, 2, 1), 8, False, False),
+        ((2, 1, 33, 47), (2, 2, 2), 4, False, False),
+        ((4, 1, 47), (1, 2, 4), 2, True, False),
+        ((2, 4, 33, 1), (2, 1, 8), 1, False, True),
+        ((1, 1, 1, 1), (1, 1, 1), 8, True, True),
+    ],
+)  # fmt: skip
+def test_mask_gradient_dispatch_owns_the_mask_elements(mask_shape, grid, combos, rows, keys):
+    """The dmask kernel is planned only with mask_grad: one threadgroup per (32 rows, 32 keys)
+    tile of the mask's own extent and element of its kept batch/head dims, summing the
+    (batch, head) pairs it broadcasts over; dmask in the mask's shape and dtype."""
+    q, k, v = t(2, 4, 33, 64), t(2, 4, 47, 64), t(2, 4, 47, 64)
+    out = torch.empty(2, 4, 33, 64, dtype=torch.float16)
+    mask = torch.empty(mask_shape, dtype=torch.float32)
+    args = [out, q, k, v, out, torch.empty(2, 4, 33), mask, None, None]
+    opts = {"scale": 0.125, "is_causal": True}
+    assert all("dmask" not in d.kernel for d in sim.plan("sdpa_backward", args, opts).dispatches)
+    p = sim.plan("sdpa_backward", args, {**opts, "mask_grad": True})
+    assert p.ok, p.reason
+    d = p.dispatches[-1]
+    assert d.kernel == "steel_attention_bwd_dmask_f16_e64_v64"
+    assert (tuple(d.grid), d.constants[DMASK_ROWS], d.constants[DMASK_KEYS]) == (grid, rows, keys)
+    raw = next(b.bytes for b in d.bindings if b.index == 17)
+    assert struct.unpack_from("i", raw, 472)[0] == combos
+    dmask = [a for a in p.allocations if a.name == "dmask"]
+    assert [(tuple(a.sizes), a.dtype, a.is_output) for a in dmask] == [
+        (mask_shape, torch.float32, True)
+    ]

@@ -160,3 +160,53 @@ def test_offsets_past_two_to_the_31_are_64_bit():
     pr = params(d)
     assert (pr["L"], pr["q_rs"], pr["o_rs"]) == (2**20, 32 * 128, 32 * 128)
     assert d.grid == (2**14, 32, 2)
+
+
+BWD_CU_Q, BWD_CU_K, BWD_PARAMS = 19, 20, 17
+GRAD_LSE, ALIGN_Q = 320, 321
+
+
+def backward(q, k, v, sinks=None, grad_lse=False, **kw):
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+    lse = torch.empty(q.shape[1], q.shape[0])
+    tensors = [out, q, k, v, out, lse, cu(0, 50, 100, 150), cu(0, 120, 130, 200), sinks,
+               lse if grad_lse else None]  # fmt: skip
+    return sim.plan("sdpa_varlen_backward", tensors, options(**kw))
+
+
+def test_backward_dispatches_bind_the_offsets_and_cover_the_longest_sequence():
+    p = backward(t(150, 8, 64), t(200, 2, 64), t(200, 2, 64), sinks=t(8), is_causal=True,
+                 bottom_right=True)  # fmt: skip
+    assert p.ok, p.reason
+    kernels = [d.kernel for d in p.dispatches]
+    names = ["delta_f16", "dkdv_f16_e64_v64", "dq_f16_e64_v64", "dsinks_f16"]
+    assert kernels == ["steel_attention_bwd_" + name for name in names]
+    grids = [tuple(d.grid) for d in p.dispatches]
+    # 100 rows / 4 a pre-pass threadgroup, 120 keys / 32, 100 rows / 32; 3 sequences each.
+    assert grids == [(25, 8, 3), (4, 2, 3), (4, 8, 3), (8, 1, 1)]
+    for d in p.dispatches[:3]:
+        assert d.constants[VARLEN] and d.constants[VARLEN_BR] and not d.constants[ALIGN_Q]
+        assert not d.constants[GRAD_LSE]
+        bound = {b.index: b.slot for b in d.bindings}
+        assert (bound[BWD_CU_Q], bound[BWD_CU_K]) == (6, 7)
+    assert BWD_CU_Q not in {b.index for b in p.dispatches[3].bindings}
+    raw = next(b.bytes for b in p.dispatches[2].bindings if b.index == BWD_PARAMS)
+    assert struct.unpack_from("2i", raw, 0) == (150, 200)  # token counts bound every sequence
+    assert struct.unpack_from("fi", raw, 312) == (0.125, 1)  # scale, one plane of rows
+    names = [(a.name, tuple(a.sizes), a.is_output) for a in p.allocations]
+    assert names == [("dq", (150, 8, 64), True), ("dk", (200, 2, 64), True),
+                     ("dv", (200, 2, 64), True), ("dsinks", (8,), True),
+                     ("delta", (2, 1200), False)]  # fmt: skip
+
+
+def test_backward_refusals_name_the_limit():
+    p = backward(t(150, 2, 512, dtype=torch.float32), t(200, 2, 512, dtype=torch.float32),
+                 t(200, 2, 512, dtype=torch.float32))  # fmt: skip
+    assert not p.ok and "threadgroup memory" in p.reason
+    p = backward(t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), max_seqlen_q=-1)
+    assert not p.ok and "max_seqlen_q" in p.reason
+    out = torch.empty(150, 2, 64, dtype=torch.float16)
+    args = [out, t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), out, torch.empty(150, 2),
+            cu(0, 150), cu(0, 200), None, None]  # fmt: skip
+    p = sim.plan("sdpa_varlen_backward", args, options())
+    assert not p.ok and "lse and grad_lse must be float32 [2, 150]" in p.reason

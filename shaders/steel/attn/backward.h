@@ -14,6 +14,8 @@
 //   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
 //      and streams the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 //   4. dsinks (with sinks): per head, -sum over rows of exp(sink - lse) * delta, one simdgroup.
+//   5. dmask (a float attn_mask that requires grad): dS itself, summed over the dims the mask
+//      broadcasts over by the threadgroup that owns each mask element.
 // Causal and window bounds skip the same tiles as the forward, in both directions. Softcap
 // multiplies dS by its derivative 1 - tanh^2; dQ and dK get the softmax scale when stored.
 #pragma once
@@ -31,35 +33,94 @@ using namespace metal;
 
 constant bool attn_grad_lse [[function_constant(STEEL_ATTN_FC_GRAD_LSE)]];
 constant bool attn_align_q [[function_constant(STEEL_ATTN_FC_ALIGN_Q)]];
+constant bool attn_dmask_rows [[function_constant(STEEL_ATTN_FC_DMASK_ROWS)]];
+constant bool attn_dmask_keys [[function_constant(STEEL_ATTN_FC_DMASK_KEYS)]];
 // A log-sum-exp in nats, in the score unit (score.h).
 constant float attn_units_per_nat = 1.0f / attn_unit_nats;
 
 namespace steel {
 
-// Tiles of the backward kernels for head dims DE, DV. The dK/dV kernel's query tile has the
-// forward's key-tile size (Q and dO rows take the place of K and V rows: the same bytes), and
-// the dQ kernel streams key tiles exactly as the forward does.
+// Tiles of the backward kernels for head dims DE, DV: query rows (dQ) and keys (dK/dV) per
+// threadgroup as in the forward, and a streamed tile of BK rows (params.h's steel_attn_bwd_bk)
+// of Q and dO (dK/dV) or K and V (dQ, dmask) in two separate buffers.
 template <typename T, short DE, short DV>
 struct AttnBackward {
-  using F = AttnForward<T, DE, DV>;
-  static constant constexpr short BQ = F::BQ;   // dQ: query rows per threadgroup
-  static constant constexpr short BKV = 32;     // dK/dV: keys per threadgroup
-  static constant constexpr short BK = F::BK;   // key tile (dQ) and query tile (dK/dV)
-  static constant constexpr short kLdE = F::kLdK;
-  static constant constexpr short kLdV = F::kLdV;
-  static constant constexpr int kEElems = F::kKElems;
-  static constant constexpr int kTileElems = F::kKElems + F::kVElems;
-  static constant constexpr short TD = F::TD;
-  static constant constexpr short TV = F::TV;
-  static constant constexpr short TK = F::TK;
+  static constant constexpr short BQ = STEEL_ATTN_BQ;  // dQ: query rows per threadgroup
+  static constant constexpr short BKV = 32;            // dK/dV: keys per threadgroup
+  static constant constexpr short BK = short(steel_attn_bwd_bk(DE, DV, int(sizeof(T))));
+  static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
+  static constant constexpr short kLdE = short(steel_attn_ld(DE, int(sizeof(T))));
+  static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
+  static constant constexpr int kEElems = BK * kLdE;
+  static constant constexpr int kTileElems = BK * (kLdE + kLdV);
+  static constant constexpr short TD = DE / 8;
+  static constant constexpr short TV = DV / 8;
+  static constant constexpr short TK = BK / 8;
+  static_assert(BK > 0, "no backward tile fits these head dims (the planner refuses them)");
   static_assert(BKV == 8 * STEEL_ATTN_SIMDGROUPS, "one 8-key fragment row per simdgroup");
-  static_assert(!F::kShared, "the backward keeps both tiles resident (the planner refuses)");
-  using LoaderE = typename F::LoaderK;
-  using LoaderV = typename F::LoaderV;
+  static_assert(kTileElems * int(sizeof(T)) ==
+                    steel_attn_separate_bytes(BK, DE, DV, int(sizeof(T))),
+                "the planner's threadgroup-memory figure must match the kernel's");
+  using LoaderE = AttnTileLoader<T, BK, DE, kLdE, kThreads>;
+  using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
 };
 
-// The backward runs dense launches only: the extent is the whole call's.
-inline AttnExtent attn_dense_extent(constant AttnParams& p) { return {p.L, p.S, p.shift}; }
+// Where a threadgroup's (batch entry | sequence) `zb` lies: its extent (score.h) and the element
+// offsets of its first row in q, k, v, the mask, grad_out and out, and of row 0 of head 0 in
+// lse and delta ([batch, Hq, L] dense, [Hq, total_q] varlen: the head stride is L in both).
+// Dense launches take the whole call's extent and the batch strides. Varlen launches
+// (STEEL_ATTN_FC_VARLEN, no mask) read sequence zb's tokens from cu_seqlens as the forward does
+// (forward.h), clamped to the token counts so that offsets that break the convention give wrong
+// rows, never accesses outside a buffer.
+struct AttnBwdSeq {
+  AttnExtent ext;
+  int q0, k0;  // the first query and key token (varlen; 0 dense)
+  steel_i64 q, k, v, m, g, y, rows;
+};
+
+inline AttnBwdSeq attn_bwd_seq(constant AttnBackwardParams& bp, const device int* cu_q,
+                               const device int* cu_k, int zb) {
+  constant AttnParams& p = bp.fwd;
+  AttnBwdSeq s;
+  if (attn_varlen) {
+    const int q_begin = clamp(cu_q[zb], 0, p.L);
+    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
+    const int k_begin = clamp(cu_k[zb], 0, p.S);
+    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
+    s.ext.L = q_end - q_begin;
+    s.ext.S = k_end - k_begin;
+    s.ext.shift = attn_varlen_br ? s.ext.S - s.ext.L : 0;
+    s.q0 = q_begin;
+    s.k0 = k_begin;
+    s.q = q_begin * p.q_rs;
+    s.k = k_begin * p.k_rs;
+    s.v = k_begin * p.v_rs;
+    s.m = 0;
+    s.g = q_begin * bp.g_rs;
+    s.y = q_begin * bp.y_rs;
+    s.rows = q_begin;
+  } else {
+    s.ext = {p.L, p.S, p.shift};
+    s.q0 = 0;
+    s.k0 = 0;
+    s.q = attn_batch_offset(p, p.q_bs, zb);
+    s.k = attn_batch_offset(p, p.k_bs, zb);
+    s.v = attn_batch_offset(p, p.v_bs, zb);
+    s.m = attn_batch_offset(p, p.m_bs, zb);
+    s.g = attn_batch_offset(p, bp.g_bs, zb);
+    s.y = attn_batch_offset(p, bp.y_bs, zb);
+    s.rows = steel_i64(zb) * p.Hq * p.L;
+  }
+  return s;
+}
+
+// The element offset of (head, row) in dq (of dk, dv: key-value head, key), which are
+// contiguous: [batch, heads, rows, dim] dense, packed [tokens, heads, dim] varlen.
+inline steel_i64 attn_bwd_grad_at(int zb, int first_token, int heads, int rows, int head,
+                                  int row, int dim) {
+  return attn_varlen ? (steel_i64(first_token + row) * heads + head) * dim
+                     : ((steel_i64(zb) * heads + head) * rows + row) * dim;
+}
 
 // The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
 inline float attn_probability(float s, float lse) {
@@ -82,15 +143,17 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
                                 const device uchar* sinks, const device T* grad_out,
                                 const device T* out, const device float* lse,
                                 const device float* grad_lse, device float* delta,
+                                const device int* cu_q, const device int* cu_k,
                                 constant AttnBackwardParams& bp, uint3 tg, ushort simdgroup,
                                 ushort lane) {
   constant AttnParams& p = bp.fwd;
   const int row = int(tg.x) * STEEL_ATTN_DELTA_ROWS + simdgroup;
-  if (row >= p.L) return;  // the whole simdgroup
   const int h = int(tg.y);
   const int zb = int(tg.z);
-  grad_out += attn_batch_offset(p, bp.g_bs, zb) + h * bp.g_hs + row * bp.g_rs;
-  out += attn_batch_offset(p, bp.y_bs, zb) + h * bp.y_hs + row * bp.y_rs;
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  if (row >= sq.ext.L) return;  // the whole simdgroup; no barrier here
+  grad_out += sq.g + h * bp.g_hs + row * bp.g_rs;
+  out += sq.y + h * bp.y_hs + row * bp.y_rs;
   float acc = 0.0f;
   for (int c = lane; c < p.Ev; c += 32) acc += float(grad_out[c]) * float(out[c]);
   acc = simd_sum(acc);
@@ -98,19 +161,22 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
   // Rows of huge |lse| get their normaliser back: sum over the visible keys of exp(s - lse)
   // (one key a lane, scores as the other kernels compute them), so that the kernels' P sums to
   // 1 as the forward's did. Uniform per simdgroup (one row); every other row has 1.
-  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
+  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
   const float l = lse[at];
   float inv_norm = 1.0f;
   if (l != -INFINITY && fabs(l) >= kAttnHugeLse) {
-    const device T* q_row = q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs + row * p.q_rs;
-    const device T* k_h = k + attn_batch_offset(p, p.k_bs, zb) + (h / p.group) * p.k_hs;
-    const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+    const device T* q_row = q + sq.q + h * p.q_hs + row * p.q_rs;
+    const device T* k_h = k + sq.k + (h / p.group) * p.k_hs;
+    const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
     float sum = 0.0f;
-    for (int key = lane; key < p.S; key += 32) {
+    for (int key = lane; key < sq.ext.S; key += 32) {
       float x = 0.0f;
-      for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
+      for (int d = 0; d < p.E; ++d) {
+        x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
+      }
       float th = 0.0f;
-      const float s = attn_score<T>(x, p, attn_dense_extent(p), row, key, true, mask, mask_row + key * p.m_cs, true, th);
+      const float s = attn_score<T>(x, p, sq.ext, row, key, true, mask,
+                                    mask_row + key * p.m_cs, true, th);
       sum += attn_probability(s, l);
     }
     sum = simd_sum(sum);
@@ -129,30 +195,34 @@ template <typename T, short DE, short DV>
 inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const device T* v,
                                      const device uchar* mask, const device T* grad_out,
                                      const device float* lse, const device float* delta,
-                                     device T* dk, device T* dv,
-                                     constant AttnBackwardParams& bp, threadgroup T* smem,
-                                     uint3 tg, ushort simdgroup, ushort lane) {
+                                     device T* dk, device T* dv, const device int* cu_q,
+                                     const device int* cu_k, constant AttnBackwardParams& bp,
+                                     threadgroup T* smem, uint3 tg, ushort simdgroup,
+                                     ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
-  const AttnExtent ext = attn_dense_extent(p);
   const int key0 = int(tg.x) * A::BKV;
   const int hk = int(tg.y);
   const int zb = int(tg.z);
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  const AttnExtent ext = sq.ext;
+  // Varlen: the grid covers the longest sequence; blocks past this one's keys have none to
+  // write. Uniform over the threadgroup, before any barrier. (A sequence without query rows
+  // still writes its keys' zero gradients below.)
+  if (attn_varlen && key0 >= ext.S) return;
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int key = key0 + simdgroup * 8 + fr;  // this lane's key
-  const bool key_ok = key < p.S;
-  const int last_key = min(key0 + int(A::BKV), p.S) - 1;
+  const bool key_ok = key < ext.S;
+  const int last_key = min(key0 + int(A::BKV), ext.S) - 1;
 
   // K and V of the simdgroup's 8 keys in registers, zero past S and the head dims.
   FragTile<1, A::TD> kf;
   FragTile<1, A::TV> vf;
-  attn_load_row_frags<T, A::TD>(
-      kf, k + attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
-      attn_align_e, 1.0f, lane);
-  attn_load_row_frags<T, A::TV>(
-      vf, v + attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
-      attn_align_ev, 1.0f, lane);
+  attn_load_row_frags<T, A::TD>(kf, k + sq.k + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
+                                attn_align_e, 1.0f, lane);
+  attn_load_row_frags<T, A::TV>(vf, v + sq.v + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
+                                attn_align_ev, 1.0f, lane);
   FragTile<1, A::TD> dkf;
   FragTile<1, A::TV> dvf;
   dkf.clear();
@@ -160,36 +230,33 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
   // The query rows that see some key of the block (the forward's bounds, read the other way).
   int row_begin = 0;
-  int row_end = p.L;
-  if (attn_has_hi) row_begin = max(0, key0 - p.shift - p.hi_off);
-  if (attn_has_lo) row_end = min(p.L, last_key - p.shift + p.lo_off + 1);
+  int row_end = ext.L;
+  if (attn_has_hi) row_begin = max(0, key0 - ext.shift - p.hi_off);
+  if (attn_has_lo) row_end = min(ext.L, last_key - ext.shift + p.lo_off + 1);
   const int t_begin = row_begin / A::BK;
   const int t_end = row_end > row_begin ? (row_end + A::BK - 1) / A::BK : t_begin;
-  const bool keys_whole = key0 + A::BKV <= p.S;
+  const bool keys_whole = key0 + A::BKV <= ext.S;
 
   threadgroup T* Qs = smem;
   threadgroup T* Gs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 q_base = attn_batch_offset(p, p.q_bs, zb);
-  const steel_i64 g_base = attn_batch_offset(p, bp.g_bs, zb);
-  const steel_i64 m_base = attn_batch_offset(p, p.m_bs, zb);
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
-    const device T* q_h = q + q_base + h * p.q_hs;
-    const device T* g_h = grad_out + g_base + h * bp.g_hs;
-    const device float* lse_h = lse + (steel_i64(zb) * p.Hq + h) * p.L;
-    const device float* delta_h = delta + (steel_i64(zb) * p.Hq + h) * p.L;
+    const device T* q_h = q + sq.q + h * p.q_hs;
+    const device T* g_h = grad_out + sq.g + h * bp.g_hs;
+    const device float* lse_h = lse + sq.rows + steel_i64(h) * p.L;
+    const device float* delta_h = delta + sq.rows + steel_i64(h) * p.L;
     const device float* norm_h = delta_h + attn_rows(bp);
-    const steel_i64 mask_key = m_base + h * p.m_hs + key * p.m_cs;
+    const steel_i64 mask_key = sq.m + h * p.m_hs + key * p.m_cs;
     for (int t = t_begin; t < t_end; ++t) {
       const int row0 = t * A::BK;
-      const short valid = short(min(int(A::BK), p.L - row0));
+      const short valid = short(min(int(A::BK), ext.L - row0));
       const bool whole = attn_align_q || valid == A::BK;
       const int last_row = row0 + valid - 1;
       const bool edge = !whole || !keys_whole ||
-                        (attn_has_hi && last_key > row0 + p.shift + p.hi_off) ||
-                        (attn_has_lo && key0 < last_row + p.shift - p.lo_off);
+                        (attn_has_hi && last_key > row0 + ext.shift + p.hi_off) ||
+                        (attn_has_lo && key0 < last_row + ext.shift - p.lo_off);
 
       if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
       first = false;
@@ -209,7 +276,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
           const int row = row0 + j * 8 + fc + e;
-          const bool row_ok = row < p.L;
+          const bool row_ok = row < ext.L;
           float th = 0.0f;
           const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, ext, row, key,
                                         row_ok, mask, mask_key + row * p.m_rs, edge, th);
@@ -245,7 +312,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
           const int row = row0 + j * 8 + fc + e;
-          const float d_row = row < p.L ? delta_h[row] : 0.0f;
+          const float d_row = row < ext.L ? delta_h[row] : 0.0f;
           const float pv = pt.frag[j].thread_elements()[e];
           const float dp = ds.frag[j].thread_elements()[e] * keep.frag[j].thread_elements()[e];
           ds.frag[j].thread_elements()[e] = pv * (dp - d_row) * slope.frag[j].thread_elements()[e];
@@ -258,59 +325,119 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
   if (!key_ok) return;  // no barrier follows
   const int Hkv = p.Hq / p.group;
-  const steel_i64 at = (steel_i64(zb) * Hkv + hk) * p.S + key;
-  attn_store_row_frags<T, A::TD>(dk + at * p.E, dkf, p.E, attn_align_e, bp.scale, lane);
-  attn_store_row_frags<T, A::TV>(dv + at * p.Ev, dvf, p.Ev, attn_align_ev, 1.0f, lane);
+  attn_store_row_frags<T, A::TD>(dk + attn_bwd_grad_at(zb, sq.k0, Hkv, p.S, hk, key, p.E), dkf,
+                                 p.E, attn_align_e, bp.scale, lane);
+  attn_store_row_frags<T, A::TV>(dv + attn_bwd_grad_at(zb, sq.k0, Hkv, p.S, hk, key, p.Ev), dvf,
+                                 p.Ev, attn_align_ev, 1.0f, lane);
+}
+
+// The lane's query row for the dQ and dmask kernels: Q (scaled as in the forward, score.h) and
+// dO in registers, and the row's lse, delta and 1 / normaliser (0 and -inf past L).
+template <typename T, short TD, short TV>
+inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>& gf,
+                              thread float& lse_row, thread float& delta_row,
+                              thread float& norm_row, const device T* q,
+                              const device T* grad_out, const device float* lse,
+                              const device float* delta, constant AttnBackwardParams& bp,
+                              thread const AttnBwdSeq& sq, int h, int row, bool row_ok,
+                              ushort lane) {
+  constant AttnParams& p = bp.fwd;
+  attn_load_row_frags<T, TD>(qf, q + sq.q + h * p.q_hs + row * p.q_rs, row_ok, p.E,
+                             attn_align_e, p.q_scale, lane);
+  attn_load_row_frags<T, TV>(gf, grad_out + sq.g + h * bp.g_hs + row * bp.g_rs, row_ok, p.Ev,
+                             attn_align_ev, 1.0f, lane);
+  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
+  lse_row = row_ok ? lse[at] : -INFINITY;
+  delta_row = row_ok ? delta[at] : 0.0f;
+  norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
+}
+
+// dS at the score level for one lane's row against a key tile (the forward's orientation): with
+// Q and dO of the row in registers and the K and V tiles in threadgroup memory, S = Q K^T and P
+// as the forward computes them, dP = dO V^T, dS = P (dP o Z - delta). dS is the gradient of the
+// additive mask (added after the softcap); `slope` receives the softcap's derivative 1 - tanh^2,
+// which dQ (and dK) take on top. `bh` is the dropout's batch-head index.
+template <typename T, short kLdE, short kLdV, short TD, short TV, short TK>
+inline void attn_bwd_score_grads(thread FragTile<1, TK>& ds, thread FragTile<1, TK>& slope,
+                                 thread const FragTile<1, TD>& qf,
+                                 thread const FragTile<1, TV>& gf, const threadgroup T* Ks,
+                                 const threadgroup T* Vs, constant AttnParams& p, AttnExtent ext,
+                                 int row, int key0, bool row_ok, const device uchar* mask,
+                                 steel_i64 mask_row, bool edge, float lse_row, float norm_row,
+                                 float delta_row, uint bh, ushort lane) {
+  const short fc = frag_col(lane);
+  FragTile<1, TK> ps;
+  ps.clear();
+  attn_mma_bt<T, kLdE>(ps, qf, Ks, lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int key = key0 + j * 8 + fc + e;
+      float th = 0.0f;
+      const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok,
+                                    mask, mask_row + key * p.m_cs, edge, th);
+      ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
+      slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
+    }
+  }
+  ds.clear();
+  attn_mma_bt<T, kLdV>(ds, gf, Vs, lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+    const float2 z = attn_dropout ? attn_dropout_pair(p, bh, row, key0 + j * 8 + fc)
+                                  : float2(1.0f);
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const float pv = ps.frag[j].thread_elements()[e];
+      const float dp = ds.frag[j].thread_elements()[e] * z[e];
+      ds.frag[j].thread_elements()[e] = pv * (dp - delta_row);
+    }
+  }
 }
 
 template <typename T, short DE, short DV>
 inline void attention_bwd_dq_block(const device T* q, const device T* k, const device T* v,
                                    const device uchar* mask, const device T* grad_out,
                                    const device float* lse, const device float* delta,
-                                   device T* dq, constant AttnBackwardParams& bp,
-                                   threadgroup T* smem, uint3 tg, ushort simdgroup,
-                                   ushort lane) {
+                                   device T* dq, const device int* cu_q, const device int* cu_k,
+                                   constant AttnBackwardParams& bp, threadgroup T* smem,
+                                   uint3 tg, ushort simdgroup, ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
-  const AttnExtent ext = attn_dense_extent(p);
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
   const int zb = int(tg.z);
+  const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
+  const AttnExtent ext = sq.ext;
+  if (attn_varlen && row0 >= ext.L) return;  // past the sequence: uniform, before any barrier
   const int hk = h / p.group;
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
   const int row = row0 + simdgroup * 8 + fr;
-  const bool row_ok = attn_align_l || row < p.L;
-  k += attn_batch_offset(p, p.k_bs, zb) + hk * p.k_hs;
-  v += attn_batch_offset(p, p.v_bs, zb) + hk * p.v_hs;
+  const bool row_ok = attn_align_l || row < ext.L;
+  k += sq.k + hk * p.k_hs;
+  v += sq.v + hk * p.v_hs;
 
-  // Q (scaled as in the forward, score.h) and dO of the lane's row in registers.
   FragTile<1, A::TD> qf;
   FragTile<1, A::TV> gf;
-  attn_load_row_frags<T, A::TD>(qf, q + attn_batch_offset(p, p.q_bs, zb) + h * p.q_hs +
-                                        row * p.q_rs,
-                                row_ok, p.E, attn_align_e, p.q_scale, lane);
-  attn_load_row_frags<T, A::TV>(gf, grad_out + attn_batch_offset(p, bp.g_bs, zb) +
-                                        h * bp.g_hs + row * bp.g_rs,
-                                row_ok, p.Ev, attn_align_ev, 1.0f, lane);
-  const steel_i64 at = (steel_i64(zb) * p.Hq + h) * p.L + row;
-  const float lse_row = row_ok ? lse[at] : -INFINITY;
-  const float delta_row = row_ok ? delta[at] : 0.0f;
-  const float norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
+  float lse_row, delta_row, norm_row;
+  attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp, sq, h,
+                       row, row_ok, lane);
   FragTile<1, A::TD> dqf;
   dqf.clear();
 
-  const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+  const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
   int t_begin, t_end;
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   threadgroup T* Ks = smem;
   threadgroup T* Vs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = attn_batch_offset(p, p.m_bs, zb) + h * p.m_hs + row * p.m_rs;
+  const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
-    const short valid = short(min(int(A::BK), p.S - key0));
+    const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -320,45 +447,201 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
                      attn_vec_v, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // S = Q K^T and P, as the forward computes them.
-    FragTile<1, A::TK> ps;
-    ps.clear();
-    attn_mma_bt<T, A::kLdE>(ps, qf, Ks, lane);
-    FragTile<1, A::TK> slope;
-#pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-#pragma clang loop unroll(full)
-      for (short e = 0; e < 2; ++e) {
-        const int key = key0 + j * 8 + fc + e;
-        float th = 0.0f;
-        const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok, mask,
-                                      mask_row + key * p.m_cs, edge, th);
-        ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
-        slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
-      }
-    }
-    // dP = dO V^T, dS = P (dP - delta) times the softcap slope.
     FragTile<1, A::TK> ds;
-    ds.clear();
-    attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
+    FragTile<1, A::TK> slope;
+    attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
+                                              row_ok, mask, mask_row, edge, lse_row, norm_row,
+                                              delta_row, uint(zb) * uint(p.Hq) + uint(h), lane);
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
-      const float2 z = attn_dropout ? attn_dropout_pair(p, uint(zb) * uint(p.Hq) + uint(h), row,
-                                                        key0 + j * 8 + fc)
-                                    : float2(1.0f);
-#pragma clang loop unroll(full)
-      for (short e = 0; e < 2; ++e) {
-        const float pv = ps.frag[j].thread_elements()[e];
-        const float dp = ds.frag[j].thread_elements()[e] * z[e];
-        ds.frag[j].thread_elements()[e] = pv * (dp - delta_row) * slope.frag[j].thread_elements()[e];
-      }
+      ds.frag[j].thread_elements()[0] *= slope.frag[j].thread_elements()[0];
+      ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
     }
     // dQ += dS K.
     attn_mma_b<T, A::kLdE>(dqf, ds, Ks, lane);
   }
 
   if (!row_ok) return;  // no barrier follows
-  attn_store_row_frags<T, A::TD>(dq + at * p.E, dqf, p.E, attn_align_e, bp.scale, lane);
+  attn_store_row_frags<T, A::TD>(dq + attn_bwd_grad_at(zb, sq.q0, p.Hq, p.L, h, row, p.E), dqf,
+                                 p.E, attn_align_e, bp.scale, lane);
+}
+
+// (batch entry, head) of the pair `combo` summed into dmask's threadgroup `entry`, and dmask's
+// element offset of that entry. Merged batch dims and the head dim are mixed-radix digits,
+// innermost (the head) first: the digits of dims dmask keeps come from `entry`, the others from
+// `combo`.
+inline void attn_dmask_pair(constant AttnBackwardParams& bp, int entry, int combo,
+                            thread int& zb, thread int& h, thread steel_i64& dm_off) {
+  constant AttnParams& p = bp.fwd;
+  const bool keep_h = bp.dm_hs != 0;
+  h = keep_h ? entry % p.Hq : combo % p.Hq;
+  if (keep_h) {
+    entry /= p.Hq;
+  } else {
+    combo /= p.Hq;
+  }
+  dm_off = h * bp.dm_hs;
+  zb = 0;
+  int step = 1;
+  if (attn_has_batch) {
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      const int size = p.batch_shape[d];
+      const bool keep = bp.dm_bs[d] != 0;
+      const int i = keep ? entry % size : combo % size;
+      if (keep) {
+        entry /= size;
+      } else {
+        combo /= size;
+      }
+      zb += i * step;
+      step *= size;
+      dm_off += i * bp.dm_bs[d];
+    }
+  }
+}
+
+// dmask, the gradient of a float attn_mask (dS at the score level, attn_bwd_score_grads), in
+// the mask's own shape. A threadgroup owns BQ rows by BK keys of one element of the mask's
+// batch and head dims (or every row, every key along a dim the mask broadcasts over, with
+// STEEL_ATTN_FC_DMASK_ROWS / _KEYS), and adds dS of every (batch, head) pair the mask
+// broadcasts over into fp32 registers in a fixed order; rows and keys are then summed across
+// lanes (and, for rows, across simdgroups through `red`) in a fixed order too: no atomics,
+// deterministic, and no scratch of B * H * L * S. Q and dO rows are read from device memory for
+// each key tile they meet, K and V tiles for each row block: O(L S) of traffic per pair, paid
+// only when the mask's gradient is asked for.
+template <typename T, short DE, short DV>
+inline void attention_bwd_dmask_block(const device T* q, const device T* k, const device T* v,
+                                      const device uchar* mask, const device T* grad_out,
+                                      const device float* lse, const device float* delta,
+                                      device uchar* dmask, constant AttnBackwardParams& bp,
+                                      threadgroup T* smem, threadgroup float* red, uint3 tg,
+                                      ushort simdgroup, ushort lane) {
+  using A = AttnBackward<T, DE, DV>;
+  constant AttnParams& p = bp.fwd;
+  const AttnExtent ext = {p.L, p.S, p.shift};  // dense launches only: varlen has no mask
+  const short fr = frag_row(lane);
+  const short fc = frag_col(lane);
+  const int rb_begin = attn_dmask_rows ? 0 : int(tg.x);
+  const int rb_end = attn_dmask_rows ? (p.L + A::BQ - 1) / A::BQ : rb_begin + 1;
+  const int kt_begin = attn_dmask_keys ? 0 : int(tg.y);
+  const int kt_end = attn_dmask_keys ? (p.S + A::BK - 1) / A::BK : kt_begin + 1;
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + A::kEElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+
+  FragTile<1, A::TK> acc;
+  acc.clear();
+  steel_i64 dm_off = 0;
+  bool first = true;
+  for (int c = 0; c < bp.dm_combos; ++c) {
+    int zb, h;
+    attn_dmask_pair(bp, int(tg.z), c, zb, h, dm_off);
+    const AttnBwdSeq sq = attn_bwd_seq(bp, nullptr, nullptr, zb);
+    const int hk = h / p.group;
+    const device T* k_h = k + sq.k + hk * p.k_hs;
+    const device T* v_h = v + sq.v + hk * p.v_hs;
+    for (int rb = rb_begin; rb < rb_end; ++rb) {
+      const int row0 = rb * A::BQ;
+      const int row = row0 + simdgroup * 8 + fr;
+      const bool row_ok = attn_align_l || row < p.L;
+      FragTile<1, A::TD> qf;
+      FragTile<1, A::TV> gf;
+      float lse_row, delta_row, norm_row;
+      attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp,
+                           sq, h, row, row_ok, lane);
+      const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
+      const int last_row = min(row0 + int(A::BQ), p.L) - 1;
+      int t_begin, t_end;  // the visible tiles (the others have dS = 0) among the owned ones
+      attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
+      t_begin = max(t_begin, kt_begin);
+      t_end = min(t_end, kt_end);
+      for (int t = t_begin; t < t_end; ++t) {
+        const int key0 = t * A::BK;
+        const short valid = short(min(int(A::BK), p.S - key0));
+        const bool whole = attn_align_s || valid == A::BK;
+        const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
+        if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
+        first = false;
+        A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E),
+                         whole && attn_align_e, attn_vec_k, thread_index);
+        A::LoaderV::load(Vs, v_h + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+                         whole && attn_align_ev, attn_vec_v, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        FragTile<1, A::TK> ds;
+        FragTile<1, A::TK> slope;
+        attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
+                                                  row_ok, mask, mask_row, edge, lse_row,
+                                                  norm_row, delta_row,
+                                                  uint(zb) * uint(p.Hq) + uint(h), lane);
+#pragma clang loop unroll(full)
+        for (short j = 0; j < A::TK; ++j) {
+          acc.frag[j].thread_elements()[0] += ds.frag[j].thread_elements()[0];
+          acc.frag[j].thread_elements()[1] += ds.frag[j].thread_elements()[1];
+        }
+      }
+    }
+  }
+
+  // Keys broadcast: the row's sum over the lane's keys, then over the four lanes of the row
+  // (lane bits 0 and 3, fragment.h's map); it goes to key 0.
+  if (attn_dmask_keys) {
+    float sum = 0.0f;
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+      sum += acc.frag[j].thread_elements()[0] + acc.frag[j].thread_elements()[1];
+    }
+    sum += simd_shuffle_xor(sum, ushort(1));
+    sum += simd_shuffle_xor(sum, ushort(8));
+    acc.clear();
+    acc.frag[0].thread_elements()[0] = sum;
+  }
+  // Rows broadcast: each column's sum over the simdgroup's 8 rows (lane bits 1, 2, 4), then over
+  // the simdgroups in order; the sums go to row 0 of simdgroup 0.
+  if (attn_dmask_rows) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        float x = acc.frag[j].thread_elements()[e];
+        x += simd_shuffle_xor(x, ushort(2));
+        x += simd_shuffle_xor(x, ushort(4));
+        x += simd_shuffle_xor(x, ushort(16));
+        if (fr == 0) red[simdgroup * A::BK + j * 8 + fc + e] = x;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (simdgroup != 0) return;  // no barrier follows
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        float x = 0.0f;
+        for (short g = 0; g < STEEL_ATTN_SIMDGROUPS; ++g) x += red[g * A::BK + j * 8 + fc + e];
+        acc.frag[j].thread_elements()[e] = x;
+      }
+    }
+  }
+
+  const int row = attn_dmask_rows ? fr : int(tg.x) * A::BQ + simdgroup * 8 + fr;
+  const int rows = attn_dmask_rows ? 1 : p.L;
+  const int keys = attn_dmask_keys ? 1 : p.S;
+  if (row >= rows) return;
+  const bool f32 = attn_mask == kSteelAttnMaskAddF32;
+#pragma clang loop unroll(full)
+  for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int key = (attn_dmask_keys ? 0 : int(tg.y) * A::BK) + j * 8 + fc + e;
+      if (key >= keys) continue;
+      const steel_i64 at = dm_off + row * bp.dm_rs + key * bp.dm_cs;
+      const float x = acc.frag[j].thread_elements()[e];
+      if (f32) {
+        ((device float*)dmask)[at] = x;
+      } else {
+        ((device T*)dmask)[at] = T(x);
+      }
+    }
+  }
 }
 
 // dsinks[h] = sum over the batch's rows of exp(sink - lse) * (grad_lse - delta'), where the
