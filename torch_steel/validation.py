@@ -19,13 +19,23 @@ def _dtypes(*tensors):
 
 
 def _broadcasts_to(shape, target):
-    try:
-        return torch.broadcast_shapes(shape, target) == torch.Size(target)
-    except RuntimeError:
+    """Whether `shape` broadcasts to `target` (compared in Python: torch.broadcast_shapes costs
+    microseconds per call)."""
+    if len(shape) > len(target):
         return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
 
 
 def _check_float_same(op, names, tensors):
+    first = tensors[0]
+    if (
+        all(
+            isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device
+            for t in tensors
+        )
+        and first.is_floating_point()
+    ):
+        return  # the common case, in one pass
     for name, t in zip(names, tensors):
         if not torch.is_tensor(t):
             raise TypeError(f"steel.{op}: {name} must be a Tensor, got {type(t).__name__}")
@@ -142,7 +152,9 @@ def check_varlen(q, k, v, sinks, op="sdpa_varlen"):
 
 
 def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
-    """The offsets themselves (this reads them: a device sync on MPS)."""
+    """The offsets: dtype, rank, device and length always; their values only when they are in
+    host memory. Reading a device tensor would synchronize the device on every call, and the
+    kernels need no such check: they clamp every offset to the packed tensors on the device."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not torch.is_tensor(cu) or cu.dtype != torch.int32 or cu.dim() != 1:
             got = f"{_dtypes(cu)} of rank {cu.dim()}" if torch.is_tensor(cu) else type(cu).__name__
@@ -156,6 +168,8 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
         fail(
             op, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {counts}"
         )
+    if cu_q.device.type != "cpu":
+        return
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_q, total_q, max_q),
         ("cu_seqlens_k", cu_k, total_k, max_k),
@@ -171,8 +185,24 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
             fail(op, f"{name} has a sequence of length {max(lengths)} > max_seqlen {longest}")
 
 
+def _broadcast(x, y):
+    """The broadcast of shapes x and y, or None when they do not broadcast."""
+    if len(x) < len(y):
+        x, y = y, x
+    out = list(x)
+    shift = len(x) - len(y)
+    for i, t in enumerate(y):
+        s = out[shift + i]
+        if s == 1:
+            out[shift + i] = t
+        elif t != 1 and t != s:
+            return None
+    return out
+
+
 def gemm_out_shape(a, b):
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a_batch, b_batch = a.shape[:-2], b.shape[:-2]
+    batch = a_batch if a_batch == b_batch else _broadcast(a_batch, b_batch)
     return (*batch, a.shape[-2], b.shape[-1])
 
 
@@ -186,7 +216,7 @@ def check_gemm(a, b, bias, c, activation):
     if a.shape[-1] != b.shape[-2]:
         shapes = f"a is {list(a.shape)}, b is {list(b.shape)}"
         fail(op, f"inner dims differ: {shapes} (K = {a.shape[-1]} vs {b.shape[-2]})")
-    if not _batch_broadcast(a, b):
+    if a.shape[:-2] != b.shape[:-2] and _broadcast(a.shape[:-2], b.shape[:-2]) is None:
         batches = f"a {list(a.shape[:-2])} and b {list(b.shape[:-2])}"
         fail(op, f"batch dims of {batches} do not broadcast")
     shape = gemm_out_shape(a, b)
@@ -196,11 +226,3 @@ def check_gemm(a, b, bias, c, activation):
         fail(op, f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
     if activation not in ACTIVATIONS:
         fail(op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
-def _batch_broadcast(a, b):
-    try:
-        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except RuntimeError:
-        return False
-    return True
