@@ -11,14 +11,20 @@ work itself is negligible, in one run:
               cache or planner, pipeline lookup, output allocation, bindings through the
               host's CheckedEncoder) with a recording backend in place of the Metal calls
               (tests/mps/host_record.cpp, the code of mps_src/mps/host.h that module.mm runs)
-  compiled    `overhead` inside a torch.compile'd function (fullgraph), against the eager one
   torch       PyTorch's own op on the same inputs (F.scaled_dot_product_attention, a @ b, ...)
+  compiled    `overhead` inside a torch.compile'd function (fullgraph), and `compiled torch`
+              PyTorch's op the same way: a compiled call has a cost of its own (guards, the
+              graph's runtime wrappers), so steel's share under compile is the difference
 
 beside the floors: an empty torch.library.custom_op and an empty torch.library.Library op (a
-Python kernel registered with Library.impl) of two tensors. Each figure is the best of --runs
-runs of --calls calls (the machine may be shared: the best run is the least disturbed one).
+Python kernel registered with Library.impl) of two tensors, timed with each row. Each figure is
+the best of --runs runs of --calls calls, the runs of one row's functions interleaved (the
+machine may be shared: the best run is the least disturbed one, and a ratio compares runs made
+under the same load). On a Mac the `torch` column is the CPU-side time of PyTorch's CPU op; the
+metal host column holds there as here (the dispatch_sync onto the MPS stream and the Metal calls
+themselves are not counted).
 
-    python bench/bench_overhead.py [--calls 2000] [--runs 5] [--no-compile] [--no-metal-host]
+    python bench/bench_overhead.py [--calls 300] [--runs 20] [--no-compile] [--no-metal-host]
 """
 
 from __future__ import annotations
@@ -39,16 +45,20 @@ from torch_steel import backends, metal  # noqa: E402
 from torch_steel import reference as ref  # noqa: E402
 
 
-def per_call_us(fn, calls: int, runs: int) -> float:
-    """Best over `runs` of the mean time of `calls` calls of fn, in microseconds."""
-    for _ in range(max(calls // 10, 10)):
-        fn()
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
+def per_call_us(fns, calls: int, runs: int) -> list[float]:
+    """For each function, the best over `runs` of the mean time of `calls` calls, in
+    microseconds. The runs of the functions alternate, so that a ratio of two of them compares
+    runs made under the same load."""
+    for fn in fns:
+        for _ in range(max(calls // 10, 10)):
             fn()
-        best = min(best, (time.perf_counter_ns() - start) / calls / 1e3)
+    best = [float("inf")] * len(fns)
+    for _ in range(runs):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter_ns() - start) / calls / 1e3)
     return best
 
 
@@ -175,18 +185,25 @@ def metal_host(recorder):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-metal-host", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    measure = lambda fn: per_call_us(fn, args.calls, args.runs)  # noqa: E731
-
     x = torch.empty(4, 4)
-    floor_custom = measure(lambda: torch.ops.bench_overhead.empty_custom_op(x, x))
-    floor_library = measure(lambda: torch.ops.bench_overhead.empty_library_op(x, x))
+    floors = [
+        lambda: torch.ops.bench_overhead.empty_custom_op(x, x),
+        lambda: torch.ops.bench_overhead.empty_library_op(x, x),
+    ]
     recorder = None if args.no_metal_host else _host_recorder()
+
+    def measure(row, named):
+        """Times the functions of `named` with the floors, runs interleaved."""
+        times = per_call_us([fn for _, fn in named] + floors, args.calls, args.runs)
+        row.update(zip([name for name, _ in named], times))
+        row["floor custom_op"] = min(row.get("floor custom_op", 1e9), times[-2])
+        row["floor Library"] = min(row.get("floor Library", 1e9), times[-1])
 
     rows = []
     with torch_steel.backend("reference"):
@@ -194,32 +211,35 @@ def main() -> int:
             for name, (steel_call, torch_call) in _case_inputs(grad).items():
                 if grad and not name.startswith("sdpa "):
                     continue
-                label = name + (", grad" if grad else "")
-                row = {"call": label, "whole": measure(steel_call), "torch": measure(torch_call)}
+                row = {"call": name + (", grad" if grad else "")}
+                measure(row, [("whole", steel_call), ("torch", torch_call)])
                 with stubbed_reference(steel_call):
-                    row["overhead"] = measure(steel_call)
+                    named = [("overhead", steel_call)]
                     if not args.no_compile and not grad and name in COMPILED:
                         torch._dynamo.reset()
-                        compiled = torch.compile(steel_call, fullgraph=True)
-                        row["compiled"] = measure(compiled)
+                        named.append(("compiled", torch.compile(steel_call, fullgraph=True)))
+                        named.append(("compiled torch", torch.compile(torch_call, fullgraph=True)))
+                    measure(row, named)
                 if recorder is not None:
-                    with metal_host(recorder):
-                        row["metal host"] = measure(steel_call)
+                    with metal_host(recorder), torch_steel.backend("auto"):
+                        measure(row, [("metal host", steel_call)])
                 rows.append(row)
+                print(f"  measured {row['call']}", file=sys.stderr)
 
-    columns = ["whole", "overhead", "metal host", "compiled", "torch"]
+    columns = ["whole", "overhead", "metal host", "torch", "compiled", "compiled torch"]
+    columns += ["floor custom_op", "floor Library"]
     print(
-        f"Per-call host time, us (best of {args.runs} runs of {args.calls} calls, one thread, "
-        f"torch {torch.__version__}); floors: empty custom_op {floor_custom:.1f} us, empty "
-        f"Library op {floor_library:.1f} us\n"
+        f"Per-call host time in us, best of {args.runs} runs of {args.calls} calls, one thread, "
+        f"torch {torch.__version__}. Floors: the empty ops, timed alongside each row.\n"
     )
-    header = ["call", *columns, "overhead / custom_op floor"]
+    header = ["call", *columns, "overhead / custom_op", "metal host / custom_op"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
         cells = [row["call"]]
         cells += [f"{row[c]:.1f}" if c in row else "" for c in columns]
-        cells.append(f"{row['overhead'] / floor_custom:.2f}x")
+        for c in ("overhead", "metal host"):
+            cells.append(f"{row[c] / row['floor custom_op']:.2f}x" if c in row else "")
         print("| " + " | ".join(cells) + " |")
     return 0
 

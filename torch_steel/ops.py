@@ -53,6 +53,11 @@ _OPTIONS = (
     "float dropout_p, bool is_causal, float scale, Tensor? sinks, float softcap, "
     "int window_left, int window_right, bool bottom_right, int seed, int offset"
 )
+# The same with Attn's defaults, which sdpa_forward's callers leave out (its common case).
+_OPTIONS_DEFAULTS = (
+    "float dropout_p, bool is_causal, float scale, Tensor? sinks=None, float softcap=0.0, "
+    "int window_left=-1, int window_right=-1, bool bottom_right=False, int seed=0, int offset=0"
+)
 _VARLEN = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
 _EXTENSIONS = (
     'Tensor? sinks=None, float softcap=0.0, int[]? window=None, str causal_align="top_left", '
@@ -66,20 +71,32 @@ class Attn(NamedTuple):
     dropout_p: float
     is_causal: bool
     scale: float
-    sinks: Tensor | None
-    softcap: float
-    window_left: int
-    window_right: int
-    bottom_right: bool
-    seed: int
-    offset: int
+    # The defaults of sdpa_forward's schema: the dispatcher leaves out trailing arguments at
+    # their defaults when it calls a Python kernel.
+    sinks: Tensor | None = None
+    softcap: float = 0.0
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = False
+    seed: int = 0
+    offset: int = 0
 
     def run_options(self, **extra):
         """run_op options: sinks is a tensor argument, the seed travels as two 32-bit halves."""
-        options = self._asdict()
-        del options["sinks"]
-        seed = options.pop("seed")
-        return {**options, "seed_lo": seed & 0xFFFFFFFF, "seed_hi": seed >> 32, **extra}
+        seed = self.seed
+        return {
+            "dropout_p": self.dropout_p,
+            "is_causal": self.is_causal,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "window_left": self.window_left,
+            "window_right": self.window_right,
+            "bottom_right": self.bottom_right,
+            "offset": self.offset,
+            "seed_lo": seed & 0xFFFFFFFF,
+            "seed_hi": seed >> 32,
+            **extra,
+        }
 
 
 def _resolve(op, head_dim, dropout_p, is_causal, scale, sinks, softcap, window, causal_align,
@@ -111,26 +128,45 @@ def _sinks_fake(sinks, like):
     return sinks.new_empty(sinks.shape) if sinks is not None else like.new_empty(0)
 
 
-def _define(name, schema, impl, fake, function):
+# The dispatch key sets below autograd of plain tensors of a device whose kernel is the
+# CompositeExplicitAutograd impl of _define (no op registers a kernel of its own there), as raw
+# bits: comparing DispatchKey enums from Python costs microseconds.
+_IMPL_KEYSETS = frozenset(
+    torch._C.DispatchKeySet(key).raw_repr()
+    for key in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.MPS, torch._C.DispatchKey.CUDA)
+)
+
+
+def _define(name, schema, impl, fake, function, tensors):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel that applies `function` (a torch.autograd.Function over the
-    op) when a gradient is wanted and otherwise goes straight to `impl`.
+    op) when a gradient is wanted (`tensors`: the positions of the tensor arguments).
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
+    Without a gradient, when nothing but a device kernel, which is `impl`, is left below
+    autograd, the Autograd kernel calls `impl` itself: a second pass through the dispatcher
+    converts every argument twice more. Anything else below autograd (fake tensors,
+    functionalization, a tensor subclass or mode) gets the call redispatched.
     """
     _LIB.define(name + schema)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"steel::{name}", fake, lib=_LIB)
     op = getattr(torch.ops.steel, name).default
+    after_autograd = torch._C._after_autograd_keyset
 
-    def autograd_kernel(*args):
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            return function.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled():
+            n = len(args)  # the dispatcher drops trailing arguments left at their defaults
+            for i in tensors:
+                if i < n and args[i] is not None and args[i].requires_grad:
+                    return function.apply(*args)
+        below = keyset & after_autograd
+        if below.raw_repr() in _IMPL_KEYSETS:
+            return impl(*args)
+        return op.redispatch(below, *args)
 
-    _LIB.impl(name, autograd_kernel, "Autograd")
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------- sdpa
@@ -238,10 +274,11 @@ class _SdpaForward(torch.autograd.Function):
 
 _define(
     "sdpa_forward",
-    f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS}) -> (Tensor, Tensor)",
+    f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
     _sdpa_forward,
     _sdpa_forward_fake,
     _SdpaForward,
+    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
 )
 
 
@@ -319,7 +356,12 @@ def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
     attn = _resolve("sdpa", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap, window,
                     causal_align, seed, offset)  # fmt: skip
+    if attn.sinks is None and attn[4:] == _ATTN_DEFAULTS:
+        return (query, key, value, attn_mask, *attn[:3]), squeeze  # fewer arguments to convert
     return (query, key, value, attn_mask, *attn), squeeze
+
+
+_ATTN_DEFAULTS = Attn(0.0, False, 1.0)[4:]
 
 
 _LIB.define(
@@ -609,6 +651,7 @@ _define(
     _gemm,
     _gemm_fake,
     _Gemm,
+    (0, 1, 2, 3),
 )
 
 

@@ -91,22 +91,55 @@ def _check_qkv_dims(op, q, k, v):
         fail(op, f"{kv} must agree in all but the last dim")
 
 
+def _plain_sdpa(q, k, v, attn_mask, sinks):
+    """The common attention, accepted in a few checks: query, key and value floating tensors of
+    one dtype, device and rank >= 3, one batch shape, key and value of one shape but for the
+    last dim, the query's heads a multiple of theirs, the key's head dim the query's; no sinks,
+    no mask or a bool or float one on their device that broadcasts (check_sdpa's full checks
+    name the problem of anything else)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if sinks is not None or not q.is_floating_point():
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    if n < 3 or len(ks) != n or len(vs) != n or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
+        return False
+    hk = ks[-3]
+    if not (
+        q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and qs[-1] == ks[-1]
+        and hk > 0
+        and qs[-3] % hk == 0
+    ):
+        return False
+    return attn_mask is None or (
+        type(attn_mask) is torch.Tensor
+        and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        and attn_mask.device == q.device
+        and _broadcasts_to(attn_mask.shape, (*qs[:-1], ks[-2]))
+    )
+
+
 def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
     """Dense attention: [*batch, heads, L, E] query, [*batch, heads_kv, S, E|Ev] key|value."""
+    if enable_gqa and _plain_sdpa(q, k, v, attn_mask, sinks):
+        return
     _check_float_same(op, ("query", "key", "value"), (q, k, v))
-    if not q.dim() == k.dim() == v.dim():
-        ranks = f"{q.dim()}, {k.dim()}, {v.dim()}"
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs):
+        ranks = f"{len(qs)}, {len(ks)}, {len(vs)}"
         fail(op, f"query, key and value must have the same rank, got {ranks}")
-    if q.dim() < 3:
-        fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {q.dim()}")
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if len(qs) < 3:
+        fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {len(qs)}")
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
     if enable_gqa and hk != hv and (hk == 0 or hv == 0 or hq % hk or hq % hv):
         heads = f"query heads ({hq}) divisible by key heads ({hk}) and value heads ({hv})"
         fail(op, f"grouped-query attention needs {heads}")
     _check_qkv_dims(op, q, k, v)
-    if q.shape[:-3] != k.shape[:-3]:
-        fail(op, f"batch dims of query {list(q.shape[:-3])} and key {list(k.shape[:-3])} differ")
-    hq, hk = q.shape[-3], k.shape[-3]
+    if qs[:-3] != ks[:-3]:
+        fail(op, f"batch dims of query {list(qs[:-3])} and key {list(ks[:-3])} differ")
     if hq != hk and not enable_gqa:
         fail(
             op,
@@ -128,7 +161,7 @@ def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
             kind = _dtypes(attn_mask)
             fail(op, f"attn_mask must be bool (True = attend) or floating (added), got {kind}")
         _check_same_device(op, "attn_mask", attn_mask, q)
-        target = (*q.shape[:-1], k.shape[-2])
+        target = (*qs[:-1], ks[-2])
         if not _broadcasts_to(attn_mask.shape, target):
             fail(
                 op,
@@ -208,8 +241,11 @@ def gemm_out_shape(a, b):
 
 def check_gemm(a, b, bias, c, activation):
     op = "gemm"
-    named = [(n, t) for n, t in (("a", a), ("b", b), ("bias", bias), ("c", c)) if t is not None]
-    _check_float_same(op, [n for n, _ in named], [t for _, t in named])
+    if bias is None and c is None:
+        _check_float_same(op, ("a", "b"), (a, b))
+    else:
+        named = [(n, t) for n, t in (("a", a), ("b", b), ("bias", bias), ("c", c)) if t is not None]
+        _check_float_same(op, [n for n, _ in named], [t for _, t in named])
     if a.dim() < 2 or b.dim() < 2:
         ranks = f"{a.dim()} and {b.dim()}"
         fail(op, f"a and b must be at least 2-D ([..., M, K] and [..., K, N]), got ranks {ranks}")
