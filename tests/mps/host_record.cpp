@@ -6,7 +6,8 @@
 // replaces the record: last_record() is what the encoder was asked, one line per call
 // ("pipeline <kernel>", "tensor <index> <slot> <byte offset>", "bytes <index> <size>",
 // "tgmem <index> <bytes>", "dispatch <grid> <threads>"); pipelines_built() counts the pipelines
-// made, each once per process as in library.mm. bench/bench_overhead.py times it behind the op
+// made, each once per process as in library.mm; plan_cache_stats() is (hits, misses) of the
+// plan cache. bench/bench_overhead.py times it behind the op
 // layer; tests/mps/test_host_record.py checks it against the simulator's plans.
 #include <torch/extension.h>
 
@@ -18,6 +19,7 @@
 #include "mps/checked_encoder.h"
 #include "mps/host.h"
 #include "plan/encode.h"
+#include "plan/plan_cache.h"
 
 namespace py = pybind11;
 
@@ -120,6 +122,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
     return s.record;
+  });
+  m.def("plan_cache_stats", [] {
+    const steel::PlanCache::Stats stats = steel::plan_cache().stats();
+    return std::make_pair(stats.hits, stats.misses);
   });
   m.def("pipelines_built", [] {
     State& s = state();
