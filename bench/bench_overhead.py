@@ -25,6 +25,7 @@ metal host column holds there as here (the dispatch_sync onto the MPS stream and
 themselves are not counted).
 
     python bench/bench_overhead.py [--calls 300] [--runs 20] [--no-compile] [--no-metal-host]
+                                   [--no-plan-cache]
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-metal-host", action="store_true")
+    parser.add_argument(
+        "--no-plan-cache", action="store_true", help="the host plans every call (as before it)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.empty(4, 4)
@@ -197,6 +201,8 @@ def main() -> int:
         lambda: torch.ops.bench_overhead.empty_library_op(x, x),
     ]
     recorder = None if args.no_metal_host else _host_recorder()
+    if recorder is not None and args.no_plan_cache:
+        recorder.plan_cache_reset(0)
 
     def measure(row, named):
         """Times the functions of `named` with the floors, runs interleaved."""

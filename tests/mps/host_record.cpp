@@ -7,7 +7,7 @@
 // ("pipeline <kernel>", "tensor <index> <slot> <byte offset>", "bytes <index> <size>",
 // "tgmem <index> <bytes>", "dispatch <grid> <threads>"); pipelines_built() counts the pipelines
 // made, each once per process as in library.mm; plan_cache_stats() is (hits, misses) of the
-// plan cache. bench/bench_overhead.py times it behind the op
+// plan cache, plan_cache_reset(capacity) empties it (capacity 0: plan every call). bench/bench_overhead.py times it behind the op
 // layer; tests/mps/test_host_record.py checks it against the simulator's plans.
 #include <torch/extension.h>
 
@@ -127,6 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const steel::PlanCache::Stats stats = steel::plan_cache().stats();
     return std::make_pair(stats.hits, stats.misses);
   });
+  m.def("plan_cache_reset", [](size_t capacity) { steel::plan_cache().reset(capacity); },
+        py::arg("capacity") = steel::kPlanCacheCapacity);
   m.def("pipelines_built", [] {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
