@@ -166,19 +166,33 @@ def _host_recorder():
 
 @contextlib.contextmanager
 def metal_host(recorder):
-    """Steel calls on CPU tensors take the MPS path of torch_steel.backends and torch_steel.metal,
-    with the host recorder as the Metal extension."""
-    saved = (backends._device_type, backends.metal_status, metal._extension, metal._load_library)
+    """Steel calls on CPU tensors take the MPS path of torch_steel.backends and torch_steel.metal
+    (the availability checks included), with the host recorder as the Metal extension, its
+    library loaded: only the device of the tensors and the facts about the machine are
+    pretended."""
+    mps = torch.backends.mps
+    saved = (
+        backends._device_type,
+        mps.is_available,
+        mps.is_macos_or_newer,
+        metal._load_extension,
+        metal._loaded,
+    )
     backends._device_type = lambda tensors: "mps"
-    backends.metal_status = lambda: (True, "")
-    metal._extension = lambda: recorder
-    metal._load_library = lambda ext: None
+    mps.is_available = lambda: True
+    mps.is_macos_or_newer = lambda major, minor: True
+    metal._load_extension = lambda: (recorder, None)
+    metal._loaded = True
     try:
         yield
     finally:
-        (backends._device_type, backends.metal_status, metal._extension, metal._load_library) = (
-            saved
-        )
+        (
+            backends._device_type,
+            mps.is_available,
+            mps.is_macos_or_newer,
+            metal._load_extension,
+            metal._loaded,
+        ) = saved
 
 
 # ----------------------------------------------------------------------------- table
