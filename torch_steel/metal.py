@@ -33,7 +33,7 @@ import torch
 
 from torch_steel.errors import PlanRefused
 
-# The C++ side raises refusals as c10::Error messages starting with this (mps_src/mps/module.mm).
+# The C++ side raises refusals as c10::Error messages starting with this (mps_src/mps/host.h).
 REFUSED_PREFIX = "steel plan refused: "
 PACKAGE_DIR = Path(__file__).resolve().parent
 METALLIB = "steel.metallib"

@@ -60,6 +60,12 @@ _OPTIONS = (
     "int window_left, int window_right, bool bottom_right, int seed, int offset, "
     "int num_splits=0"
 )
+# The same with Attn's defaults, which sdpa_forward's callers leave out (its common case).
+_OPTIONS_DEFAULTS = (
+    "float dropout_p, bool is_causal, float scale, Tensor? sinks=None, float softcap=0.0, "
+    "int window_left=-1, int window_right=-1, bool bottom_right=False, int seed=0, int offset=0, "
+    "int num_splits=0"
+)
 _VARLEN = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
 _EXTENSIONS = (
     'Tensor? sinks=None, float softcap=0.0, int[]? window=None, str causal_align="top_left", '
@@ -73,13 +79,15 @@ class Attn(NamedTuple):
     dropout_p: float
     is_causal: bool
     scale: float
-    sinks: Tensor | None
-    softcap: float
-    window_left: int
-    window_right: int
-    bottom_right: bool
-    seed: int
-    offset: int
+    # The defaults of sdpa_forward's schema: the dispatcher leaves out trailing arguments at
+    # their defaults when it calls a Python kernel.
+    sinks: Tensor | None = None
+    softcap: float = 0.0
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = False
+    seed: int = 0
+    offset: int = 0
     num_splits: int = 0  # decode key partitions: 0 lets the plan choose, 1 is one pass
 
     def math(self):
@@ -89,18 +97,32 @@ class Attn(NamedTuple):
 
     def run_options(self, **extra):
         """run_op options: sinks is a tensor argument, the seed travels as two 32-bit halves."""
-        options = self._asdict()
-        del options["sinks"]
-        seed = options.pop("seed")
-        return {**options, "seed_lo": seed & 0xFFFFFFFF, "seed_hi": seed >> 32, **extra}
+        seed = self.seed
+        return {
+            "dropout_p": self.dropout_p,
+            "is_causal": self.is_causal,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "window_left": self.window_left,
+            "window_right": self.window_right,
+            "bottom_right": self.bottom_right,
+            "offset": self.offset,
+            "seed_lo": seed & 0xFFFFFFFF,
+            "seed_hi": seed >> 32,
+            **extra,
+        }
 
 
 def _resolve(op, head_dim, dropout_p, is_causal, scale, sinks, softcap, window, causal_align,
              seed, offset):  # fmt: skip
     """Checks the public options and resolves the defaults (scale, dropout seed) to an Attn."""
-    softcap, left, right, bottom_right = check.attention_options(
-        op, dropout_p, softcap, window, causal_align, seed, offset
-    )
+    if (dropout_p == 0.0 and not softcap and window is None and causal_align == "top_left"
+            and seed is None and offset == 0):  # fmt: skip
+        softcap, left, right, bottom_right = 0.0, -1, -1, False  # the defaults: nothing to check
+    else:
+        softcap, left, right, bottom_right = check.attention_options(
+            op, dropout_p, softcap, window, causal_align, seed, offset
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if dropout_p == 0.0:
@@ -120,31 +142,68 @@ def _sinks_fake(sinks, like):
     return sinks.new_empty(sinks.shape) if sinks is not None else like.new_empty(0)
 
 
+# The dispatch key sets below autograd of plain tensors of a device whose kernel is the
+# CompositeExplicitAutograd impl of _define (no op registers a kernel of its own there), as raw
+# bits: comparing DispatchKey enums from Python costs microseconds.
+_IMPL_KEYSETS = frozenset(
+    torch._C.DispatchKeySet(key).raw_repr()
+    for key in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.MPS, torch._C.DispatchKey.CUDA)
+)
+
+
+def _define(name, schema, impl, fake, function, tensors):
+    """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
+    tracing, and an Autograd kernel that applies `function` (a torch.autograd.Function over the
+    op) when a gradient is wanted (`tensors`: the positions of the tensor arguments).
+
+    What torch.library.custom_op registers, without its Python layers around every call
+    (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
+    Without a gradient, when nothing but a device kernel, which is `impl`, is left below
+    autograd, the Autograd kernel calls `impl` itself: a second pass through the dispatcher
+    converts every argument twice more. Anything else below autograd (fake tensors,
+    functionalization, a tensor subclass or mode) gets the call redispatched.
+    """
+    _LIB.define(name + schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"steel::{name}", fake, lib=_LIB)
+    op = getattr(torch.ops.steel, name).default
+    after_autograd = torch._C._after_autograd_keyset
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled():
+            n = len(args)  # the dispatcher drops trailing arguments left at their defaults
+            for i in tensors:
+                if i < n and args[i] is not None and args[i].requires_grad:
+                    return function.apply(*args)
+        below = keyset & after_autograd
+        if below.raw_repr() in _IMPL_KEYSETS:
+            return impl(*args)
+        return op.redispatch(below, *args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 # ----------------------------------------------------------------------------- sdpa
 
 
-@torch.library.custom_op(
-    "steel::sdpa_forward",
-    mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS}) -> (Tensor, Tensor)",
-)
-def sdpa_forward(q, k, v, attn_mask, *options):
+def _sdpa_forward(q, k, v, attn_mask, *options):
     attn = Attn(*options)
-    check.check_sdpa(q, k, v, attn_mask, True, attn.sinks, op="sdpa_forward")
+    check.check_sdpa(q, k, v, attn_mask, True, attn.sinks)
     out, lse = run(
         "sdpa",
         [q, k, v, attn_mask, attn.sinks],
         attn.run_options(),
         lambda: ref.sdpa_forward(q, k, v, attn_mask, *attn.math()),
     )
-    strides = ref.layout_strides(q, out.shape)
-    if list(out.stride()) != strides and out.numel() > 1:
-        out = ref.like_layout(q, out.shape).copy_(out)  # the op's layout contract (see above)
+    if out.stride() != q.stride() or out.shape[-1] != q.shape[-1]:  # else it has q's layout
+        strides = ref.layout_strides(q, out.shape)
+        if list(out.stride()) != strides and out.numel() > 1:
+            out = ref.like_layout(q, out.shape).copy_(out)  # the op's layout contract (see above)
     return out, lse
 
 
-@sdpa_forward.register_fake
-def _(q, k, v, attn_mask, *options):
+def _sdpa_forward_fake(q, k, v, attn_mask, *options):
+    check.check_sdpa(q, k, v, attn_mask, True, Attn(*options).sinks)
     lse = q.new_empty(q.shape[:-1], dtype=ref.compute_dtype(q.dtype))
     return ref.like_layout(q, (*q.shape[:-1], v.shape[-1])), lse
 
@@ -215,7 +274,26 @@ def _sdpa_backward_autograd(ctx, grad_out, grad_lse):
     return dq, dk, dv, dmask if mask_grad else None, *grads.values()
 
 
-sdpa_forward.register_autograd(_sdpa_backward_autograd, setup_context=_sdpa_setup)
+class _SdpaForward(torch.autograd.Function):
+    """sdpa_forward's autograd: the op below autograd, sdpa_backward for the gradients."""
+
+    @staticmethod
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.steel.sdpa_forward.default(*args)
+
+    setup_context = staticmethod(_sdpa_setup)
+    backward = staticmethod(_sdpa_backward_autograd)
+
+
+_define(
+    "sdpa_forward",
+    f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
+    _sdpa_forward,
+    _sdpa_forward_fake,
+    _SdpaForward,
+    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
+)
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -257,19 +335,47 @@ def _match_kv_heads(hq, k, v):
     return k.repeat_interleave(target // hk, -3), v.repeat_interleave(target // hv, -3)
 
 
+def _plain_qkv(q, k, v, enable_gqa):
+    """The common case: tensors of one rank >= 3 and one batch shape, with one head count (key
+    and value's dividing the query's, which the op checks, with enable_gqa): nothing to
+    broadcast, the op's own checks say everything else."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (
+        len(qs) >= 3
+        and len(ks) == len(qs) == len(vs)
+        and qs[:-3] == ks[:-3] == vs[:-3]
+        and ks[-3] == vs[-3]
+        and (enable_gqa or qs[-3] == ks[-3])
+    )
+
+
 def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
                  softcap, window, causal_align, seed, offset):  # fmt: skip
-    """Validates the public sdpa arguments; returns (sdpa_forward's arguments, squeeze), where
-    squeeze says that the inputs had rank 2 and the results lose the added leading dim."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not torch.is_tensor(t) or t.dim() < 2:
-            raise ValueError(f"steel.sdpa: {name} must be a tensor of rank >= 2 ([..., seq, dim])")
-    squeeze = max(query.dim(), key.dim(), value.dim()) == 2
-    query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
-    check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
+    """Resolves the public sdpa arguments; returns (sdpa_forward's arguments, squeeze), where
+    squeeze says that the inputs had rank 2 and the results lose the added leading dim.
+
+    The common case is validated once, by the op; inputs that need broadcasting are checked here
+    too, before broadcasting hides what the caller passed (enable_gqa included)."""
+    squeeze = False
+    if not _plain_qkv(query, key, value, enable_gqa):
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not torch.is_tensor(t) or t.dim() < 2:
+                raise ValueError(
+                    f"steel.sdpa: {name} must be a tensor of rank >= 2 ([..., seq, dim])"
+                )
+        squeeze = max(query.dim(), key.dim(), value.dim()) == 2
+        query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
+        check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
     attn = _resolve("sdpa", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap, window,
                     causal_align, seed, offset)  # fmt: skip
+    if attn.sinks is None and attn[4:] == _ATTN_DEFAULTS:
+        return (query, key, value, attn_mask, *attn[:3]), squeeze  # fewer arguments to convert
     return (query, key, value, attn_mask, *attn), squeeze
+
+
+_ATTN_DEFAULTS = Attn(0.0, False, 1.0)[4:]
 
 
 _LIB.define(
@@ -296,6 +402,11 @@ def _causal_bias(attn_mask, is_causal, causal_align, query, key):
     from torch.nn.attention.bias import CausalBias, CausalVariant
 
     if not isinstance(attn_mask, CausalBias):
+        if attn_mask is not None and not isinstance(attn_mask, Tensor):
+            raise TypeError(
+                "steel.sdpa: attn_mask must be a Tensor (or a torch.nn.attention.bias "
+                f"CausalBias), got {type(attn_mask).__name__}"
+            )
         return attn_mask, is_causal, causal_align
     if is_causal:
         raise ValueError("steel.sdpa: pass either is_causal=True or a CausalBias mask, not both")
@@ -333,23 +444,17 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
       return_lse:   also return the log-sum-exp of each row, float32 [*batch, heads, L]
                     (float64 for float64 inputs); differentiable.
     """
-    attn_mask, is_causal, causal_align = _causal_bias(
-        attn_mask, is_causal, causal_align, query, key
-    )
-    # Checked before the dispatcher converts them (it rejects a seed >= 2**63 less clearly).
-    check.attention_options("sdpa", dropout_p, softcap, window, causal_align, seed, offset)
-    if return_lse:
-        options = (sinks, softcap, window, causal_align, seed, offset)
-        inputs, squeeze = _sdpa_inputs(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *options
+    if attn_mask is not None and type(attn_mask) is not Tensor:  # CausalBias is a subclass
+        attn_mask, is_causal, causal_align = _causal_bias(
+            attn_mask, is_causal, causal_align, query, key
         )
-        out, lse = torch.ops.steel.sdpa_forward(*inputs)
+    inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, sinks, softcap, window, causal_align, seed,
+                                   offset)  # fmt: skip
+    out, lse = torch.ops.steel.sdpa_forward(*inputs)
+    if return_lse:
         return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
-    return torch.ops.steel.sdpa(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=sinks,
-        softcap=0.0 if softcap is None else softcap, window=window, causal_align=causal_align,
-        seed=seed, offset=offset,
-    )  # fmt: skip
+    return out.squeeze(0) if squeeze else out
 
 
 # ----------------------------------------------------------------------------- sdpa_varlen
@@ -544,16 +649,7 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 # ----------------------------------------------------------------------------- gemm
 
 
-@torch.library.custom_op("steel::gemm", mutates_args=())
-def _gemm_op(
-    a: Tensor,
-    b: Tensor,
-    bias: Tensor | None = None,
-    c: Tensor | None = None,
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    activation: str = "none",
-) -> Tensor:
+def _gemm(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     check.check_gemm(a, b, bias, c, activation)
     (out,) = run(
         "gemm",
@@ -564,13 +660,17 @@ def _gemm_op(
     return out
 
 
-@_gemm_op.register_fake
-def _(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
+def _gemm_fake(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     check.check_gemm(a, b, bias, c, activation)
     return a.new_empty(check.gemm_out_shape(a, b))
 
 
+_GEMM_DEFAULTS = (None, None, 1.0, 0.0, "none")  # bias ... activation
+
+
 def _gemm_setup(ctx, inputs, output):
+    # The dispatcher drops trailing arguments left at their defaults: restore them.
+    inputs = (*inputs, *_GEMM_DEFAULTS[len(inputs) - 2 :])
     a, b, bias, c, ctx.alpha, ctx.beta, ctx.activation = inputs
     ctx.backend = current_backend()
     ctx.save_for_backward(a, b, bias, c)
@@ -601,7 +701,27 @@ def _gemm_backward(ctx, grad):
     return da, db, dbias, dc, None, None, None
 
 
-_gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+class _Gemm(torch.autograd.Function):
+    """gemm's autograd: the op below autograd, steel GEMMs for the gradients."""
+
+    @staticmethod
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.steel.gemm.default(*args)
+
+    setup_context = staticmethod(_gemm_setup)
+    backward = staticmethod(_gemm_backward)
+
+
+_define(
+    "gemm",
+    "(Tensor a, Tensor b, Tensor? bias=None, Tensor? c=None, float alpha=1.0, float beta=0.0, "
+    'str activation="none") -> Tensor',
+    _gemm,
+    _gemm_fake,
+    _Gemm,
+    (0, 1, 2, 3),
+)
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):

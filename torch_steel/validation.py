@@ -19,13 +19,23 @@ def _dtypes(*tensors):
 
 
 def _broadcasts_to(shape, target):
-    try:
-        return torch.broadcast_shapes(shape, target) == torch.Size(target)
-    except RuntimeError:
+    """Whether `shape` broadcasts to `target` (compared in Python: torch.broadcast_shapes costs
+    microseconds per call)."""
+    if len(shape) > len(target):
         return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
 
 
 def _check_float_same(op, names, tensors):
+    first = tensors[0]
+    if (
+        all(
+            isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device
+            for t in tensors
+        )
+        and first.is_floating_point()
+    ):
+        return  # the common case, in one pass
     for name, t in zip(names, tensors):
         if not torch.is_tensor(t):
             raise TypeError(f"steel.{op}: {name} must be a Tensor, got {type(t).__name__}")
@@ -81,22 +91,55 @@ def _check_qkv_dims(op, q, k, v):
         fail(op, f"{kv} must agree in all but the last dim")
 
 
+def _plain_sdpa(q, k, v, attn_mask, sinks):
+    """The common attention, accepted in a few checks: query, key and value floating tensors of
+    one dtype, device and rank >= 3, one batch shape, key and value of one shape but for the
+    last dim, the query's heads a multiple of theirs, the key's head dim the query's; no sinks,
+    no mask or a bool or float one on their device that broadcasts (check_sdpa's full checks
+    name the problem of anything else)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if sinks is not None or not q.is_floating_point():
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    if n < 3 or len(ks) != n or len(vs) != n or qs[:-3] != ks[:-3] or ks[:-1] != vs[:-1]:
+        return False
+    hk = ks[-3]
+    if not (
+        q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and qs[-1] == ks[-1]
+        and hk > 0
+        and qs[-3] % hk == 0
+    ):
+        return False
+    return attn_mask is None or (
+        type(attn_mask) is torch.Tensor
+        and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        and attn_mask.device == q.device
+        and _broadcasts_to(attn_mask.shape, (*qs[:-1], ks[-2]))
+    )
+
+
 def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
     """Dense attention: [*batch, heads, L, E] query, [*batch, heads_kv, S, E|Ev] key|value."""
+    if enable_gqa and _plain_sdpa(q, k, v, attn_mask, sinks):
+        return
     _check_float_same(op, ("query", "key", "value"), (q, k, v))
-    if not q.dim() == k.dim() == v.dim():
-        ranks = f"{q.dim()}, {k.dim()}, {v.dim()}"
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs):
+        ranks = f"{len(qs)}, {len(ks)}, {len(vs)}"
         fail(op, f"query, key and value must have the same rank, got {ranks}")
-    if q.dim() < 3:
-        fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {q.dim()}")
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if len(qs) < 3:
+        fail(op, f"expected [*batch, heads, seq, dim] tensors, got rank {len(qs)}")
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
     if enable_gqa and hk != hv and (hk == 0 or hv == 0 or hq % hk or hq % hv):
         heads = f"query heads ({hq}) divisible by key heads ({hk}) and value heads ({hv})"
         fail(op, f"grouped-query attention needs {heads}")
     _check_qkv_dims(op, q, k, v)
-    if q.shape[:-3] != k.shape[:-3]:
-        fail(op, f"batch dims of query {list(q.shape[:-3])} and key {list(k.shape[:-3])} differ")
-    hq, hk = q.shape[-3], k.shape[-3]
+    if qs[:-3] != ks[:-3]:
+        fail(op, f"batch dims of query {list(qs[:-3])} and key {list(ks[:-3])} differ")
     if hq != hk and not enable_gqa:
         fail(
             op,
@@ -118,7 +161,7 @@ def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
             kind = _dtypes(attn_mask)
             fail(op, f"attn_mask must be bool (True = attend) or floating (added), got {kind}")
         _check_same_device(op, "attn_mask", attn_mask, q)
-        target = (*q.shape[:-1], k.shape[-2])
+        target = (*qs[:-1], ks[-2])
         if not _broadcasts_to(attn_mask.shape, target):
             fail(
                 op,
@@ -142,7 +185,9 @@ def check_varlen(q, k, v, sinks, op="sdpa_varlen"):
 
 
 def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
-    """The offsets themselves (this reads them: a device sync on MPS)."""
+    """The offsets: dtype, rank, device and length always; their values only when they are in
+    host memory. Reading a device tensor would synchronize the device on every call, and the
+    kernels need no such check: they clamp every offset to the packed tensors on the device."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not torch.is_tensor(cu) or cu.dtype != torch.int32 or cu.dim() != 1:
             got = f"{_dtypes(cu)} of rank {cu.dim()}" if torch.is_tensor(cu) else type(cu).__name__
@@ -156,6 +201,8 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
         fail(
             op, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {counts}"
         )
+    if cu_q.device.type != "cpu":
+        return
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_q, total_q, max_q),
         ("cu_seqlens_k", cu_k, total_k, max_k),
@@ -174,8 +221,10 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
 def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
     """Packed queries against a paged KV cache: q [total_q, heads, E], key and value pools
     [pages, page_size, heads_kv, E|Ev], block_table int32 [batch, max_pages], seqused_k int32
-    [batch]. Reads the offsets, the lengths and the pages they use (a device sync on MPS): a
-    page out of the pool or a length beyond the table is an error, never a read outside."""
+    [batch]. In host memory, the offsets, the lengths and the pages they use are read: a page
+    out of the pool or a length beyond the table is an error. On a device they are not (that
+    would synchronize it on every decode step, see check_cu_seqlens): the decode kernels clamp
+    every page index and length, so a bad table gives wrong rows, never a read outside."""
     _check_float_same(op, ("query", "key", "value"), (q, k, v))
     if q.dim() != 3:
         fail(op, f"query must be packed [total_tokens, heads, dim], got rank {q.dim()}")
@@ -205,6 +254,8 @@ def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
         counts = f"{batch} rows, seqused_k {seqused_k.shape[0]}, cu_seqlens_q {cu_q.shape[0]}"
         fail(op, f"block_table has {counts}: expected batch, batch and batch + 1 entries")
     check_cu_seqlens(op, cu_q, cu_q, q.shape[0], q.shape[0], max_q, max_q, q.device)
+    if block_table.device.type != "cpu":
+        return
     used = seqused_k.tolist()
     covered = block_table.shape[1] * page_size
     for b, n in enumerate(used):
@@ -221,22 +272,41 @@ def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
                      f"(0 .. {pages - 1})")  # fmt: skip
 
 
+def _broadcast(x, y):
+    """The broadcast of shapes x and y, or None when they do not broadcast."""
+    if len(x) < len(y):
+        x, y = y, x
+    out = list(x)
+    shift = len(x) - len(y)
+    for i, t in enumerate(y):
+        s = out[shift + i]
+        if s == 1:
+            out[shift + i] = t
+        elif t != 1 and t != s:
+            return None
+    return out
+
+
 def gemm_out_shape(a, b):
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a_batch, b_batch = a.shape[:-2], b.shape[:-2]
+    batch = a_batch if a_batch == b_batch else _broadcast(a_batch, b_batch)
     return (*batch, a.shape[-2], b.shape[-1])
 
 
 def check_gemm(a, b, bias, c, activation):
     op = "gemm"
-    named = [(n, t) for n, t in (("a", a), ("b", b), ("bias", bias), ("c", c)) if t is not None]
-    _check_float_same(op, [n for n, _ in named], [t for _, t in named])
+    if bias is None and c is None:
+        _check_float_same(op, ("a", "b"), (a, b))
+    else:
+        named = [(n, t) for n, t in (("a", a), ("b", b), ("bias", bias), ("c", c)) if t is not None]
+        _check_float_same(op, [n for n, _ in named], [t for _, t in named])
     if a.dim() < 2 or b.dim() < 2:
         ranks = f"{a.dim()} and {b.dim()}"
         fail(op, f"a and b must be at least 2-D ([..., M, K] and [..., K, N]), got ranks {ranks}")
     if a.shape[-1] != b.shape[-2]:
         shapes = f"a is {list(a.shape)}, b is {list(b.shape)}"
         fail(op, f"inner dims differ: {shapes} (K = {a.shape[-1]} vs {b.shape[-2]})")
-    if not _batch_broadcast(a, b):
+    if a.shape[:-2] != b.shape[:-2] and _broadcast(a.shape[:-2], b.shape[:-2]) is None:
         batches = f"a {list(a.shape[:-2])} and b {list(b.shape[:-2])}"
         fail(op, f"batch dims of {batches} do not broadcast")
     shape = gemm_out_shape(a, b)
@@ -246,11 +316,3 @@ def check_gemm(a, b, bias, c, activation):
         fail(op, f"c of shape {list(c.shape)} does not broadcast to the output shape {list(shape)}")
     if activation not in ACTIVATIONS:
         fail(op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
-def _batch_broadcast(a, b):
-    try:
-        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except RuntimeError:
-        return False
-    return True

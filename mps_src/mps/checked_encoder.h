@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -18,6 +20,7 @@
 
 #include "plan/encode.h"
 #include "plan/plan.h"
+#include "plan/plan_cache.h"
 
 namespace steel::mps {
 
@@ -174,6 +177,27 @@ inline std::vector<bool> slots_present(const TensorList& tensors, const Plan& pl
   return present;
 }
 
+// The pipeline cache's key of a dispatch: its kernel and every constant's index, type and value
+// (floats by their bits).
+inline std::string pipeline_key(const Dispatch& dispatch) {
+  std::string key = dispatch.kernel;
+  for (const FunctionConstant& constant : dispatch.constants) {
+    int64_t value = constant.int_value;
+    if (constant.type == FunctionConstant::Type::Float) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &constant.float_value, sizeof bits);
+      value = bits;
+    }
+    key += "|" + std::to_string(constant.index) + ":" +
+           std::to_string(static_cast<int32_t>(constant.type)) + "=" + std::to_string(value);
+  }
+  return key;
+}
+
+inline std::shared_ptr<const Plan> refused(std::string why) {
+  return std::make_shared<const Plan>(Plan::refuse(std::move(why)));
+}
+
 // What Metal reports about a dispatch's compute pipeline.
 struct PipelineLimits {
   uint64_t max_threads = kMaxThreadsPerThreadgroup;  // maxTotalThreadsPerThreadgroup
@@ -193,13 +217,17 @@ inline constexpr int kPlanAttempts = 3;
 // and returns its limits; it is called for every dispatch of every attempt, in order, after the
 // attempt passed validate_plan. Returns the plan, or a refused Plan whose reason names the limit;
 // throws InvalidPlan for a plan that Metal would reject or misread (a planner bug), before any
-// limits_of call for it.
+// limits_of call for it. Plans come from the plan cache (plan/plan_cache.h): a repeated call
+// plans nothing.
 template <class LimitsOf>
-Plan plan_within_limits(const std::string& op, const TensorList& tensors, Options options,
-                        uint64_t device_threadgroup_memory, LimitsOf&& limits_of) {
+std::shared_ptr<const Plan> plan_within_limits(const std::string& op, const TensorList& tensors,
+                                               Options options,
+                                               uint64_t device_threadgroup_memory,
+                                               LimitsOf&& limits_of) {
   for (int attempt = 1;; ++attempt) {
-    Plan plan = make_plan(op, tensors, options);
-    if (!plan.ok) return plan;
+    std::shared_ptr<const Plan> candidate = cached_plan(op, tensors, options);
+    const Plan& plan = *candidate;
+    if (!plan.ok) return candidate;
     validate_plan(plan, slots_present(tensors, plan));
     uint64_t cap = std::numeric_limits<uint64_t>::max();
     std::string capped;
@@ -215,15 +243,15 @@ Plan plan_within_limits(const std::string& op, const TensorList& tensors, Option
       uint64_t memory = limits.static_threadgroup_memory;
       for (const ThreadgroupMemory& entry : dispatch.threadgroup_memory) memory += entry.bytes;
       if (memory > device_threadgroup_memory) {
-        return Plan::refuse("kernel " + dispatch.kernel + " needs " + std::to_string(memory) +
+        return refused("kernel " + dispatch.kernel + " needs " + std::to_string(memory) +
                             " bytes of threadgroup memory, the device has " +
                             std::to_string(device_threadgroup_memory));
       }
     }
-    if (capped.empty()) return plan;
+    if (capped.empty()) return candidate;
     const double asked = options.number("max_threads", 1e9);
     if (attempt >= kPlanAttempts || asked <= static_cast<double>(cap)) {
-      return Plan::refuse("kernel " + capped + " runs at most " + std::to_string(cap) +
+      return refused("kernel " + capped + " runs at most " + std::to_string(cap) +
                           " threads per threadgroup on this device and the planner found no "
                           "smaller plan");
     }

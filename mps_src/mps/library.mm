@@ -4,9 +4,10 @@
 #include <ATen/mps/MPSDevice.h>
 #include <c10/util/Exception.h>
 
-#include <cstring>
 #include <map>
 #include <mutex>
+
+#include "mps/checked_encoder.h"
 
 namespace steel::mps {
 namespace {
@@ -31,22 +32,6 @@ std::string describe(NSError* error) {
   if (error == nil) return "no error description";
   const char* text = [[error localizedDescription] UTF8String];
   return text != nullptr ? text : "no error description";
-}
-
-// The cache key: kernel name and every constant's index, type and value (floats by their bits).
-std::string pipeline_key(const Dispatch& dispatch) {
-  std::string key = dispatch.kernel;
-  for (const FunctionConstant& constant : dispatch.constants) {
-    int64_t value = constant.int_value;
-    if (constant.type == FunctionConstant::Type::Float) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &constant.float_value, sizeof bits);
-      value = bits;
-    }
-    key += "|" + std::to_string(constant.index) + ":" +
-           std::to_string(static_cast<int32_t>(constant.type)) + "=" + std::to_string(value);
-  }
-  return key;
 }
 
 // Metal reads each constant as its shader type: bool is one byte, int/uint/float four.

@@ -1,9 +1,9 @@
 // torch_steel._C_metal: runs an op's launch plan on PyTorch's MPS stream.
 //
-// run_op(op, tensors, options) plans the op with steel::make_plan (the planner the simulator also
-// runs), builds its pipelines, makes the plan's contiguous copies and allocations as MPS tensors,
-// and encodes it with steel::encode_plan on the current MPS stream's compute encoder. It makes no
-// launch decision of its own. A refused plan is a c10::Error whose message starts with
+// run_op(op, tensors, options) runs mps/host.h's run_plan_on: the op's plan from the plan cache
+// (the planners the simulator also runs), its pipelines, the plan's contiguous copies and
+// allocations as MPS tensors; then this file encodes it with steel::encode_plan on the current
+// MPS stream's compute encoder. It makes no launch decision of its own. A refused plan is a c10::Error whose message starts with
 // "steel plan refused: ", which torch_steel.metal turns into PlanRefused (and the op layer into
 // reference math).
 #include <torch/extension.h>
@@ -11,7 +11,6 @@
 #include <ATen/mps/MPSStream.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "mps/checked_encoder.h"
+#include "mps/host.h"
 #include "mps/library.h"
 #include "plan/encode.h"
 #include "plan/plan.h"
@@ -27,105 +27,6 @@ namespace py = pybind11;
 
 namespace steel::mps {
 namespace {
-
-constexpr const char* kRefused = "steel plan refused: ";
-
-std::optional<DType> to_dtype(c10::ScalarType type) {
-  switch (type) {
-    case c10::ScalarType::Half:
-      return DType::Float16;
-    case c10::ScalarType::BFloat16:
-      return DType::BFloat16;
-    case c10::ScalarType::Float:
-      return DType::Float32;
-    case c10::ScalarType::Int:
-      return DType::Int32;
-    case c10::ScalarType::Long:
-      return DType::Int64;
-    case c10::ScalarType::Bool:
-      return DType::Bool;
-    default:
-      return std::nullopt;
-  }
-}
-
-c10::ScalarType to_scalar_type(DType dtype) {
-  switch (dtype) {
-    case DType::Float16:
-      return c10::ScalarType::Half;
-    case DType::BFloat16:
-      return c10::ScalarType::BFloat16;
-    case DType::Float32:
-      return c10::ScalarType::Float;
-    case DType::Int32:
-      return c10::ScalarType::Int;
-    case DType::Int64:
-      return c10::ScalarType::Long;
-    case DType::Bool:
-      return c10::ScalarType::Bool;
-  }
-  TORCH_CHECK(false, "torch-steel: unknown plan dtype ", static_cast<int>(dtype));
-}
-
-TensorDesc describe(const at::Tensor& tensor, size_t position, const std::string& op) {
-  std::optional<DType> dtype = to_dtype(tensor.scalar_type());
-  TORCH_CHECK(dtype.has_value(), kRefused, op, " tensor ", position, " has dtype ",
-              tensor.scalar_type(), ", which no Metal kernel takes");
-  TensorDesc desc;
-  desc.dtype = *dtype;
-  desc.sizes = tensor.sizes().vec();
-  desc.strides = tensor.strides().vec();
-  desc.offset = tensor.storage_offset();
-  return desc;
-}
-
-// Options arrive as a dict name -> bool | int | float | str | None; bools become 0/1 numbers.
-Options to_options(const py::dict& options) {
-  Options result;
-  for (const auto& item : options) {
-    const std::string name = py::cast<std::string>(item.first);
-    const py::handle value = item.second;
-    if (value.is_none()) continue;  // an unset option, as in torch_steel.sim
-    if (py::isinstance<py::bool_>(value)) {
-      result.numbers[name] = py::cast<bool>(value) ? 1.0 : 0.0;
-    } else if (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)) {
-      result.numbers[name] = py::cast<double>(value);
-    } else if (py::isinstance<py::str>(value)) {
-      result.strings[name] = py::cast<std::string>(value);
-    } else {
-      TORCH_CHECK(false, "torch-steel: option '", name, "' must be a bool, number or string, not ",
-                  std::string(py::str(py::type::handle_of(value))));
-    }
-  }
-  return result;
-}
-
-// Plans the op within the limits of its pipelines (steel::mps::plan_within_limits, which
-// tests/mps runs with made-up limits) and leaves the final plan's pipelines in `pipelines`.
-Plan plan_with_pipelines(const std::string& op, const TensorList& descs, const Options& options,
-                         std::vector<id<MTLComputePipelineState>>& pipelines) {
-  Plan plan;
-  pipelines.clear();
-  try {
-    plan = plan_within_limits(op, descs, options, max_threadgroup_memory(),
-                              [&pipelines](const Dispatch& dispatch, size_t index) {
-                                if (index == 0) pipelines.clear();  // a new attempt
-                                id<MTLComputePipelineState> state = pipeline(dispatch);
-                                pipelines.push_back(state);
-                                PipelineLimits limits;
-                                limits.max_threads = [state maxTotalThreadsPerThreadgroup];
-                                limits.static_threadgroup_memory =
-                                    [state staticThreadgroupMemoryLength];
-                                return limits;
-                              });
-  } catch (const InvalidPlan& e) {
-    // Metal would reject or misread the plan (a planner bug, not a refusal): stopped before any
-    // pipeline is specialized with its constants or anything is encoded.
-    TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
-  }
-  TORCH_CHECK(plan.ok, kRefused, plan.reason);
-  return plan;
-}
 
 // The Metal calls behind CheckedEncoder: one per call of steel::encode_plan, nothing else.
 class MetalBackend {
@@ -212,64 +113,39 @@ void encode_on_stream(const std::string& op, const Plan& plan,
   TORCH_CHECK(error.empty(), "torch-steel: encoding ", op, " on the MPS stream failed: ", error);
 }
 
+// The Metal side of run_plan_on (mps/host.h): pipelines from the library, encoding on the stream.
+struct MetalHost {
+  using Pipeline = id<MTLComputePipelineState>;
+
+  void check_tensor(const std::string& op, size_t position, const at::Tensor& tensor) {
+    TORCH_CHECK(tensor.device().is_mps(), "torch-steel: ", op, " tensor ", position, " is on ",
+                tensor.device(), "; the Metal path takes MPS tensors");
+  }
+
+  Pipeline pipeline(const Dispatch& dispatch) { return steel::mps::pipeline(dispatch); }
+
+  PipelineLimits limits(Pipeline state) {
+    PipelineLimits limits;
+    limits.max_threads = [state maxTotalThreadsPerThreadgroup];
+    limits.static_threadgroup_memory = [state staticThreadgroupMemoryLength];
+    return limits;
+  }
+
+  uint64_t max_threadgroup_memory() { return steel::mps::max_threadgroup_memory(); }
+
+  void encode(const std::string& op, const Plan& plan, const std::vector<Pipeline>& pipelines,
+              const std::vector<at::Tensor>& slots, const std::vector<bool>& present) {
+    encode_on_stream(op, plan, pipelines, slots, present);
+  }
+};
+
 // run_op's work once its Python arguments are C++ values. Runs without the GIL: nothing here or
 // in what it calls may touch a Python object (tests/mps/test_objc_check.py holds it to that).
 std::vector<at::Tensor> run_plan(const std::string& op,
                                  const std::vector<std::optional<at::Tensor>>& tensors,
                                  const Options& options) {
-  TensorList descs;
-  std::optional<at::Device> device;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!tensors[i].has_value() || !tensors[i]->defined()) {
-      descs.emplace_back(std::nullopt);
-      continue;
-    }
-    const at::Tensor& tensor = *tensors[i];
-    TORCH_CHECK(tensor.device().is_mps(), "torch-steel: ", op, " tensor ", i, " is on ",
-                tensor.device(), "; the Metal path takes MPS tensors");
-    TORCH_CHECK(!device.has_value() || *device == tensor.device(), "torch-steel: ", op,
-                " tensors are on different devices (", *device, " and ", tensor.device(), ")");
-    device = tensor.device();
-    descs.emplace_back(describe(tensor, i, op));
-  }
-  TORCH_CHECK(device.has_value(), "torch-steel: ", op, " got no tensor");
-
-  std::vector<id<MTLComputePipelineState>> pipelines;
-  const Plan plan = plan_with_pipelines(op, descs, options, pipelines);
-  const std::vector<bool> present = slots_present(descs, plan);  // the plan was validated with it
-
-  // Slots: the inputs (contiguous copies where the plan asks), then the plan's allocations.
-  // Copies and scratch die when run_op returns, before the GPU has run: as for the temporaries
-  // of PyTorch's own MPS ops, that is safe. The caching allocator hands a freed buffer only to
-  // later work, which runs after ours on the same stream, and releases a buffer to Metal only
-  // when no command buffer retains it (PyTorch's command buffers retain what they use).
-  std::vector<at::Tensor> slots;
-  for (const std::optional<at::Tensor>& tensor : tensors) {
-    slots.push_back(tensor.has_value() ? *tensor : at::Tensor());
-  }
-  for (int32_t input : plan.contiguous_inputs) {
-    TORCH_CHECK(input >= 0 && static_cast<size_t>(input) < slots.size() && slots[input].defined(),
-                "torch-steel: plan for ", op, " copies input ", input, ", which is absent");
-    slots[input] = slots[input].contiguous();
-  }
-  std::vector<at::Tensor> outputs;
-  for (const Allocation& allocation : plan.allocations) {
-    const auto like = at::TensorOptions().dtype(to_scalar_type(allocation.dtype)).device(*device);
-    // Allocated in the plan's memory order, handed out permuted back (see Allocation::order).
-    std::vector<int64_t> stored = allocation.sizes;
-    std::vector<int64_t> back(allocation.order.size());
-    for (size_t i = 0; i < allocation.order.size(); ++i) {
-      stored[i] = allocation.sizes[allocation.order[i]];
-      back[allocation.order[i]] = static_cast<int64_t>(i);
-    }
-    at::Tensor buffer = allocation.zero_init ? at::zeros(stored, like) : at::empty(stored, like);
-    if (!back.empty()) buffer = buffer.permute(back);
-    slots.push_back(buffer);
-    if (allocation.is_output) outputs.push_back(buffer);
-  }
-
-  if (!plan.dispatches.empty()) encode_on_stream(op, plan, pipelines, slots, present);
-  return outputs;
+  MetalHost host;
+  return run_plan_on(host, op, tensors, options);
 }
 
 // The extension's entry point. The options dict is read with the GIL held; then the GIL is

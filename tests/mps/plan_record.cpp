@@ -160,7 +160,7 @@ int main() {
   int attempts = 0;
   steel::Plan plan;
   try {
-    plan = steel::mps::plan_within_limits(
+    plan = *steel::mps::plan_within_limits(
         op, tensors, options, device_tgmem, [&](const steel::Dispatch& d, size_t index) {
           if (index == 0) ++attempts;
           const Limit* best = nullptr;

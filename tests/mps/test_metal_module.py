@@ -178,12 +178,14 @@ def test_refusal_reason(message, reason):
 
 
 def test_fake_matches_the_extension_source():
-    """The stand-in above has exactly the functions module.mm exports, and the same prefix."""
-    source = (Path(__file__).resolve().parents[2] / "mps_src" / "mps" / "module.mm").read_text()
+    """The stand-in above has exactly the functions module.mm exports, and the refusal prefix of
+    the host code it runs (mps/host.h)."""
+    mps = Path(__file__).resolve().parents[2] / "mps_src" / "mps"
+    source = (mps / "module.mm").read_text()
     exported = set(re.findall(r'm\.def\("(\w+)"', source))
     faked = {name for name in vars(FakeExtension) if not name.startswith("_")}
     assert exported == faked
-    assert f'kRefused = "{metal.REFUSED_PREFIX}"' in source
+    assert f'kRefused = "{metal.REFUSED_PREFIX}"' in (mps / "host.h").read_text()
 
 
 # ---- an extension that does not match the running torch -----------------------------------

@@ -410,7 +410,8 @@ def _function_spans(text: str) -> dict[str, tuple[int, int]]:
 
 
 def gil_problems(text: str) -> list[str]:
-    """Where module.mm holds the GIL too long or touches Python without it."""
+    """Where the host path (module.mm and mps/host.h) holds the GIL too long or touches Python
+    without it."""
     text = _strip_comments(text)
     spans = _function_spans(text)
     problems = []
@@ -437,8 +438,13 @@ def gil_problems(text: str) -> list[str]:
     return problems
 
 
+def _host_path() -> str:
+    """The code of a Metal op call: mps/host.h (run_plan_on, to_options) and module.mm."""
+    return (MPS_DIR / "host.h").read_text() + (MPS_DIR / "module.mm").read_text()
+
+
 def test_run_op_releases_the_gil():
-    assert gil_problems((MPS_DIR / "module.mm").read_text()) == []
+    assert gil_problems(_host_path()) == []
 
 
 @pytest.mark.parametrize(
@@ -459,7 +465,7 @@ def test_run_op_releases_the_gil():
     ids=["no_release", "convert_after_release", "python_in_run_plan"],
 )
 def test_a_gil_mistake_is_reported(old, new, problem):
-    text = (MPS_DIR / "module.mm").read_text()
+    text = _host_path()
     assert text.count(old) == 1, old
     problems = gil_problems(text.replace(old, new))
     assert any(problem in p for p in problems), problems

@@ -184,3 +184,18 @@ def test_gemm_errors(name, args, kwargs, message):
 def test_gemm_device_mismatch():
     with pytest.raises(ValueError, match="must be on one device"):
         torch_steel.gemm(q_(3, 4), q_(4, 6).to("meta"))
+
+
+def test_device_offsets_are_checked_from_metadata_only():
+    """cu_seqlens on a device are never read on the host (a device sync per call on MPS; the
+    kernels clamp offsets themselves): bad values pass, a bad dtype or length is still named.
+    Meta tensors stand in for device memory: reading one raises."""
+    from torch_steel import validation
+
+    bad_values = torch.tensor([0, 7, 2], dtype=torch.int32, device="meta")
+    meta = bad_values.device
+    validation.check_cu_seqlens("sdpa_varlen", bad_values, bad_values, 5, 5, 3, 3, meta)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be a 1-D int32 tensor"):
+        validation.check_cu_seqlens("sdpa_varlen", bad_values, bad_values.long(), 5, 5, 3, 3, meta)
+    with pytest.raises(ValueError, match=re.escape("must have the same length (batch + 1)")):
+        validation.check_cu_seqlens("sdpa_varlen", bad_values, bad_values[:2], 5, 5, 3, 3, meta)

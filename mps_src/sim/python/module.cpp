@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "plan/plan.h"
+#include "plan/plan_cache.h"
 #include "sim/sim.h"
 
 namespace py = pybind11;
@@ -21,15 +22,17 @@ struct LibraryHandle {
 };
 
 struct PlanHandle {
-  steel::Plan plan;
+  std::shared_ptr<const steel::Plan> plan;  // shared with the plan cache
 };
 
 // (dtype code, sizes, strides, storage offset) or None, as torch_steel/sim/__init__.py sends it.
 using Desc = std::optional<std::tuple<int, std::vector<int64_t>, std::vector<int64_t>, int64_t>>;
 
+// cached: through the process's plan cache (steel::cached_plan), as the Metal host plans; else
+// planned afresh (tests compare the two).
 PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,
                      const std::map<std::string, double>& numbers,
-                     const std::map<std::string, std::string>& strings) {
+                     const std::map<std::string, std::string>& strings, bool cached) {
   steel::TensorList tensors;
   for (const Desc& d : descs) {
     if (!d) {
@@ -46,7 +49,8 @@ PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,
   steel::Options options;
   options.numbers = numbers;
   options.strings = strings;
-  return PlanHandle{steel::make_plan(op, tensors, options)};
+  if (cached) return PlanHandle{steel::cached_plan(op, tensors, options)};
+  return PlanHandle{std::make_shared<const steel::Plan>(steel::make_plan(op, tensors, options))};
 }
 
 py::object constant_value(const steel::FunctionConstant& c) {
@@ -61,7 +65,7 @@ py::object constant_value(const steel::FunctionConstant& c) {
 }
 
 py::dict describe(const PlanHandle& h) {
-  const steel::Plan& p = h.plan;
+  const steel::Plan& p = *h.plan;
   py::dict out;
   out["ok"] = p.ok;
   out["reason"] = p.reason;
@@ -191,7 +195,7 @@ py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
   std::vector<steel_sim::Counters> counters;
   try {
     py::gil_scoped_release release;
-    counters = steel_sim::run_plan(lib.library, plan.plan, args, checkers);
+    counters = steel_sim::run_plan(lib.library, *plan.plan, args, checkers);
   } catch (const steel_sim::Interrupted&) {
     PyErr_SetNone(PyExc_KeyboardInterrupt);
     throw py::error_already_set();
@@ -212,7 +216,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_library", [](const std::vector<std::string>& paths) {
     return LibraryHandle{steel_sim::load_library(paths)};
   });
-  m.def("make_plan", &make_plan);
+  m.def("make_plan", &make_plan, py::arg("op"), py::arg("descs"), py::arg("numbers"),
+        py::arg("strings"), py::arg("cached") = true);
+  m.def("plan_cache_stats", [] {
+    const steel::PlanCache::Stats s = steel::plan_cache().stats();
+    py::dict d;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["size"] = s.size;
+    d["capacity"] = s.capacity;
+    return d;
+  });
+  m.def("plan_cache_reset", [](size_t capacity) { steel::plan_cache().reset(capacity); },
+        py::arg("capacity") = steel::kPlanCacheCapacity,
+        "Empties the plan cache and sets its capacity (0: no caching).");
   m.def("launch", &launch);
   m.def("run_plan", &run_plan);
 }

@@ -1,0 +1,107 @@
+#include "plan_cache.h"
+
+namespace steel {
+namespace {
+
+void put_bytes(std::string* key, const void* data, size_t size) {
+  key->append(static_cast<const char*>(data), size);
+}
+
+void put_int(std::string* key, int64_t value) { put_bytes(key, &value, sizeof value); }
+
+// Length-prefixed, so that no two different sequences of strings serialize alike.
+void put_string(std::string* key, const std::string& value) {
+  put_int(key, static_cast<int64_t>(value.size()));
+  key->append(value);
+}
+
+}  // namespace
+
+std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options) {
+  std::string key;
+  key.reserve(64 + 48 * tensors.size());
+  put_string(&key, op);
+  put_int(&key, static_cast<int64_t>(tensors.size()));
+  for (const std::optional<TensorDesc>& t : tensors) {
+    if (!t) {
+      put_int(&key, -1);
+      continue;
+    }
+    put_int(&key, static_cast<int64_t>(t->dtype));
+    put_int(&key, t->dim());
+    for (int64_t size : t->sizes) put_int(&key, size);
+    // A desc with fewer strides than sizes is malformed; the planner refuses it, and the key
+    // must still tell it apart from a well-formed one.
+    put_int(&key, static_cast<int64_t>(t->strides.size()));
+    for (int64_t stride : t->strides) put_int(&key, stride);
+    put_int(&key, t->offset % kPlanOffsetAlign);
+    put_int(&key, t->strides.size() == t->sizes.size() && extent(*t) > kInt32Max ? 1 : 0);
+  }
+  put_int(&key, static_cast<int64_t>(options.numbers.size()));
+  for (const auto& [name, value] : options.numbers) {
+    put_string(&key, name);
+    put_bytes(&key, &value, sizeof value);  // bit-exact: -0.0 and 0.0 may plan differently
+  }
+  put_int(&key, static_cast<int64_t>(options.strings.size()));
+  for (const auto& [name, value] : options.strings) {
+    put_string(&key, name);
+    put_string(&key, value);
+  }
+  return key;
+}
+
+std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorList& tensors,
+                                           const Options& options) {
+  std::string key = plan_key(op, tensors, options);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = index_.find(key);
+    if (found != index_.end()) {
+      ++hits_;
+      recent_.splice(recent_.begin(), recent_, found->second);
+      return found->second->second;
+    }
+    ++misses_;
+  }
+  auto plan = std::make_shared<const Plan>(make_plan(op, tensors, options));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (capacity_ == 0 || index_.count(key) != 0) return plan;  // reset, or planned meanwhile
+  recent_.emplace_front(key, plan);
+  index_.emplace(std::move(key), recent_.begin());
+  while (index_.size() > capacity_) {
+    index_.erase(recent_.back().first);
+    recent_.pop_back();
+  }
+  return plan;
+}
+
+PlanCache::Stats PlanCache::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stats s;
+  s.hits = hits_;
+  s.misses = misses_;
+  s.size = index_.size();
+  s.capacity = capacity_;
+  return s;
+}
+
+void PlanCache::reset(size_t capacity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capacity_ = capacity;
+  recent_.clear();
+  index_.clear();
+  hits_ = 0;
+  misses_ = 0;
+}
+
+PlanCache& plan_cache() {
+  static PlanCache instance(kPlanCacheCapacity);  // constructed on first use
+  return instance;
+}
+
+std::shared_ptr<const Plan> cached_plan(const std::string& op, const TensorList& tensors,
+                                        const Options& options) {
+  return plan_cache().get(op, tensors, options);
+}
+
+}  // namespace steel

@@ -1,0 +1,115 @@
+"""The Metal host's op call (mps/host.h, what module.mm runs) without Metal:
+tests/mps/host_record.cpp runs it with a recording encoder. Its record must be the plan the
+simulator executes, its outputs the plan's allocations; a repeated call plans nothing and builds
+no pipeline; and the op layer reaches it as on MPS (what bench/bench_overhead.py times)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_record_build  # noqa: E402
+
+import torch_steel  # noqa: E402
+from torch_steel import backends, metal, sim  # noqa: E402
+
+GEMM = {"alpha": 1.0, "beta": 0.0, "activation": "none"}
+
+
+@pytest.fixture(scope="module")
+def recorder():
+    try:
+        module = host_record_build.extension()
+    except Exception as error:  # no compiler or torch headers: nothing to run
+        pytest.skip(f"the host recorder does not build: {error}")
+    if module is None:
+        pytest.skip("no C++ compiler")
+    return module
+
+
+def _expected_record(plan, slots):
+    """What MetalBackend would be asked for `plan`, from the simulator's view of it."""
+    lines = []
+    for d in plan.dispatches:
+        lines.append(f"pipeline {d.kernel}")
+        for b in d.bindings:
+            if b.kind == "tensor":
+                t = slots[b.slot]
+                lines.append(f"tensor {b.index} {b.slot} {t.storage_offset() * t.element_size()}")
+            else:
+                lines.append(f"bytes {b.index} {len(b.bytes)}")
+        lines += [f"tgmem {i} {n}" for i, n in d.threadgroup_memory.items()]
+        lines.append("dispatch " + " ".join(str(x) for x in (*d.grid, *d.threads)))
+    return lines
+
+
+CALLS = {
+    "gemm": (
+        "gemm",
+        lambda: [torch.randn(40, 24), torch.randn(8, 24).t(), None, None],  # b transposed
+        GEMM,
+    ),
+    "gemm_offset": (
+        "gemm",
+        lambda: [torch.randn(50, 24)[3:43], torch.randn(24, 8), torch.randn(8), None],
+        GEMM,
+    ),
+    "sdpa": (
+        "sdpa",
+        lambda: [torch.randn(1, 2, 5, 64, dtype=torch.float16)] * 3 + [None, None],
+        {"dropout_p": 0.0, "is_causal": True, "scale": 0.125},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_the_record_is_the_simulated_plan(recorder, name):
+    if not sim.available():
+        pytest.skip("the simulator is unavailable")
+    op, make, options = CALLS[name]
+    tensors = make()
+    outputs = recorder.run_op(op, tensors, options)
+    plan = sim.plan(op, tensors, options)
+    assert plan.ok
+    allocations = plan.allocations
+    assert [(tuple(o.shape), o.dtype) for o in outputs] == [
+        (a.sizes, a.dtype) for a in allocations if a.is_output
+    ]
+    slots = [t.contiguous() if i in plan.contiguous_inputs else t for i, t in enumerate(tensors)]
+    slots += outputs  # every allocation of these plans is an output
+    assert len(slots) == plan.inputs + len(allocations)
+    assert recorder.last_record() == _expected_record(plan, slots)
+
+
+def test_a_repeated_call_plans_nothing(recorder):
+    tensors = [torch.randn(7, 9), torch.randn(9, 5), None, None]
+    recorder.run_op("gemm", tensors, GEMM)
+    hits, misses = recorder.plan_cache_stats()
+    pipelines = recorder.pipelines_built()
+    for _ in range(3):
+        recorder.run_op("gemm", [torch.randn(7, 9), torch.randn(9, 5), None, None], GEMM)
+    assert recorder.plan_cache_stats() == (hits + 3, misses)
+    assert recorder.pipelines_built() == pipelines
+
+
+def test_a_refusal_names_its_reason(recorder):
+    with pytest.raises(RuntimeError, match="steel plan refused: "):
+        recorder.run_op("no_such_op", [torch.randn(2)], {})
+
+
+def test_the_op_layer_reaches_the_host_as_on_mps(recorder, monkeypatch):
+    monkeypatch.setattr(backends, "_device_type", lambda tensors: "mps")
+    monkeypatch.setattr(backends, "metal_status", lambda: (True, ""))
+    monkeypatch.setattr(metal, "_extension", lambda: recorder)
+    monkeypatch.setattr(metal, "_load_library", lambda ext: None)
+    q = torch.randn(1, 5, 2, 64, dtype=torch.float16).transpose(1, 2)  # [B, L, H, E] storage
+    with torch_steel.backend("metal"):
+        out = torch_steel.sdpa(q, q, q, is_causal=True)
+        assert recorder.last_record()[0] == "pipeline steel_attention_f16_e64_v64"
+        # The output follows the query's layout, as F.sdpa's does.
+        assert out.shape == q.shape and out.stride() == q.stride()
+        c = torch_steel.gemm(torch.randn(4, 8), torch.randn(8, 3))
+        assert c.shape == (4, 3)
+        assert recorder.last_record()[0].startswith("pipeline steel_gemm_nn_f32")

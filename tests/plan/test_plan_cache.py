@@ -1,0 +1,157 @@
+"""The plan cache (mps_src/plan/plan_cache.h), through the simulator's module: a repeated call is
+a hit, a cached plan is always the plan a fresh planner call makes for that call (never one of
+another key), the cache is bounded; and threads share it safely (plan_cache_stress.cpp, under
+ThreadSanitizer)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
+from gemm_helpers import requires_planner  # noqa: E402
+
+pytestmark = requires_planner
+
+ROOT = Path(__file__).resolve().parents[2]
+F16, F32, I32 = 0, 2, 3  # steel::DType codes
+GEMM = {"alpha": 1.0, "beta": 0.0}
+ATTN = {"dropout_p": 0.0, "is_causal": 0.0, "scale": 0.125, "window_left": -1.0}
+
+
+def desc(dtype, sizes, strides=None, offset=0):
+    if strides is None:
+        strides, step = [], 1
+        for size in reversed(sizes):
+            strides.insert(0, step)
+            step *= max(size, 1)
+    return (dtype, list(sizes), list(strides), offset)
+
+
+def gemm(m, n, k, dtype=F16, b_strides=None, offset=0, **options):
+    tensors = [desc(dtype, [m, k], offset=offset), desc(dtype, [k, n], b_strides), None, None]
+    return ("gemm", tensors, {**GEMM, **options}, {"activation": "none"})
+
+
+def sdpa(length, keys, dim=64, **options):
+    q = desc(F16, [1, 4, length, dim])
+    kv = desc(F16, [1, 4, keys, dim])
+    return ("sdpa", [q, kv, kv, None, None], {**ATTN, **options}, {})
+
+
+# Calls that differ in one thing a plan depends on, and two that differ only in what it does not.
+CALLS = [
+    gemm(64, 64, 64),
+    gemm(64, 64, 64, dtype=F32),
+    gemm(64, 64, 65),
+    gemm(64, 64, 64, b_strides=[1, 64]),  # b transposed
+    gemm(64, 64, 64, offset=3),  # rows no longer 16-byte aligned
+    gemm(64, 64, 64, offset=16),  # the same alignment as offset 0: the same plan
+    gemm(64, 64, 64, offset=2**31 - 64 * 64 + 16),  # the same alignment, past 32-bit indexing
+    gemm(64, 64, 64, alpha=2.0),
+    gemm(64, 64, 64, beta=-0.0),  # -0.0 == 0.0, but the params hold its bits
+    ("gemm", [desc(F16, [64, 64]), desc(F16, [64, 64]), desc(F16, [64]), None], GEMM, {}),
+    ("gemm", gemm(64, 64, 64)[1], GEMM, {"activation": "relu"}),
+    sdpa(128, 128),
+    sdpa(128, 129),
+    sdpa(1, 4096),
+    sdpa(128, 128, is_causal=1.0),
+    sdpa(128, 128, scale=0.5),
+    sdpa(128, 128, dim=80),
+    (
+        "sdpa_varlen",
+        [desc(F16, [9, 4, 64])] * 3 + [desc(I32, [3])] * 2 + [None],
+        {**ATTN, "max_seqlen_q": 5.0, "max_seqlen_k": 5.0},
+        {},
+    ),
+    ("no_such_op", [desc(F16, [4])], {}, {}),
+]
+
+
+@pytest.fixture
+def ext():
+    from torch_steel import _sim_build
+
+    module = _sim_build.extension()
+    yield module
+    module.plan_cache_reset()  # the default capacity, empty
+
+
+def described(ext, call, cached=True):
+    op, tensors, numbers, strings = call
+    return ext.make_plan(op, tensors, numbers, strings, cached).describe()
+
+
+def test_the_calls_need_their_own_plans(ext):
+    """The test below can fail: these calls differ where a key that dropped any of their
+    differences would hand one call another's plan."""
+    fresh = [repr(described(ext, c, cached=False)) for c in CALLS]
+    assert len(set(fresh)) == len(CALLS) - 1
+    assert fresh[CALLS.index(gemm(64, 64, 64, offset=16))] == fresh[0]
+    assert not described(ext, gemm(64, 64, 64, offset=2**31 - 64 * 64 + 16), cached=False)["ok"]
+    assert described(ext, CALLS[-2], cached=False)["ok"]  # the varlen call plans
+
+
+def test_cached_plans_are_the_fresh_plans_of_their_call(ext):
+    ext.plan_cache_reset(1000)
+    rng = random.Random(0)
+    order = [c for _ in range(4) for c in CALLS]
+    rng.shuffle(order)
+    for call in order:
+        assert described(ext, call) == described(ext, call, cached=False), call[0]
+    stats = ext.plan_cache_stats()
+    keys = len(CALLS) - 1  # offsets 0 and 16 share a key
+    assert (stats["misses"], stats["hits"], stats["size"]) == (keys, len(order) - keys, keys)
+
+
+def test_a_repeated_call_is_a_hit(ext):
+    ext.plan_cache_reset(10)
+    first = described(ext, CALLS[0])
+    assert ext.plan_cache_stats()["misses"] == 1
+    assert described(ext, CALLS[0]) == first
+    assert ext.plan_cache_stats() == {"hits": 1, "misses": 1, "size": 1, "capacity": 10}
+
+
+def test_the_cache_is_bounded_and_keeps_the_recently_used(ext):
+    ext.plan_cache_reset(3)
+    for m in (1, 2, 3, 4, 5):
+        described(ext, gemm(m, 8, 8))
+    assert ext.plan_cache_stats()["size"] == 3
+    described(ext, gemm(5, 8, 8))  # most recent: kept
+    assert ext.plan_cache_stats()["hits"] == 1
+    described(ext, gemm(1, 8, 8))  # least recent: evicted
+    stats = ext.plan_cache_stats()
+    assert (stats["hits"], stats["misses"], stats["size"]) == (1, 6, 3)
+
+
+def test_capacity_zero_plans_every_call(ext):
+    ext.plan_cache_reset(0)
+    assert described(ext, CALLS[0]) == described(ext, CALLS[0], cached=False)
+    described(ext, CALLS[0])
+    assert ext.plan_cache_stats() == {"hits": 0, "misses": 2, "size": 0, "capacity": 0}
+
+
+def test_threads_share_the_cache_safely(tmp_path):
+    compiler = shutil.which("clang++-19")
+    if compiler is None:
+        pytest.skip("clang++-19 is needed for the ThreadSanitizer build")
+    exe = tmp_path / "plan_cache_stress"
+    sources = [ROOT / "tests" / "plan" / "plan_cache_stress.cpp"]
+    sources += sorted((ROOT / "mps_src" / "plan").glob("*.cpp"))
+    build = subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-I", str(ROOT / "mps_src")]
+        + [str(s) for s in sources]
+        + ["-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ThreadSanitizer" not in run.stderr
+    assert run.stdout.startswith("ok "), run.stdout
