@@ -688,7 +688,12 @@ class _Translator:
                 depth += 1
             elif t == "(":
                 if depth == 0:
-                    return r.kind(j - 1) == "ident" and r.t(j - 2) not in (".", "->", "=", "(")
+                    # `for (auto x = ...)`, `if (auto x = ...)`: a declaration, not a parameter.
+                    return (
+                        r.kind(j - 1) == "ident"
+                        and r.t(j - 1) not in ("for", "if", "while", "switch")
+                        and r.t(j - 2) not in (".", "->", "=", "(")
+                    )
                 depth -= 1
             elif t in (";", "{", "}"):
                 return False
