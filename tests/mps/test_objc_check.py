@@ -446,8 +446,8 @@ def test_run_op_releases_the_gil():
     [
         ("  py::gil_scoped_release no_gil;\n", "", "does not release the GIL"),
         (
-            "  const Options parsed = to_options(options);\n  py::gil_scoped_release no_gil;\n",
-            "  py::gil_scoped_release no_gil;\n  const Options parsed = to_options(options);\n",
+            "  Options parsed = to_options(options);\n  py::gil_scoped_release no_gil;\n",
+            "  py::gil_scoped_release no_gil;\n  Options parsed = to_options(options);\n",
             "uses a Python object after releasing",
         ),
         (
