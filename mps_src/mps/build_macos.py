@@ -48,7 +48,8 @@ METAL_FLAGS = ["-std=metal3.1", MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
 TENSOR_OPS_METALLIB = "steel_tensor_ops.metallib"
 TENSOR_OPS_SUFFIX = "_msl4.metal"  # the simulator compiles these as MSL 4 too (_sim_build.py)
 TENSOR_OPS_MIN_SDK = (26, 2)
-TENSOR_OPS_FLAGS = ["-std=metal4.0", "-mmacosx-version-min=26.2", "-fno-fast-math", "-Wall"]
+TENSOR_OPS_MIN_VERSION_FLAG = "-mmacosx-version-min=26.2"
+TENSOR_OPS_FLAGS = ["-std=metal4.0", TENSOR_OPS_MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
 # Written next to the extension: the torch it was compiled against. The extension is tied to that
 # torch's C++ ABI; torch_steel.metal reads this before importing it and keeps to reference math,
 # with a warning, when another torch is running.
