@@ -14,7 +14,14 @@ For every shape of the table:
   - on a Mac with MPS: steel.gemm against torch.matmul and against addmm + activation, same
     inputs, median of --iters runs, and GFLOP/s, all from the same run.
 
+--device m5 plans for an M5-generation GPU (Metal 4 matrix units: the matmul2d kernels of
+shaders/steel/gemm_tensor/) and the simulator emulates one; the table then also gives the
+matmul2d operations' MMA-equivalents (8x8x8 multiply-adds: BM * BN * BK / 512 per K step of
+every block, ragged edges included, as the matrix units compute them), checked against the
+simulator's count. On a Mac the plan follows the real device whatever --device says.
+
     python bench/bench_gemm.py [--dtype float16] [--sim-limit 134217728] [--iters 20]
+                               [--device default|m5]
 """
 
 from __future__ import annotations
@@ -51,10 +58,42 @@ SHAPES = [
 
 BUF_A, BUF_B, BUF_C, BUF_BIAS, BUF_OUT, BUF_PARAMS = 0, 1, 2, 3, 4, 5
 
+# Device descriptions of the plan (mps_src/plan/device.h).
+DEVICES = {
+    "default": {},
+    "m5": {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True},
+}
+
 
 def tile_of(kernel: str) -> tuple[int, int]:
     parts = dict((p[:2], p[2:]) for p in kernel.split("_") if p[:2] in ("bm", "bn"))
     return int(parts["bm"]), int(parts["bn"])
+
+
+def tensor_mma(plan) -> int:
+    """MMA-equivalents (8x8x8) of the plan's matmul2d operations: each block runs one BM x BN x
+    BK operation per K step of its range."""
+    total = 0
+    for d in plan.dispatches:
+        if not d.kernel.startswith("steel_gemm_tensor_"):
+            continue
+        parts = dict((p[:2], p[2:]) for p in d.kernel.split("_") if p[:2] in ("bm", "bn", "bk"))
+        bm, bn, bk = int(parts["bm"]), int(parts["bn"]), int(parts["bk"])
+        params = next(b.bytes for b in d.bindings if b.index == BUF_PARAMS)
+        # GemmParams (shaders/steel/params.h): K at byte 8, tiles_m, tiles_n at 24, k_split at
+        # 36, partitions at 44.
+        (k,) = struct.unpack_from("<i", params, 8)
+        tiles_m, tiles_n = struct.unpack_from("<2i", params, 24)
+        (k_split,) = struct.unpack_from("<i", params, 36)
+        (partitions,) = struct.unpack_from("<i", params, 44)
+        if "splitk" in d.kernel:
+            steps = sum(-(-min(k_split, k - z * k_split) // bk) for z in range(partitions))
+            blocks = tiles_m * tiles_n
+        else:
+            steps = -(-k // bk)
+            blocks = tiles_m * tiles_n * d.grid[2]
+        total += blocks * steps * bm * bn * bk // 512
+    return total
 
 
 def model(plan, batch, m, n, k, es, use_c, use_bias):
@@ -153,6 +192,7 @@ def main() -> int:
         help="run the simulator on shapes with batch*M*N*K up to this",
     )
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="default", choices=sorted(DEVICES))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     es = torch.finfo(dtype).bits // 8
@@ -165,13 +205,15 @@ def main() -> int:
         f"{'shape':26} {'kernel':44} {'model MB':>9} {'min MB':>8} {'B/kFLOP':>8} "
         f"{'min':>6} {'ratio':>6} {'sim MB':>8}"
     )
+    if args.device == "m5":
+        header += f" {'MMA-eq':>10} {'sim MMA-eq':>10}"
     if on_mps:
         header += f" {'steel ms':>9} {'matmul ms':>9} {'addmm+act':>9} {'GFLOP/s':>8}"
     print(header)
     for name, batch, m, n, k in SHAPES:
         meta = "meta"
         a, b, bias = tensors(batch, m, n, k, dtype, meta, True)
-        options = {"activation": "gelu"}
+        options = {"activation": "gelu", **DEVICES[args.device]}
         p = sim.plan("gemm", [a, b, bias, None], options)
         if not p.ok:
             print(f"{name:26} refused: {p.reason}")
@@ -188,6 +230,7 @@ def main() -> int:
             f"{1e3 * moved / flop:8.3f} {1e3 * minimum / flop:6.3f} {moved / minimum:6.2f}"
         )
         sim_col = "-"
+        sim_mma = "-"
         if run_sim and batch * m * n * k <= args.sim_limit:
             ca, cb, cbias = tensors(batch, m, n, k, dtype, "cpu", True)
             _, counters = sim.run_op(
@@ -199,7 +242,14 @@ def main() -> int:
                 failures += 1
                 sim_col += " MISMATCH"
                 print(f"  model {predicted}\n  sim   {got}", file=sys.stderr)
+            counted_mma = sum(c["tensor_multiply_adds"] for c in counters) // 512
+            sim_mma = str(counted_mma)
+            if counted_mma != tensor_mma(p):
+                failures += 1
+                sim_mma += " MISMATCH"
         line += f" {sim_col:>8}"
+        if args.device == "m5":
+            line += f" {tensor_mma(p):10d} {sim_mma:>10}"
         if on_mps:
             steel, mm, fused = time_mps(batch, m, n, k, dtype, args.iters)
             line += f" {steel:9.3f} {mm:9.3f} {fused:9.3f} {flop / steel / 1e6:8.1f}"

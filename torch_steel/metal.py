@@ -37,6 +37,11 @@ from torch_steel.errors import PlanRefused
 REFUSED_PREFIX = "steel plan refused: "
 PACKAGE_DIR = Path(__file__).resolve().parent
 METALLIB = "steel.metallib"
+# The MSL 4 tensor-op kernels (M5's matrix units): their own library, built with a macOS 26.2+
+# SDK, loaded after the main one only where the device reports Metal 4 (the extension decides;
+# absent, the plans keep to the simdgroup kernels). Their sources end in _msl4.metal.
+TENSOR_OPS_METALLIB = "steel_tensor_ops.metallib"
+TENSOR_OPS_SUFFIX = "_msl4.metal"
 SOURCE_DIR = "metal_src"
 
 _load_lock = threading.Lock()
@@ -132,10 +137,30 @@ def refusal_reason(message: str) -> str | None:
 
 
 def library_sources(package_dir: Path) -> tuple[Path | None, list[Path]]:
-    """(the installed metallib or None, the installed shader sources)."""
+    """(the installed metallib or None, the installed MSL 3.1 shader sources)."""
     metallib = package_dir / METALLIB
-    sources = sorted((package_dir / SOURCE_DIR).glob("*.metal"))
+    sources = sorted(
+        p
+        for p in (package_dir / SOURCE_DIR).glob("*.metal")
+        if not p.name.endswith(TENSOR_OPS_SUFFIX)
+    )
     return (metallib if metallib.is_file() else None), sources
+
+
+def tensor_op_sources(package_dir: Path) -> tuple[Path | None, list[Path]]:
+    """(the installed tensor-op metallib or None, the installed MSL 4 shader sources)."""
+    metallib = package_dir / TENSOR_OPS_METALLIB
+    sources = sorted((package_dir / SOURCE_DIR).glob("*" + TENSOR_OPS_SUFFIX))
+    return (metallib if metallib.is_file() else None), sources
+
+
+def _load_tensor_ops(ext, package_dir: Path) -> None:
+    """The tensor-op kernels where the device and OS take them; silently absent otherwise."""
+    metallib, sources = tensor_op_sources(package_dir)
+    if metallib is not None and ext.load_tensor_ops_metallib(str(metallib)):
+        return
+    if sources:
+        ext.compile_tensor_ops_sources([path.read_text() for path in sources])
 
 
 def _load_library(ext) -> None:
@@ -162,6 +187,7 @@ def _load_library_locked(ext) -> None:
     if metallib is not None:
         try:
             ext.load_metallib(str(metallib))
+            _load_tensor_ops(ext, package_dir)
             _loaded = True
             return
         except RuntimeError as error:  # e.g. built by a newer Xcode than this macOS runs
@@ -179,6 +205,7 @@ def _load_library_locked(ext) -> None:
         stacklevel=4,
     )
     ext.compile_sources([path.read_text() for path in sources])
+    _load_tensor_ops(ext, package_dir)
     _loaded = True
 
 

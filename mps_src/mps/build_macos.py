@@ -6,6 +6,10 @@ command builds the extension, then puts next to it, inside the torch_steel packa
 - steel.metallib: every shaders/**/*.metal compiled by Xcode's Metal toolchain (`xcrun metal`,
   one .air per file, linked by `xcrun metallib`). Skipped, with a message, when the toolchain is
   missing: it ships with Xcode, not with the Command Line Tools.
+- steel_tensor_ops.metallib: the MSL 4 kernels (shaders/**/*_msl4.metal: Metal 4 tensor ops for
+  M5-generation GPUs), compiled with -std=metal4.0 for macOS 26.2, only when the SDK is macOS
+  26.2 or newer; otherwise skipped with a message, and those kernels are absent (the plans keep
+  to the simdgroup kernels). Loaded at run time only where the device reports Metal 4.
 - metal_src/*.metal: the same shaders, each amalgamated into one self-contained source (the
   project's own #includes inlined, since MTLDevice.newLibraryWithSource has no include path).
   The extension compiles these with the Metal runtime compiler at first use when no metallib
@@ -39,6 +43,13 @@ SOURCE_DIR = "metal_src"
 DEPLOYMENT_TARGET = "14.0"
 MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"
 METAL_FLAGS = ["-std=metal3.1", MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
+# The tensor-op kernels: MSL 4.0 (metal_tensor, MetalPerformancePrimitives), which needs a macOS
+# 26.2 SDK and deployment target (earlier SDKs lack matmul2d's shape rules and bf16 support).
+TENSOR_OPS_METALLIB = "steel_tensor_ops.metallib"
+TENSOR_OPS_SUFFIX = "_msl4.metal"  # the simulator compiles these as MSL 4 too (torch_steel/sim/build.py)
+TENSOR_OPS_MIN_SDK = (26, 2)
+TENSOR_OPS_MIN_VERSION_FLAG = "-mmacosx-version-min=26.2"
+TENSOR_OPS_FLAGS = ["-std=metal4.0", TENSOR_OPS_MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
 # Written next to the extension: the torch it was compiled against. The extension is tied to that
 # torch's C++ ABI; torch_steel.metal reads this before importing it and keeps to reference math,
 # with a warning, when another torch is running.
@@ -54,8 +65,14 @@ _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
 
 
 def shader_files(shaders: Path) -> list[Path]:
-    """The translation units: every .metal file under shaders/, in a stable order."""
-    return sorted(shaders.rglob("*.metal"))
+    """The MSL 3.1 translation units: every .metal file under shaders/ but the MSL 4 ones, in a
+    stable order."""
+    return sorted(p for p in shaders.rglob("*.metal") if not p.name.endswith(TENSOR_OPS_SUFFIX))
+
+
+def tensor_op_files(shaders: Path) -> list[Path]:
+    """The MSL 4 translation units (*_msl4.metal), in a stable order."""
+    return sorted(shaders.rglob("*" + TENSOR_OPS_SUFFIX))
 
 
 def amalgamate(source: Path, shaders: Path) -> str:
@@ -115,16 +132,19 @@ def write_sources(shaders: Path, out_dir: Path) -> list[Path]:
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     written = []
-    for source in shader_files(shaders):
+    for source in shader_files(shaders) + tensor_op_files(shaders):
         path = target / source_name(source, shaders)
         path.write_text(amalgamate(source, shaders))
         written.append(path)
     return written
 
 
-def compile_metallib(shaders: Path, out: Path) -> str | None:
-    """Compiles every shader into one metallib at `out`; returns None, or why it could not."""
-    sources = shader_files(shaders)
+def compile_metallib(
+    shaders: Path, out: Path, sources: list[Path] | None = None, flags: list[str] = METAL_FLAGS
+) -> str | None:
+    """Compiles `sources` (default: shader_files) into one metallib at `out` with `flags`;
+    returns None, or why it could not."""
+    sources = shader_files(shaders) if sources is None else sources
     if not sources:
         return "no shaders to compile"
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +158,7 @@ def compile_metallib(shaders: Path, out: Path) -> str | None:
                         "-sdk",
                         "macosx",
                         "metal",
-                        *METAL_FLAGS,
+                        *flags,
                         "-I",
                         str(shaders),
                         "-c",
@@ -157,20 +177,56 @@ def compile_metallib(shaders: Path, out: Path) -> str | None:
     return None
 
 
-def install_shaders(shaders: Path, package_dir: Path) -> str | None:
-    """Writes metal_src/ and, when the toolchain allows, steel.metallib into package_dir.
+def sdk_version() -> tuple[int, ...] | None:
+    """The macOS SDK's version (`xcrun --sdk macosx --show-sdk-version`), None without one."""
+    try:
+        out = subprocess.run(
+            ["xcrun", "--sdk", "macosx", "--show-sdk-version"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return tuple(int(part) for part in out.split("."))
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return None
 
-    Returns None when the metallib was built, else why not (the install goes on without it).
-    TORCH_STEEL_NO_METALLIB=1 skips the metallib, to try the runtime-compiler path on a Mac
-    that has Xcode.
+
+def compile_tensor_ops_metallib(shaders: Path, out: Path) -> str | None:
+    """The MSL 4 kernels' metallib at `out`; returns None, or why it was not built (an SDK
+    older than macOS 26.2 has no MSL 4 tensor ops: the install goes on without them)."""
+    sources = tensor_op_files(shaders)
+    if not sources:
+        return "no MSL 4 shaders"
+    version = sdk_version()
+    if version is None:
+        return "no macOS SDK found (xcrun)"
+    if version < TENSOR_OPS_MIN_SDK:
+        wanted = ".".join(map(str, TENSOR_OPS_MIN_SDK))
+        return (
+            f"the macOS SDK is {'.'.join(map(str, version))}; MSL 4 tensor ops need {wanted} "
+            "or newer (Xcode 26.2)"
+        )
+    return compile_metallib(shaders, out, sources, TENSOR_OPS_FLAGS)
+
+
+def install_shaders(shaders: Path, package_dir: Path) -> tuple[str | None, str | None]:
+    """Writes metal_src/ and, when the toolchain allows, steel.metallib and
+    steel_tensor_ops.metallib into package_dir.
+
+    Returns (why steel.metallib was not built, why the tensor-op one was not), None where it was
+    built; the install goes on without either. TORCH_STEEL_NO_METALLIB=1 skips both, to try the
+    runtime-compiler path on a Mac that has Xcode.
     """
     package_dir.mkdir(parents=True, exist_ok=True)
     write_sources(shaders, package_dir)
     metallib = package_dir / METALLIB
+    tensor_metallib = package_dir / TENSOR_OPS_METALLIB
     metallib.unlink(missing_ok=True)
+    tensor_metallib.unlink(missing_ok=True)
     if os.environ.get("TORCH_STEEL_NO_METALLIB"):
-        return "TORCH_STEEL_NO_METALLIB is set"
-    return compile_metallib(shaders, metallib)
+        return "TORCH_STEEL_NO_METALLIB is set", "TORCH_STEEL_NO_METALLIB is set"
+    why = compile_metallib(shaders, metallib)
+    return why, compile_tensor_ops_metallib(shaders, tensor_metallib)
 
 
 def _run(command: list[str]) -> None:
@@ -213,7 +269,11 @@ def setup_options(root: Path) -> dict:
             super().run()
             package_dir = Path(self.get_ext_fullpath("torch_steel._C_metal")).parent
             write_build_info(package_dir, torch.__version__)
-            why = install_shaders(shaders, package_dir)
+            why, why_tensor = install_shaders(shaders, package_dir)
+            if why_tensor is None:
+                print(f"torch-steel: built {package_dir / TENSOR_OPS_METALLIB}")
+            else:
+                print(f"torch-steel: no MSL 4 tensor-op kernels ({why_tensor.splitlines()[0]})")
             if why is None:
                 print(f"torch-steel: built {package_dir / METALLIB}")
             else:
@@ -251,5 +311,7 @@ def setup_options(root: Path) -> dict:
     return {
         "ext_modules": [extension],
         "cmdclass": {"build_ext": BuildWithShaders},
-        "package_data": {"torch_steel": [METALLIB, f"{SOURCE_DIR}/*.metal", BUILD_INFO]},
+        "package_data": {
+            "torch_steel": [METALLIB, TENSOR_OPS_METALLIB, f"{SOURCE_DIR}/*.metal", BUILD_INFO]
+        },
     }

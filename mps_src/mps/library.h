@@ -20,6 +20,19 @@ void load_metallib(const std::string& path);
 // shader is its own translation unit, as in the metallib). For installs without Xcode; slow.
 void compile_sources(const std::vector<std::string>& sources);
 
+// The MSL 4 tensor-op kernels (shaders/**/*_msl4.metal, mpp::tensor_ops::matmul2d): a library
+// of their own, built with -std=metal4.0 against a macOS 26.2+ SDK, loaded next to the main one
+// only where the device reports Metal 4 (supportsFamily, which an older OS answers NO for).
+// Both return whether the kernels are now available and never throw: without them the plans
+// keep to the simdgroup kernels (device_description says so).
+bool load_tensor_ops_metallib(const std::string& path);
+bool compile_tensor_ops_sources(const std::vector<std::string>& sources);
+
+// The device description of mps_src/plan/device.h, added to `options` (where the caller did
+// not set it): the GPU's Apple family, Metal 4 support, and whether the tensor-op kernels are
+// loaded.
+void describe_device(Options* options);
+
 // The pipeline of dispatch.kernel specialized with dispatch.constants, built on first use and
 // cached for the process. Throws c10::Error when the kernel is missing or does not compile.
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch);

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "mps/checked_encoder.h"
+#include "plan/device.h"
 
 namespace steel::mps {
 namespace {
@@ -15,6 +16,8 @@ namespace {
 struct State {
   std::mutex mutex;
   std::vector<id<MTLLibrary>> libraries;
+  std::vector<id<MTLLibrary>> tensor_libraries;  // the MSL 4 tensor-op kernels, when loaded
+  bool tensor_ops_tried = false;
   std::map<std::string, id<MTLComputePipelineState>> pipelines;
 };
 
@@ -25,6 +28,22 @@ State& state() {
 }
 
 id<MTLDevice> device() { return at::mps::MPSDevice::getInstance()->device(); }
+
+// MTLGPUFamilyMetal4 and MTLGPUFamilyApple7..10 by value: the Metal 4 and Apple10 enumerators
+// exist only in macOS 26 SDKs, and the host builds with older ones too. An OS that does not
+// know a family answers NO for it.
+constexpr NSInteger kGPUFamilyMetal4 = 5002;
+constexpr NSInteger kGPUFamilyApple1 = 1000;  // MTLGPUFamilyAppleN = 1000 + N
+constexpr int kNewestAppleFamily = 10;
+
+bool supports_metal4() { return [device() supportsFamily:(MTLGPUFamily)kGPUFamilyMetal4]; }
+
+int apple_family() {
+  for (int n = kNewestAppleFamily; n >= 1; --n) {
+    if ([device() supportsFamily:(MTLGPUFamily)(kGPUFamilyApple1 + n)]) return n;
+  }
+  return 0;
+}
 
 NSString* to_ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
 
@@ -64,6 +83,20 @@ MTLFunctionConstantValues* constant_values(const Dispatch& dispatch) {
   return values;
 }
 
+id<MTLLibrary> library_at(const std::string& path, NSError** error) {
+  return [device() newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)] error:error];
+}
+
+// The flags setup.py passes to `xcrun metal`: no fast math, so that the GPU computes what the
+// simulator verified (build_macos.py says why). fastMathEnabled is deprecated from macOS 15 for
+// mathMode, which macOS 14 lacks.
+MTLCompileOptions* compile_options(MTLLanguageVersion version) {
+  MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+  options.languageVersion = version;
+  options.fastMathEnabled = NO;
+  return options;
+}
+
 }  // namespace
 
 void load_metallib(const std::string& path) {
@@ -73,8 +106,7 @@ void load_metallib(const std::string& path) {
   std::string error;
   @autoreleasepool {
     NSError* ns_error = nil;
-    id<MTLLibrary> library = [device() newLibraryWithURL:[NSURL fileURLWithPath:to_ns(path)]
-                                                   error:&ns_error];
+    id<MTLLibrary> library = library_at(path, &ns_error);
     if (library != nil) {
       s.libraries.push_back(library);
     } else {
@@ -91,12 +123,8 @@ void compile_sources(const std::vector<std::string>& sources) {
   std::vector<id<MTLLibrary>> libraries;
   std::string error;
   @autoreleasepool {
-    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // The flags setup.py passes to `xcrun metal`: bfloat needs Metal 3.1 (macOS 14); no fast
-    // math, so that the GPU computes what the simulator verified (build_macos.py says why).
-    // fastMathEnabled is deprecated from macOS 15 for mathMode, which macOS 14 lacks.
-    options.languageVersion = MTLLanguageVersion3_1;
-    options.fastMathEnabled = NO;
+    // bfloat needs Metal 3.1 (macOS 14).
+    MTLCompileOptions* options = compile_options(MTLLanguageVersion3_1);
     for (size_t i = 0; i < sources.size() && error.empty(); ++i) {
       NSError* ns_error = nil;
       id<MTLLibrary> library = [device() newLibraryWithSource:to_ns(sources[i])
@@ -111,6 +139,56 @@ void compile_sources(const std::vector<std::string>& sources) {
   }
   TORCH_CHECK(error.empty(), "torch-steel: the Metal runtime compiler rejected ", error);
   s.libraries = std::move(libraries);
+}
+
+bool load_tensor_ops_metallib(const std::string& path) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.tensor_ops_tried) return !s.tensor_libraries.empty();
+  s.tensor_ops_tried = true;
+  if (!supports_metal4()) return false;
+  @autoreleasepool {
+    NSError* ns_error = nil;
+    id<MTLLibrary> library = library_at(path, &ns_error);
+    if (library != nil) s.tensor_libraries.push_back(library);
+  }
+  return !s.tensor_libraries.empty();
+}
+
+bool compile_tensor_ops_sources(const std::vector<std::string>& sources) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.tensor_ops_tried) return !s.tensor_libraries.empty();
+  s.tensor_ops_tried = true;
+  if (!supports_metal4() || sources.empty()) return false;
+  std::vector<id<MTLLibrary>> libraries;
+  @autoreleasepool {
+    // MTLLanguageVersion4_0 by value ((4 << 16) + 0), an enumerator of macOS 26 SDKs only; the
+    // OS compiler refuses it where it has no MSL 4, and then the kernels are simply absent.
+    MTLCompileOptions* options = compile_options((MTLLanguageVersion)(4 << 16));
+    for (const std::string& source : sources) {
+      NSError* ns_error = nil;
+      id<MTLLibrary> library = [device() newLibraryWithSource:to_ns(source)
+                                                      options:options
+                                                        error:&ns_error];
+      if (library == nil) return false;  // all or nothing: a plan may name any of them
+      libraries.push_back(library);
+    }
+  }
+  s.tensor_libraries = std::move(libraries);
+  return true;
+}
+
+void describe_device(Options* options) {
+  bool loaded = false;
+  {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    loaded = !s.tensor_libraries.empty();
+  }
+  options->numbers.emplace(kDeviceAppleFamily, apple_family());
+  options->numbers.emplace(kDeviceMetal4, supports_metal4() ? 1.0 : 0.0);
+  options->numbers.emplace(kDeviceTensorOps, loaded ? 1.0 : 0.0);
 }
 
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {
@@ -128,7 +206,9 @@ id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {
     MTLFunctionConstantValues* values = constant_values(dispatch);
     id<MTLFunction> function = nil;
     NSError* ns_error = nil;
-    for (id<MTLLibrary> library : s.libraries) {
+    std::vector<id<MTLLibrary>> all = s.libraries;
+    all.insert(all.end(), s.tensor_libraries.begin(), s.tensor_libraries.end());
+    for (id<MTLLibrary> library : all) {
       if (![[library functionNames] containsObject:name]) continue;
       function = [library newFunctionWithName:name constantValues:values error:&ns_error];
       if (function == nil) error = "specializing it failed: " + describe(ns_error);

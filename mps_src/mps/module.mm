@@ -157,8 +157,9 @@ std::vector<at::Tensor> run_plan(const std::string& op,
 std::vector<at::Tensor> run_op(const std::string& op,
                                const std::vector<std::optional<at::Tensor>>& tensors,
                                const py::dict& options) {
-  const Options parsed = to_options(options);
+  Options parsed = to_options(options);
   py::gil_scoped_release no_gil;
+  describe_device(&parsed);  // which kernel family the plan may choose (plan/device.h)
   return run_plan(op, tensors, parsed);
 }
 
@@ -174,4 +175,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compile_sources", &steel::mps::compile_sources, py::arg("sources"),
         py::call_guard<py::gil_scoped_release>(),
         "Compiles shader sources with the Metal runtime compiler (no metallib installed).");
+  m.def("load_tensor_ops_metallib", &steel::mps::load_tensor_ops_metallib, py::arg("path"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Loads the MSL 4 tensor-op library where the device has Metal 4; returns whether it did.");
+  m.def("compile_tensor_ops_sources", &steel::mps::compile_tensor_ops_sources,
+        py::arg("sources"), py::call_guard<py::gil_scoped_release>(),
+        "Compiles the MSL 4 tensor-op sources where the device has Metal 4; returns whether it "
+        "did.");
 }

@@ -6,6 +6,8 @@
 //     template constants change); one with neither is copied to contiguous first;
 //   - how batch dims broadcast: out's batch dims are merged where every operand allows it, and
 //     each operand gets a stride per merged dim (0 where it is broadcast);
+//   - the kernel family: matmul2d (Metal 4 tensor ops) on devices whose description (device.h)
+//     says M5-generation matrix units, simdgroup matrices everywhere else;
 //   - the tile (the table below), the function constants, the GemmParams bytes, the grid with its
 //     swizzle, and split-K (two dispatches and an fp32 scratch buffer) for small M*N with long K;
 //   - or a refusal naming the limit.
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "../../shaders/steel/params.h"
+#include "device.h"
 
 namespace steel {
 namespace {
@@ -72,10 +75,19 @@ constexpr int64_t kSplitMinSlice = 128;
 constexpr int64_t kSplitTargetBlocks = 64;
 constexpr int64_t kSplitMaxPartitions = 32;
 
+// The matmul2d kernels (shaders/steel/gemm_tensor/gemm_tensor_msl4.metal), for devices with
+// Metal 4 matrix units (device.h), f16 and bf16: 64x64 blocks of 4 simdgroups, K in steps of
+// 32. The operation reads its operands from device memory itself, so no threadgroup tiles and
+// no vector-load constraints; one size serves every shape (small problems, like kSmall above,
+// and split-K's first pass) because the units' cost is per operation, not per fragment.
+// wm x wn only counts the simdgroups here (the operation splits the block among them).
+constexpr Tile kTensorTile = {64, 64, 32, 2, 2};
+
 constexpr int64_t kTileThreads = 128;  // every tile of the table has 4 simdgroups
 constexpr int64_t kReduceThreads = 256;
 static_assert(32 * kLarge.wm * kLarge.wn == kTileThreads && 32 * kSmall.wm * kSmall.wn == kTileThreads &&
-                  32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads,
+                  32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads &&
+                  32 * kTensorTile.wm * kTensorTile.wn == kTileThreads,
               "max_threads handling assumes one thread count for every tile");
 
 // How the kernel reads a 2-D operand (the last two dims of `t`).
@@ -116,6 +128,12 @@ std::string tile_suffix(const char* trans, DType dtype, const Tile& t) {
   return std::string(trans) + "_" + dtype_tag(dtype) + "_bm" + std::to_string(t.bm) + "_bn" +
          std::to_string(t.bn) + "_bk" + std::to_string(t.bk) + "_wm" + std::to_string(t.wm) +
          "_wn" + std::to_string(t.wn);
+}
+
+std::string tensor_tile_suffix(const char* trans, DType dtype, const Tile& t) {
+  return std::string(trans) + "_" + dtype_tag(dtype) + "_bm" + std::to_string(t.bm) + "_bn" +
+         std::to_string(t.bn) + "_bk" + std::to_string(t.bk) + "_sg" +
+         std::to_string(t.wm * t.wn);
 }
 
 // Threadgroup memory of a tile's A and B blocks, as the kernel declares them.
@@ -316,9 +334,13 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
     }
   }
 
-  // ---- tile and split-K ----
+  // ---- kernel family, tile and split-K ----
+  // matmul2d kernels where the device has Metal 4 matrix units (M5) and they take the dtype.
+  const bool tensor_ops = use_neural_accelerators(device_desc(options)) &&
+                          (dtype == DType::Float16 || dtype == DType::BFloat16);
+  const Tile small = tensor_ops ? kTensorTile : kSmall;
   const int64_t blocks_large = ceil_div(Mk, kLarge.bm) * ceil_div(N, kLarge.bn) * batches;
-  const int64_t blocks_small = ceil_div(Mk, kSmall.bm) * ceil_div(N, kSmall.bn) * batches;
+  const int64_t blocks_small = ceil_div(Mk, small.bm) * ceil_div(N, small.bn) * batches;
   const int64_t blocks_thin = ceil_div(N, kThin.bn) * batches;
   const int64_t blocks_tall = ceil_div(Mk, kTall.bm) * batches;
   Tile tile = kLarge;
@@ -329,6 +351,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   } else if (blocks_large < kMinLargeBlocks || Mk <= kSmall.bm || N <= kSmall.bn) {
     tile = kSmall;
   }
+  if (tensor_ops) tile = kTensorTile;
 
   int64_t partitions = 1;
   int64_t k_split = K;
@@ -337,16 +360,16 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
     partitions = std::min({ceil_div(kSplitTargetBlocks, blocks_small), K / kSplitMinSlice,
                            kSplitMaxPartitions});
     if (partitions >= 2) {
-      k_split = ceil_div(ceil_div(K, partitions), kSmall.bk) * kSmall.bk;
+      k_split = ceil_div(ceil_div(K, partitions), small.bk) * small.bk;
       partitions = ceil_div(K, k_split);
     }
   }
   const bool split = partitions >= 2;
-  const Tile t = split ? kSmall : tile;
+  const Tile t = split ? small : tile;
   if (split && partitions * Mk * N > kInt32Max) {
     return Plan::refuse("gemm: split-K partials beyond 32-bit indexing");
   }
-  if (tile_threadgroup_bytes(t, dtype, la.transposed, lb.transposed) > 32 * 1024) {
+  if (!tensor_ops && tile_threadgroup_bytes(t, dtype, la.transposed, lb.transposed) > 32 * 1024) {
     return Plan::refuse("gemm: tile needs more than 32 KiB of threadgroup memory");
   }
 
@@ -406,9 +429,11 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
       fc_bool(STEEL_GEMM_FC_ALIGN_M, align_m),
       fc_bool(STEEL_GEMM_FC_ALIGN_N, align_n),
       fc_bool(STEEL_GEMM_FC_ALIGN_K, align_k),
-      fc_bool(STEEL_GEMM_FC_VEC_A, vec_ok(a, la, true)),
-      fc_bool(STEEL_GEMM_FC_VEC_B, vec_ok(b, lb, false)),
   };
+  if (!tensor_ops) {  // the matmul2d kernels read no vectors of their own
+    tile_constants.push_back(fc_bool(STEEL_GEMM_FC_VEC_A, vec_ok(a, la, true)));
+    tile_constants.push_back(fc_bool(STEEL_GEMM_FC_VEC_B, vec_ok(b, lb, false)));
+  }
   const char* trans = la.transposed ? (lb.transposed ? "tt" : "tn") : (lb.transposed ? "nt" : "nn");
   // Absent c or bias: the kernel never reads them (function constants), but every declared
   // buffer is bound, so a stands in.
@@ -425,7 +450,8 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   d.grid[1] = grid_y;
   d.threads[0] = threads;
   if (!split) {
-    d.kernel = "steel_gemm_" + tile_suffix(trans, dtype, t);
+    d.kernel = tensor_ops ? "steel_gemm_tensor_" + tensor_tile_suffix(trans, dtype, t)
+                          : "steel_gemm_" + tile_suffix(trans, dtype, t);
     d.grid[2] = static_cast<uint32_t>(batches);
     d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA),
                   tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
@@ -443,7 +469,8 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   plan.allocations.push_back(scratch);
   const int32_t kSlotScratch = n_inputs + 1;
 
-  d.kernel = "steel_gemm_splitk_" + tile_suffix(trans, dtype, t);
+  d.kernel = tensor_ops ? "steel_gemm_tensor_splitk_" + tensor_tile_suffix(trans, dtype, t)
+                        : "steel_gemm_splitk_" + tile_suffix(trans, dtype, t);
   d.grid[2] = static_cast<uint32_t>(partitions);
   d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA), tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
                 tensor_binding(STEEL_GEMM_BUF_OUT, kSlotScratch), params_binding(p)};

@@ -97,6 +97,8 @@ const char* simd_kind_name(SimdKind kind) {
       return "simdgroup_store";
     case SimdKind::MatrixMma:
       return "simdgroup_multiply_accumulate";
+    case SimdKind::TensorOp:
+      return "tensor operation (mpp::tensor_ops)";
   }
   return "simd operation";
 }
@@ -247,8 +249,11 @@ bool divergence_allowed(SimdWait wait, SimdKind kind) {
          (kind == SimdKind::Shuffle || kind == SimdKind::Reduce || kind == SimdKind::Ballot);
 }
 
+constexpr const char* kThreadgroupBarrier = "threadgroup_barrier";
+
 void complete_barrier() {
-  ++g.counters.barriers;
+  if (g.barrier_what == kThreadgroupBarrier) ++g.counters.barriers;
+  g.barrier_live = g.live;
   g.at_barrier = 0;
   for (SimdGroup& sg : g.groups) sg.at_barrier = 0;
   // Each memory flag orders its own memory for every lane; without flags (mem_none) it is an
@@ -298,6 +303,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
   ++g.dev_epoch;
   g.live = g.nlanes;
   g.at_barrier = 0;
+  g.scope_count.assign(g.nlanes, 0);
   g.ready_head = 0;
   g.ready_count = 0;
   for (uint32_t s = 0; s < g.nsimd; ++s) {
@@ -343,7 +349,7 @@ std::string describe_waits() {
   for (const SimdGroup& sg : g.groups) {
     uint32_t first = static_cast<uint32_t>(&sg - g.groups.data()) * kSimdWidth;
     if (sg.at_barrier) {
-      out += " lanes " + lane_list(sg.at_barrier, first) + " at threadgroup_barrier;";
+      out += " lanes " + lane_list(sg.at_barrier, first) + " at " + g.barrier_what + ";";
     }
     if (sg.arrived) {
       out += " lanes " + lane_list(sg.arrived, first) + " at " + describe_simd(sg) + ";";
@@ -713,22 +719,23 @@ std::string two_sites(const CallChain& waiting, const CallChain& mine) {
   return pc_text(waiting.pc[i]) + "\nThis thread:" + pc_text(mine.pc[i]);
 }
 
-void barrier(uint32_t flags, const CallChain& site) {
+void barrier(uint32_t flags, const CallChain& site, const char* what = kThreadgroupBarrier) {
   Lane* me = g.cur;
-  if (me == nullptr) lane_fail("threadgroup_barrier outside a kernel");
+  if (me == nullptr) lane_fail(std::string(what) + " outside a kernel");
   SimdGroup& sg = g.groups[me->sg];
   if (sg.arrived != 0 && !sg.divergent_ok) {
-    lane_fail("threadgroup_barrier while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
+    lane_fail(std::string(what) + " while lanes " + lane_list(sg.arrived, me->sg * kSimdWidth) +
               " of its simdgroup wait at " + describe_simd(sg) +
               " (divergent control flow). They wait:" + two_sites(sg.site, site));
   }
   if (g.at_barrier == 0) {
     g.barrier_site = site;
     g.barrier_flags = flags;
-  } else if (g.checkers && site.key != g.barrier_site.key) {
-    lane_fail(format("reached a different threadgroup_barrier call than the %u threads already "
-                     "waiting (divergent control flow). They wait:",
-                     g.at_barrier) +
+    g.barrier_what = what;
+  } else if (g.checkers && (site.key != g.barrier_site.key || what != g.barrier_what)) {
+    lane_fail(format("reached a different %s call than the %u threads already waiting at %s "
+                     "(divergent control flow). They wait:",
+                     what, g.at_barrier, g.barrier_what) +
               two_sites(g.barrier_site, site));
   }
   sg.at_barrier |= simd_lane_bit(me);
@@ -758,7 +765,8 @@ void simd_arrive(SimdWait wait, SimdKind kind, size_t bytes, const void* mine,
   if (sg.at_barrier != 0 && !may_diverge) {
     std::string what = wait == SimdWait::Barrier ? "simdgroup_barrier" : simd_kind_name(kind);
     lane_fail(what + " while lanes " + lane_list(sg.at_barrier, me->sg * kSimdWidth) +
-              " of its simdgroup wait at threadgroup_barrier (divergent control flow). They wait:" +
+              " of its simdgroup wait at " + g.barrier_what +
+              " (divergent control flow). They wait:" +
               two_sites(g.barrier_site, site));
   }
   if (sg.arrived != 0) {
@@ -826,6 +834,71 @@ const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_
   simd_arrive(SimdWait::Exchange, kind, bytes, mine, site);
   if (active_mask != nullptr) *active_mask = g.cur->exchange_mask;
   return g.cur->exchange_result;
+}
+
+namespace {
+// The checks both rendezvous of a tensor operation make before waiting.
+void tensor_scope_check(uint32_t simdgroups, const char* op) {
+  if (g.cur == nullptr) lane_fail(std::string(op) + " outside a kernel");
+  if (simdgroups > 1 && (simdgroups != g.nsimd || g.nlanes != simdgroups * kSimdWidth)) {
+    lane_fail(format("%s with execution_simdgroups<%u> in a threadgroup of %u threads (%u "
+                     "simdgroups): the scope must be the whole threadgroup of exactly that many "
+                     "simdgroups",
+                     op, simdgroups, g.nlanes, g.nsimd));
+  }
+}
+
+// After a rendezvous: every thread of the scope took part (none has exited).
+void tensor_scope_complete(uint32_t simdgroups, const char* op) {
+  if (simdgroups <= 1) {
+    if (g.cur->exchange_mask != 0xffffffffu) {
+      lane_fail(format("%s with threads of the simdgroup missing (exited or never there: lanes "
+                       "%s take part); every thread of the scope must call it",
+                       op, lane_list(g.cur->exchange_mask, 0).c_str()));
+    }
+  } else if (g.barrier_live != g.nlanes) {
+    lane_fail(format("%s with %u of the threadgroup's %u threads (the others have exited); "
+                     "every thread of the scope must call it",
+                     op, g.barrier_live, g.nlanes));
+  }
+}
+
+void tensor_rendezvous(const void* mine, uint32_t simdgroups, const char* op,
+                       const CallChain& site) {
+  tensor_scope_check(simdgroups, op);
+  if (simdgroups <= 1) {
+    simd_arrive(SimdWait::Exchange, SimdKind::TensorOp, mine ? sizeof(void*) : 0,
+                mine ? static_cast<const void*>(&mine) : nullptr, site);
+  } else {
+    if (g.scope_count.size() < g.nlanes) g.scope_count.resize(g.nlanes);
+    for (auto& v : g.scope_ptrs) {
+      if (v.size() < g.nlanes) v.resize(g.nlanes);
+    }
+    if (mine != nullptr) {
+      const uint32_t parity = g.scope_count[g.cur->index]++ & 1u;
+      g.scope_ptrs[parity][g.cur->index] = mine;
+    }
+    barrier(0, site, op);
+  }
+  tensor_scope_complete(simdgroups, op);
+}
+}  // namespace
+
+const void* const* tensor_op_gather(const void* mine, uint32_t simdgroups, const char* op) {
+  const CallChain site = call_chain(__builtin_frame_address(0));
+  tensor_rendezvous(mine, simdgroups, op, site);
+  if (simdgroups <= 1) return static_cast<const void* const*>(g.cur->exchange_result);
+  return g.scope_ptrs[(g.scope_count[g.cur->index] - 1) & 1u].data();
+}
+
+void tensor_op_release(uint32_t simdgroups, const char* op) {
+  const CallChain site = call_chain(__builtin_frame_address(0));
+  tensor_rendezvous(nullptr, simdgroups, op, site);
+}
+
+void count_tensor_op(uint64_t multiply_adds) {
+  ++g.counters.tensor_ops;
+  g.counters.tensor_multiply_adds += multiply_adds;
 }
 
 void register_kernel(const char* host_name, KernelEntry entry) {

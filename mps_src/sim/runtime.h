@@ -67,7 +67,7 @@ void threadgroup_barrier_flags(uint32_t mem_flags);
 void simdgroup_barrier_flags(uint32_t mem_flags);
 
 // What a rendezvous was for, for the counters and for divergence errors.
-enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5 };
+enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad = 3, MatrixStore = 4, MatrixMma = 5, TensorOp = 6 };
 
 // The one primitive behind every simd_* function and simdgroup-matrix operation: every
 // non-exited lane of the simdgroup contributes `bytes` bytes; once all have arrived, each lane
@@ -75,6 +75,51 @@ enum class SimdKind : uint32_t { Shuffle = 0, Reduce = 1, Ballot = 2, MatrixLoad
 // lane's next simd_exchange, and the mask of lanes that contributed. Lanes that reach a different
 // kind or size, or a barrier instead, are a divergence error.
 const void* simd_exchange(const void* mine, size_t bytes, SimdKind kind, uint32_t* active_mask);
+
+// ---- Metal 4 tensor operations (shim/steel_shim/tensor_ops.h: mpp::tensor_ops) ----
+//
+// An operation of an execution scope (matmul2d::run, reduce_rows, ...) is two rendezvous of all
+// the scope's threads: tensor_op_gather, after which the scope's first thread (the leader) does
+// the whole operation through the pointers every thread contributed, then tensor_op_release,
+// which holds the others until the leader is done. `simdgroups` is the scope's size: 1 is the
+// caller's simdgroup; more is the whole threadgroup, which must have exactly that many full
+// simdgroups. Divergent threads (another call site, a barrier), missing (exited) threads and a
+// threadgroup of another size are errors naming `op`. Neither rendezvous orders memory.
+// Returns every thread's `mine`, by thread index in the scope.
+const void* const* tensor_op_gather(const void* mine, uint32_t simdgroups, const char* op);
+void tensor_op_release(uint32_t simdgroups, const char* op);
+// Scratch memory for the leader's operation (operand copies), valid until the next call.
+void* tensor_op_scratch(size_t bytes);
+// Counts one scope operation and its multiply-adds (Counters::tensor_ops, tensor_multiply_adds).
+void count_tensor_op(uint64_t multiply_adds);
+
+// The element-to-(thread, slot) map of a cooperative tensor role. Implementation-defined on the
+// GPU (the driver supplies it when it builds the pipeline), so the simulator draws it at random
+// from the launch's layout seed (TORCH_STEEL_SIM_LAYOUT_SEED, default 0) and the role's key:
+// kernels that assume a layout fail under some seed. Slot s of thread t holds element
+// element_at[t * capacity + s], or is invalid (-1: its value and index are garbage); invalid
+// slots get index_of_invalid[...] as their multidimensional index, a made-up in-range element.
+struct TensorLayout {
+  uint32_t threads = 0;
+  uint32_t capacity = 0;  // slots per thread
+  uint32_t elements = 0;
+  const int32_t* element_at = nullptr;
+  const int32_t* index_of_invalid = nullptr;
+  // Where each element lives (thread * capacity + slot); replicated roles (reduction results,
+  // held by every thread that holds an element of the reduced row or column) list the holder
+  // that stores it, and owner[t * capacity + s] says which slot that is.
+  const int32_t* place_of = nullptr;
+  const uint8_t* owner = nullptr;
+};
+// A role whose elements are spread over the threads, each held once (at most max_capacity slots).
+const TensorLayout* tensor_layout(uint64_t role_key, uint32_t elements, uint32_t threads,
+                                  uint32_t max_capacity);
+// The result of reducing a rows x cols source (element e = row * cols + col) along its rows
+// (keep_rows: one element per row) or columns: every thread holds the results of the rows
+// (columns) its source elements lie in, in a slot order drawn at random.
+const TensorLayout* tensor_reduction_layout(uint64_t role_key, const TensorLayout* source,
+                                            uint32_t rows, uint32_t cols, bool keep_rows,
+                                            uint32_t max_capacity);
 
 // Kernels, registered by host name (the translated source does this for every
 // [[host_name("...")]] instantiation and every plain [[kernel]] function).

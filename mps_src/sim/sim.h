@@ -76,6 +76,10 @@ struct Counters {
   uint64_t threadgroup_read = 0;     // bytes of threadgroup memory loaded by all lanes
   uint64_t threadgroup_written = 0;  // bytes stored
   uint64_t lane_switches = 0;
+  // Metal 4 tensor operations (matmul2d::run, reductions), once per execution scope, and the
+  // multiply-adds of the matmuls among them (m * n * K each).
+  uint64_t tensor_ops = 0;
+  uint64_t tensor_multiply_adds = 0;
   std::map<uint32_t, BufferCounters> buffers;
 };
 

@@ -182,6 +182,16 @@ struct Sim {
   uint32_t at_barrier = 0;
   CallChain barrier_site;  // where the threadgroup barrier being gathered was first reached
   uint32_t barrier_flags = 0;          // its mem_flags
+  // What the threadgroup-wide rendezvous being gathered is: threadgroup_barrier, or a tensor
+  // operation of a multi-simdgroup scope (runtime.h: tensor_op_gather), for messages.
+  const char* barrier_what = "threadgroup_barrier";  // runtime.cpp: kThreadgroupBarrier
+  // tensor_op_gather's contributions of a threadgroup-wide scope, double-buffered by the
+  // parity of each lane's gather count (a lane can be one operation ahead of the leader).
+  std::vector<const void*> scope_ptrs[2];
+  std::vector<uint32_t> scope_count;  // per lane
+  // Live lanes when the last threadgroup-wide rendezvous completed (stable until every lane
+  // that it released reaches the next one).
+  uint32_t barrier_live = 0;
   Lane* cur = nullptr;  // the running lane, null on the scheduler
   Context scheduler;
   StackPool stacks;

@@ -127,13 +127,16 @@ def test_install_shaders_without_the_toolchain_ships_sources(tmp_path, monkeypat
         pytest.skip("xcrun is installed: this checks the install without Xcode")
     monkeypatch.delenv("TORCH_STEEL_NO_METALLIB", raising=False)
     package = tmp_path / "torch_steel"
-    why = build_macos.install_shaders(SHADERS, package)
+    why, why_tensor = build_macos.install_shaders(SHADERS, package)
     assert why is not None and "xcrun" in why
+    assert why_tensor is not None
     assert not (package / build_macos.METALLIB).exists()
+    assert not (package / build_macos.TENSOR_OPS_METALLIB).exists()
     shipped = sorted((package / build_macos.SOURCE_DIR).glob("*.metal"))
-    assert [p.name for p in shipped] == [
-        build_macos.source_name(s, SHADERS) for s in build_macos.shader_files(SHADERS)
-    ]
+    everything = build_macos.shader_files(SHADERS) + build_macos.tensor_op_files(SHADERS)
+    assert sorted(p.name for p in shipped) == sorted(
+        build_macos.source_name(s, SHADERS) for s in everything
+    )
     assert all('#include "' not in p.read_text() for p in shipped)
 
 
@@ -169,7 +172,12 @@ def test_setup_options(tmp_path, mps_torch):
     assert f"-mmacosx-version-min={build_macos.DEPLOYMENT_TARGET}" in extension.extra_compile_args
     assert issubclass(options["cmdclass"]["build_ext"], BuildExtension)
     assert options["package_data"] == {
-        "torch_steel": ["steel.metallib", "metal_src/*.metal", "_C_metal_build.json"]
+        "torch_steel": [
+            "steel.metallib",
+            "steel_tensor_ops.metallib",
+            "metal_src/*.metal",
+            "_C_metal_build.json",
+        ]
     }
 
 
@@ -182,3 +190,60 @@ def test_a_torch_without_mps_builds_no_extension(monkeypatch, capsys):
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: False)
     assert build_macos.setup_options(ROOT) == {}
     assert "built without MPS" in capsys.readouterr().err
+
+
+# ---- the MSL 4 tensor-op library: its own metallib, only with a macOS 26.2+ SDK -------------
+
+FAKE_XCRUN = """#!/bin/sh
+# xcrun as far as build_macos uses it: the SDK version from $FAKE_SDK, metal and metallib
+# recorded in $FAKE_LOG (one line per call) and their -o output created.
+if [ "$1" = "--sdk" ] && [ "$3" = "--show-sdk-version" ]; then echo "$FAKE_SDK"; exit 0; fi
+echo "$*" >> "$FAKE_LOG"
+out=""
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+[ -n "$out" ] && : > "$out"
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_xcrun(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    _write(bin_dir / "xcrun", FAKE_XCRUN).chmod(0o755)
+    log = tmp_path / "xcrun.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.delenv("TORCH_STEEL_NO_METALLIB", raising=False)
+    return log
+
+
+def test_the_msl4_kernels_are_kept_out_of_the_main_library():
+    main = build_macos.shader_files(SHADERS)
+    tensor = build_macos.tensor_op_files(SHADERS)
+    assert tensor and all(p.name.endswith("_msl4.metal") for p in tensor)
+    assert not set(main) & set(tensor)
+    assert any(p.name == "gemm_tensor_msl4.metal" for p in tensor)
+
+
+@pytest.mark.parametrize("sdk", ["15.5", "26.1"])
+def test_an_older_sdk_builds_no_tensor_op_library(sdk, fake_xcrun, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SDK", sdk)
+    package = tmp_path / "torch_steel"
+    why, why_tensor = build_macos.install_shaders(SHADERS, package)
+    assert why is None and (package / build_macos.METALLIB).exists()
+    assert "26.2" in why_tensor and sdk in why_tensor
+    assert not (package / build_macos.TENSOR_OPS_METALLIB).exists()
+    calls = fake_xcrun.read_text()
+    assert "-std=metal4.0" not in calls and "_msl4.metal" not in calls
+
+
+@pytest.mark.parametrize("sdk", ["26.2", "27.0"])
+def test_a_new_sdk_builds_the_tensor_op_library_apart(sdk, fake_xcrun, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SDK", sdk)
+    package = tmp_path / "torch_steel"
+    assert build_macos.install_shaders(SHADERS, package) == (None, None)
+    assert (package / build_macos.TENSOR_OPS_METALLIB).exists()
+    compiles = [c for c in fake_xcrun.read_text().splitlines() if " metal " in f" {c} "]
+    msl4 = [c for c in compiles if "_msl4.metal" in c]
+    assert msl4 and all("-std=metal4.0" in c and "-mmacosx-version-min=26.2" in c for c in msl4)
+    assert all("-std=metal3.1" in c for c in compiles if c not in msl4)

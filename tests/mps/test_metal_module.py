@@ -23,6 +23,7 @@ class FakeExtension:
         self.error = None
         self.metallib_error = None
         self.compile_error = None
+        self.tensor_ops_loads = True  # the device reports Metal 4
 
     def load_metallib(self, path):
         self.calls.append(("load_metallib", path))
@@ -33,6 +34,14 @@ class FakeExtension:
         self.calls.append(("compile_sources", sources))
         if self.compile_error is not None:
             raise self.compile_error
+
+    def load_tensor_ops_metallib(self, path):
+        self.calls.append(("load_tensor_ops_metallib", path))
+        return self.tensor_ops_loads
+
+    def compile_tensor_ops_sources(self, sources):
+        self.calls.append(("compile_tensor_ops_sources", sources))
+        return True
 
     def run_op(self, op, tensors, options):
         self.calls.append(("run_op", op, len(tensors), options))
@@ -89,6 +98,35 @@ def test_loads_the_metallib_once(fake, tmp_path):
         assert len(metal.run_op("gemm", [None], {"alpha": 1.0})) == 1
     assert fake.calls[0] == ("load_metallib", str(tmp_path / metal.METALLIB))
     assert [c[0] for c in fake.calls] == ["load_metallib", "run_op", "run_op"]
+
+
+def test_the_tensor_op_library_loads_after_the_main_one(fake, tmp_path):
+    (tmp_path / metal.METALLIB).write_bytes(b"MTLB")
+    (tmp_path / metal.TENSOR_OPS_METALLIB).write_bytes(b"MTLB")
+    _sources(tmp_path, ["a.metal", "t_msl4.metal"])
+    metal.run_op("gemm", [None], {})
+    assert fake.calls[:2] == [
+        ("load_metallib", str(tmp_path / metal.METALLIB)),
+        ("load_tensor_ops_metallib", str(tmp_path / metal.TENSOR_OPS_METALLIB)),
+    ]
+
+
+def test_tensor_op_sources_are_compiled_apart_where_their_metallib_does_not_load(fake, tmp_path):
+    # An older OS or a GPU without Metal 4: the extension declines the metallib; the sources are
+    # offered (it declines them too there); the MSL 3.1 compile never sees an MSL 4 source.
+    (tmp_path / metal.TENSOR_OPS_METALLIB).write_bytes(b"MTLB")
+    fake.tensor_ops_loads = False
+    _sources(tmp_path, ["a.metal", "t_msl4.metal"])
+    with pytest.warns(UserWarning, match="Metal runtime compiler"):
+        metal.run_op("gemm", [None], {})
+    assert [c[0] for c in fake.calls] == [
+        "compile_sources",
+        "load_tensor_ops_metallib",
+        "compile_tensor_ops_sources",
+        "run_op",
+    ]
+    assert fake.calls[0][1] == ["// a.metal\n"]
+    assert fake.calls[2][1] == ["// t_msl4.metal\n"]
 
 
 def test_compiles_the_sources_once_with_a_message(fake, tmp_path):

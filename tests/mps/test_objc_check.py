@@ -272,12 +272,13 @@ def test_the_check_follows_the_deployment_target():
 
 def test_the_deployment_target_reaches_compile_and_link():
     """The minimum macOS goes to the Metal compiler, the extension's compile and its link (which
-    records it in the binary); before, the link used the toolchain's default."""
+    records it in the binary); before, the link used the toolchain's default. The MSL 4
+    tensor-op metallib has its own (macOS 26.2), set once too."""
     text = (MPS_DIR / "build_macos.py").read_text()
-    assert 'MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"' in text
-    assert "-mmacosx-version-min=" not in text.replace(
-        'MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"', ""
-    )
+    main = 'MIN_VERSION_FLAG = f"-mmacosx-version-min={DEPLOYMENT_TARGET}"'
+    tensor_ops = 'TENSOR_OPS_MIN_VERSION_FLAG = "-mmacosx-version-min=26.2"'
+    assert main in text and tensor_ops in text
+    assert "-mmacosx-version-min=" not in text.replace(main, "").replace(tensor_ops, "")
 
 
 def test_the_sdk_subset_declares_only_what_is_used():
@@ -452,8 +453,8 @@ def test_run_op_releases_the_gil():
     [
         ("  py::gil_scoped_release no_gil;\n", "", "does not release the GIL"),
         (
-            "  const Options parsed = to_options(options);\n  py::gil_scoped_release no_gil;\n",
-            "  py::gil_scoped_release no_gil;\n  const Options parsed = to_options(options);\n",
+            "  Options parsed = to_options(options);\n  py::gil_scoped_release no_gil;\n",
+            "  py::gil_scoped_release no_gil;\n  Options parsed = to_options(options);\n",
             "uses a Python object after releasing",
         ),
         (

@@ -214,7 +214,7 @@ def test_varlen_decode_without_pages():
 @pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
 def test_every_planned_decode_kernel_is_in_the_library():
     """The plan's head-dim table and decode.metal's instantiations name the same kernels."""
-    kernels = set(sim._sim_build.shader_library().handle.kernels())
+    kernels = set(sim.build.shader_library().handle.kernels())
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for E in range(8, 513, 8):
             for Ev in (8, E, 128, 256, 512):

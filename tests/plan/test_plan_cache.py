@@ -75,9 +75,9 @@ CALLS = [
 
 @pytest.fixture
 def ext():
-    from torch_steel import _sim_build
+    from torch_steel.sim import build
 
-    module = _sim_build.extension()
+    module = build.extension()
     yield module
     module.plan_cache_reset()  # the default capacity, empty
 

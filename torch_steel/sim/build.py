@@ -101,6 +101,16 @@ SHADER_FLAGS = [
     "-gline-tables-only",  # error messages name the shader line (torch_steel.sim symbolizes)
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
+# Sources the Mac build compiles as MSL 4.0 (-std=metal4.0, mps_src/mps/build_macos.py): those
+# named *_msl4.metal. The shim's <metal_stdlib> then says __METAL_VERSION__ 400 and has tensors.
+MSL4_SUFFIX = "_msl4.metal"
+MSL4_DEFINE = "-DSTEEL_SIM_MSL4"
+
+
+def is_msl4(path: Path) -> bool:
+    return path.name.endswith(MSL4_SUFFIX)
+
+
 RUNTIME_SONAME = "libsteel_sim_rt.so"
 LIBRARIES = "libraries.txt"  # a shader build's shared libraries, one per .metal file
 BUILD_JOBS = "2"
@@ -368,22 +378,24 @@ def _shader_lib(
     # machine code from that IR without optimizing it again.
     memops = f"{_q(sys.executable)} {_q(FRONT / 'ir.py')}"
     rules = (
-        f"rule ll\n  command = $cxx -x c++ {flags} -S -emit-llvm $in -o $out 2> $log\n"
+        f"rule ll\n  command = $cxx -x c++ {flags} $lang -S -emit-llvm $in -o $out 2> $log\n"
         f"rule memops\n  command = {memops} $in $out 2>> $log\n"
         f"rule cc\n  command = $cxx -fPIC -O2 -Xclang -disable-llvm-passes -c $in -o $out"
         " 2>> $log\n"
         # Unoptimized IR, for the recursion check (the optimizer may turn recursion into loops).
-        f"rule ir\n  command = $cxx -x c++ {flags} -O0 -S -emit-llvm $in -o $out 2> $out.log\n"
+        f"rule ir\n  command = $cxx -x c++ {flags} $lang -O0 -S -emit-llvm $in -o $out"
+        " 2> $out.log\n"
         f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
     )
     builds, objs = [], []
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
         log = f"  log = {obj}.log"
-        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}")
+        lang = f"  lang = {MSL4_DEFINE if is_msl4(mirrored) else ''}"
+        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}\n{lang}")
         builds.append(f"build {obj[:-2]}.mem.ll: memops {obj[:-2]}.opt.ll\n{log}")
         builds.append(f"build {obj}: cc {obj[:-2]}.mem.ll\n{log}")
-        builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}")
+        builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}\n{lang}")
         objs.append(obj)
     # The load/store callbacks, so that shader code calls them without the PLT; also what a
     # library with no kernels (none given, or none built) consists of.

@@ -700,6 +700,7 @@ class _Translator:
                 depth += 1
             elif t == "(":
                 if depth == 0:
+                    # `for (auto x = ...)`, `if (auto x = ...)`: a declaration, not a parameter.
                     return (
                         r.kind(j - 1) == "ident"
                         and r.t(j - 1) not in ("for", "if", "while", "switch")

@@ -108,6 +108,13 @@ enum MTLMathMode : NSInteger {
   MTLMathModeFast = 2,
 } API_AVAILABLE(macos(15.0), ios(18.0));
 
+// typedef NS_ENUM(NSInteger, MTLGPUFamily) { ... }: the host passes families by value
+// (library.mm: the Metal 4 and Apple10 enumerators are macOS 26 SDK names).
+typedef enum MTLGPUFamily : NSInteger MTLGPUFamily;
+enum MTLGPUFamily : NSInteger {
+  MTLGPUFamilyApple1 = 1001,
+} API_AVAILABLE(macos(10.15), ios(13.0));
+
 @protocol MTLDevice;
 @protocol MTLCommandBuffer;
 
@@ -188,6 +195,7 @@ API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLDevice <NSObject>
 @property(readonly) NSUInteger maxThreadgroupMemoryLength
     API_AVAILABLE(macos(10.13), ios(11.0));
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily API_AVAILABLE(macos(10.15), ios(13.0));
 - (nullable id<MTLLibrary>)newLibraryWithURL:(NSURL*)url
                                        error:(__autoreleasing NSError**)error
     API_AVAILABLE(macos(10.13), ios(11.0));

@@ -129,6 +129,8 @@ py::dict counters_dict(const steel_sim::Counters& c) {
   d["threadgroup_written"] = c.threadgroup_written;
   d["barriers"] = c.barriers;
   d["lane_switches"] = c.lane_switches;
+  d["tensor_ops"] = c.tensor_ops;
+  d["tensor_multiply_adds"] = c.tensor_multiply_adds;
   py::dict buffers;
   for (const auto& kv : c.buffers) {
     py::dict b;

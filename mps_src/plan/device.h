@@ -1,0 +1,36 @@
+// What a plan may know about the GPU: a device description passed in the op's options by the
+// Metal host (mps_src/mps/module.mm fills it from the MTLDevice), or by tests and the
+// simulator, which describe made-up devices. Absent options describe a device without Metal 4
+// matrix units, so every plan made without a description (the simulator's default) keeps the
+// simdgroup-matrix kernels.
+#pragma once
+
+#include "plan.h"
+
+namespace steel {
+
+// Option names of the description.
+constexpr const char* kDeviceAppleFamily = "device_apple_family";  // N of MTLGPUFamilyAppleN
+constexpr const char* kDeviceMetal4 = "device_metal4";  // supportsFamily(MTLGPUFamilyMetal4)
+// The MSL 4 tensor-op library (steel_tensor_ops.metallib, or its source compiled at run time)
+// is loaded: built with a macOS 26.2+ SDK and loadable by this OS.
+constexpr const char* kDeviceTensorOps = "device_tensor_ops";
+
+// M5-generation GPUs are the Apple10 family: their per-core matrix units ("neural
+// accelerators") are what mpp::tensor_ops::matmul2d reaches. Earlier GPUs run matmul2d too,
+// but through the same simdgroup hardware the steel kernels already use.
+constexpr int kFirstNeuralAcceleratorFamily = 10;
+
+struct DeviceDesc {
+  int apple_family = 0;  // 0: unknown
+  bool metal4 = false;
+  bool tensor_ops_library = false;
+};
+
+DeviceDesc device_desc(const Options& options);
+
+// Whether matmul2d kernels should replace the simdgroup ones: Metal 4, an Apple10 (M5) GPU,
+// and the tensor-op library present.
+bool use_neural_accelerators(const DeviceDesc& device);
+
+}  // namespace steel
