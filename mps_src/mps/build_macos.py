@@ -46,7 +46,8 @@ METAL_FLAGS = ["-std=metal3.1", MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
 # The tensor-op kernels: MSL 4.0 (metal_tensor, MetalPerformancePrimitives), which needs a macOS
 # 26.2 SDK and deployment target (earlier SDKs lack matmul2d's shape rules and bf16 support).
 TENSOR_OPS_METALLIB = "steel_tensor_ops.metallib"
-TENSOR_OPS_SUFFIX = "_msl4.metal"  # the simulator compiles these as MSL 4 too (torch_steel/sim/build.py)
+# The simulator compiles these as MSL 4 too (torch_steel/sim/build.py).
+TENSOR_OPS_SUFFIX = "_msl4.metal"
 TENSOR_OPS_MIN_SDK = (26, 2)
 TENSOR_OPS_MIN_VERSION_FLAG = "-mmacosx-version-min=26.2"
 TENSOR_OPS_FLAGS = ["-std=metal4.0", TENSOR_OPS_MIN_VERSION_FLAG, "-fno-fast-math", "-Wall"]
