@@ -107,6 +107,7 @@ class Attn(NamedTuple):
             "window_right": self.window_right,
             "bottom_right": self.bottom_right,
             "offset": self.offset,
+            "num_splits": self.num_splits,
             "seed_lo": seed & 0xFFFFFFFF,
             "seed_hi": seed >> 32,
             **extra,
