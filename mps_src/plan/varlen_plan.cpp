@@ -255,8 +255,10 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   const int32_t kSlotGrad = 0, kSlotOut = 4, kSlotLse = 5, kSlotCuQ = 6, kSlotCuK = 7;
   const int32_t kSlotSinks = 8, kSlotGradLse = 9;
   const int32_t kForwardSlots[6] = {1, 2, 3, 6, 7, 8};  // q, k, v, cu_q, cu_k, sinks
+  Options prefill = options;  // the backward reads the prefill kernel's params and tiles
+  prefill.numbers["decode"] = 0.0;
   const Plan fwd = plan_attention_varlen(
-      {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, options);
+      {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
   Plan plan;
   for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);

@@ -73,7 +73,7 @@ def sequence(qs, ks, vs, sinks, b, kwargs):
                         kwargs.get("offset", 0))  # fmt: skip
     ks = ks.repeat_interleave(qs.shape[1] // ks.shape[1], 1)
     vs = vs.repeat_interleave(qs.shape[1] // vs.shape[1], 1)
-    return ref.sdpa_forward(qs, ks, vs, None, *attn, batch_index=b)
+    return ref.sdpa_forward(qs, ks, vs, None, *attn.math(), batch_index=b)
 
 
 def check(lq, lk, Hq=4, Hkv=2, E=64, dtype=torch.float32, **kwargs):

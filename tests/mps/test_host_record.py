@@ -104,7 +104,7 @@ def test_the_op_layer_reaches_the_host_as_on_mps(recorder, monkeypatch):
     monkeypatch.setattr(backends, "metal_status", lambda: (True, ""))
     monkeypatch.setattr(metal, "_extension", lambda: recorder)
     monkeypatch.setattr(metal, "_load_library", lambda ext: None)
-    q = torch.randn(1, 5, 2, 64, dtype=torch.float16).transpose(1, 2)  # [B, L, H, E] storage
+    q = torch.randn(1, 40, 2, 64, dtype=torch.float16).transpose(1, 2)  # BLHD, L > 8: prefill
     with torch_steel.backend("metal"):
         out = torch_steel.sdpa(q, q, q, is_causal=True)
         assert recorder.last_record()[0] == "pipeline steel_attention_f16_e64_v64"
