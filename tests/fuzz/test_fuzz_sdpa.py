@@ -22,6 +22,7 @@ from hypothesis import given
 from strategies import sdpa_calls, sdpa_refusals
 
 import torch_steel
+from torch_steel import sim
 from torch_steel.reference import visible
 
 pytestmark = requires_simulator
@@ -142,3 +143,30 @@ def test_fuzz_sdpa_refusals(case):
     """-m fuzz: random calls outside the envelope are refused with a reason."""
     what, tensors, options = case
     assert_refused("sdpa", tensors, options)
+
+
+def family(kernel):
+    """The plan's kernel family of a kernel name: prefill, decode or merge (split-K)."""
+    if kernel.startswith("steel_attention_decode_merge_"):
+        return "merge"
+    return "decode" if kernel.startswith("steel_attention_decode_") else "prefill"
+
+
+def test_strategy_reaches_prefill_and_decode():
+    """sdpa_calls() reaches both kernel families of the plan: the prefill kernel and, for the
+    draws of L <= 8 query rows, the decode kernel in one pass (its keys, at most 300, make one
+    partition; the split-K kernel and its merge are fuzzed through paged_calls()' num_splits,
+    tests/fuzz/test_fuzz_varlen.py)."""
+    seen = set()
+
+    @fixed(40)
+    @given(sdpa_calls())
+    def draw(call):
+        t, _ = call.build()
+        q, k, v = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+        p = sim.plan("sdpa", [q, k, v, t["attn_mask"], t["sinks"]], {"scale": 0.1})
+        if p.ok:
+            seen.update(family(d.kernel) for d in p.dispatches)
+
+    draw()
+    assert seen == {"prefill", "decode"}, seen
