@@ -15,9 +15,9 @@ import os
 
 import torch
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator
-from gemm_helpers import assert_close, reference
 from hypothesis import given
 from strategies import gemm_calls
+from test_fuzz_gemm import check_result
 
 from torch_steel import sim
 
@@ -43,12 +43,7 @@ def check_gemm_tensor(call):
             del os.environ["TORCH_STEEL_SIM_LAYOUT_SEED"]
         else:
             os.environ["TORCH_STEEL_SIM_LAYOUT_SEED"] = previous
-    ref, mag = reference(t["a"], t["b"], t["bias"], t["c"], call.alpha, call.beta,
-                         call.activation)  # fmt: skip
-    assert out.shape == call.out_shape()
-    assert_close(out, ref, mag, call.K, call.dtype)
-    for g in guards:
-        g.check()
+    check_result(call, t, guards, out)
 
 
 @fixed(40)
