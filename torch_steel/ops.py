@@ -152,10 +152,11 @@ _IMPL_KEYSETS = frozenset(
 )
 
 
-def _define(name, schema, impl, fake, function, tensors):
+def _define(name, schema, impl, fake, setup, backward, tensors):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
-    tracing, and an Autograd kernel that applies `function` (a torch.autograd.Function over the
-    op) when a gradient is wanted (`tensors`: the positions of the tensor arguments).
+    tracing, and an Autograd kernel that applies a torch.autograd.Function (the op below
+    autograd, `setup` as its setup_context, `backward` for the gradients) when a gradient is
+    wanted (`tensors`: the positions of the tensor arguments).
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
@@ -169,6 +170,18 @@ def _define(name, schema, impl, fake, function, tensors):
     torch.library.register_fake(f"steel::{name}", fake, lib=_LIB)
     op = getattr(torch.ops.steel, name).default
     after_autograd = torch._C._after_autograd_keyset
+
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    function = type(f"_{name}_autograd", (torch.autograd.Function,), {
+        "__doc__": f"steel::{name}'s autograd: the op below autograd, {backward.__name__} "
+                   "for the gradients.",
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup),
+        "backward": staticmethod(backward),
+    })  # fmt: skip
 
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled():
@@ -275,24 +288,13 @@ def _sdpa_backward_autograd(ctx, grad_out, grad_lse):
     return dq, dk, dv, dmask if mask_grad else None, *grads.values()
 
 
-class _SdpaForward(torch.autograd.Function):
-    """sdpa_forward's autograd: the op below autograd, sdpa_backward for the gradients."""
-
-    @staticmethod
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.steel.sdpa_forward.default(*args)
-
-    setup_context = staticmethod(_sdpa_setup)
-    backward = staticmethod(_sdpa_backward_autograd)
-
-
 _define(
     "sdpa_forward",
     f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
     _sdpa_forward,
     _sdpa_forward_fake,
-    _SdpaForward,
+    _sdpa_setup,
+    _sdpa_backward_autograd,  # sdpa_backward for the gradients
     (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
 )
 
@@ -702,25 +704,14 @@ def _gemm_backward(ctx, grad):
     return da, db, dbias, dc, None, None, None
 
 
-class _Gemm(torch.autograd.Function):
-    """gemm's autograd: the op below autograd, steel GEMMs for the gradients."""
-
-    @staticmethod
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.steel.gemm.default(*args)
-
-    setup_context = staticmethod(_gemm_setup)
-    backward = staticmethod(_gemm_backward)
-
-
 _define(
     "gemm",
     "(Tensor a, Tensor b, Tensor? bias=None, Tensor? c=None, float alpha=1.0, float beta=0.0, "
     'str activation="none") -> Tensor',
     _gemm,
     _gemm_fake,
-    _Gemm,
+    _gemm_setup,
+    _gemm_backward,  # steel GEMMs for the gradients
     (0, 1, 2, 3),
 )
 
