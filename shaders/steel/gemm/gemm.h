@@ -17,22 +17,12 @@
 #include <metal_stdlib>
 
 #include "../params.h"
+#include "constants.h"
 #include "epilogue.h"
 #include "loader.h"
 #include "mma.h"
 
 using namespace metal;
-
-// Function constants (values chosen by the planner; Metal specializes them away).
-constant bool gemm_has_batch [[function_constant(STEEL_GEMM_FC_HAS_BATCH)]];
-constant bool gemm_use_c [[function_constant(STEEL_GEMM_FC_USE_C)]];
-constant bool gemm_has_bias [[function_constant(STEEL_GEMM_FC_HAS_BIAS)]];
-constant int gemm_activation [[function_constant(STEEL_GEMM_FC_ACTIVATION)]];
-constant bool gemm_align_m [[function_constant(STEEL_GEMM_FC_ALIGN_M)]];
-constant bool gemm_align_n [[function_constant(STEEL_GEMM_FC_ALIGN_N)]];
-constant bool gemm_align_k [[function_constant(STEEL_GEMM_FC_ALIGN_K)]];
-constant bool gemm_vec_a [[function_constant(STEEL_GEMM_FC_VEC_A)]];
-constant bool gemm_vec_b [[function_constant(STEEL_GEMM_FC_VEC_B)]];
 
 namespace steel {
 

@@ -19,18 +19,10 @@
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 
 #include "../params.h"
+#include "../gemm/constants.h"
 #include "../gemm/epilogue.h"
 
 using namespace metal;
-
-// The GEMM's function constants (params.h), as the planner sets them for this kernel.
-constant bool gemm_tensor_has_batch [[function_constant(STEEL_GEMM_FC_HAS_BATCH)]];
-constant bool gemm_tensor_use_c [[function_constant(STEEL_GEMM_FC_USE_C)]];
-constant bool gemm_tensor_has_bias [[function_constant(STEEL_GEMM_FC_HAS_BIAS)]];
-constant int gemm_tensor_activation [[function_constant(STEEL_GEMM_FC_ACTIVATION)]];
-constant bool gemm_tensor_align_m [[function_constant(STEEL_GEMM_FC_ALIGN_M)]];
-constant bool gemm_tensor_align_n [[function_constant(STEEL_GEMM_FC_ALIGN_N)]];
-constant bool gemm_tensor_align_k [[function_constant(STEEL_GEMM_FC_ALIGN_K)]];
 
 namespace steel {
 
@@ -56,7 +48,7 @@ inline void gemm_tensor_block(const device T* a, const device T* b, const device
     k_begin = int(tg.z) * p.k_split;
     k_end = min(k_begin + p.k_split, p.K);
     out += int(tg.z) * p.partial_stride;
-  } else if (gemm_tensor_has_batch) {
+  } else if (gemm_has_batch) {
     int z = int(tg.z);
     for (int d = p.batch_ndim - 1; d >= 0; --d) {
       const int idx = z % p.batch_shape[d];
@@ -87,9 +79,9 @@ inline void gemm_tensor_block(const device T* a, const device T* b, const device
 
   // Which steps may skip edge checks: decided once per threadgroup (uniform, as the scope's
   // operations must be), and at compile time when the planner's ALIGN constants say so.
-  const bool inside = (gemm_tensor_align_m || row0 + BM <= p.M) &&
-                      (gemm_tensor_align_n || col0 + BN <= p.N);
-  const int k_full = gemm_tensor_align_k ? k_end : k_begin + (k_end - k_begin) / BK * BK;
+  const bool inside = (gemm_align_m || row0 + BM <= p.M) &&
+                      (gemm_align_n || col0 + BN <= p.N);
+  const int k_full = gemm_align_k ? k_end : k_begin + (k_end - k_begin) / BK * BK;
   int k = k_begin;
   if (inside) {
     for (; k < k_full; k += BK) {
@@ -113,9 +105,9 @@ inline void gemm_tensor_block(const device T* a, const device T* b, const device
   }
 
   // Epilogue in registers, then one store per element, visiting the elements this thread holds.
-  const bool use_c = gemm_tensor_use_c;
-  const bool has_bias = gemm_tensor_has_bias;
-  const int activation = gemm_tensor_activation;
+  const bool use_c = gemm_use_c;
+  const bool has_bias = gemm_has_bias;
+  const int activation = gemm_activation;
   for (ushort i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto at = acc.get_multidimensional_index(i);
