@@ -193,10 +193,16 @@ def varlen_model(plan, lq, lk, es, sinks_es):
     return buffers, mma, tiles, max(dense_tiles, 1)
 
 
-def bwd_bk_of(de, dv, es):
-    """steel_attn_bwd_bk (params.h): the backward's streamed tile, both tiles resident."""
-    ld_sum = (de + 16 // es) + (dv + 16 // es)
-    return next((bk for bk in (32, 16, 8) if bk * ld_sum * es <= BUDGET), 0)
+def bwd_tile_of(de, dv, es):
+    """(steel_attn_bwd_bk, steel_attn_bwd_shared) of params.h: the rows of the backward's
+    streamed tile, and whether its two tiles take turns in one buffer (no two 8-row tiles and
+    their rows' lse, delta and normaliser fit the budget)."""
+
+    def fits(bk):
+        return bk * ((de + 16 // es) + (dv + 16 // es)) * es + 3 * bk * 4 <= BUDGET
+
+    bk = next((bk for bk in (32, 16, 8) if fits(bk)), None)
+    return (bk, False) if bk else (8, True)
 
 
 # Buffer indices of the backward kernels (params.h).
@@ -230,8 +236,9 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
     "sdpa_varlen_backward" plan, from backward.h's loops. `extents`: (L, S, count) per batch
     extent, count (batch entry or sequence) repeats of it: [(L, S, B)] dense, [(L_b, S_b, 1)]
     per sequence varlen. Every load is counted as the lanes issue it: a row's lse (and delta and
-    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, the 32 keys'
-    lanes of a dK/dV block per query tile, all 32 lanes of a pre-pass row); the delta pre-pass's
+    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, all 32 lanes
+    of a pre-pass row), or once per query tile by a dK/dV block, which stages them; with shared
+    tiles (float32 at 512) the dK/dV kernel reads each Q tile twice; the delta pre-pass's
     normaliser recovery (rows of |lse| >= 4096) is not modelled (the shapes here have none)."""
     results = []
     for d in plan.dispatches:
@@ -247,7 +254,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
         buffers, mma = {}, 0
         if kind in ("dkdv", "dq", "dmask"):
             de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
-            bk = bwd_bk_of(de, dv, es)
+            bk, shared = bwd_tile_of(de, dv, es)
             td, tv, tk, sg = de // 8, dv // 8, bk // 8, THREADS // 32
         for L, S, count in extents:
             x = {**p, "L": L, "S": S}
@@ -270,10 +277,10 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                     _add(buffers, BUF_DV, written=pairs * vk * Ev * es)
                     for _, vr in _query_tiles(x, key0, bk, hi, lo):
                         n = pairs * group
-                        _add(buffers, BUF_Q, n * vr * E * es)
+                        _add(buffers, BUF_Q, (2 if shared else 1) * n * vr * E * es)
                         _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
-                        _add(buffers, BUF_FWD_LSE, n * vr * 32 * 4)
-                        _add(buffers, BUF_DELTA, n * vr * 32 * 8)
+                        _add(buffers, BUF_FWD_LSE, n * vr * 4)
+                        _add(buffers, BUF_DELTA, n * vr * 8)
                         _add(buffers, BUF_MASK, n * vr * vk * mask_read)
                         mma += n * sg * tk * (2 * td + 2 * tv)
             elif kind == "dq":

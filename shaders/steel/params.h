@@ -172,15 +172,36 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
              : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
 }
 
-// The backward kernels keep both tiles of a step resident (Q and dO rows in the dK/dV kernel, K
-// and V in the dQ and dmask kernels): their tile is the largest of 32, 16, 8 rows for which the
-// two separate tiles fit the forward's budget, smaller than the forward's where the forward
-// shares one buffer; 0 where none fits (float32 at head dim 512, which the planner refuses).
+// The backward kernels' streamed tiles: Q and dO rows in the dK/dV kernel, K and V rows in the
+// dQ and dmask kernels. The dK/dV kernel also stages the tile's rows' lse, delta and
+// 1 / normaliser (three floats a row) beside them. The tile is the largest of 32, 16, 8 rows
+// for which two separate tiles and the row statistics fit the forward's budget; where not even
+// 8 rows do (float32 at head dim 512), the two take turns in one buffer of 8 rows (the dQ and
+// dmask kernels load V, then K; the dK/dV kernel Q, then dO, then Q again) and 0 where that
+// does not fit either.
+constexpr int steel_attn_bwd_stats_bytes(int bk) { return 3 * bk * 4; }
+constexpr bool steel_attn_bwd_fits(int bk, int de, int dv, int elem_bytes) {
+  return steel_attn_separate_bytes(bk, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(bk) <=
+         STEEL_ATTN_TG_BUDGET;
+}
+constexpr bool steel_attn_bwd_shared(int de, int dv, int elem_bytes) {
+  return !steel_attn_bwd_fits(8, de, dv, elem_bytes);
+}
 constexpr int steel_attn_bwd_bk(int de, int dv, int elem_bytes) {
-  return steel_attn_separate_bytes(32, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET   ? 32
-         : steel_attn_separate_bytes(16, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET ? 16
-         : steel_attn_separate_bytes(8, de, dv, elem_bytes) <= STEEL_ATTN_TG_BUDGET  ? 8
-                                                                                     : 0;
+  return steel_attn_bwd_fits(32, de, dv, elem_bytes)   ? 32
+         : steel_attn_bwd_fits(16, de, dv, elem_bytes) ? 16
+         : steel_attn_bwd_fits(8, de, dv, elem_bytes)  ? 8
+         : steel_attn_shared_bytes(8, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(8) <=
+                 STEEL_ATTN_TG_BUDGET
+             ? 8
+             : 0;
+}
+// Bytes of the streamed tiles (without the row statistics) for (de, dv, elem_bytes).
+constexpr int steel_attn_bwd_tile_bytes(int de, int dv, int elem_bytes) {
+  return steel_attn_bwd_shared(de, dv, elem_bytes)
+             ? steel_attn_shared_bytes(steel_attn_bwd_bk(de, dv, elem_bytes), de, dv, elem_bytes)
+             : steel_attn_separate_bytes(steel_attn_bwd_bk(de, dv, elem_bytes), de, dv,
+                                         elem_bytes);
 }
 
 // Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;

@@ -109,6 +109,13 @@ def test_with_the_other_options():
     assert bool((dmask[:, :, 6:, 30:] == 0).all()) and bool((dmask[:, :, 5] != 0).any())
 
 
+def test_float32_head_dim_512():
+    """The dmask kernel where K and V take turns in one tile buffer (float32 at 512)."""
+    q, k, v = qkv(2, 2, 19, 30, 512, Hkv=1, dtype=torch.float32)
+    mask = torch.randn(2, 1, 19, 30, generator=torch.Generator().manual_seed(8))
+    check(q, k, v, mask, enable_gqa=True, is_causal=True, causal_align="bottom_right")
+
+
 def test_matches_pytorchs_autograd():
     q, k, v = qkv(2, 3, 40, 40, 64, dtype=torch.float32)
     mask = torch.randn(1, 3, 40, 40, generator=torch.Generator().manual_seed(6))

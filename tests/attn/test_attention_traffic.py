@@ -148,6 +148,17 @@ def test_backward_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, option
                                                  sinks, mask_grad, dtype):  # fmt: skip
     """Bytes and MMAs of every backward dispatch (bench_attention.backward_model) equal the
     simulator's counters; the only scratch is delta, 2 floats per query row: O(L) memory."""
+    check_backward_traffic(B, Hq, Hkv, L, S, E, Ev, options, mask_shape, sinks, mask_grad, dtype)
+
+
+def test_backward_traffic_float32_head_dim_512():
+    """The shared tile buffer of float32 at 512: dK/dV reads each Q tile twice, dQ and dmask
+    each K and V tile once; lse, delta and the normaliser once per dK/dV query tile."""
+    check_backward_traffic(2, 2, 1, 19, 30, 512, 512, {"is_causal": True}, (2, 1, 19, 30), True,
+                           True, torch.float32)  # fmt: skip
+
+
+def check_backward_traffic(B, Hq, Hkv, L, S, E, Ev, options, mask_shape, sinks, mask_grad, dtype):
     es = torch.finfo(dtype).bits // 8
     q, k, v, _ = bench_attention.inputs(B, Hq, Hkv, L, S, E, Ev, None, dtype, "cpu")
     mask = None if mask_shape is None else torch.randn(mask_shape, dtype=dtype)
@@ -162,6 +173,11 @@ def test_backward_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, Ev, option
     assert [c["mma"] for c in counters] == [m for _, m in predicted]
     scratch = [a for a in p.allocations if not a.is_output]
     assert [(a.name, a.sizes) for a in scratch] == [("delta", (2, B * Hq * L))]
+    if not options:  # every 32-key dK/dV block reads each row's lse, delta, 1 / norm once
+        (dkdv,) = [c for c, d in zip(counters, p.dispatches, strict=True) if "dkdv" in d.kernel]
+        reads = -(-S // 32) * B * Hq * L * 4
+        assert dkdv["buffers"][bench_attention.BUF_FWD_LSE]["read"] == reads
+        assert dkdv["buffers"][bench_attention.BUF_DELTA]["read"] == 2 * reads
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,13 @@ def test_dropout():
 def test_wide_head_dims():
     check([9, 40], [33, 17], Hq=2, Hkv=2, E=256, dtype=torch.float32)
     check([9, 40], [33, 17], Hq=2, Hkv=1, E=512, dtype=torch.float16)
+    check([9, 40, 0, 3], [33, 17, 4, 0], Hq=4, Hkv=2, E=512, dtype=torch.float32,
+          window=(6, 2), sinks=torch.randn(4))  # fmt: skip
+
+
+def test_float32_head_dim_512():
+    """float32 at 512 (Q and dO, K and V sharing one tile buffer), short: GQA, causal, ragged."""
+    check([13, 0, 5], [4, 9, 21], Hq=2, Hkv=1, E=512, is_causal=True, causal_align="bottom_right")
 
 
 def test_deterministic():

@@ -231,7 +231,29 @@ def test_empty_outputs_have_no_dispatch():
     assert math.prod(p.allocations[1].sizes) == 0
 
 
-DMASK_ROWS, DMASK_KEYS = 324, 325
+DMASK_ROWS, DMASK_KEYS, ALIGN_Q = 324, 325, 321
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("E,Ev", INSTANTIATED)
+def test_every_pair_has_backward_kernels(E, Ev, dtype):
+    """The backward refuses no instantiated pair (float32 at 512 has tiles that share one
+    buffer), its kernels are the pair's, and ALIGN_Q says whether L = 24 fills its query tiles
+    (8 rows wherever two 16-row tiles and their row statistics exceed the 20 KiB budget)."""
+    q, k, v = t(1, 2, 24, E, dtype=dtype), t(1, 2, 40, E, dtype=dtype), t(1, 2, 40, Ev, dtype=dtype)
+    out = torch.empty(1, 2, 24, Ev, dtype=dtype)
+    args = [out, q, k, v, out, torch.empty(1, 2, 24), None, None, None]
+    p = sim.plan("sdpa_backward", args, {"scale": 0.1})
+    assert p.ok, p.reason
+    tag = f"{DTYPES[dtype]}_e{E}_v{Ev}"
+    assert [d.kernel for d in p.dispatches] == [
+        f"steel_attention_bwd_delta_{DTYPES[dtype]}",
+        f"steel_attention_bwd_dkdv_{tag}",
+        f"steel_attention_bwd_dq_{tag}",
+    ]
+    es = torch.finfo(dtype).bits // 8
+    eight = (E + 16 // es + Ev + 16 // es) * es * 16 + 3 * 16 * 4 > 20480
+    assert p.dispatches[1].constants[ALIGN_Q] == eight
 
 
 @pytest.mark.parametrize(

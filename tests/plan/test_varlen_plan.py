@@ -199,10 +199,18 @@ def test_backward_dispatches_bind_the_offsets_and_cover_the_longest_sequence():
                      ("delta", (2, 1200), False)]  # fmt: skip
 
 
-def test_backward_refusals_name_the_limit():
+def test_float32_head_dim_512_backward_is_planned():
     p = backward(t(150, 2, 512, dtype=torch.float32), t(200, 2, 512, dtype=torch.float32),
                  t(200, 2, 512, dtype=torch.float32))  # fmt: skip
-    assert not p.ok and "threadgroup memory" in p.reason
+    assert p.ok, p.reason
+    assert [d.kernel for d in p.dispatches] == [
+        "steel_attention_bwd_delta_f32",
+        "steel_attention_bwd_dkdv_f32_e512_v512",
+        "steel_attention_bwd_dq_f32_e512_v512",
+    ]
+
+
+def test_backward_refusals_name_the_limit():
     p = backward(t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), max_seqlen_q=-1)
     assert not p.ok and "max_seqlen_q" in p.reason
     out = torch.empty(150, 2, 64, dtype=torch.float16)

@@ -5,8 +5,7 @@
 // Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dmask_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dsinks_<dtype>. The head-dim pairs are the forward's (attention.metal)
-// where a backward tile fits (params.h's steel_attn_bwd_bk): all of them but float32 at 512,
-// which mps_src/plan/attention_plan.cpp refuses.
+// (params.h's steel_attn_bwd_bk gives each its backward tile; float32 at 512 has the shared one).
 #include <metal_stdlib>
 
 #include "../params.h"
@@ -51,8 +50,9 @@ template <typename T, short DE, short DV>
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
+  threadgroup float stats[AttnBackward<T, DE, DV>::kStats];
   attention_bwd_dkdv_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dk, dv, cu_q, cu_k,
-                                      params, smem, tg, simdgroup, lane);
+                                      params, smem, stats, tg, simdgroup, lane);
 }
 
 template <typename T, short DE, short DV>
@@ -142,3 +142,4 @@ STEEL_ATTN_BWD_WIDE(bf16, bfloat)
 STEEL_ATTN_BWD_PAIR(bf16, bfloat, 512, 512)
 STEEL_ATTN_BWD_DTYPE(f32, float)
 STEEL_ATTN_BWD_WIDE(f32, float)
+STEEL_ATTN_BWD_PAIR(f32, float, 512, 512)

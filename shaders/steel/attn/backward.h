@@ -9,10 +9,14 @@
 //      keys each holding their K, V and the dK, dV accumulators in registers, and streams the
 //      query tiles (BK rows of Q and dO through threadgroup memory) of every query head of the
 //      KV head's group: the group's sum happens in registers (GQA without expanded copies).
+//      The tile's rows' lse, delta and 1 / normaliser are staged beside it once per tile.
 //      Per tile: S^T = K Q^T, P^T = exp(S^T - lse), dV += (P o Z)^T dO, dP^T = V dO^T,
 //      dS^T = P^T (dP^T o Z^T - delta), dK += dS^T Q (Z: dropout's factors, dropout.h).
+//      Where Q and dO tiles share one buffer (float32 at head dim 512), dO replaces Q after
+//      S^T and Q is read again for dK: no order of these products needs each tile only once.
 //   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
-//      and streams the key tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+//      and streams the key tiles: dP = dO V^T, S = Q K^T, P, dS, dQ += dS K (in that order,
+//      so that a shared buffer holds V, then K, each loaded once).
 //   4. dsinks (with sinks): per head, -sum over rows of exp(sink - lse) * delta, one simdgroup.
 //   5. dmask (a float attn_mask that requires grad): dS itself, summed over the dims the mask
 //      broadcasts over by the threadgroup that owns each mask element.
@@ -42,24 +46,30 @@ namespace steel {
 
 // Tiles of the backward kernels for head dims DE, DV: query rows (dQ) and keys (dK/dV) per
 // threadgroup as in the forward, and a streamed tile of BK rows (params.h's steel_attn_bwd_bk)
-// of Q and dO (dK/dV) or K and V (dQ, dmask) in two separate buffers.
+// of Q and dO (dK/dV) or K and V (dQ, dmask), in two buffers or, with kShared, taking turns in
+// one (params.h).
 template <typename T, short DE, short DV>
 struct AttnBackward {
   static constant constexpr short BQ = STEEL_ATTN_BQ;  // dQ: query rows per threadgroup
   static constant constexpr short BKV = 32;            // dK/dV: keys per threadgroup
   static constant constexpr short BK = short(steel_attn_bwd_bk(DE, DV, int(sizeof(T))));
+  static constant constexpr bool kShared = steel_attn_bwd_shared(DE, DV, int(sizeof(T)));
   static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
   static constant constexpr short kLdE = short(steel_attn_ld(DE, int(sizeof(T))));
   static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
-  static constant constexpr int kEElems = BK * kLdE;
-  static constant constexpr int kTileElems = BK * (kLdE + kLdV);
+  // Where the second tile starts: after the first, or on it when they share the buffer.
+  static constant constexpr int kEElems = kShared ? 0 : BK * kLdE;
+  static constant constexpr int kTileElems =
+      kShared ? BK * (kLdE > kLdV ? kLdE : kLdV) : BK * (kLdE + kLdV);
+  static constant constexpr int kStats = 3 * BK;  // dK/dV: lse, delta, 1 / normaliser a row
   static constant constexpr short TD = DE / 8;
   static constant constexpr short TV = DV / 8;
   static constant constexpr short TK = BK / 8;
   static_assert(BK > 0, "no backward tile fits these head dims (the planner refuses them)");
   static_assert(BKV == 8 * STEEL_ATTN_SIMDGROUPS, "one 8-key fragment row per simdgroup");
+  static_assert(kStats <= kThreads, "one thread stages one row statistic");
   static_assert(kTileElems * int(sizeof(T)) ==
-                    steel_attn_separate_bytes(BK, DE, DV, int(sizeof(T))),
+                    steel_attn_bwd_tile_bytes(DE, DV, int(sizeof(T))),
                 "the planner's threadgroup-memory figure must match the kernel's");
   using LoaderE = AttnTileLoader<T, BK, DE, kLdE, kThreads>;
   using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
@@ -197,8 +207,8 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
                                      const device float* lse, const device float* delta,
                                      device T* dk, device T* dv, const device int* cu_q,
                                      const device int* cu_k, constant AttnBackwardParams& bp,
-                                     threadgroup T* smem, uint3 tg, ushort simdgroup,
-                                     ushort lane) {
+                                     threadgroup T* smem, threadgroup float* stats, uint3 tg,
+                                     ushort simdgroup, ushort lane) {
   using A = AttnBackward<T, DE, DV>;
   constant AttnParams& p = bp.fwd;
   const int key0 = int(tg.x) * A::BKV;
@@ -239,6 +249,11 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
   threadgroup T* Qs = smem;
   threadgroup T* Gs = smem + A::kEElems;
+  // The tile's rows' lse, delta and 1 / normaliser, read from device memory once per tile by
+  // the threadgroup instead of once per lane that needs them (-inf and 0 past L).
+  threadgroup float* lse_s = stats;
+  threadgroup float* delta_s = stats + A::BK;
+  threadgroup float* norm_s = stats + 2 * A::BK;
   const ushort thread_index = simdgroup * 32 + lane;
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
@@ -262,8 +277,22 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       first = false;
       A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E), whole && attn_align_e,
                        false, thread_index);
-      A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
-                       whole && attn_align_ev, false, thread_index);
+      if (!A::kShared) {
+        A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
+                         whole && attn_align_ev, false, thread_index);
+      }
+      if (thread_index < A::kStats) {
+        const short r = short(thread_index) % A::BK;
+        const bool in = r < valid;
+        const int row = row0 + r;
+        if (thread_index < A::BK) {
+          lse_s[r] = in ? lse_h[row] : -INFINITY;
+        } else if (thread_index < 2 * A::BK) {
+          delta_s[r] = in ? delta_h[row] : 0.0f;
+        } else {
+          norm_s[r] = in ? norm_h[row] : 0.0f;
+        }
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
       // S^T = K Q^T (8 keys x BK rows), then P^T from the saved lse.
@@ -275,13 +304,14 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
-          const int row = row0 + j * 8 + fc + e;
+          const short r = j * 8 + fc + e;
+          const int row = row0 + r;
           const bool row_ok = row < ext.L;
           float th = 0.0f;
           const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, ext, row, key,
                                         row_ok, mask, mask_key + row * p.m_rs, edge, th);
           pt.frag[j].thread_elements()[e] =
-              row_ok ? attn_probability(s, lse_h[row]) * norm_h[row] : 0.0f;
+              row_ok ? attn_probability(s, lse_s[r]) * norm_s[r] : 0.0f;
           slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
         }
       }
@@ -301,6 +331,12 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
           ptz.frag[j].thread_elements()[e] = pt.frag[j].thread_elements()[e] * z;
         }
       }
+      if (A::kShared) {  // dO takes Q's place once every simdgroup has its scores
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
+                         whole && attn_align_ev, false, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
       // dV += (P o Z)^T dO.
       attn_mma_b<T, A::kLdV>(dvf, ptz, Gs, lane);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) times the softcap slope.
@@ -311,12 +347,17 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
-          const int row = row0 + j * 8 + fc + e;
-          const float d_row = row < ext.L ? delta_h[row] : 0.0f;
+          const float d_row = delta_s[j * 8 + fc + e];
           const float pv = pt.frag[j].thread_elements()[e];
           const float dp = ds.frag[j].thread_elements()[e] * keep.frag[j].thread_elements()[e];
           ds.frag[j].thread_elements()[e] = pv * (dp - d_row) * slope.frag[j].thread_elements()[e];
         }
+      }
+      if (A::kShared) {  // and Q comes back for dK (a second read of the tile)
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E),
+                         whole && attn_align_e, false, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
       }
       // dK += dS^T Q.
       attn_mma_b<T, A::kLdE>(dkf, ds, Qs, lane);
@@ -352,46 +393,69 @@ inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>
   norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
 }
 
-// dS at the score level for one lane's row against a key tile (the forward's orientation): with
-// Q and dO of the row in registers and the K and V tiles in threadgroup memory, S = Q K^T and P
-// as the forward computes them, dP = dO V^T, dS = P (dP o Z - delta). dS is the gradient of the
-// additive mask (added after the softcap); `slope` receives the softcap's derivative 1 - tanh^2,
-// which dQ (and dK) take on top. `bh` is the dropout's batch-head index.
-template <typename T, short kLdE, short kLdV, short TD, short TV, short TK>
-inline void attn_bwd_score_grads(thread FragTile<1, TK>& ds, thread FragTile<1, TK>& slope,
-                                 thread const FragTile<1, TD>& qf,
-                                 thread const FragTile<1, TV>& gf, const threadgroup T* Ks,
-                                 const threadgroup T* Vs, constant AttnParams& p, AttnExtent ext,
-                                 int row, int key0, bool row_ok, const device uchar* mask,
-                                 steel_i64 mask_row, bool edge, float lse_row, float norm_row,
-                                 float delta_row, uint bh, ushort lane) {
+// One key tile of the dQ and dmask kernels, dS at the score level for one lane's row (the
+// forward's orientation): with Q and dO of the row in registers, loads the V and K rows of the
+// tile at key0 of one (batch entry, KV head) (`k_h`, `v_h`), V first so that K can take its
+// place when the two share the buffer (A::kShared), and computes dP = dO V^T, S = Q K^T and P as
+// the forward computes them, dS = P (dP o Z - delta). K stays in smem for dQ += dS K. dS is the
+// gradient of the additive mask (added after the softcap); `slope` receives the softcap's
+// derivative 1 - tanh^2, which dQ (and dK) take on top. `bh` is the dropout's batch-head index.
+// The caller puts a barrier between two calls.
+template <typename A, typename T>
+inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, A::TK>& slope,
+                              thread const FragTile<1, A::TD>& qf,
+                              thread const FragTile<1, A::TV>& gf, threadgroup T* smem,
+                              const device T* k_h, const device T* v_h, constant AttnParams& p,
+                              AttnExtent ext, int row, int key0, bool row_ok,
+                              const device uchar* mask, steel_i64 mask_row, bool edge,
+                              float lse_row, float norm_row, float delta_row, uint bh,
+                              ushort thread_index, ushort lane) {
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + A::kEElems;
+  const short valid = short(min(int(A::BK), ext.S - key0));
+  const bool whole = attn_align_s || valid == A::BK;
+  A::LoaderV::load(Vs, v_h + key0 * p.v_rs, p.v_rs, valid, short(p.Ev), whole && attn_align_ev,
+                   attn_vec_v, thread_index);
+  if (!A::kShared) {
+    A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
+                     attn_vec_k, thread_index);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
   const short fc = frag_col(lane);
-  FragTile<1, TK> ps;
-  ps.clear();
-  attn_mma_bt<T, kLdE>(ps, qf, Ks, lane);
+  // dP o Z = (dO V^T) o Z.
+  ds.clear();
+  attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
+  if (attn_dropout) {
 #pragma clang loop unroll(full)
-  for (short j = 0; j < TK; ++j) {
+    for (short j = 0; j < A::TK; ++j) {
+      const float2 z = attn_dropout_pair(p, bh, row, key0 + j * 8 + fc);
+      ds.frag[j].thread_elements()[0] *= z.x;
+      ds.frag[j].thread_elements()[1] *= z.y;
+    }
+  }
+  if (A::kShared) {  // K takes V's place once every simdgroup has its dP
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
+                     attn_vec_k, thread_index);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // S = Q K^T, P, then dS.
+  FragTile<1, A::TK> ps;
+  ps.clear();
+  attn_mma_bt<T, A::kLdE>(ps, qf, Ks, lane);
+#pragma clang loop unroll(full)
+  for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
     for (short e = 0; e < 2; ++e) {
       const int key = key0 + j * 8 + fc + e;
       float th = 0.0f;
       const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok,
                                     mask, mask_row + key * p.m_cs, edge, th);
-      ps.frag[j].thread_elements()[e] = attn_probability(s, lse_row) * norm_row;
+      const float pv = attn_probability(s, lse_row) * norm_row;
       slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
-    }
-  }
-  ds.clear();
-  attn_mma_bt<T, kLdV>(ds, gf, Vs, lane);
-#pragma clang loop unroll(full)
-  for (short j = 0; j < TK; ++j) {
-    const float2 z = attn_dropout ? attn_dropout_pair(p, bh, row, key0 + j * 8 + fc)
-                                  : float2(1.0f);
-#pragma clang loop unroll(full)
-    for (short e = 0; e < 2; ++e) {
-      const float pv = ps.frag[j].thread_elements()[e];
-      const float dp = ds.frag[j].thread_elements()[e] * z[e];
-      ds.frag[j].thread_elements()[e] = pv * (dp - delta_row);
+      ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row);
     }
   }
 }
@@ -416,8 +480,8 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   const short fc = frag_col(lane);
   const int row = row0 + simdgroup * 8 + fr;
   const bool row_ok = attn_align_l || row < ext.L;
-  k += sq.k + hk * p.k_hs;
-  v += sq.v + hk * p.v_hs;
+  const device T* k_h = k + sq.k + hk * p.k_hs;
+  const device T* v_h = v + sq.v + hk * p.v_hs;
 
   FragTile<1, A::TD> qf;
   FragTile<1, A::TV> gf;
@@ -430,35 +494,25 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
   int t_begin, t_end;
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
-  threadgroup T* Ks = smem;
-  threadgroup T* Vs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
-    const short valid = short(min(int(A::BK), ext.S - key0));
-    const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderE::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
-                     attn_vec_k, thread_index);
-    A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev), whole && attn_align_ev,
-                     attn_vec_v, thread_index);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
     FragTile<1, A::TK> ds;
     FragTile<1, A::TK> slope;
-    attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
-                                              row_ok, mask, mask_row, edge, lse_row, norm_row,
-                                              delta_row, uint(zb) * uint(p.Hq) + uint(h), lane);
+    attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, ext, row, key0, row_ok, mask,
+                         mask_row, edge, lse_row, norm_row, delta_row,
+                         uint(zb) * uint(p.Hq) + uint(h), thread_index, lane);
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
       ds.frag[j].thread_elements()[0] *= slope.frag[j].thread_elements()[0];
       ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
     }
-    // dQ += dS K.
-    attn_mma_b<T, A::kLdE>(dqf, ds, Ks, lane);
+    // dQ += dS K (K at the start of smem in both layouts).
+    attn_mma_b<T, A::kLdE>(dqf, ds, smem, lane);
   }
 
   if (!row_ok) return;  // no barrier follows
@@ -500,7 +554,7 @@ inline void attn_dmask_pair(constant AttnBackwardParams& bp, int entry, int comb
   }
 }
 
-// dmask, the gradient of a float attn_mask (dS at the score level, attn_bwd_score_grads), in
+// dmask, the gradient of a float attn_mask (dS at the score level, attn_bwd_key_tile), in
 // the mask's own shape. A threadgroup owns BQ rows by BK keys of one element of the mask's
 // batch and head dims (or every row, every key along a dim the mask broadcasts over, with
 // STEEL_ATTN_FC_DMASK_ROWS / _KEYS), and adds dS of every (batch, head) pair the mask
@@ -525,8 +579,6 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
   const int rb_end = attn_dmask_rows ? (p.L + A::BQ - 1) / A::BQ : rb_begin + 1;
   const int kt_begin = attn_dmask_keys ? 0 : int(tg.y);
   const int kt_end = attn_dmask_keys ? (p.S + A::BK - 1) / A::BK : kt_begin + 1;
-  threadgroup T* Ks = smem;
-  threadgroup T* Vs = smem + A::kEElems;
   const ushort thread_index = simdgroup * 32 + lane;
 
   FragTile<1, A::TK> acc;
@@ -557,22 +609,14 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
       t_end = min(t_end, kt_end);
       for (int t = t_begin; t < t_end; ++t) {
         const int key0 = t * A::BK;
-        const short valid = short(min(int(A::BK), p.S - key0));
-        const bool whole = attn_align_s || valid == A::BK;
         const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
         if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
         first = false;
-        A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E),
-                         whole && attn_align_e, attn_vec_k, thread_index);
-        A::LoaderV::load(Vs, v_h + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
-                         whole && attn_align_ev, attn_vec_v, thread_index);
-        threadgroup_barrier(mem_flags::mem_threadgroup);
         FragTile<1, A::TK> ds;
         FragTile<1, A::TK> slope;
-        attn_bwd_score_grads<T, A::kLdE, A::kLdV>(ds, slope, qf, gf, Ks, Vs, p, ext, row, key0,
-                                                  row_ok, mask, mask_row, edge, lse_row,
-                                                  norm_row, delta_row,
-                                                  uint(zb) * uint(p.Hq) + uint(h), lane);
+        attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, ext, row, key0, row_ok, mask,
+                             mask_row, edge, lse_row, norm_row, delta_row,
+                             uint(zb) * uint(p.Hq) + uint(h), thread_index, lane);
 #pragma clang loop unroll(full)
         for (short j = 0; j < A::TK; ++j) {
           acc.frag[j].thread_elements()[0] += ds.frag[j].thread_elements()[0];
