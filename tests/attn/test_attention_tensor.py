@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,9 @@ from gemm_helpers import M5, NOT_M5
 from test_varlen import check_varlen, packed
 
 from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_attention  # noqa: E402
 
 HALF_TYPES = [torch.float16, torch.bfloat16]
 SEEDS = [0, 3, 11]
@@ -290,6 +295,56 @@ def test_varlen(align, seed, monkeypatch):
     with on_m5(monkeypatch, seed):
         check_varlen(q, k, v, lq, lk, is_causal=True, causal_align=align,
                      weight_rounding=WEIGHT_ROUNDING[q.dtype])  # fmt: skip
+
+
+# ---- the bench's model of the kernel against the simulator's counters -----------------------
+
+
+@requires_simulator
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,Ev,options,mask_shape,sinks,dtype",
+    [
+        (1, 2, 2, 100, 257, 64, 64, {}, None, False, torch.float16),
+        (2, 4, 2, 70, 100, 128, 128, {"is_causal": True}, (70, 100), True, torch.bfloat16),
+        (1, 2, 1, 50, 30, 96, 96, {"is_causal": True, "bottom_right": True}, (1, 2, 1, 30),
+         False, torch.float16),
+        (1, 1, 1, 130, 200, 256, 256, {"window_left": 20, "window_right": 5}, None, True,
+         torch.bfloat16),
+        (1, 2, 2, 33, 47, 100, 64, {}, None, False, torch.float16),  # the 128 kernel, padded
+    ],
+)  # fmt: skip
+def test_traffic_and_multiply_adds_match_the_bench_model(B, Hq, Hkv, L, S, E, Ev, options,
+                                                         mask_shape, sinks, dtype):  # fmt: skip
+    """bench_attention's model of the matmul2d kernel (bytes per buffer: Q, out and lse once,
+    the K and V rows of every visited key tile once per query block, the mask per visited
+    element; 64 x 32 x (DE + DV) multiply-adds per visited tile) equals the simulator's count,
+    and no simdgroup MMA runs."""
+    q, k, v, mask = bench_attention.inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "cpu")
+    s = torch.randn(Hq, dtype=dtype) if sinks else None
+    opts = {**bench_attention.run_options(E, options), **M5}
+    p = sim.plan("sdpa", [q, k, v, mask, s], opts)
+    assert p.dispatches[0].kernel.startswith("steel_attention_tensor_")
+    es = torch.finfo(dtype).bits // 8
+    predicted, mma, _, _ = bench_attention.model(p, B, es, 1, es)
+    _, counters = sim.run_op("sdpa", [q, k, v, mask, s], opts, counters=True, checkers=False)
+    assert bench_attention.counted(counters) == predicted
+    assert counters[0]["mma"] == 0
+    assert bench_attention.counted_mma(counters) == mma
+
+
+@requires_simulator
+def test_varlen_traffic_matches_the_bench_model():
+    lq, lk = [40, 0, 70, 1], [100, 5, 30, 64]
+    tensors = bench_attention.varlen_inputs(lq, lk, 4, 2, 64, torch.float16, "cpu")
+    tensors[-1] = torch.randn(4, dtype=torch.float32)  # sinks
+    opts = {**bench_attention.run_options(64, {"is_causal": True, "bottom_right": True}),
+            "max_seqlen_q": max(lq), "max_seqlen_k": max(lk), **M5}  # fmt: skip
+    p = sim.plan("sdpa_varlen", tensors, opts)
+    assert p.dispatches[0].kernel == "steel_attention_tensor_f16_e64_v64"
+    predicted, mma, _, _ = bench_attention.varlen_model(p, lq, lk, 2, 4)
+    _, counters = sim.run_op("sdpa_varlen", tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted(counters) == predicted
+    assert bench_attention.counted_mma(counters) == mma
 
 
 # ---- the layout is never assumed -----------------------------------------------------------
