@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from attn_helpers import check, qkv, rand, requires_planner, requires_simulator
+from attn_helpers import check, oracle, qkv, rand, requires_planner, requires_simulator
 from gemm_helpers import M5, NOT_M5
 from test_varlen import check_varlen, packed
 
@@ -140,7 +140,9 @@ def test_head_dims(E, dtype, causal, seed, monkeypatch):
     tensor_check(monkeypatch, seed, q, k, v, is_causal=causal)
 
 
-LENGTHS = [(1, 1), (1, 257), (7, 7), (100, 33), (257, 100), (64, 64), (65, 257)]
+# S = 63: a last key tile one key short of BK, where a bound off by one would take the
+# unchecked static slice.
+LENGTHS = [(1, 1), (1, 257), (7, 7), (100, 33), (257, 100), (64, 64), (65, 257), (33, 63)]
 
 
 @requires_simulator
@@ -364,6 +366,42 @@ def test_results_do_not_depend_on_the_layout(monkeypatch):
             first = out, lse
         else:
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), layout_seed
+
+
+LAYOUT_KERNELS = Path(__file__).parent / "kernels" / "attention_tensor_layout_msl4.metal"
+
+
+def run_test_kernel(name, q, k, v, mask, **options):
+    """(out, lse) of a test build of the kernel (LAYOUT_KERNELS), launched as the M5 plan of
+    this call launches the shipped one: its grid, threads, constants and bindings."""
+    tensors = [q, k, v, mask, None]
+    opts = {**bench_attention.run_options(q.shape[-1], options), **M5}
+    p = sim.plan("sdpa", tensors, opts)
+    (d,) = p.dispatches
+    assert d.kernel == "steel_attention_tensor_f16_e64_v64"
+    slots = tensors + [torch.zeros(a.sizes, dtype=a.dtype) for a in p.allocations]
+    buffers = {b.index: slots[b.slot] if b.kind == "tensor" else b.bytes for b in d.bindings}
+    sim.run_kernel(name, sources=[LAYOUT_KERNELS], grid=d.grid, threads=d.threads,
+                   buffers=buffers, constants=d.constants, checkers=True)  # fmt: skip
+    return slots[5], slots[6]
+
+
+@requires_simulator
+def test_a_softmax_that_assumes_a_layout_fails(monkeypatch):
+    """The kernel with its online softmax as shipped (index API) agrees with float64 math under
+    every seed; with one that assumes where a thread's scores lie (every score in the row of its
+    first row-reduction slot, instead of map_iterator) it is wrong under every seed."""
+    q, k, v = qkv(1, 2, 100, 70, 64, dtype=torch.float16)
+    mask = torch.rand(100, 70, generator=torch.Generator().manual_seed(4)) > 0.2
+    ref, _ = oracle(q, k, v, mask, is_causal=True)
+    for layout_seed in SEEDS + [5, 8]:
+        monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
+        out, _ = run_test_kernel("attention_tensor_index_api", q, k, v, mask, is_causal=True)
+        # out's rounding and the weights' (2^-11 each, see the module docstring), twice over.
+        bound = 2.0**-10 * (ref.abs() + float(v.abs().max())) + 1e-4
+        assert bool(((out.double() - ref).abs() <= bound).all()), layout_seed
+        out, _ = run_test_kernel("attention_tensor_layout_assumed", q, k, v, mask, is_causal=True)
+        assert not bool(((out.double() - ref).abs() <= bound).all()), layout_seed
 
 
 # ---- wider sweeps ----------------------------------------------------------------------------

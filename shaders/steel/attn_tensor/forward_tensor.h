@@ -114,7 +114,9 @@ struct OnlineSoftmaxTensor {
   }
 };
 
-template <typename T, short DE, short DV>
+// Softmax: OnlineSoftmaxTensor; a parameter so that a test can show that one assuming a layout
+// fails (tests/attn/kernels/attention_tensor_layout_msl4.metal).
+template <typename T, short DE, short DV, typename Softmax = OnlineSoftmaxTensor<T, DE, DV>>
 inline void attention_tensor_block(const device T* q, const device T* k, const device T* v,
                                    const device uchar* mask, const device uchar* sinks,
                                    device T* out, device float* lse, const device int* cu_q,
@@ -164,7 +166,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
   typename A::QIn qc;
   qc.load(View(q, dextents<int32_t, 2>(p.E, rows), array<int32_t, 2>({1, int32_t(p.q_rs)})));
 
-  OnlineSoftmaxTensor<T, DE, DV> sm;
+  Softmax sm;
   if (attn_sinks != kSteelAttnOperandNone) {
     const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, h);
     sm.init(true, sink / attn_unit_nats);
