@@ -13,6 +13,14 @@ For every shape of the table:
   - the intermediate memory of the plan (allocations besides out and lse): 0, no L x S buffer;
   - on shapes the simulator runs in seconds (--sim-limit on B*H*L*S*(E+Ev)), the simulator's
     counters next to the model (they must agree exactly; a mismatch fails the run);
+  - --device m5 (issue 17) plans the forward and varlen tables for an M5-generation GPU (Metal 4
+    matrix units: the matmul2d prefill of shaders/steel/attn_tensor/ for f16 / bf16 at head
+    dims 64, 96, 128, 256) and the simulator emulates one: the model then follows that
+    kernel's tiles (64 query rows, 32 keys; the operations read each K and V row of a visited
+    tile once per block, bounded at S and the head dims, as the loader does), and its MMA
+    column counts MMA-equivalents (8x8x8 multiply-adds of the S = Q K^T and O += P V
+    operations: 64 x 32 x (DE + DV) per visited tile), checked against the simulator's
+    tensor_multiply_adds;
   - varlen (issue 10, item 5): packed batches of ragged sequences as one sdpa_varlen dispatch,
     modelled per sequence (each threadgroup reads its two cu_seqlens entries; blocks past its
     sequence's end read nothing else), against the sum of the sequences' minimums and against
@@ -34,6 +42,7 @@ For every shape of the table:
     and peak memory.
 
     python bench/bench_attention.py [--dtype float16] [--sim-limit 3e8] [--mps] [--iters 20]
+                                    [--device default|m5]
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_gemm import time_ms  # noqa: E402
+from bench_gemm import DEVICES, time_ms  # noqa: E402
 
 from torch_steel import sim  # noqa: E402
 
@@ -63,6 +72,8 @@ FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 31
 STEEL_FC_GRAD_LSE = 320
 BQ = 32
 THREADS = 128
+# The matmul2d prefill's tiles (STEEL_ATTN_TENSOR_BQ / _BK; 4 simdgroups, THREADS threads).
+TENSOR_BQ, TENSOR_BK = 64, 32
 BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
 
 # (name, B, Hq, Hkv, L, S, E, Ev, options, mask shape or None)
@@ -123,11 +134,11 @@ def params(dispatch, index=BUF_PARAMS):
             "hi_off": hi_off, "lo_off": lo_off}  # fmt: skip
 
 
-def visited_tiles(p, bk, has_hi, has_lo):
+def visited_tiles(p, bk, has_hi, has_lo, bq=BQ):
     """[(first row, valid rows, [key tile starts])] per query block, as forward.h bounds them."""
     blocks = []
-    for row0 in range(0, p["L"], BQ):
-        last = min(row0 + BQ, p["L"]) - 1
+    for row0 in range(0, p["L"], bq):
+        last = min(row0 + bq, p["L"]) - 1
         begin, end = 0, p["S"]
         if has_hi:
             end = min(end, last + p["shift"] + p["hi_off"] + 1)
@@ -149,8 +160,9 @@ def block_model(d, p, heads, es, mask_es, sinks_es):
     """(buffers, MMAs, key tiles visited, key tiles of a dense walk) of `heads` (batch entry,
     head) pairs of query blocks that attend with the extent p (L, S, shift)."""
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
-    bk = bk_of(de, dv, es)
-    blocks = visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO])
+    tensor_ops = d.kernel.startswith("steel_attention_tensor_")
+    bq, bk = (TENSOR_BQ, TENSOR_BK) if tensor_ops else (BQ, bk_of(de, dv, es))
+    blocks = visited_tiles(p, bk, d.constants[FC_HAS_HI], d.constants[FC_HAS_LO], bq)
     keys = sum(min(bk, p["S"] - k0) for _, _, tiles in blocks for k0 in tiles)
     tiles = sum(len(t) for _, _, t in blocks)
     buffers = {
@@ -165,8 +177,10 @@ def block_model(d, p, heads, es, mask_es, sinks_es):
         buffers[BUF_MASK] = {"read": heads * reads * mask_es, "written": 0}
     if d.constants[FC_SINKS]:
         buffers[BUF_SINKS] = {"read": heads * len(blocks) * THREADS * sinks_es, "written": 0}
-    simdgroups = THREADS // 32
-    mma = heads * tiles * simdgroups * (bk // 8) * (de // 8 + dv // 8)
+    if tensor_ops:  # MMA-equivalents of the two operations of each visited tile
+        mma = heads * tiles * bq * bk * (de + dv) // 512
+    else:
+        mma = heads * tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
     return buffers, mma, tiles, len(blocks) * -(-p["S"] // bk)
 
 
@@ -400,18 +414,26 @@ def run_options(E, options):
     return {**base, **options}
 
 
+def counted_mma(counters) -> int:
+    """The one dispatch's simdgroup MMAs plus its tensor operations' MMA-equivalents (8x8x8
+    multiply-adds): a kernel has one or the other."""
+    (c,) = counters
+    return c["mma"] + c["tensor_multiply_adds"] // 512
+
+
 def sim_column(op, tensors, opts, predicted, mma):
     """(the simulator's MB, 1 if its counters disagree with the model else 0)."""
     _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False)
     got = counted(counters)
     column = f"{total(got) / 1e6:.3f}"
-    if got == predicted and counters[0]["mma"] == mma:
+    if got == predicted and counted_mma(counters) == mma:
         return column, 0
-    print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counters[0]['mma']}", file=sys.stderr)
+    print(f"  model {predicted} mma {mma}\n  sim   {got} mma {counted_mma(counters)}",
+          file=sys.stderr)  # fmt: skip
     return column + " MISMATCH", 1
 
 
-def traffic_table(dtype, sim_limit) -> int:
+def traffic_table(dtype, sim_limit, device=None) -> int:
     es = torch.finfo(dtype).bits // 8
     run_sim = sim.available()
     failures = 0
@@ -422,7 +444,7 @@ def traffic_table(dtype, sim_limit) -> int:
     )
     for name, B, Hq, Hkv, L, S, E, Ev, options, mask_shape in SHAPES:
         q, k, v, mask = inputs(B, Hq, Hkv, L, S, E, Ev, mask_shape, dtype, "meta")
-        opts = run_options(E, options)
+        opts = {**run_options(E, options), **(device or {})}
         p = sim.plan("sdpa", [q, k, v, mask, None], opts)
         if not p.ok:
             print(f"{name:28} refused: {p.reason}")
@@ -461,7 +483,7 @@ def varlen_inputs(lq, lk, Hq, Hkv, E, dtype, device):
     return [q, k, v, cu_seqlens(lq), cu_seqlens(lk), None]
 
 
-def varlen_table(dtype, sim_limit) -> int:
+def varlen_table(dtype, sim_limit, device=None) -> int:
     """The packed batch's traffic (model == simulator) against the sum of its sequences'
     minimums, and the dense plan of the batch padded to (max_seqlen_q, max_seqlen_k)."""
     es = torch.finfo(dtype).bits // 8
@@ -471,7 +493,8 @@ def varlen_table(dtype, sim_limit) -> int:
     print(f"{'batch':34} {'model MB':>9} {'min MB':>8} {'ratio':>6} {'sim MB':>9} "
           f"{'padded MB':>9} {'kMMA':>9} {'ideal':>9} {'tiles':>6}")  # fmt: skip
     for name, lq, lk, Hq, Hkv, E, options in VARLEN_SHAPES:
-        opts = {**run_options(E, options), "max_seqlen_q": max(lq), "max_seqlen_k": max(lk)}
+        opts = {**run_options(E, options), "max_seqlen_q": max(lq), "max_seqlen_k": max(lk),
+                **(device or {})}  # fmt: skip
         tensors = varlen_inputs(lq, lk, Hq, Hkv, E, dtype, "meta")
         p = sim.plan("sdpa_varlen", tensors, opts)
         if not p.ok:
@@ -486,7 +509,8 @@ def varlen_table(dtype, sim_limit) -> int:
                     for L, S in zip(lq, lk, strict=True))  # fmt: skip
         B = len(lq)
         pq, pk, pv, _ = inputs(B, Hq, Hkv, max(lq), max(lk), E, E, None, dtype, "meta")
-        dense = sim.plan("sdpa", [pq, pk, pv, None, None], run_options(E, options))
+        dense = sim.plan("sdpa", [pq, pk, pv, None, None], {**run_options(E, options),
+                                                             **(device or {})})  # fmt: skip
         padded = total(model(dense, B, es, 1, 0)[0])
         sim_col = "-"
         work = sum(Hq * L * S * 2 * E for L, S in zip(lq, lk, strict=True))
@@ -996,9 +1020,13 @@ def main() -> int:
                         help="run the simulator where B*H*L*S*(E+Ev) is at most this")  # fmt: skip
     parser.add_argument("--mps", action="store_true", help="time against F.sdpa on MPS")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="default", choices=sorted(DEVICES),
+                        help="the device the forward and varlen tables plan for")  # fmt: skip
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    failures = traffic_table(dtype, args.sim_limit) + varlen_table(dtype, args.sim_limit)
+    device = DEVICES[args.device]
+    failures = traffic_table(dtype, args.sim_limit, device)
+    failures += varlen_table(dtype, args.sim_limit, device)
     failures += decode_table(dtype, args.sim_limit) + backward_table(dtype, args.sim_limit)
     if args.mps and torch.backends.mps.is_available():
         mps_table(dtype, args.iters)

@@ -17,8 +17,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
+
+#include "device.h"
 
 namespace steel {
 namespace attn {
@@ -41,6 +44,9 @@ constexpr bool every_pair_has_a_backward_tile() {
 }
 static_assert(every_pair_has_a_backward_tile(), "a head-dim pair without a backward tile");
 constexpr int64_t kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
+// The (D, D) pairs of the matmul2d kernel (attention_tensor_msl4.metal): it serves a call when
+// the simdgroup planner's pair is one of them, so both kernels pad the same head dims.
+constexpr int kTensorHeadDims[] = {64, 96, 128, 256};
 
 // The cheapest pair holding (E, Ev): fewest padded head-dim columns.
 const HeadDims* pick_head_dims(int64_t E, int64_t Ev) {
@@ -195,13 +201,36 @@ bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t ro
 }
 
 int64_t key_tile(const Common& c) {
+  if (c.tensor_ops) return STEEL_ATTN_TENSOR_BK;
   return steel_attn_bk(c.kernel.de, c.kernel.dv, elem_bytes(c));
+}
+
+int64_t row_block(const Common& c) {
+  return c.tensor_ops ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
+}
+
+bool tensor_serves(const Common& c, const AttnParams& p, const Options& options) {
+  if (!use_neural_accelerators(device_desc(options)) || options.number("tensor_ops", 1) == 0) {
+    return false;
+  }
+  if (c.dtype != DType::Float16 && c.dtype != DType::BFloat16) return false;
+  const int* const dims_end = kTensorHeadDims + std::size(kTensorHeadDims);
+  if (c.kernel.de != c.kernel.dv || std::find(kTensorHeadDims, dims_end, c.kernel.de) == dims_end) {
+    return false;
+  }
+  // The views start at the block's first row (the tile's first key) and span BQ (BK) rows.
+  const int64_t rows = std::max<int64_t>(STEEL_ATTN_TENSOR_BQ, STEEL_ATTN_TENSOR_BK);
+  for (int64_t stride : {p.q_rs, p.k_rs, p.v_rs, p.o_rs}) {
+    if (stride < 0 || stride * rows + std::max(c.E, c.Ev) > kInt32Max) return false;
+  }
+  return true;
 }
 
 Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l) {
   Dispatch out;
-  out.kernel = std::string("steel_attention_") + dtype_tag(c.dtype) + "_e" +
-               std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
+  out.kernel = std::string(c.tensor_ops ? "steel_attention_tensor_" : "steel_attention_") +
+               dtype_tag(c.dtype) + "_e" + std::to_string(c.kernel.de) + "_v" +
+               std::to_string(c.kernel.dv);
   out.constants = {
       fc_bool(STEEL_ATTN_FC_ALIGN_L, l.align_l),
       fc_bool(STEEL_ATTN_FC_ALIGN_S, l.align_s),
@@ -235,7 +264,8 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
     out.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_K, l.cu_k_slot));
   }
   std::copy(l.grid, l.grid + 3, out.grid);
-  out.threads[0] = static_cast<uint32_t>(attn::kThreads);
+  out.threads[0] = static_cast<uint32_t>(c.tensor_ops ? 32 * STEEL_ATTN_TENSOR_SIMDGROUPS
+                                                      : attn::kThreads);
   return out;
 }
 
@@ -533,8 +563,10 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   p.o_rs = blhd ? Hq * Ev : Ev;
 
   // ---- the dispatch ----
+  const bool decode = attn::decode_serves(c, L, options);
+  c.tensor_ops = !decode && attn::tensor_serves(c, p, options);
   attn::Launch l;
-  l.align_l = L % STEEL_ATTN_BQ == 0;
+  l.align_l = L % attn::row_block(c) == 0;
   l.align_s = S % attn::key_tile(c) == 0;
   l.vec_k = attn::vec_rows(c, k, nd - 3, nd - 2, k_batch.data(), k_batch.size());
   l.vec_v = attn::vec_rows(c, v, nd - 3, nd - 2, v_batch.data(), v_batch.size());
@@ -544,8 +576,8 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   l.sinks_slot = sinks ? kSlotSinks : -1;
   l.out_slot = kSlotOut;
   l.lse_slot = kSlotLse;
-  l.set_grid(L, Hq, batch_count);
-  if (attn::decode_serves(c, L, options)) {
+  l.set_grid(c, L, Hq, batch_count);
+  if (decode) {
     attn::Decode dec;
     dec.rows = L;
     dec.keys = S;
@@ -573,6 +605,7 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   const TensorList forward_tensors = {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]};
   Options prefill = options;  // the backward reads the prefill kernel's params and tiles
   prefill.numbers["decode"] = 0.0;
+  prefill.numbers["tensor_ops"] = 0.0;
   const Plan fwd = plan_attention(forward_tensors, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
   const bool mask_grad = options.number("mask_grad", 0.0) != 0.0;

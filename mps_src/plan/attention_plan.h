@@ -58,6 +58,9 @@ struct Common {
   int sinks_kind = kSteelAttnOperandNone;
   double dropout_p = 0.0;  // 0: off
   uint32_t seed_lo = 0, seed_hi = 0, drop_offset = 0;
+  // The prefill runs on the matmul2d kernel (shaders/steel/attn_tensor/): set by the planners
+  // from tensor_serves, after the decode kernels declined.
+  bool tensor_ops = false;
 };
 
 // The refusal of q, k, v dtypes that the kernels do not take ("" when they do).
@@ -96,8 +99,17 @@ AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const
 bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
               const int64_t* more = nullptr, size_t count = 0);
 
-// The key tile of the kernel that serves `c` (params.h's rule).
+// The key tile and the query rows per threadgroup of the kernel that serves `c` (params.h).
 int64_t key_tile(const Common& c);
+int64_t row_block(const Common& c);
+
+// Whether the matmul2d prefill kernel (shaders/steel/attn_tensor/attention_tensor_msl4.metal)
+// serves `c` with params `p`: a device described as Metal 4 + Apple10 with the tensor-op library
+// (device.h), float16 or bfloat16, a head-dim pair it is instantiated for, the int32 element
+// offsets of its tensor views within range, and not turned off by the option "tensor_ops" = 0
+// (the backward's plans, which build on the simdgroup forward's tiles). Everything else keeps
+// the simdgroup kernel.
+bool tensor_serves(const Common& c, const AttnParams& p, const Options& options);
 
 // How the dispatch specializes the kernel, and which slots it binds.
 struct Launch {
@@ -110,10 +122,10 @@ struct Launch {
   int32_t cu_q_slot = -1, cu_k_slot = -1;  // varlen only
   uint32_t grid[3] = {1, 1, 1};  // (query blocks, Hq, batch entries or sequences)
 
-  // The grid for `rows` query rows (a block of STEEL_ATTN_BQ per threadgroup), `heads` query
+  // The grid for `rows` query rows (a block of row_block(c) per threadgroup), `heads` query
   // heads and `count` batch entries or sequences.
-  void set_grid(int64_t rows, int64_t heads, int64_t count) {
-    grid[0] = static_cast<uint32_t>(ceil_div(rows, STEEL_ATTN_BQ));
+  void set_grid(const Common& c, int64_t rows, int64_t heads, int64_t count) {
+    grid[0] = static_cast<uint32_t>(ceil_div(rows, row_block(c)));
     grid[1] = static_cast<uint32_t>(heads);
     grid[2] = static_cast<uint32_t>(count);
   }

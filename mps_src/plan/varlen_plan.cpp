@@ -215,8 +215,10 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   l.lse_slot = kSlotLse;
   l.cu_q_slot = kSlotCuQ;
   l.cu_k_slot = kSlotCuK;
-  l.set_grid(std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
-  if (paged || attn::decode_serves(c, max_q, options)) {
+  const bool decode = paged || attn::decode_serves(c, max_q, options);
+  c.tensor_ops = !decode && attn::tensor_serves(c, p, options);
+  l.set_grid(c, std::min(max_q, Tq), Hq, sequences);  // no sequence is longer than total_q
+  if (decode) {
     attn::Decode dec;
     dec.rows = std::min(max_q, Tq);
     dec.keys = paged ? std::min(max_k, max_pages * page_size) : std::min(max_k, Tk);
@@ -257,6 +259,7 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   const int32_t kForwardSlots[6] = {1, 2, 3, 6, 7, 8};  // q, k, v, cu_q, cu_k, sinks
   Options prefill = options;  // the backward reads the prefill kernel's params and tiles
   prefill.numbers["decode"] = 0.0;
+  prefill.numbers["tensor_ops"] = 0.0;
   const Plan fwd = plan_attention_varlen(
       {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);

@@ -172,6 +172,15 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
              : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
 }
 
+// The prefill forward on Metal 4's matmul2d (shaders/steel/attn_tensor/, M5-generation GPUs):
+// one threadgroup of STEEL_ATTN_TENSOR_SIMDGROUPS simdgroups, the scope of every tensor
+// operation, computes STEEL_ATTN_TENSOR_BQ query rows against key tiles of STEEL_ATTN_TENSOR_BK.
+// The operations read Q, K and V from device memory themselves; threadgroup memory holds only
+// the probability tile (the left operand of P V, in the inputs' dtype) and one float per row.
+#define STEEL_ATTN_TENSOR_SIMDGROUPS 4
+#define STEEL_ATTN_TENSOR_BQ 64
+#define STEEL_ATTN_TENSOR_BK 32
+
 // The backward kernels' streamed tiles: Q and dO rows in the dK/dV kernel, K and V rows in the
 // dQ and dmask kernels. The dK/dV kernel also stages the tile's rows' lse, delta and
 // 1 / normaliser (three floats a row) beside them. The tile is the largest of 32, 16, 8 rows

@@ -15,6 +15,7 @@ import os
 
 import torch
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator
+from gemm_helpers import M5
 from hypothesis import given
 from strategies import gemm_calls
 from test_fuzz_gemm import check_result
@@ -23,7 +24,6 @@ from torch_steel import sim
 
 pytestmark = requires_simulator
 
-M5 = {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True}
 HALF = (torch.float16, torch.bfloat16)
 
 

@@ -34,6 +34,28 @@ def planner_ready() -> tuple[bool, str]:
     return True, ""
 
 
+# Device descriptions (mps_src/plan/device.h) for the plans' device gating: an M5-generation
+# GPU with Metal 4 and the tensor-op library gets the matmul2d kernels; these do not.
+M5 = {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True}
+NOT_M5 = {
+    "no description (the simulator's default)": {},
+    "M4: Apple9 with Metal 4": {
+        "device_apple_family": 9,
+        "device_metal4": True,
+        "device_tensor_ops": True,
+    },
+    "M5 on an OS without Metal 4": {
+        "device_apple_family": 10,
+        "device_metal4": False,
+        "device_tensor_ops": True,
+    },
+    "M5, library built with an old SDK": {
+        "device_apple_family": 10,
+        "device_metal4": True,
+        "device_tensor_ops": False,
+    },
+}
+
 requires_simulator = pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
 requires_planner = pytest.mark.skipif(not planner_ready()[0], reason=planner_ready()[1])
 

@@ -8,30 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_helpers import assert_close, rand, reference, requires_planner, requires_simulator
+from gemm_helpers import (
+    M5,
+    NOT_M5,
+    assert_close,
+    rand,
+    reference,
+    requires_planner,
+    requires_simulator,
+)
 
 from torch_steel import sim
 
-M5 = {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True}
-# Made-up devices that must keep the simdgroup kernels.
-NOT_M5 = {
-    "no description (the simulator's default)": {},
-    "M4: Apple9 with Metal 4": {
-        "device_apple_family": 9,
-        "device_metal4": True,
-        "device_tensor_ops": True,
-    },
-    "M5 on an OS without Metal 4": {
-        "device_apple_family": 10,
-        "device_metal4": False,
-        "device_tensor_ops": True,
-    },
-    "M5, library built with an old SDK": {
-        "device_apple_family": 10,
-        "device_metal4": True,
-        "device_tensor_ops": False,
-    },
-}
 SEEDS = [0, 3, 11]
 HALF_TYPES = [torch.float16, torch.bfloat16]
 

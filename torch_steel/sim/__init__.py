@@ -4,6 +4,7 @@
     plan(op, tensors, options)        the launch plan the Metal host would encode
     run_op(op, tensors, options)      execute that plan on CPU tensors, return the outputs
     run_kernel(name, sources=...)     launch one kernel of test-only .metal files directly
+    device(description)               plan and run in a block as on a made-up GPU
 
 Kernel faults (out-of-bounds access, threadgroup-memory race, divergent barrier or simd op,
 resource limits) raise torch_steel.errors.SimulatorError naming the kernel; refused plans raise
@@ -17,11 +18,13 @@ execution half is C++ in mps_src/sim/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -156,12 +159,31 @@ def _wrap_plan(handle) -> Plan:
     )
 
 
+_described = threading.local()
+
+
+@contextlib.contextmanager
+def device(description: Mapping[str, Any]):
+    """Plans (and so run_op and the "sim" backend) in the block as on the GPU that
+    `description` describes: the options of mps_src/plan/device.h, e.g.
+    {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True} for an
+    M5-generation GPU with Metal 4 and the tensor-op library, as the Metal host fills them from
+    the real device. A call's own options take precedence. Outside such a block no device is
+    described and every plan keeps the simdgroup-matrix kernels. Per thread; blocks nest."""
+    previous = getattr(_described, "options", {})
+    _described.options = {**previous, **description}
+    try:
+        yield
+    finally:
+        _described.options = previous
+
+
 def plan(
     op: str, tensors: Sequence[torch.Tensor | None], options: Mapping[str, Any] | None = None
 ) -> Plan:
     """The launch plan for `op` (refused plans have ok=False and a reason; nothing is raised)."""
     ext = build.extension()
-    numbers, strings = _options(options)
+    numbers, strings = _options({**getattr(_described, "options", {}), **(options or {})})
     try:
         descs = [_desc(t) for t in tensors]
     except PlanRefused as e:
