@@ -130,7 +130,7 @@ struct Region {
   uintptr_t host_hi = 0;
   uintptr_t arena_lo = 0;
   bool write_back = false;
-  DevShadow* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
+  DevShadow race;  // its arrays are mapped for tensor regions, with checkers
 };
 
 char* g_arena = nullptr;
@@ -224,23 +224,39 @@ std::string threadgroup_name(uint32_t tg_id) {
 // threadgroup and written or read by another in the same dispatch is a race. Within a
 // threadgroup, lanes are ordered as for threadgroup memory, by barriers with mem_device.
 void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
-  DevShadow* w = b.writers + (a - b.lo);
+  DevShadow& race = *b.race;
+  const size_t first = b.race_offset + (a - b.lo);
+  uint32_t* tg = race.tg + first;
+  Shadow* in_tg = race.in_tg + first;
   const Lane* me = g.cur;
   for (size_t i = 0; i < n; ++i) {
-    if (w[i].tg != 0 && w[i].tg != g.tg_id) {
+    if (tg[i] != 0 && tg[i] != g.tg_id) {
       char buf[320];
       snprintf(buf, sizeof buf,
                "device memory race: %s byte offset %lld of [[buffer(%u)]], which threadgroup %s "
                "wrote in the same dispatch (threadgroups are not ordered)",
                write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
-               threadgroup_name(w[i].tg).c_str());
+               threadgroup_name(tg[i]).c_str());
       lane_fail(buf, g.access_pc);
     }
-    if (write) w[i].tg = g.tg_id;
-    if (me != nullptr) {
-      int r = order(w[i].in_tg, me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
-      if (r != kOrdered) device_race(b, a + i, write, r);
+    if (me == nullptr) {
+      if (write) tg[i] = g.tg_id;
+      continue;
     }
+    if (!race.track_reads) {
+      if (!write && tg[i] == 0) {
+        // Nothing to order it after; a later write of this threadgroup restarts (DevShadow).
+        race.untracked_read_tg = g.tg_id;
+        continue;
+      }
+      if (write && race.untracked_read_tg == g.tg_id) {
+        g.track_reads |= race.bindings;
+        lane_restart();
+      }
+    }
+    if (write) tg[i] = g.tg_id;
+    int r = order(in_tg[i], me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
+    if (r != kOrdered) device_race(b, a + i, write, r);
   }
 }
 
@@ -287,7 +303,7 @@ void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   }
   (write ? b->counters.written : b->counters.read) += n;
   if (g.checkers && !bytes) check_alignment(*b, a, n, write);
-  if (b->writers != nullptr && g.checkers) check_device_race(*b, a, n, write);
+  if (b->race != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
 
 // ------------------------------------------------------------------------- threadgroup memory
@@ -412,6 +428,17 @@ inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bo
 
 }  // namespace
 
+namespace {
+void* map_shadow(size_t bytes, const LaunchSpec& spec) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw SimError("kernel '" + spec.kernel + "': cannot map a race-checker shadow");
+  }
+  return p;
+}
+}  // namespace
+
 void bind_device(const LaunchSpec& spec) {
   // Group bindings by overlapping host memory: such bindings alias on the GPU too.
   std::vector<const BufferArg*> args;
@@ -452,9 +479,9 @@ void bind_device(const LaunchSpec& spec) {
     r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
     if (spec.checkers && r.write_back && r.host_hi > r.host_lo) {
       // Untouched shadow pages cost nothing: reading them maps the zero page.
-      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(DevShadow),
-                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (w != MAP_FAILED) r.writers = static_cast<DevShadow*>(w);
+      const size_t bytes = r.host_hi - r.host_lo;
+      r.race.tg = static_cast<uint32_t*>(map_shadow(bytes * sizeof(uint32_t), spec));
+      r.race.in_tg = static_cast<Shadow*>(map_shadow(bytes * sizeof(Shadow), spec));
     }
     if (r.host_hi > r.host_lo) {
       std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
@@ -476,7 +503,13 @@ void bind_device(const LaunchSpec& spec) {
     d.index = args[i]->index;
     d.lo = lo;
     d.hi = lo + args[i]->bytes;
-    if (r.writers != nullptr) d.writers = r.writers + (lo - r.arena_lo);
+    if (r.race.tg != nullptr) {
+      Region& region = g_regions[region_of[i]];
+      d.race = &region.race;
+      d.race_offset = lo - r.arena_lo;
+      region.race.bindings |= 1u << d.index;
+      if (g.track_reads & (1u << d.index)) region.race.track_reads = true;
+    }
     g.dev.push_back(d);
     g.buffer_base[d.index] = reinterpret_cast<void*>(lo);
     g.buffer_bound[d.index] = true;
@@ -534,8 +567,10 @@ void unbind_device(bool write_back) {
     c.written += d.counters.written;
   }
   for (Region& r : g_regions) {
-    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(DevShadow));
-    r.writers = nullptr;
+    const size_t bytes = r.host_hi - r.host_lo;
+    if (r.race.tg != nullptr) munmap(r.race.tg, bytes * sizeof(uint32_t));
+    if (r.race.in_tg != nullptr) munmap(r.race.in_tg, bytes * sizeof(Shadow));
+    r.race = DevShadow();
   }
   if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);
   g_arena = nullptr;
