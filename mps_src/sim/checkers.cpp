@@ -342,8 +342,7 @@ std::string tg_name(uint32_t offset) {
   lane_fail(buf, g.access_pc);
 }
 
-// Which allocation (1-based; 0: none, a gap) each byte of the layout belongs to.
-uint16_t* g_tg_owner = nullptr;
+// Allocations placed in the layout so far (Shadow::owner numbers them).
 uint32_t g_tg_allocations = 0;
 
 // The allocation nearest to layout offset `offset`: its name and the offset relative to it.
@@ -372,8 +371,8 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   auto base = reinterpret_cast<uintptr_t>(g.tg_base);
   uint16_t owner = 0;
   if (a >= base && a + n <= base + kTgSpan) {
-    owner = g_tg_owner[a - base];
-    if (g_tg_owner[a - base + n - 1] != owner) owner = 0;
+    owner = g.shadow[a - base].owner;
+    if (g.shadow[a - base + n - 1].owner != owner) owner = 0;
   }
   if (owner == 0) {
     long long offset = static_cast<long long>(a) - static_cast<long long>(base);
@@ -587,8 +586,9 @@ uint32_t place_threadgroup(size_t bytes, size_t align) {
     lane_fail("too many threadgroup allocations for the simulator's layout");
   }
   ++g_tg_allocations;
-  std::fill(g_tg_owner + offset, g_tg_owner + offset + bytes,
-            static_cast<uint16_t>(g_tg_allocations));
+  for (uint64_t i = offset; i < offset + bytes; ++i) {
+    g.shadow[i].owner = static_cast<uint16_t>(g_tg_allocations);
+  }
   g.tg_layout = static_cast<uint32_t>(offset + bytes + gap);
   return static_cast<uint32_t>(offset);
 }
@@ -601,9 +601,9 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
     if (p == MAP_FAILED) throw std::bad_alloc();
     g_tg_arena = static_cast<char*>(p);
     g.shadow = new Shadow[kTgSpan];
-    g_tg_owner = new uint16_t[kTgSpan];
   }
-  std::fill(g_tg_owner, g_tg_owner + kTgSpan, uint16_t{0});
+  // Owners are set only inside the layout: clearing the last launch's is enough.
+  for (uint32_t i = 0; i < g.tg_layout; ++i) g.shadow[i].owner = 0;
   g_tg_allocations = 0;
   g.tg_layout = 0;
   g.tg_base = g_tg_arena + kTgGuardLo;

@@ -6,6 +6,7 @@
 // of shader code, reach it without thread-local lookups.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -39,9 +40,18 @@ enum class SimdWait : uint8_t { None, Exchange, Barrier };
 // is reached from two call sites counts as two barriers. `key` hashes the whole chain.
 struct CallChain {
   static constexpr uint32_t kMax = 12;
-  const void* pc[kMax] = {};
+  // Only pc[0, n) is set: a chain is built at every rendezvous, so the rest is not even zeroed.
+  const void* pc[kMax];
   uint32_t n = 0;
   uint64_t key = 0;
+  CallChain() = default;
+  CallChain(const CallChain& o) : n(o.n), key(o.key) { std::copy(o.pc, o.pc + o.n, pc); }
+  CallChain& operator=(const CallChain& o) {
+    n = o.n;
+    key = o.key;
+    std::copy(o.pc, o.pc + o.n, pc);
+    return *this;
+  }
 };
 
 struct Lane {
@@ -117,6 +127,10 @@ struct Shadow {
   uint16_t w_lane = 0;
   uint16_t r_lane = 0;
   uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes
+  // Threadgroup memory only: the allocation the byte belongs to (1-based; 0: a gap between
+  // allocations), kept here rather than in an array of its own so that the bounds check of an
+  // access reads the cache line that its race check needs anyway (checkers.cpp, tg_access).
+  uint16_t owner = 0;
 };
 // Race-checker shadow of one device region (a tensor's bytes, shared by the bindings that alias
 // it). Per byte: the threadgroup (linear index + 1) that last wrote it in this dispatch (0 if
