@@ -130,7 +130,7 @@ struct Region {
   uintptr_t host_hi = 0;
   uintptr_t arena_lo = 0;
   bool write_back = false;
-  DevShadow* writers = nullptr;  // shadow, one entry per byte (tensor regions, with checkers)
+  DevShadow race;  // its arrays are mapped for tensor regions, with checkers
 };
 
 char* g_arena = nullptr;
@@ -224,23 +224,39 @@ std::string threadgroup_name(uint32_t tg_id) {
 // threadgroup and written or read by another in the same dispatch is a race. Within a
 // threadgroup, lanes are ordered as for threadgroup memory, by barriers with mem_device.
 void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
-  DevShadow* w = b.writers + (a - b.lo);
+  DevShadow& race = *b.race;
+  const size_t first = b.race_offset + (a - b.lo);
+  uint32_t* tg = race.tg + first;
+  Shadow* in_tg = race.in_tg + first;
   const Lane* me = g.cur;
   for (size_t i = 0; i < n; ++i) {
-    if (w[i].tg != 0 && w[i].tg != g.tg_id) {
+    if (tg[i] != 0 && tg[i] != g.tg_id) {
       char buf[320];
       snprintf(buf, sizeof buf,
                "device memory race: %s byte offset %lld of [[buffer(%u)]], which threadgroup %s "
                "wrote in the same dispatch (threadgroups are not ordered)",
                write ? "writes" : "reads", static_cast<long long>(a + i - b.lo), b.index,
-               threadgroup_name(w[i].tg).c_str());
+               threadgroup_name(tg[i]).c_str());
       lane_fail(buf, g.access_pc);
     }
-    if (write) w[i].tg = g.tg_id;
-    if (me != nullptr) {
-      int r = order(w[i].in_tg, me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
-      if (r != kOrdered) device_race(b, a + i, write, r);
+    if (me == nullptr) {
+      if (write) tg[i] = g.tg_id;
+      continue;
     }
+    if (!race.track_reads) {
+      if (!write && tg[i] == 0) {
+        // Nothing to order it after; a later write of this threadgroup restarts (DevShadow).
+        race.untracked_read_tg = g.tg_id;
+        continue;
+      }
+      if (write && race.untracked_read_tg == g.tg_id) {
+        g.track_reads |= race.bindings;
+        lane_restart();
+      }
+    }
+    if (write) tg[i] = g.tg_id;
+    int r = order(in_tg[i], me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
+    if (r != kOrdered) device_race(b, a + i, write, r);
   }
 }
 
@@ -287,7 +303,7 @@ void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   }
   (write ? b->counters.written : b->counters.read) += n;
   if (g.checkers && !bytes) check_alignment(*b, a, n, write);
-  if (b->writers != nullptr && g.checkers) check_device_race(*b, a, n, write);
+  if (b->race != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
 
 // ------------------------------------------------------------------------- threadgroup memory
@@ -326,8 +342,7 @@ std::string tg_name(uint32_t offset) {
   lane_fail(buf, g.access_pc);
 }
 
-// Which allocation (1-based; 0: none, a gap) each byte of the layout belongs to.
-uint16_t* g_tg_owner = nullptr;
+// Allocations placed in the layout so far (Shadow::owner numbers them).
 uint32_t g_tg_allocations = 0;
 
 // The allocation nearest to layout offset `offset`: its name and the offset relative to it.
@@ -356,8 +371,8 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   auto base = reinterpret_cast<uintptr_t>(g.tg_base);
   uint16_t owner = 0;
   if (a >= base && a + n <= base + kTgSpan) {
-    owner = g_tg_owner[a - base];
-    if (g_tg_owner[a - base + n - 1] != owner) owner = 0;
+    owner = g.shadow[a - base].owner;
+    if (g.shadow[a - base + n - 1].owner != owner) owner = 0;
   }
   if (owner == 0) {
     long long offset = static_cast<long long>(a) - static_cast<long long>(base);
@@ -412,6 +427,17 @@ inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bo
 
 }  // namespace
 
+namespace {
+void* map_shadow(size_t bytes, const LaunchSpec& spec) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw SimError("kernel '" + spec.kernel + "': cannot map a race-checker shadow");
+  }
+  return p;
+}
+}  // namespace
+
 void bind_device(const LaunchSpec& spec) {
   // Group bindings by overlapping host memory: such bindings alias on the GPU too.
   std::vector<const BufferArg*> args;
@@ -452,9 +478,9 @@ void bind_device(const LaunchSpec& spec) {
     r.arena_lo += reinterpret_cast<uintptr_t>(g_arena);
     if (spec.checkers && r.write_back && r.host_hi > r.host_lo) {
       // Untouched shadow pages cost nothing: reading them maps the zero page.
-      void* w = mmap(nullptr, (r.host_hi - r.host_lo) * sizeof(DevShadow),
-                     PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (w != MAP_FAILED) r.writers = static_cast<DevShadow*>(w);
+      const size_t bytes = r.host_hi - r.host_lo;
+      r.race.tg = static_cast<uint32_t*>(map_shadow(bytes * sizeof(uint32_t), spec));
+      r.race.in_tg = static_cast<Shadow*>(map_shadow(bytes * sizeof(Shadow), spec));
     }
     if (r.host_hi > r.host_lo) {
       std::memcpy(reinterpret_cast<void*>(r.arena_lo), reinterpret_cast<void*>(r.host_lo),
@@ -476,7 +502,13 @@ void bind_device(const LaunchSpec& spec) {
     d.index = args[i]->index;
     d.lo = lo;
     d.hi = lo + args[i]->bytes;
-    if (r.writers != nullptr) d.writers = r.writers + (lo - r.arena_lo);
+    if (r.race.tg != nullptr) {
+      Region& region = g_regions[region_of[i]];
+      d.race = &region.race;
+      d.race_offset = lo - r.arena_lo;
+      region.race.bindings |= 1u << d.index;
+      if (g.track_reads & (1u << d.index)) region.race.track_reads = true;
+    }
     g.dev.push_back(d);
     g.buffer_base[d.index] = reinterpret_cast<void*>(lo);
     g.buffer_bound[d.index] = true;
@@ -534,8 +566,10 @@ void unbind_device(bool write_back) {
     c.written += d.counters.written;
   }
   for (Region& r : g_regions) {
-    if (r.writers != nullptr) munmap(r.writers, (r.host_hi - r.host_lo) * sizeof(DevShadow));
-    r.writers = nullptr;
+    const size_t bytes = r.host_hi - r.host_lo;
+    if (r.race.tg != nullptr) munmap(r.race.tg, bytes * sizeof(uint32_t));
+    if (r.race.in_tg != nullptr) munmap(r.race.in_tg, bytes * sizeof(Shadow));
+    r.race = DevShadow();
   }
   if (g_arena != nullptr) munmap(g_arena, g_arena_bytes);
   g_arena = nullptr;
@@ -552,8 +586,9 @@ uint32_t place_threadgroup(size_t bytes, size_t align) {
     lane_fail("too many threadgroup allocations for the simulator's layout");
   }
   ++g_tg_allocations;
-  std::fill(g_tg_owner + offset, g_tg_owner + offset + bytes,
-            static_cast<uint16_t>(g_tg_allocations));
+  for (uint64_t i = offset; i < offset + bytes; ++i) {
+    g.shadow[i].owner = static_cast<uint16_t>(g_tg_allocations);
+  }
   g.tg_layout = static_cast<uint32_t>(offset + bytes + gap);
   return static_cast<uint32_t>(offset);
 }
@@ -566,9 +601,9 @@ void reset_threadgroup_memory(const LaunchSpec& spec) {
     if (p == MAP_FAILED) throw std::bad_alloc();
     g_tg_arena = static_cast<char*>(p);
     g.shadow = new Shadow[kTgSpan];
-    g_tg_owner = new uint16_t[kTgSpan];
   }
-  std::fill(g_tg_owner, g_tg_owner + kTgSpan, uint16_t{0});
+  // Owners are set only inside the layout: clearing the last launch's is enough.
+  for (uint32_t i = 0; i < g.tg_layout; ++i) g.shadow[i].owner = 0;
   g_tg_allocations = 0;
   g.tg_layout = 0;
   g.tg_base = g_tg_arena + kTgGuardLo;

@@ -49,6 +49,9 @@ Sim g;
 
 namespace {
 
+// Thrown by run_threadgroup when a lane called lane_restart; caught by run_grid.
+struct Restart {};
+
 std::mutex& launch_mutex() {
   static std::mutex m;
   return m;
@@ -368,6 +371,7 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     switch_context(&g.scheduler, &lane->ctx);
     g.cur = nullptr;
     if (g.failed) {
+      if (g.restart) throw Restart{};
       if (g_interrupted) throw Interrupted(g.error);
       throw SimError(g.error);
     }
@@ -579,6 +583,15 @@ void lane_fail(std::string message, const void* pc) {
   full.shrink_to_fit();  // the lane's stack is abandoned: free what it owns first
   message.clear();
   message.shrink_to_fit();
+  Lane* me = g.cur;
+  g.cur = nullptr;
+  switch_context(&me->ctx, &g.scheduler);
+  __builtin_unreachable();
+}
+
+void lane_restart() {
+  g.failed = true;
+  g.restart = true;
   Lane* me = g.cur;
   g.cur = nullptr;
   switch_context(&me->ctx, &g.scheduler);
@@ -992,7 +1005,7 @@ void validate(const LaunchSpec& spec) {
   }
 }
 
-void run_grid(const LaunchSpec& spec) {
+void run_grid_once(const LaunchSpec& spec) {
   for (uint32_t z = 0; z < spec.grid[2]; ++z) {
     for (uint32_t y = 0; y < spec.grid[1]; ++y) {
       for (uint32_t x = 0; x < spec.grid[0]; ++x) {
@@ -1000,6 +1013,26 @@ void run_grid(const LaunchSpec& spec) {
         run_threadgroup(x, y, z);
         ++g.counters.threadgroups;
       }
+    }
+  }
+}
+
+// The dispatch on freshly bound memory, started over (nothing written back, counters from zero)
+// each time a region turns out to need its reads tracked (state.h: DevShadow); every restart
+// adds a binding to g.track_reads, so there are at most 31.
+void run_grid(const LaunchSpec& spec) {
+  for (;;) {
+    try {
+      run_grid_once(spec);
+      return;
+    } catch (const Restart&) {
+      g.failed = false;
+      g.restart = false;
+      unbind_device(false);
+      reset_threadgroup_memory(spec);
+      g.counters = Counters();
+      g.counters.kernel = spec.kernel;
+      bind_device(spec);
     }
   }
 }
@@ -1037,6 +1070,8 @@ Counters launch(const LaunchSpec& spec) {
   g.counters = Counters();
   g.counters.kernel = spec.kernel;
   g.failed = false;
+  g.restart = false;
+  g.track_reads = 0;
   g.error.clear();
   g.cur = nullptr;
   g.tg_pos[0] = g.tg_pos[1] = g.tg_pos[2] = 0;

@@ -6,6 +6,7 @@
 // of shader code, reach it without thread-local lookups.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -39,9 +40,18 @@ enum class SimdWait : uint8_t { None, Exchange, Barrier };
 // is reached from two call sites counts as two barriers. `key` hashes the whole chain.
 struct CallChain {
   static constexpr uint32_t kMax = 12;
-  const void* pc[kMax] = {};
+  // Only pc[0, n) is set: a chain is built at every rendezvous, so the rest is not even zeroed.
+  const void* pc[kMax];
   uint32_t n = 0;
   uint64_t key = 0;
+  CallChain() = default;
+  CallChain(const CallChain& o) : n(o.n), key(o.key) { std::copy(o.pc, o.pc + o.n, pc); }
+  CallChain& operator=(const CallChain& o) {
+    n = o.n;
+    key = o.key;
+    std::copy(o.pc, o.pc + o.n, pc);
+    return *this;
+  }
 };
 
 struct Lane {
@@ -89,8 +99,10 @@ struct DeviceBuffer {
   uint32_t index = 0;
   uintptr_t lo = 0;  // in the device arena
   uintptr_t hi = 0;
-  // Race shadow of this buffer's bytes (null for inline bytes), see DevShadow.
-  struct DevShadow* writers = nullptr;
+  // Race shadow of the region holding this buffer (null for inline bytes), see DevShadow, and
+  // the buffer's first byte in it.
+  struct DevShadow* race = nullptr;
+  size_t race_offset = 0;
   BufferCounters counters;
   // The poison region of a buffer a function constant disables or the dispatch leaves unbound
   // (Metal binds nothing there; a kernel may still hold the pointer, as long as a read of it is
@@ -115,13 +127,29 @@ struct Shadow {
   uint16_t w_lane = 0;
   uint16_t r_lane = 0;
   uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes
+  // Threadgroup memory only: the allocation the byte belongs to (1-based; 0: a gap between
+  // allocations), kept here rather than in an array of its own so that the bounds check of an
+  // access reads the cache line that its race check needs anyway (checkers.cpp, tg_access).
+  uint16_t owner = 0;
 };
-// Race-checker shadow of one device-memory byte: the threadgroup (linear index + 1) that last
-// wrote it in this dispatch (0 if none), for races between threadgroups, and the accesses of the
-// running threadgroup as for threadgroup memory, with device epochs (mem_device barriers).
+// Race-checker shadow of one device region (a tensor's bytes, shared by the bindings that alias
+// it). Per byte: the threadgroup (linear index + 1) that last wrote it in this dispatch (0 if
+// none), for races between threadgroups, and the accesses of the running threadgroup as for
+// threadgroup memory, with device epochs (mem_device barriers). Two arrays, so that the common
+// access, a read of a byte that nothing wrote in this dispatch, touches only the first.
+//
+// Such a read is recorded in `in_tg` only once the region tracks reads: a read of a byte that no
+// one wrote cannot race with an earlier access, only with a later write of the same threadgroup.
+// So a region starts untracked, remembers the last threadgroup that read it untracked, and when
+// that threadgroup then writes the region, the dispatch starts over with the region's reads
+// tracked (checkers.cpp, runtime.cpp: launch). Kernels that only read their inputs never pay
+// for recording those reads; one that reads and writes a buffer pays for one threadgroup twice.
 struct DevShadow {
-  uint32_t tg = 0;
-  Shadow in_tg;
+  uint32_t* tg = nullptr;
+  Shadow* in_tg = nullptr;
+  bool track_reads = false;
+  uint32_t untracked_read_tg = 0;
+  uint32_t bindings = 0;  // the binding indices (bit per index) that share the region
 };
 constexpr uint8_t kReadersManySimdgroups = 1;
 constexpr uint8_t kReadersManyLanes = 2;
@@ -205,6 +233,11 @@ struct Sim {
 
   // A fault inside a lane: recorded, then the lane switches to the scheduler, which throws.
   bool failed = false;
+  // The dispatch must start over with the reads of more regions tracked (DevShadow): then also
+  // `failed`, with no error. track_reads: the binding indices (bit per index) whose regions
+  // track reads from the start, learned by such restarts within one launch.
+  bool restart = false;
+  uint32_t track_reads = 0;
   std::string error;
 
   Counters counters;
@@ -220,6 +253,9 @@ std::string pc_text(const void* pc);
 // `pc`, an address in shader code, is named in the message as "[pc <library>+0x<offset>]" (which
 // torch_steel/sim/__init__.py turns into file:line).
 [[noreturn]] void lane_fail(std::string message, const void* pc = nullptr);
+// Abandons the running lane and the dispatch, which launch() runs again from the start with the
+// regions of the binding indices in g.track_reads tracking reads (DevShadow).
+[[noreturn]] void lane_restart();
 
 // checkers.cpp
 void bind_device(const LaunchSpec& spec);    // copies buffers into a fresh arena

@@ -1,6 +1,7 @@
 """Constructs that Metal accepts must build and run here too (kernels:
 tests/sim/kernels/lang_accepted.metal, with <sub/helper.h> from kernels/accepted_inc)."""
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,31 @@ def test_address_space_qualified_member_functions_on_device_objects():
     run("accepted_device_members", grid=(1,), threads=(2,), buffers={0: pairs, 1: out})
     assert out.tolist() == [-1.0, 3.0, 60.0, -2.0, 8.0, 160.0]
     assert pairs.tolist() == [[2.0, 4.0], [6.0, 10.0]]
+
+
+def test_apple_builtins_compute_what_their_functions_do():
+    x = torch.linspace(-2.0, 2.0, 32)
+    out = torch.zeros(32 * 8)
+    run("accepted_metal_builtins", grid=(1,), threads=(32,), buffers={0: x, 1: out})
+    out = out.view(32, 8).double()
+    xd = x.double()
+    # The precise exp (Table 8.1: <= 4 ulp; the shim rounds the binary32 result once) and the
+    # correctly rounded rest, against float64.
+    assert torch.allclose(out[:, 0], xd.exp(), rtol=4 * 2.0**-23, atol=0)
+    assert torch.equal(out[:, 1], torch.maximum(torch.maximum(xd, torch.full_like(xd, 0.5)), -xd))
+    assert torch.allclose(out[:, 2], torch.atan2(xd, torch.full_like(xd, 2.0)), rtol=6 * 2.0**-23)
+    assert torch.equal(out[:, 3], (xd * xd + 1.0).float().double())
+    assert torch.allclose(out[:, 4], torch.full_like(xd, xd.sum().item()), atol=1e-5)
+    assert torch.equal(out[:, 5], xd.view(16, 2).flip(1).reshape(32))
+    assert (out[:, 6] == 32).all()
+    assert torch.equal(out[:, 7], 2 * xd)
+
+
+def test_params_struct_copied_from_constant_and_device_memory():
+    raw = struct.pack("<ifff", 3, 0.5, 0.25, -1.0)
+    dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+    out = torch.zeros(4 * 6)
+    run("accepted_params_copy", grid=(1,), threads=(4,), buffers={0: raw, 1: dev, 2: out})
+    total = 0.5 + 0.25 - 1.0
+    row = [3 * 0.5 - 1.0, 3 * 0.5 + 0.25, 3 - 1.0, total, 2 * total, 3 * total]
+    assert out.view(4, 6).tolist() == [row] * 4

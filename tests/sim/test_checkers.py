@@ -504,6 +504,37 @@ def test_device_memory_inside_a_threadgroup_needs_a_mem_device_barrier(stride):
     assert torch.equal(out, ((torch.arange(64) + stride) % 64).float())
 
 
+@pytest.mark.parametrize("stride", [63, 1])
+def test_device_write_after_another_threads_read_needs_a_mem_device_barrier(stride):
+    # The read is of bytes nothing wrote yet, which the checker records only once the buffer is
+    # seen to be written too (the dispatch then starts over): the race must still be found, and
+    # the ordered twin must give its results and the counters of one run.
+    for kind in (0, 2):
+        with pytest.raises(
+            SimulatorError, match=r"data race on device memory.*\[\[buffer\(0\)\]\]"
+        ):
+            run(
+                "exec_device_read_then_write",
+                grid=(1,),
+                threads=(64,),
+                buffers={0: torch.zeros(64), 1: torch.zeros(64), 2: u32(kind), 3: u32(stride)},
+            )
+    data = torch.full((64,), -1.0)
+    out = torch.zeros(64)
+    counters = run(
+        "exec_device_read_then_write",
+        grid=(1,),
+        threads=(64,),
+        counters=True,
+        buffers={0: data, 1: out, 2: u32(1), 3: u32(stride)},
+    )
+    assert torch.equal(data, torch.arange(64).float())
+    assert torch.equal(out, torch.full((64,), -1.0))
+    assert counters["threadgroups"] == 1
+    assert counters["lanes"] == 64
+    assert counters["buffers"][0] == {"read": 64 * 4, "written": 64 * 4}
+
+
 def test_only_barriers_with_mem_threadgroup_order_a_simdgroup():
     for kind in (0, 1):
         with pytest.raises(SimulatorError, match=r"exec_simd_op_neighbour.*data race"):

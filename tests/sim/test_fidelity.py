@@ -136,6 +136,78 @@ def test_worst_precision_moves_results_to_the_edge_of_the_msl_bounds(monkeypatch
     assert torch.equal(hworst[:, 3], hexact[:, 3])
 
 
+def _composed_run(monkeypatch, mode):
+    if mode is None:
+        monkeypatch.delenv("TORCH_STEEL_SIM_FAST_MATH", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_STEEL_SIM_FAST_MATH", mode)
+    x = torch.linspace(-3.0, 3.0, 64)
+    out = torch.zeros(64 * 8)
+    hout = torch.zeros(64 * 4, dtype=torch.float16)
+    run("lang_precision_composed", grid=(1,), threads=(64,), buffers={0: x, 1: out, 2: hout})
+    return x.double(), out.view(64, 8).double(), hout.view(64, 4).double()
+
+
+def test_worst_precision_follows_table_8_2_implementations_and_table_8_3(monkeypatch):
+    x, exact, hexact = _composed_run(monkeypatch, None)
+    _, worst, hworst = _composed_run(monkeypatch, "worst")
+    f32 = torch.float32
+    p = (x.float().abs() + 0.25).double()
+    q = (x.float() / 4).double()
+    truth = torch.stack(
+        [10**x, p.log10(), p**1.5, x.sinh(), x.cosh(), q.asin(), q.acos(), x.atan()], 1
+    )
+    # Exact mode: the shim's binary32 functions (glibc's, within 2 ulp by its own tables; the
+    # precise Table 8.1 allows 4 to 16).
+    assert ((exact - truth).abs() <= 2 * _ulp(truth, f32)).all()
+    # exp10(x) = exp2(y) with y = x * log2(10) rounded to float: exp2's bound at y (3 +
+    # floor(|2y|) ulp) plus what the product's rounding moves 2^y from 10^x.
+    y = (x.float() * torch.tensor(3.32192809488736234787).float()).double()
+    b_exp10 = (2**y - 10**x).abs() + (3 + (2 * y).abs().floor()) * _ulp(2**y, f32)
+    # log10(p) = log2(p) * log10(2): log2's bound (2^-22 absolute in [0.5, 2], else 2 ulp)
+    # scaled by log10(2), plus the constant's and the product's roundings.
+    in_half = (p >= 0.5) & (p <= 2.0)
+    b_log2 = torch.where(in_half, 2.0**-22, 2 * _ulp(p.log2(), f32))
+    b_log10 = 0.30103 * b_log2 + 2 * _ulp(truth[:, 1], f32)
+    # pow(p, 1.5) = exp2(1.5 log2(p)): log2's error times 1.5 ln(2) relative, then exp2's.
+    t = 1.5 * p.log2()
+    b_pow = truth[:, 2] * (1.5 * b_log2 + 2 * _ulp(t, f32)) * 0.6932 + (
+        3 + (2 * t).abs().floor()
+    ) * _ulp(truth[:, 2], f32) * (1 + 2**-10)
+    # sinh, cosh = 0.5 (exp(x) -/+ exp(-x)): both exp bounds, plus the sum's rounding.
+    b_exp = (3 + (2 * x).abs().floor()) * (_ulp(x.exp(), f32) + _ulp((-x).exp(), f32))
+    b_sinh = 0.5 * b_exp + _ulp(truth[:, 3], f32)
+    b_cosh = 0.5 * b_exp + _ulp(truth[:, 4], f32)
+    bounds = torch.stack(
+        [
+            b_exp10,
+            b_log10,
+            b_pow,
+            b_sinh,
+            b_cosh,
+            5 * _ulp(truth[:, 5], f32),
+            5 * _ulp(truth[:, 6], f32),
+            5 * _ulp(truth[:, 7], f32),
+        ],
+        1,
+    )
+    err = (worst - truth).abs()
+    assert (err <= bounds).all(), (err / bounds).max()
+    assert ((worst != exact).float().mean(0) > 0.5).all()
+    # Half: rsqrt is correctly rounded (Table 8.3) and stays; sinpi and asinh may be 1 ulp off;
+    # fdim is exact.
+    hp = p.half().double()
+    hx = x.half().double()
+    assert torch.equal(hexact[:, 0], hp.rsqrt().half().double())
+    assert torch.equal(hworst[:, 0], hexact[:, 0])
+    hf = torch.stack([torch.sin(torch.pi * hx), hx.asinh()], 1)
+    assert ((hexact[:, 1:3] - hf).abs() <= 0.5 * _ulp(hf, torch.float16) + 1e-7).all()
+    assert ((hworst[:, 1:3] - hf).abs() <= _ulp(hf, torch.float16) * (1 + 2**-10) + 1e-7).all()
+    assert (hworst[:, 1:3] != hexact[:, 1:3]).float().mean() > 0.3
+    assert torch.equal(hexact[:, 3], (hx - 0.5).clamp(min=0).half().double())
+    assert torch.equal(hworst[:, 3], hexact[:, 3])
+
+
 def test_worst_precision_is_deterministic_per_seed(monkeypatch):
     _, a, ha = _precision_run(monkeypatch, "worst", seed=7)
     _, b, hb = _precision_run(monkeypatch, "worst", seed=7)

@@ -190,3 +190,30 @@ def test_each_metal_file_keeps_its_own_helpers():
     sim.run_kernel("lang_file_b", sources=sources, grid=(1,), threads=(4,), buffers={0: b})
     assert a.tolist() == [i + 1.0 + 200.0 for i in range(4)]
     assert b.tolist() == [i * 10.0 + 1000.0 for i in range(4)]
+
+
+@requires_clang
+def test_a_build_says_what_it_builds_as_it_starts(tmp_path, capfd):
+    # A first use is a build of several seconds: it must not be silence. A comment naming the
+    # temporary directory makes the source, and so its build directory, new.
+    from torch_steel import sim
+
+    src = tmp_path / "announced.metal"
+    src.write_text(
+        f"// {tmp_path}\n"
+        "#include <metal_stdlib>\n"
+        "using namespace metal;\n"
+        "kernel void announced(device float* out [[buffer(0)]],\n"
+        "                      uint i [[thread_position_in_grid]]) { out[i] = float(i); }\n"
+    )
+    out = torch.zeros(4)
+    sim.run_kernel("announced", sources=[src], grid=(1,), threads=(4,), buffers={0: out})
+    err = capfd.readouterr().err
+    assert re.search(
+        r"building the Metal simulator's test kernels \(announced\.metal\) \(first use after a "
+        r"change; usually [^)]+\) in \S+",
+        err,
+    ), err
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    sim.run_kernel("announced", sources=[src], grid=(1,), threads=(4,), buffers={0: out})
+    assert "building" not in capfd.readouterr().err  # built once, then silent

@@ -20,7 +20,11 @@ errors and checker reports point into the original file:
   `static_cast<float4>(h)`, `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become
   calls to the shim;
 - floating-point literals without a suffix get `f` (MSL has no double), `h` becomes `f16`;
-- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces);
+- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces), and the
+  initializer of a local variable of class type goes through steel_shim::as_local
+  (copy-initialization across address spaces, `Params p = *params;`);
+- address-space-qualified member functions (`float f() const device`, declared, defined in
+  the class or outside it) are renamed and reached through explicit-object templates;
 - other MSL attributes are removed.
 
 Constructs outside MSL (C++ standard library includes, kernels declared inside macros,
@@ -620,7 +624,8 @@ class _Translator:
                 if nk is not None:
                     k = stmt_start = nk
                     continue
-            if s == ")" and scopes and scopes[-1] == "class" and not in_directive:
+                self.local_copy(r, k)
+            if s == ")" and (at_ns or scopes[-1] == "class") and not in_directive:
                 self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
@@ -1076,7 +1081,7 @@ class _Translator:
             if r.t(j) in ("device", "constant", "threadgroup", "thread"):
                 spaces.append(j)
             j += 1
-        if not spaces or r.t(j) != "{":
+        if not spaces or r.t(j) not in ("{", ";"):
             return
         is_const = any(r.t(x) == "const" for x in range(close + 1, j))
         depth, open_ = 0, close
@@ -1090,6 +1095,11 @@ class _Translator:
             raise r.error(close, "unsupported address-space-qualified member function")
         conversion = r.t(open_ - 2) == "operator"
         name = ("operator " if conversion else "") + r.t(open_ - 1)
+        # A definition outside its class (`float S::f() const device { ... }`) renames the
+        # function as its declaration in the class does; the wrapper is the declaration's.
+        outside = r.t(open_ - (3 if conversion else 2)) == "::"
+        if outside and r.t(j) != "{":
+            return
         params = r.flat(open_ + 1, close)
         names = []
         depth, last = 0, None
@@ -1108,7 +1118,7 @@ class _Translator:
                 depth = 0
             elif depth == 0 and r.kind(x) == "ident":
                 last = t
-        body_end = r.match(j)
+        body_end = r.match(j) if r.t(j) == "{" else j
         space = r.t(spaces[0])
         for x in spaces:
             r.sub(x, x + 1, "")
@@ -1119,6 +1129,8 @@ class _Translator:
             r.sub(open_ - 2, open_, f"{r.t(open_ - 1)} {renamed}")
         else:
             r.sub(open_ - 1, open_, renamed)
+        if outside:
+            return
         c = "const " if is_const else ""
         self_param = f"this {c}{space} __SteelSelf& __steel_self"
         target = f"(({c}__SteelSelf&)__steel_self).{renamed}({', '.join(names)})"
@@ -1131,6 +1143,113 @@ class _Translator:
                 f" {{ return {target}; }}"
             )
         r.add_after(body_end, wrapper)
+
+    # ---- Params p = *params;: a local variable initialized from another address space
+    _NOT_CLASS = (
+        frozenset(
+            {
+                "bool",
+                "char",
+                "uchar",
+                "short",
+                "ushort",
+                "int",
+                "uint",
+                "long",
+                "ulong",
+                "half",
+                "bfloat",
+                "float",
+                "size_t",
+                "ptrdiff_t",
+                "int8_t",
+                "uint8_t",
+                "int16_t",
+                "uint16_t",
+                "int32_t",
+                "uint32_t",
+                "int64_t",
+                "uint64_t",
+                "void",
+            }
+        )
+        | VECTOR_TYPES
+    )
+    _NOT_DECLARATION = frozenset(
+        {
+            "return",
+            "case",
+            "default",
+            "goto",
+            "using",
+            "typedef",
+            "else",
+            "do",
+            "static",
+            "constexpr",
+            "extern",
+            "template",
+            "typename",
+            "operator",
+            "device",
+            "constant",
+            "threadgroup",
+            "thread",
+            "threadgroup_imageblock",
+            "ray_data",
+            "object_data",
+        }
+    )
+
+    def local_copy(self, r: _Rewriter, k: int) -> None:
+        """`T name = expression;` in a function body, T a class type or `auto`: MSL
+        copy-initializes from an object in any address space (`Params p = *params;` with
+        `constant Params* params`), C++ only from a generic one. The initializer is wrapped in
+        steel_shim::as_local (steel_shim/construct.h), which copies an object of another space
+        and passes anything else through. Scalar and vector types (never in another space
+        here), braced initializers and declarations of several names are left alone."""
+        j = k
+        words = []
+        n = len(r.sig)
+        while j < n:
+            s = r.t(j)
+            if s in self._NOT_DECLARATION:
+                return
+            if s in ("const", "volatile", "::"):
+                j += 1
+            elif r.kind(j) == "ident":
+                words.append(s)
+                j += 1
+                if r.t(j) == "<":
+                    try:
+                        j = r.match(j) + 1
+                    except TranslateError:
+                        return  # a comparison, not template arguments
+            else:
+                break
+        if j >= n or r.t(j) != "=" or r.t(j + 1) in ("{", "=") or len(words) < 2:
+            return
+        if words[-2] in self._NOT_CLASS:
+            return
+        end = j + 1
+        depth = 0
+        while end < n:
+            s = r.t(end)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}"):
+                depth -= 1
+                if depth < 0:
+                    return
+            elif depth == 0 and s == ",":
+                return
+            elif depth == 0 and s == ";":
+                break
+            end += 1
+        if end >= n or end == j + 1:
+            return
+        r.add_after(j, " ::steel_shim::as_local(")
+        r.add_after(end - 1, ")")
 
     # ---- threadgroup T name[N]; in a function body
     def threadgroup_decl(self, r: _Rewriter, k: int) -> int | None:

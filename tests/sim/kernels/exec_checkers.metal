@@ -252,6 +252,20 @@ kernel void exec_device_neighbour(device float* data [[buffer(0)]],
   out[tid] = data[(tid + stride) % n];
 }
 
+// The other order: each thread reads another thread's element (`stride` ahead, bytes nothing has
+// written yet), then writes its own, across a barrier chosen by `kind` as above.
+kernel void exec_device_read_then_write(device float* data [[buffer(0)]],
+                                        device float* out [[buffer(1)]],
+                                        constant uint& kind [[buffer(2)]],
+                                        constant uint& stride [[buffer(3)]],
+                                        uint tid [[thread_index_in_threadgroup]],
+                                        uint n [[threads_per_threadgroup]]) {
+  out[tid] = data[(tid + stride) % n];
+  if (kind == 1) threadgroup_barrier(mem_flags::mem_device);
+  if (kind == 2) threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tid] = float(tid);
+}
+
 // Threadgroup memory between the lanes of one simdgroup across a simd operation chosen by
 // `kind`: 0 simd_sum, 1 simdgroup_barrier(mem_none), 2 simdgroup_barrier(mem_threadgroup).
 // Only the last orders memory (MSL); lockstep execution is not a memory order.

@@ -111,3 +111,52 @@ kernel void accepted_device_members(device AcceptedPair* p [[buffer(0)]],
   local = p[i];
   out[i * 3 + 2] = local.sum();
 }
+
+// Apple's builtins as production kernels call them (MLX's bfloat overloads, for instance): math
+// with a math-mode argument, simd functions, the simdgroup size.
+kernel void accepted_metal_builtins(const device float* x [[buffer(0)]],
+                                    device float* out [[buffer(1)]],
+                                    uint i [[thread_position_in_grid]]) {
+  const float v = x[i];
+  out[i * 8 + 0] = __metal_exp(v, __METAL_MAYBE_FAST_MATH__);
+  out[i * 8 + 1] = __metal_fmax3(v, 0.5f, -v, __METAL_PRECISE_MATH__);
+  out[i * 8 + 2] = __metal_atan2(v, 2.0f, __METAL_MAYBE_FAST_MATH__);
+  out[i * 8 + 3] = __metal_fma(v, v, 1.0f);
+  out[i * 8 + 4] = __metal_simd_sum(v);
+  out[i * 8 + 5] = __metal_simd_shuffle_xor(v, ushort(1));
+  out[i * 8 + 6] = float(__metal_get_simdgroup_size(ushort()));
+  int e = 0;
+  out[i * 8 + 7] = __metal_ldexp(__metal_frexp(v, &e), e + 1, __METAL_FAST_MATH__);
+}
+
+// A params struct copied whole out of constant and device memory into thread and threadgroup
+// variables, and member functions qualified with an address space defined outside the class.
+struct AcceptedParams {
+  int n;
+  float scale;
+  float bias[2];
+  float total() const constant;
+  float total() const device;
+  float total() const thread;
+};
+float AcceptedParams::total() const constant { return scale + bias[0] + bias[1]; }
+float AcceptedParams::total() const device { return 2.0f * (scale + bias[0] + bias[1]); }
+float AcceptedParams::total() const thread { return 3.0f * (scale + bias[0] + bias[1]); }
+
+kernel void accepted_params_copy(constant AcceptedParams* cp [[buffer(0)]],
+                                 const device AcceptedParams* dp [[buffer(1)]],
+                                 device float* out [[buffer(2)]],
+                                 uint i [[thread_index_in_threadgroup]]) {
+  threadgroup AcceptedParams shared;
+  const AcceptedParams a = *cp;
+  AcceptedParams b = *dp;
+  if (i == 0) shared = *dp;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const AcceptedParams c = shared;
+  out[i * 6 + 0] = float(a.n) * a.scale + a.bias[1];
+  out[i * 6 + 1] = float(b.n) * b.scale + b.bias[0];
+  out[i * 6 + 2] = float(c.n) + c.bias[1];
+  out[i * 6 + 3] = cp->total();
+  out[i * 6 + 4] = dp->total();
+  out[i * 6 + 5] = b.total();
+}

@@ -135,6 +135,24 @@ constexpr bool as_copy_ok =
     (metal::remove_address_space<__remove_reference_t(Self)>::value != 0 ||
      metal::remove_address_space<__remove_reference_t(Src)>::value != 0);
 
+// Copy-initialization from an object in another address space (`Params p = *params;` with
+// `constant Params* params`), which MSL allows and C++ cannot express (a class's implicit copy
+// constructor takes a generic reference): the pre-pass wraps the initializer of every local
+// variable of a class type (or `auto`) in this. An object outside the thread address space is
+// copied byte for byte into a thread one (a memcpy, which the checkers see like any struct
+// copy); anything else passes through unchanged, keeping its value category and constness.
+template <class T>
+constexpr decltype(auto) as_local(T&& x) {
+  using R = __remove_reference_t(T);
+  if constexpr (metal::remove_address_space<R>::value != 0) {
+    metal::remove_address_space_t<metal::remove_cv_t<R>> r;
+    __builtin_memcpy((void*)&r, (const void*)&x, sizeof r);
+    return r;
+  } else {
+    return static_cast<T&&>(x);
+  }
+}
+
 }  // namespace steel_shim
 
 #if __cplusplus > 202002L

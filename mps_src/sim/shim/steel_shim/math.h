@@ -2,7 +2,8 @@
 //
 // Scalars and vectors of half, bfloat and float. Every function is evaluated in binary32 and
 // rounded once to the argument's type (what Apple GPUs do for half, up to their documented ulp
-// bounds). precise:: and fast:: name the same functions: the simulator has one accuracy.
+// bounds). precise:: and fast:: give the same results unless TORCH_STEEL_SIM_FAST_MATH=worst
+// (below: the pessimistic-precision mode).
 #pragma once
 
 #include "construct.h"
@@ -139,14 +140,25 @@ inline bool_of<T> test1(T x, F f) {
 //
 // Off, every function is evaluated in binary32 and rounded once to its type. With
 // TORCH_STEEL_SIM_FAST_MATH=worst, the results that MSL lets a GPU compute less accurately are
-// moved to the edge of the specification's bound (section 7, the accuracy tables):
-// - half (and bfloat, which the tables do not cover: treated as half) exp, exp2, exp10, log,
-//   log2, log10, sin, cos, tan, asin, acos, atan, atan2, sinh, cosh, tanh, rsqrt, pow, powr:
-//   1 ulp of the type (the half-precision table: <= 1 ulp);
-// - fast:: float (the fast-math table): exp, exp2, exp10 by 3 + floor(|2x|) ulp; log by 2^-21
-//   absolute for x in [0.5, 2], else 3 ulp; log2 by 2^-22 absolute in [0.5, 2], else 2 ulp;
-//   sin and cos by 2^-13 absolute for x in [-pi, pi]; rsqrt by 2 ulp; divide by 2.5 ulp for a
-//   divisor in [2^-126, 2^126].
+// moved to the edge of the specification's bound (MSL 4 section 8.4, "ULPs and Relative
+// Error", Tables 8.1 to 8.5):
+// - half (Table 8.3, "Accuracy of half-precision floating-point operations and functions"):
+//   exp, exp2, exp10, log, log2, log10, sin, cos, tan, sinpi, cospi, tanpi, asin, acos, atan,
+//   atan2, sinh, cosh, tanh, asinh, acosh, atanh by 1 ulp of half; rsqrt and sqrt are correctly
+//   rounded there and stay. pow and powr have no row in Table 8.3: the simulator assumes the
+//   1 ulp of exp2 and log2 (an assumption, not the specification). bfloat: Tables 8.4 and 8.5
+//   state only its arithmetic; its functions are treated as half's, 1 ulp of bfloat.
+// - fast:: float (Table 8.2, "Accuracy of single-precision operations and functions with fast
+//   math enabled"): exp, exp2 by 3 + floor(|2x|) ulp; log by 2^-21 absolute for x in [0.5, 2],
+//   else 3 ulp; log2 by 2^-22 absolute in [0.5, 2], else 2 ulp; sin and cos by 2^-13 absolute
+//   for x in [-pi, pi]; acos by 5 ulp in [-1, 1], asin by 5 ulp in [-1, 1] for |x| >= 2^-125,
+//   atan by 5 ulp; rsqrt by 2 ulp; divide by 2.5 ulp for a divisor in [2^-126, 2^126]. The
+//   entries the table gives as an implementation are computed as it says, from those:
+//   exp10(x) = exp2(x * log2(10)), log10(x) = log2(x) * log10(2), pow and powr(x, y) =
+//   exp2(y * log2(x)) (x > 0), sinh and cosh(x) = 0.5 * (exp(x) -/+ exp(-x)). (tan, tanh, sqrt,
+//   atan2, asinh, acosh, atanh, sinpi, cospi and tanpi keep their exact results.)
+// - Precise float (Table 8.1) is what this project's shaders use (Metal built with
+//   -fno-fast-math): not perturbed.
 // "Moved to the edge": the representable value farthest from the exact result (the function
 // in binary64, or for half the binary32 result) that is still within the bound.
 // Precise float functions, sqrt, divide outside fast:: and the correctly rounded operations
@@ -156,7 +168,7 @@ inline bool_of<T> test1(T x, F f) {
 // same for every lane that computes the same value.
 enum class Fn : uint32_t {
   exp = 1, exp2, exp10, log, log2, log10, sin, cos, tan, asin, acos, atan, atan2, sinh, cosh,
-  tanh, rsqrt, pow, powr, divide
+  tanh, rsqrt, pow, powr, divide, acosh, asinh, atanh, sinpi, cospi, tanpi
 };
 
 inline uint64_t precision_hash(Fn fn, float x, float y) {
@@ -276,7 +288,8 @@ STEEL_SHIM_UNARY_INEXACT(log, __builtin_logf(v))
 STEEL_SHIM_UNARY_INEXACT(log2, __builtin_log2f(v))
 STEEL_SHIM_UNARY_INEXACT(log10, __builtin_log10f(v))
 STEEL_SHIM_UNARY(sqrt, __builtin_sqrtf(v))
-STEEL_SHIM_UNARY_INEXACT(rsqrt, 1.0f / __builtin_sqrtf(v))
+// Correctly rounded in every table but fast::'s (Tables 8.1, 8.3): computed in binary64.
+STEEL_SHIM_UNARY(rsqrt, float(1.0 / __builtin_sqrt(double(v))))
 STEEL_SHIM_UNARY_INEXACT(sin, __builtin_sinf(v))
 STEEL_SHIM_UNARY_INEXACT(cos, __builtin_cosf(v))
 STEEL_SHIM_UNARY_INEXACT(tan, __builtin_tanf(v))
@@ -286,6 +299,15 @@ STEEL_SHIM_UNARY_INEXACT(atan, __builtin_atanf(v))
 STEEL_SHIM_UNARY_INEXACT(sinh, __builtin_sinhf(v))
 STEEL_SHIM_UNARY_INEXACT(cosh, __builtin_coshf(v))
 STEEL_SHIM_UNARY_INEXACT(tanh, __builtin_tanhf(v))
+STEEL_SHIM_UNARY_INEXACT(asinh, __builtin_asinhf(v))
+STEEL_SHIM_UNARY_INEXACT(acosh, __builtin_acoshf(v))
+STEEL_SHIM_UNARY_INEXACT(atanh, __builtin_atanhf(v))
+constexpr double kPi = 3.14159265358979323846;
+// sin(pi x), cos(pi x), tan(pi x): x reduced modulo 2 first (exact in binary32), then in
+// binary64, so that pi x is not rounded before the function.
+STEEL_SHIM_UNARY_INEXACT(sinpi, float(__builtin_sin(kPi * double(__builtin_fmodf(v, 2.0f)))))
+STEEL_SHIM_UNARY_INEXACT(cospi, float(__builtin_cos(kPi * double(__builtin_fmodf(v, 2.0f)))))
+STEEL_SHIM_UNARY_INEXACT(tanpi, float(__builtin_tan(kPi * double(__builtin_fmodf(v, 2.0f)))))
 #undef STEEL_SHIM_UNARY_INEXACT
 STEEL_SHIM_UNARY(erf, __builtin_erff(v))
 STEEL_SHIM_UNARY(floor, __builtin_floorf(v))
@@ -350,7 +372,71 @@ STEEL_SHIM_BINARY(fmin, __builtin_fminf(a, b))
 STEEL_SHIM_BINARY(fmax, __builtin_fmaxf(a, b))
 STEEL_SHIM_BINARY(divide, a / b)
 STEEL_SHIM_BINARY(step, b < a ? 0.0f : 1.0f)
+// x - y if x > y, else +0 (NaN operands give NaN).
+STEEL_SHIM_BINARY(fdim, a != a || b != b ? a + b : (a > b ? a - b : 0.0f))
 #undef STEEL_SHIM_BINARY
+
+// The next value of x's type after x towards y (in half or bfloat, a step of that type).
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T nextafter(T x, T y) {
+  using E = steel_shim::elem_t<T>;
+  using U = metal::conditional_t<sizeof(E) == 4, uint32_t, uint16_t>;
+  auto one = [](E a, E b) -> E {
+    const float fa = float(a), fb = float(b);
+    if (fa != fa || fb != fb) return E(fa + fb);
+    if (fa == fb) return b;
+    const U sign = U(U(1) << (sizeof(E) * 8 - 1));
+    if (fa == 0.0f) return __builtin_bit_cast(E, U(fb > 0.0f ? 1 : sign | 1));
+    const U bits = __builtin_bit_cast(U, a);
+    return __builtin_bit_cast(E, U((fa < fb) == (fa > 0.0f) ? bits + 1 : bits - 1));
+  };
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = one(E(x[k]), E(y[k]));
+    return r;
+  } else {
+    return one(x, y);
+  }
+}
+
+// x = m 2^e with |m| in [0.5, 1) (x's type; exact, as the tables' 0 ulp says).
+template <typename T, typename I, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T frexp(T x, thread I& exponent) {
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
+      int e = 0;
+      r[k] = steel_shim::elem_t<T>(__builtin_frexpf(float(x[k]), &e));
+      exponent[k] = e;
+    }
+    return r;
+  } else {
+    int e = 0;
+    const T r = T(__builtin_frexpf(float(x), &e));
+    exponent = e;
+    return r;
+  }
+}
+
+// x 2^k, correctly rounded to x's type.
+template <typename T, typename I, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T ldexp(T x, I k) {
+  if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int i = 0; i < steel_shim::vinfo<T>::size; ++i) {
+      int e;
+      if constexpr (steel_shim::vinfo<I>::is_vector) {
+        e = int(k[i]);
+      } else {
+        e = int(k);
+      }
+      r[i] = steel_shim::elem_t<T>(__builtin_ldexp(double(x[i]), e));
+    }
+    return r;
+  } else {
+    return T(__builtin_ldexp(double(x), int(k)));
+  }
+}
 
 }  // namespace metal
 
@@ -561,13 +647,44 @@ inline T mulhi(T x, T y) {
   return T(((__int128)x * (__int128)y) >> (sizeof(T) * 8));
 }
 
+// Of three values (MSL 6.5): fmax3/fmin3 as two fmax/fmin, the median as
+// max(min(x, y), min(max(x, y), z)) in fmax/fmin form; max3, min3 and median3 the same for any
+// number type.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fmax3(T x, T y, T z) {
+  return metal::fmax(metal::fmax(x, y), z);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fmin3(T x, T y, T z) {
+  return metal::fmin(metal::fmin(x, y), z);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T fmedian3(T x, T y, T z) {
+  return metal::fmax(metal::fmin(x, y), metal::fmin(metal::fmax(x, y), z));
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T max3(T x, T y, T z) {
+  return metal::max(metal::max(x, y), z);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T min3(T x, T y, T z) {
+  return metal::min(metal::min(x, y), z);
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
+inline T median3(T x, T y, T z) {
+  return metal::max(metal::min(x, y), metal::min(metal::max(x, y), z));
+}
+
 namespace precise {
 using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil, metal::clamp,
     metal::copysign, metal::cos, metal::cosh, metal::divide, metal::erf, metal::exp,
     metal::exp10, metal::exp2, metal::fabs, metal::floor, metal::fma, metal::fmax, metal::fmin,
     metal::fmod, metal::fract, metal::log, metal::log10, metal::log2, metal::max, metal::min,
     metal::pow, metal::powr, metal::rint, metal::round, metal::rsqrt, metal::saturate,
-    metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc;
+    metal::sin, metal::sinh, metal::sqrt, metal::tan, metal::tanh, metal::trunc, metal::acosh,
+    metal::asinh, metal::atanh, metal::sinpi, metal::cospi, metal::tanpi, metal::fdim,
+    metal::nextafter, metal::frexp, metal::ldexp, metal::fmax3, metal::fmin3, metal::fmedian3,
+    metal::max3, metal::min3, metal::median3;
 }  // namespace precise
 // fast::min, max, clamp, saturate, fmin and fmax are undefined for a NaN operand (MSL 6.2: "in
 // the fast variant, the behavior of NaNs is undefined"; only precise:: is IEEE minNum/maxNum;
@@ -579,10 +696,11 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
 // fast::exp2 overload (for its own bfloat type, say) would hide precise::exp2 and capture every
 // fast::exp2(float) call.
 namespace fast {
-using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ceil,
-    metal::copysign, metal::cosh, metal::erf, metal::fabs, metal::floor, metal::fma, metal::fmod,
-    metal::fract, metal::log10, metal::pow, metal::powr, metal::rint, metal::round, metal::sinh,
-    metal::sqrt, metal::tan, metal::tanh, metal::trunc;
+using metal::abs, metal::atan2, metal::ceil, metal::copysign, metal::erf, metal::fabs,
+    metal::floor, metal::fma, metal::fmod, metal::fract, metal::rint, metal::round, metal::sqrt,
+    metal::tan, metal::tanh, metal::trunc, metal::acosh, metal::asinh, metal::atanh, metal::sinpi,
+    metal::cospi, metal::tanpi, metal::fdim, metal::nextafter, metal::frexp, metal::ldexp,
+    metal::fmax3, metal::fmin3, metal::fmedian3;
 
 // The fast-math table's bounds for float (steel_shim::worst, measured from the function in
 // binary64); half and bfloat arguments get the metal:: function (fast:: changes only single
@@ -602,24 +720,80 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
     }                                                                                      \
   }
 #define STEEL_SHIM_IN(lo, hi) (x >= (lo) && x <= (hi))
-// exp, exp2, exp10: <= 3 + floor(fabs(2 * x)) ulp.
+// Every bound below is a row of MSL 4's Table 8.2 ("Accuracy of single-precision operations
+// and functions with fast math enabled", section 8.4).
+// exp, exp2: <= 3 + floor(fabs(2 * x)) ulp.
 STEEL_SHIM_FAST_INEXACT(exp, __builtin_exp(x), 3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
 STEEL_SHIM_FAST_INEXACT(exp2, __builtin_exp2(x), 3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
-STEEL_SHIM_FAST_INEXACT(exp10, __builtin_pow(10.0, x),
-                        3 + __builtin_floor(__builtin_fabs(2.0 * x)), 0.0)
-// log: for x in [0.5, 2] an absolute error <= 2^-21, else <= 3 ulp; log2: 2^-22, else 2 ulp.
+// log: for x in [0.5, 2] an absolute error <= 2^-21, otherwise (x > 0) <= 3 ulp; log2: 2^-22,
+// otherwise 2 ulp.
 STEEL_SHIM_FAST_INEXACT(log, __builtin_log(x), 3, STEEL_SHIM_IN(0.5f, 2.0f) ? 0x1p-21 : 0.0)
 STEEL_SHIM_FAST_INEXACT(log2, __builtin_log2(x), 2, STEEL_SHIM_IN(0.5f, 2.0f) ? 0x1p-22 : 0.0)
-// sin, cos: for x in [-pi, pi] an absolute error <= 2^-13 (the table gives no bound outside:
-// kept as computed there).
+// sin, cos: for x in [-pi, pi] an absolute error <= 2^-13 ("larger otherwise", no bound: kept
+// as computed there).
 STEEL_SHIM_FAST_INEXACT(sin, __builtin_sin(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
 STEEL_SHIM_FAST_INEXACT(cos, __builtin_cos(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
+// acos: <= 5 ulp in [-1, 1]; asin: <= 5 ulp in [-1, 1] for |x| >= 2^-125; atan: <= 5 ulp.
+STEEL_SHIM_FAST_INEXACT(acos, __builtin_acos(x), STEEL_SHIM_IN(-1.0f, 1.0f) ? 5 : 0, 0.0)
+STEEL_SHIM_FAST_INEXACT(asin, __builtin_asin(x),
+                        STEEL_SHIM_IN(-1.0f, 1.0f) && __builtin_fabsf(x) >= 0x1p-125f ? 5 : 0,
+                        0.0)
+STEEL_SHIM_FAST_INEXACT(atan, __builtin_atan(x), 5, 0.0)
 // rsqrt: <= 2 ulp.
 STEEL_SHIM_FAST_INEXACT(rsqrt, 1.0 / __builtin_sqrt(x), 2, 0.0)
 #undef STEEL_SHIM_IN
 #undef STEEL_SHIM_FAST_INEXACT
 
-// divide: <= 2.5 ulp for y in [2^-126, 2^126].
+// Table 8.2's rows that give an implementation instead of a bound: in the pessimistic mode,
+// that implementation over the fast:: functions above (so their errors compound as on the
+// GPU); otherwise the function's exact result. `composed` is the row's formula for a float.
+#define STEEL_SHIM_FAST_COMPOSED1(name, composed)                                         \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                            \
+  inline T name(T x) {                                                                  \
+    if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                           \
+      return metal::name(x);                                                            \
+    } else if constexpr (steel_shim::vinfo<T>::is_vector) {                             \
+      T r;                                                                              \
+      for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::name(float(x[k])); \
+      return r;                                                                         \
+    } else {                                                                            \
+      return steel_sim::worst_precision() ? float(composed) : metal::name(x);           \
+    }                                                                                   \
+  }
+// log2(10) and log10(2) rounded to float, as the GPU's formula holds them.
+STEEL_SHIM_FAST_COMPOSED1(exp10, fast::exp2(x * float(3.32192809488736234787)))
+STEEL_SHIM_FAST_COMPOSED1(log10, fast::log2(x) * float(0.301029995663981195214))
+STEEL_SHIM_FAST_COMPOSED1(sinh, 0.5f * (fast::exp(x) - fast::exp(-x)))
+STEEL_SHIM_FAST_COMPOSED1(cosh, 0.5f * (fast::exp(x) + fast::exp(-x)))
+#undef STEEL_SHIM_FAST_COMPOSED1
+
+// pow, powr: exp2(y * log2(x)) ("undefined for x = 0 and y = 0"); composed for x > 0 only,
+// where log2 is defined.
+#define STEEL_SHIM_FAST_POW(name)                                                           \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                              \
+  inline T name(T x, T y) {                                                               \
+    if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                             \
+      return metal::name(x, y);                                                           \
+    } else if constexpr (steel_shim::vinfo<T>::is_vector) {                               \
+      T r;                                                                                \
+      for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {                              \
+        r[k] = fast::name(float(x[k]), float(y[k]));                                      \
+      }                                                                                   \
+      return r;                                                                           \
+    } else {                                                                              \
+      const bool composed = steel_sim::worst_precision() && x > 0.0f && __builtin_isfinite(x); \
+      return composed ? fast::exp2(y * fast::log2(x)) : metal::name(x, y);                \
+    }                                                                                     \
+  }                                                                                       \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
+  inline T name(T x, steel_shim::elem_t<T> y) {                                           \
+    return fast::name(x, T(y));                                                           \
+  }
+STEEL_SHIM_FAST_POW(pow)
+STEEL_SHIM_FAST_POW(powr)
+#undef STEEL_SHIM_FAST_POW
+
+// divide: <= 2.5 ulp for y in [2^-126, 2^126] (Table 8.2's x / y).
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T divide(T x, T y) {
   if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
