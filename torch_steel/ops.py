@@ -5,8 +5,8 @@ Public ops (wrapped, with a friendlier signature, as torch_steel.sdpa / sdpa_var
                       validates, resolves scale and the dropout seed, calls sdpa_forward.
   steel::sdpa_varlen  packed variable-length attention, composite over sdpa_varlen_forward.
   steel::gemm         gemm(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none") =
-                      act(alpha * (a @ b) + beta * c + bias). (custom_op cannot take keyword-only
-                      tensors; torch_steel.gemm is keyword-only.)
+                      act(alpha * (a @ b) + beta * c + bias). (The op's tensors are positional;
+                      torch_steel.gemm takes them keyword-only.)
 Internal ops, what the Metal kernels implement; autograd connects forward to backward:
   steel::sdpa_forward(q, k, v, attn_mask, <attention options>) -> (out, lse)
   steel::sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, <options>)
@@ -152,11 +152,14 @@ _IMPL_KEYSETS = frozenset(
 )
 
 
-def _define(name, schema, impl, fake, setup, backward, tensors):
+def _define(name, schema, impl, fake, tensors, setup=None, backward=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
-    tracing, and an Autograd kernel that applies a torch.autograd.Function (the op below
-    autograd, `setup` as its setup_context, `backward` for the gradients) when a gradient is
-    wanted (`tensors`: the positions of the tensor arguments).
+    tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
+
+    With `setup` and `backward`, a call that wants a gradient applies a torch.autograd.Function
+    (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
+    them the op has no gradient (the backward ops, the paged KV cache's inference-only forward):
+    a call that wants one is an error, raised before any work.
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
@@ -171,24 +174,34 @@ def _define(name, schema, impl, fake, setup, backward, tensors):
     op = getattr(torch.ops.steel, name).default
     after_autograd = torch._C._after_autograd_keyset
 
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
+    if backward is not None:
 
-    function = type(f"_{name}_autograd", (torch.autograd.Function,), {
-        "__doc__": f"steel::{name}'s autograd: the op below autograd, {backward.__name__} "
-                   "for the gradients.",
-        "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup),
-        "backward": staticmethod(backward),
-    })  # fmt: skip
+        def forward(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args)
+
+        function = type(f"_{name}_autograd", (torch.autograd.Function,), {
+            "__doc__": f"steel::{name}'s autograd: the op below autograd, {backward.__name__} "
+                       "for the gradients.",
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup),
+            "backward": staticmethod(backward),
+        })  # fmt: skip
+        differentiable = function.apply
+    else:
+
+        def differentiable(*args):
+            raise RuntimeError(
+                f"steel::{name} has no gradient: call it on tensors that do not require grad "
+                "(or under torch.no_grad())"
+            )
 
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled():
             n = len(args)  # the dispatcher drops trailing arguments left at their defaults
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
-                    return function.apply(*args)
+                    return differentiable(*args)
         below = keyset & after_autograd
         if below.raw_repr() in _IMPL_KEYSETS:
             return impl(*args)
@@ -222,16 +235,7 @@ def _sdpa_forward_fake(q, k, v, attn_mask, *options):
     return ref.like_layout(q, (*q.shape[:-1], v.shape[-1])), lse
 
 
-@torch.library.custom_op(
-    "steel::sdpa_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-        f"Tensor lse, Tensor? attn_mask, bool mask_grad, {_OPTIONS}) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
+def _sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     attn = Attn(*options)
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
         raise ValueError("steel.sdpa_backward: mask_grad needs a float attn_mask")
@@ -252,8 +256,7 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *
     return grads[0], grads[1], grads[2], _dsinks(grads, attn, q), dmask
 
 
-@sdpa_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
+def _sdpa_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     sinks = Attn(*options).sinks
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
     return (
@@ -263,6 +266,16 @@ def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
         _sinks_fake(sinks, q),
         dmask,
     )
+
+
+_define(
+    "sdpa_backward",
+    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"Tensor? attn_mask, bool mask_grad, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _sdpa_backward,
+    _sdpa_backward_fake,
+    (0, 1, 2, 3, 4, 5, 6, 7, 12),  # every tensor: a gradient of the gradients is not served
+)
 
 
 def _sdpa_setup(ctx, inputs, output):
@@ -293,9 +306,9 @@ _define(
     f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
     _sdpa_forward,
     _sdpa_forward_fake,
+    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
     _sdpa_setup,
     _sdpa_backward_autograd,  # sdpa_backward for the gradients
-    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
 )
 
 
@@ -463,12 +476,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 # ----------------------------------------------------------------------------- sdpa_varlen
 
 
-@torch.library.custom_op(
-    "steel::sdpa_varlen_forward",
-    mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor)",
-)
-def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         *options):  # fmt: skip
     attn = Attn(*options)
     check.check_varlen(q, k, v, attn.sinks, op="sdpa_varlen_forward")
     check.check_cu_seqlens("sdpa_varlen", cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
@@ -482,22 +491,17 @@ def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return out, lse
 
 
-@sdpa_varlen_forward.register_fake
-def _(q, k, v, *rest):
+def _varlen_outputs_fake(q, v):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=ref.compute_dtype(q.dtype))
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), lse
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), lse
 
 
-@torch.library.custom_op(
-    "steel::sdpa_varlen_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-        f"Tensor lse, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, *options):  # fmt: skip
+def _sdpa_varlen_forward_fake(q, k, v, *rest):
+    return _varlen_outputs_fake(q, v)
+
+
+def _sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, *options):  # fmt: skip
     attn = Attn(*options)
 
     def reference():
@@ -515,10 +519,20 @@ def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu
     return grads[0], grads[1], grads[2], _dsinks(grads, attn, q)
 
 
-@sdpa_varlen_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options):
+def _sdpa_varlen_backward_fake(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                               *options):  # fmt: skip
     sinks = Attn(*options).sinks
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sinks_fake(sinks, q)
+
+
+_define(
+    "sdpa_varlen_backward",
+    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"{_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    _sdpa_varlen_backward,
+    _sdpa_varlen_backward_fake,
+    (0, 1, 2, 3, 4, 5, 6, 14),  # the float tensors: a gradient of the gradients is not served
+)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -543,7 +557,15 @@ def _varlen_backward_autograd(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, *grads.values()
 
 
-sdpa_varlen_forward.register_autograd(_varlen_backward_autograd, setup_context=_varlen_setup)
+_define(
+    "sdpa_varlen_forward",
+    f"(Tensor q, Tensor k, Tensor v, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor)",
+    _sdpa_varlen_forward,
+    _sdpa_varlen_forward_fake,
+    (0, 1, 2, 10),  # q, k, v, sinks
+    _varlen_setup,
+    _varlen_backward_autograd,  # sdpa_varlen_backward for the gradients
+)
 
 
 def _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -573,16 +595,8 @@ def _varlen_composite(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 _LIB.impl("sdpa_varlen", _varlen_composite, "CompositeImplicitAutograd")
 
 
-@torch.library.custom_op(
-    "steel::sdpa_paged_forward",
-    mutates_args=(),
-    schema=(
-        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor block_table, "
-        f"Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)"
-    ),
-)
-def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
-                       max_seqlen_k, *options):  # fmt: skip
+def _sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
+                        max_seqlen_k, *options):  # fmt: skip
     attn = Attn(*options)
     check.check_paged("sdpa_varlen", q, k, v, attn.sinks, cu_seqlens_q, block_table, seqused_k,
                       max_seqlen_q, max_seqlen_k)  # fmt: skip
@@ -595,10 +609,18 @@ def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen
     return out, lse
 
 
-@sdpa_paged_forward.register_fake
-def _(q, k, v, *rest):
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=ref.compute_dtype(q.dtype))
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), lse
+def _sdpa_paged_forward_fake(q, k, v, *rest):
+    return _varlen_outputs_fake(q, v)
+
+
+_define(
+    "sdpa_paged_forward",
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
+    f"int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)",
+    _sdpa_paged_forward,
+    _sdpa_paged_forward_fake,
+    (0, 1, 2, 11),  # q, k, v, sinks: inference only (a KV cache has no gradient)
+)
 
 
 def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -710,9 +732,9 @@ _define(
     'str activation="none") -> Tensor',
     _gemm,
     _gemm_fake,
+    (0, 1, 2, 3),
     _gemm_setup,
     _gemm_backward,  # steel GEMMs for the gradients
-    (0, 1, 2, 3),
 )
 
 
