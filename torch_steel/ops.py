@@ -173,6 +173,7 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None):
     torch.library.register_fake(f"steel::{name}", fake, lib=_LIB)
     op = getattr(torch.ops.steel, name).default
     after_autograd = torch._C._after_autograd_keyset
+    after_autograd_bits = after_autograd.raw_repr()  # ANDed as ints: no keyset object per call
 
     if backward is not None:
 
@@ -202,10 +203,9 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None):
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
                     return differentiable(*args)
-        below = keyset & after_autograd
-        if below.raw_repr() in _IMPL_KEYSETS:
+        if keyset.raw_repr() & after_autograd_bits in _IMPL_KEYSETS:
             return impl(*args)
-        return op.redispatch(below, *args)
+        return op.redispatch(keyset & after_autograd, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
 
@@ -310,6 +310,8 @@ _define(
     _sdpa_setup,
     _sdpa_backward_autograd,  # sdpa_backward for the gradients
 )
+# The overload itself: calling the packet (torch.ops.steel.sdpa_forward) resolves it per call.
+_SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -406,7 +408,7 @@ def _sdpa_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out = torch.ops.steel.sdpa_forward(*inputs)[0]
+    out = _SDPA_FORWARD(*inputs)[0]
     return out.squeeze(0) if squeeze else out
 
 
@@ -460,14 +462,32 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
       return_lse:   also return the log-sum-exp of each row, float32 [*batch, heads, L]
                     (float64 for float64 inputs); differentiable.
     """
-    if attn_mask is not None and type(attn_mask) is not Tensor:  # CausalBias is a subclass
+    if (
+        (attn_mask is None or type(attn_mask) is Tensor)  # CausalBias is a subclass
+        and dropout_p == 0.0
+        and sinks is None
+        and not softcap
+        and window is None
+        and causal_align == "top_left"
+        and seed is None
+        and offset == 0
+        and _plain_qkv(query, key, value, enable_gqa)
+    ):
+        # The common case, decided in these few checks: the op validates the rest, and there
+        # is nothing to resolve but the scale.
+        if scale is None:
+            e = query.shape[-1]
+            scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+        out, lse = _SDPA_FORWARD(query, key, value, attn_mask, 0.0, bool(is_causal), float(scale))
+        return (out, lse) if return_lse else out
+    if attn_mask is not None and type(attn_mask) is not Tensor:
         attn_mask, is_causal, causal_align = _causal_bias(
             attn_mask, is_causal, causal_align, query, key
         )
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out, lse = torch.ops.steel.sdpa_forward(*inputs)
+    out, lse = _SDPA_FORWARD(*inputs)
     if return_lse:
         return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
     return out.squeeze(0) if squeeze else out
@@ -736,6 +756,7 @@ _define(
     _gemm_setup,
     _gemm_backward,  # steel GEMMs for the gradients
 )
+_GEMM = torch.ops.steel.gemm.default
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -745,7 +766,7 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     beta == 0 (like addmm); activation is none, relu, gelu, gelu_tanh or silu; fp32 accumulation
     for float16/bfloat16. Same as torch.ops.steel.gemm(a, b, bias, c, alpha, beta, activation).
     """
-    return torch.ops.steel.gemm(a, b, bias, c, float(alpha), float(beta), activation)
+    return _GEMM(a, b, bias, c, float(alpha), float(beta), activation)
 
 
 def linear(x, weight, bias=None, activation="none"):
