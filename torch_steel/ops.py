@@ -19,6 +19,9 @@ Internal ops, what the Metal kernels implement; autograd connects forward to bac
       cache (inference: no autograd).
   <attention options> = dropout_p, is_causal, scale, sinks, softcap, window_left, window_right,
       bottom_right, seed, offset, num_splits (all resolved: see Attn and torch_steel.reference).
+  steel::sdpa_forward_prechecked, steel::gemm_prechecked: sdpa_forward and gemm without the
+      input checks and without defaults, which the public functions call while torch.compile
+      traces them: the checks run in the fake implementations when the graph is traced.
 
 Every op goes through torch_steel.backends.run with these run_op names and arguments. Absent
 tensors are None. Outputs are contiguous, except sdpa's `out`, which has the query's memory
@@ -44,6 +47,7 @@ out of any other layout into it):
 """
 
 import math
+import re
 from typing import NamedTuple
 
 import torch
@@ -152,9 +156,16 @@ _IMPL_KEYSETS = frozenset(
 )
 
 
-def _define(name, schema, impl, fake, tensors, setup=None, backward=None):
+def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
+
+    With `prechecked` (impl without the input checks), also steel::<name>_prechecked, the same
+    op for the graphs of torch.compile, which the public functions call while dynamo traces
+    them: its fake implementation checks the inputs when the graph is traced, and the graph's
+    guards keep them what they were, so the compiled call goes straight to the backend. A
+    compiled graph runs the op's Python more slowly than eager code does (the caches are cold
+    after the graph's runtime wrappers), so work skipped there counts double (issue 16).
 
     With `setup` and `backward`, a call that wants a gradient applies a torch.autograd.Function
     (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
@@ -208,14 +219,23 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None):
         return op.redispatch(keyset & after_autograd, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    if prechecked is not None:
+        # Without defaults, so that a compiled graph passes every argument positionally (by
+        # keyword, about 4 us more per call).
+        plain = re.sub(r"\s*=\s*(\"[^\"]*\"|[^,)]+)", "", schema)
+        _define(name + "_prechecked", plain, prechecked, fake, tensors, setup, backward)
 
 
 # ----------------------------------------------------------------------------- sdpa
 
 
 def _sdpa_forward(q, k, v, attn_mask, *options):
+    check.check_sdpa(q, k, v, attn_mask, True, Attn(*options).sinks)
+    return _sdpa_forward_prechecked(q, k, v, attn_mask, *options)
+
+
+def _sdpa_forward_prechecked(q, k, v, attn_mask, *options):
     attn = Attn(*options)
-    check.check_sdpa(q, k, v, attn_mask, True, attn.sinks)
     out, lse = run(
         "sdpa",
         [q, k, v, attn_mask, attn.sinks],
@@ -309,9 +329,22 @@ _define(
     (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
     _sdpa_setup,
     _sdpa_backward_autograd,  # sdpa_backward for the gradients
+    _sdpa_forward_prechecked,
 )
-# The overload itself: calling the packet (torch.ops.steel.sdpa_forward) resolves it per call.
+# The overloads themselves: calling a packet (torch.ops.steel.sdpa_forward) resolves it per call.
 _SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
+_SDPA_FORWARD_PRECHECKED = torch.ops.steel.sdpa_forward_prechecked.default
+
+
+_ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, sinks on
+
+
+def _call_sdpa_forward(*args):
+    """sdpa_forward(*args), or its prechecked twin, which takes every argument, while
+    torch.compile traces (see _define)."""
+    if torch.compiler.is_compiling():
+        return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
+    return _SDPA_FORWARD(*args)
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -408,7 +441,7 @@ def _sdpa_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out = _SDPA_FORWARD(*inputs)[0]
+    out = _call_sdpa_forward(*inputs)[0]
     return out.squeeze(0) if squeeze else out
 
 
@@ -478,7 +511,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         if scale is None:
             e = query.shape[-1]
             scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
-        out, lse = _SDPA_FORWARD(query, key, value, attn_mask, 0.0, bool(is_causal), float(scale))
+        out, lse = _call_sdpa_forward(
+            query, key, value, attn_mask, 0.0, bool(is_causal), float(scale)
+        )
         return (out, lse) if return_lse else out
     if attn_mask is not None and type(attn_mask) is not Tensor:
         attn_mask, is_causal, causal_align = _causal_bias(
@@ -487,7 +522,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out, lse = _SDPA_FORWARD(*inputs)
+    out, lse = _call_sdpa_forward(*inputs)
     if return_lse:
         return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
     return out.squeeze(0) if squeeze else out
@@ -696,6 +731,10 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _gemm(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     check.check_gemm(a, b, bias, c, activation)
+    return _gemm_prechecked(a, b, bias, c, alpha, beta, activation)
+
+
+def _gemm_prechecked(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     (out,) = run(
         "gemm",
         [a, b, bias, c],
@@ -755,8 +794,10 @@ _define(
     (0, 1, 2, 3),
     _gemm_setup,
     _gemm_backward,  # steel GEMMs for the gradients
+    _gemm_prechecked,
 )
 _GEMM = torch.ops.steel.gemm.default
+_GEMM_PRECHECKED = torch.ops.steel.gemm_prechecked.default
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -766,7 +807,8 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     beta == 0 (like addmm); activation is none, relu, gelu, gelu_tanh or silu; fp32 accumulation
     for float16/bfloat16. Same as torch.ops.steel.gemm(a, b, bias, c, alpha, beta, activation).
     """
-    return _GEMM(a, b, bias, c, float(alpha), float(beta), activation)
+    op = _GEMM_PRECHECKED if torch.compiler.is_compiling() else _GEMM  # see _define
+    return op(a, b, bias, c, float(alpha), float(beta), activation)
 
 
 def linear(x, weight, bias=None, activation="none"):
@@ -791,8 +833,10 @@ def linear(x, weight, bias=None, activation="none"):
 # registered: register_autocast would cast to one dtype whatever the user's autocast asked for.
 _AUTOCAST = {  # op -> indices of the tensor arguments to cast
     "sdpa_forward": (0, 1, 2, 3),
+    "sdpa_forward_prechecked": (0, 1, 2, 3),
     "sdpa_varlen_forward": (0, 1, 2),
     "gemm": (0, 1, 2, 3),
+    "gemm_prechecked": (0, 1, 2, 3),
 }
 
 
