@@ -174,10 +174,10 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
-    Without a gradient, when nothing but a device kernel, which is `impl`, is left below
-    autograd, the Autograd kernel calls `impl` itself: a second pass through the dispatcher
-    converts every argument twice more. Anything else below autograd (fake tensors,
-    functionalization, a tensor subclass or mode) gets the call redispatched.
+    When nothing but a device kernel, which is `impl`, is left below autograd, the Autograd
+    kernel calls `impl` itself (with a gradient, as the Function's forward): a second pass
+    through the dispatcher converts every argument twice more. Anything else below autograd
+    (fake tensors, functionalization, a tensor subclass or mode) gets the call redispatched.
     """
     _LIB.define(name + schema)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
@@ -188,33 +188,41 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
 
     if backward is not None:
 
-        def forward(*args):
+        def below_autograd(*args):
             with torch._C._AutoDispatchBelowAutograd():
                 return op(*args)
 
-        function = type(f"_{name}_autograd", (torch.autograd.Function,), {
-            "__doc__": f"steel::{name}'s autograd: the op below autograd, {backward.__name__} "
-                       "for the gradients.",
-            "forward": staticmethod(forward),
-            "setup_context": staticmethod(setup),
-            "backward": staticmethod(backward),
-        })  # fmt: skip
-        differentiable = function.apply
+        def function(forward, how):
+            return type(f"_{name}_autograd", (torch.autograd.Function,), {
+                "__doc__": f"steel::{name}'s autograd: {how}, {backward.__name__} for the "
+                           "gradients.",
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup),
+                "backward": staticmethod(backward),
+            }).apply  # fmt: skip
+
+        # A call with a gradient passes the dispatcher once, like one without: the Function's
+        # forward is `impl` itself when nothing but a device kernel is below autograd.
+        direct = function(impl, "impl itself")
+        redispatched = function(below_autograd, "the op below autograd")
     else:
 
-        def differentiable(*args):
+        def direct(*args):
             raise RuntimeError(
                 f"steel::{name} has no gradient: call it on tensors that do not require grad "
                 "(or under torch.no_grad())"
             )
 
+        redispatched = direct
+
     def autograd_kernel(keyset, *args):
+        plain = keyset.raw_repr() & after_autograd_bits in _IMPL_KEYSETS
         if torch.is_grad_enabled():
             n = len(args)  # the dispatcher drops trailing arguments left at their defaults
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
-                    return differentiable(*args)
-        if keyset.raw_repr() & after_autograd_bits in _IMPL_KEYSETS:
+                    return direct(*args) if plain else redispatched(*args)
+        if plain:
             return impl(*args)
         return op.redispatch(keyset & after_autograd, *args)
 
