@@ -156,6 +156,9 @@ _IMPL_KEYSETS = frozenset(
 )
 
 
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
+
+
 def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
@@ -199,12 +202,15 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
                 "forward": staticmethod(forward),
                 "setup_context": staticmethod(setup),
                 "backward": staticmethod(backward),
-            }).apply  # fmt: skip
+            })  # fmt: skip
 
         # A call with a gradient passes the dispatcher once, like one without: the Function's
-        # forward is `impl` itself when nothing but a device kernel is below autograd.
-        direct = function(impl, "impl itself")
-        redispatched = function(below_autograd, "the op below autograd")
+        # forward is `impl` itself when nothing but a device kernel is below autograd and no
+        # functorch transform is active, applied by autograd's C++ apply: Function.apply binds
+        # the arguments to forward's signature with inspect first (about 30 us per call),
+        # which a forward of *args without defaults does not need.
+        direct = _C_APPLY.__get__(None, function(impl, "impl itself"))
+        redispatched = function(below_autograd, "the op below autograd").apply
     else:
 
         def direct(*args):
@@ -221,7 +227,9 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
             n = len(args)  # the dispatcher drops trailing arguments left at their defaults
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
-                    return direct(*args) if plain else redispatched(*args)
+                    if plain and not torch._C._are_functorch_transforms_active():
+                        return direct(*args)
+                    return redispatched(*args)
         if plain:
             return impl(*args)
         return op.redispatch(keyset & after_autograd, *args)
