@@ -246,12 +246,16 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
 
 
 def _sdpa_forward(q, k, v, attn_mask, *options):
-    check.check_sdpa(q, k, v, attn_mask, True, Attn(*options).sinks)
-    return _sdpa_forward_prechecked(q, k, v, attn_mask, *options)
+    attn = Attn(*options)
+    check.check_sdpa(q, k, v, attn_mask, True, attn.sinks)
+    return _sdpa_forward_run(q, k, v, attn_mask, attn)
 
 
 def _sdpa_forward_prechecked(q, k, v, attn_mask, *options):
-    attn = Attn(*options)
+    return _sdpa_forward_run(q, k, v, attn_mask, Attn(*options))
+
+
+def _sdpa_forward_run(q, k, v, attn_mask, attn):
     out, lse = run(
         "sdpa",
         [q, k, v, attn_mask, attn.sinks],
@@ -350,6 +354,7 @@ _define(
 # The overloads themselves: calling a packet (torch.ops.steel.sdpa_forward) resolves it per call.
 _SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
 _SDPA_FORWARD_PRECHECKED = torch.ops.steel.sdpa_forward_prechecked.default
+_SDPA_FORWARD_ENTRY = _SDPA_FORWARD._op
 
 
 _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, sinks on
@@ -357,10 +362,11 @@ _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, si
 
 def _call_sdpa_forward(*args):
     """sdpa_forward(*args), or its prechecked twin, which takes every argument, while
-    torch.compile traces (see _define)."""
+    torch.compile traces (see _define). Eagerly the overload's C++ entry point is called
+    itself, without OpOverload.__call__'s Python frame."""
     if torch.compiler.is_compiling():
         return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
-    return _SDPA_FORWARD(*args)
+    return _SDPA_FORWARD_ENTRY(*args)
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -814,6 +820,7 @@ _define(
 )
 _GEMM = torch.ops.steel.gemm.default
 _GEMM_PRECHECKED = torch.ops.steel.gemm_prechecked.default
+_GEMM_ENTRY = _GEMM._op  # the overload's C++ entry point, as _SDPA_FORWARD_ENTRY
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -823,8 +830,9 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     beta == 0 (like addmm); activation is none, relu, gelu, gelu_tanh or silu; fp32 accumulation
     for float16/bfloat16. Same as torch.ops.steel.gemm(a, b, bias, c, alpha, beta, activation).
     """
-    op = _GEMM_PRECHECKED if torch.compiler.is_compiling() else _GEMM  # see _define
-    return op(a, b, bias, c, float(alpha), float(beta), activation)
+    if torch.compiler.is_compiling():  # see _define
+        return _GEMM_PRECHECKED(a, b, bias, c, float(alpha), float(beta), activation)
+    return _GEMM_ENTRY(a, b, bias, c, float(alpha), float(beta), activation)
 
 
 def linear(x, weight, bias=None, activation="none"):
