@@ -5,8 +5,8 @@ Public ops (wrapped, with a friendlier signature, as torch_steel.sdpa / sdpa_var
                       validates, resolves scale and the dropout seed, calls sdpa_forward.
   steel::sdpa_varlen  packed variable-length attention, composite over sdpa_varlen_forward.
   steel::gemm         gemm(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none") =
-                      act(alpha * (a @ b) + beta * c + bias). (custom_op cannot take keyword-only
-                      tensors; torch_steel.gemm is keyword-only.)
+                      act(alpha * (a @ b) + beta * c + bias). (The op's tensors are positional;
+                      torch_steel.gemm takes them keyword-only.)
 Internal ops, what the Metal kernels implement; autograd connects forward to backward:
   steel::sdpa_forward(q, k, v, attn_mask, <attention options>) -> (out, lse)
   steel::sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, <options>)
@@ -19,6 +19,9 @@ Internal ops, what the Metal kernels implement; autograd connects forward to bac
       cache (inference: no autograd).
   <attention options> = dropout_p, is_causal, scale, sinks, softcap, window_left, window_right,
       bottom_right, seed, offset, num_splits (all resolved: see Attn and torch_steel.reference).
+  steel::sdpa_forward_prechecked, steel::gemm_prechecked: sdpa_forward and gemm without the
+      input checks and without defaults, which the public functions call while torch.compile
+      traces them: the checks run in the fake implementations when the graph is traced.
 
 Every op goes through torch_steel.backends.run with these run_op names and arguments. Absent
 tensors are None. Outputs are contiguous, except sdpa's `out`, which has the query's memory
@@ -44,6 +47,7 @@ out of any other layout into it):
 """
 
 import math
+import re
 from typing import NamedTuple
 
 import torch
@@ -152,49 +156,90 @@ _IMPL_KEYSETS = frozenset(
 )
 
 
-def _define(name, schema, impl, fake, setup, backward, tensors):
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
+
+
+def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
-    tracing, and an Autograd kernel that applies a torch.autograd.Function (the op below
-    autograd, `setup` as its setup_context, `backward` for the gradients) when a gradient is
-    wanted (`tensors`: the positions of the tensor arguments).
+    tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
+
+    With `prechecked` (impl without the input checks), also steel::<name>_prechecked, the same
+    op for the graphs of torch.compile, which the public functions call while dynamo traces
+    them: its fake implementation checks the inputs when the graph is traced, and the graph's
+    guards keep them what they were, so the compiled call goes straight to the backend. A
+    compiled graph runs the op's Python more slowly than eager code does (the caches are cold
+    after the graph's runtime wrappers), so work skipped there counts double (issue 16).
+
+    With `setup` and `backward`, a call that wants a gradient applies a torch.autograd.Function
+    (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
+    them the op has no gradient (the backward ops, the paged KV cache's inference-only forward):
+    a call that wants one is an error, raised before any work.
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
-    Without a gradient, when nothing but a device kernel, which is `impl`, is left below
-    autograd, the Autograd kernel calls `impl` itself: a second pass through the dispatcher
-    converts every argument twice more. Anything else below autograd (fake tensors,
-    functionalization, a tensor subclass or mode) gets the call redispatched.
+    When nothing but a device kernel, which is `impl`, is left below autograd, the Autograd
+    kernel calls `impl` itself (with a gradient, as the Function's forward): a second pass
+    through the dispatcher converts every argument twice more. Anything else below autograd
+    (fake tensors, functionalization, a tensor subclass or mode) gets the call redispatched.
     """
     _LIB.define(name + schema)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"steel::{name}", fake, lib=_LIB)
     op = getattr(torch.ops.steel, name).default
     after_autograd = torch._C._after_autograd_keyset
+    after_autograd_bits = after_autograd.raw_repr()  # ANDed as ints: no keyset object per call
 
-    def forward(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
+    if backward is not None:
 
-    function = type(f"_{name}_autograd", (torch.autograd.Function,), {
-        "__doc__": f"steel::{name}'s autograd: the op below autograd, {backward.__name__} "
-                   "for the gradients.",
-        "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup),
-        "backward": staticmethod(backward),
-    })  # fmt: skip
+        def below_autograd(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args)
+
+        def function(forward, how):
+            return type(f"_{name}_autograd", (torch.autograd.Function,), {
+                "__doc__": f"steel::{name}'s autograd: {how}, {backward.__name__} for the "
+                           "gradients.",
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup),
+                "backward": staticmethod(backward),
+            })  # fmt: skip
+
+        # A call with a gradient passes the dispatcher once, like one without: the Function's
+        # forward is `impl` itself when nothing but a device kernel is below autograd and no
+        # functorch transform is active, applied by autograd's C++ apply: Function.apply binds
+        # the arguments to forward's signature with inspect first (about 30 us per call),
+        # which a forward of *args without defaults does not need.
+        direct = _C_APPLY.__get__(None, function(impl, "impl itself"))
+        redispatched = function(below_autograd, "the op below autograd").apply
+    else:
+
+        def direct(*args):
+            raise RuntimeError(
+                f"steel::{name} has no gradient: call it on tensors that do not require grad "
+                "(or under torch.no_grad())"
+            )
+
+        redispatched = direct
 
     def autograd_kernel(keyset, *args):
+        plain = keyset.raw_repr() & after_autograd_bits in _IMPL_KEYSETS
         if torch.is_grad_enabled():
             n = len(args)  # the dispatcher drops trailing arguments left at their defaults
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
-                    return function.apply(*args)
-        below = keyset & after_autograd
-        if below.raw_repr() in _IMPL_KEYSETS:
+                    if plain and not torch._C._are_functorch_transforms_active():
+                        return direct(*args)
+                    return redispatched(*args)
+        if plain:
             return impl(*args)
-        return op.redispatch(below, *args)
+        return op.redispatch(keyset & after_autograd, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    if prechecked is not None:
+        # Without defaults, so that a compiled graph passes every argument positionally (by
+        # keyword, about 4 us more per call).
+        plain = re.sub(r"\s*=\s*(\"[^\"]*\"|[^,)]+)", "", schema)
+        _define(name + "_prechecked", plain, prechecked, fake, tensors, setup, backward)
 
 
 # ----------------------------------------------------------------------------- sdpa
@@ -203,6 +248,14 @@ def _define(name, schema, impl, fake, setup, backward, tensors):
 def _sdpa_forward(q, k, v, attn_mask, *options):
     attn = Attn(*options)
     check.check_sdpa(q, k, v, attn_mask, True, attn.sinks)
+    return _sdpa_forward_run(q, k, v, attn_mask, attn)
+
+
+def _sdpa_forward_prechecked(q, k, v, attn_mask, *options):
+    return _sdpa_forward_run(q, k, v, attn_mask, Attn(*options))
+
+
+def _sdpa_forward_run(q, k, v, attn_mask, attn):
     out, lse = run(
         "sdpa",
         [q, k, v, attn_mask, attn.sinks],
@@ -222,16 +275,7 @@ def _sdpa_forward_fake(q, k, v, attn_mask, *options):
     return ref.like_layout(q, (*q.shape[:-1], v.shape[-1])), lse
 
 
-@torch.library.custom_op(
-    "steel::sdpa_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-        f"Tensor lse, Tensor? attn_mask, bool mask_grad, {_OPTIONS}) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
+def _sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     attn = Attn(*options)
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
         raise ValueError("steel.sdpa_backward: mask_grad needs a float attn_mask")
@@ -252,8 +296,7 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *
     return grads[0], grads[1], grads[2], _dsinks(grads, attn, q), dmask
 
 
-@sdpa_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
+def _sdpa_backward_fake(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
     sinks = Attn(*options).sinks
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
     return (
@@ -263,6 +306,16 @@ def _(grad_out, grad_lse, q, k, v, out, lse, attn_mask, mask_grad, *options):
         _sinks_fake(sinks, q),
         dmask,
     )
+
+
+_define(
+    "sdpa_backward",
+    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"Tensor? attn_mask, bool mask_grad, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _sdpa_backward,
+    _sdpa_backward_fake,
+    (0, 1, 2, 3, 4, 5, 6, 7, 12),  # every tensor: a gradient of the gradients is not served
+)
 
 
 def _sdpa_setup(ctx, inputs, output):
@@ -293,10 +346,27 @@ _define(
     f"(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
     _sdpa_forward,
     _sdpa_forward_fake,
+    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
     _sdpa_setup,
     _sdpa_backward_autograd,  # sdpa_backward for the gradients
-    (0, 1, 2, 3, 7),  # q, k, v, attn_mask, sinks
+    _sdpa_forward_prechecked,
 )
+# The overloads themselves: calling a packet (torch.ops.steel.sdpa_forward) resolves it per call.
+_SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
+_SDPA_FORWARD_PRECHECKED = torch.ops.steel.sdpa_forward_prechecked.default
+_SDPA_FORWARD_ENTRY = _SDPA_FORWARD._op
+
+
+_ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, sinks on
+
+
+def _call_sdpa_forward(*args):
+    """sdpa_forward(*args), or its prechecked twin, which takes every argument, while
+    torch.compile traces (see _define). Eagerly the overload's C++ entry point is called
+    itself, without OpOverload.__call__'s Python frame."""
+    if torch.compiler.is_compiling():
+        return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
+    return _SDPA_FORWARD_ENTRY(*args)
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -393,7 +463,7 @@ def _sdpa_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out = torch.ops.steel.sdpa_forward(*inputs)[0]
+    out = _call_sdpa_forward(*inputs)[0]
     return out.squeeze(0) if squeeze else out
 
 
@@ -447,14 +517,34 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
       return_lse:   also return the log-sum-exp of each row, float32 [*batch, heads, L]
                     (float64 for float64 inputs); differentiable.
     """
-    if attn_mask is not None and type(attn_mask) is not Tensor:  # CausalBias is a subclass
+    if (
+        (attn_mask is None or type(attn_mask) is Tensor)  # CausalBias is a subclass
+        and dropout_p == 0.0
+        and sinks is None
+        and not softcap
+        and window is None
+        and causal_align == "top_left"
+        and seed is None
+        and offset == 0
+        and _plain_qkv(query, key, value, enable_gqa)
+    ):
+        # The common case, decided in these few checks: the op validates the rest, and there
+        # is nothing to resolve but the scale.
+        if scale is None:
+            e = query.shape[-1]
+            scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+        out, lse = _call_sdpa_forward(
+            query, key, value, attn_mask, 0.0, bool(is_causal), float(scale)
+        )
+        return (out, lse) if return_lse else out
+    if attn_mask is not None and type(attn_mask) is not Tensor:
         attn_mask, is_causal, causal_align = _causal_bias(
             attn_mask, is_causal, causal_align, query, key
         )
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out, lse = torch.ops.steel.sdpa_forward(*inputs)
+    out, lse = _call_sdpa_forward(*inputs)
     if return_lse:
         return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
     return out.squeeze(0) if squeeze else out
@@ -463,12 +553,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 # ----------------------------------------------------------------------------- sdpa_varlen
 
 
-@torch.library.custom_op(
-    "steel::sdpa_varlen_forward",
-    mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor)",
-)
-def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         *options):  # fmt: skip
     attn = Attn(*options)
     check.check_varlen(q, k, v, attn.sinks, op="sdpa_varlen_forward")
     check.check_cu_seqlens("sdpa_varlen", cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
@@ -482,22 +568,17 @@ def sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return out, lse
 
 
-@sdpa_varlen_forward.register_fake
-def _(q, k, v, *rest):
+def _varlen_outputs_fake(q, v):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=ref.compute_dtype(q.dtype))
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), lse
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), lse
 
 
-@torch.library.custom_op(
-    "steel::sdpa_varlen_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
-        f"Tensor lse, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, *options):  # fmt: skip
+def _sdpa_varlen_forward_fake(q, k, v, *rest):
+    return _varlen_outputs_fake(q, v)
+
+
+def _sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, *options):  # fmt: skip
     attn = Attn(*options)
 
     def reference():
@@ -515,10 +596,20 @@ def sdpa_varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu
     return grads[0], grads[1], grads[2], _dsinks(grads, attn, q)
 
 
-@sdpa_varlen_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *options):
+def _sdpa_varlen_backward_fake(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                               *options):  # fmt: skip
     sinks = Attn(*options).sinks
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _sinks_fake(sinks, q)
+
+
+_define(
+    "sdpa_varlen_backward",
+    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"{_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    _sdpa_varlen_backward,
+    _sdpa_varlen_backward_fake,
+    (0, 1, 2, 3, 4, 5, 6, 14),  # the float tensors: a gradient of the gradients is not served
+)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -543,7 +634,15 @@ def _varlen_backward_autograd(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, *grads.values()
 
 
-sdpa_varlen_forward.register_autograd(_varlen_backward_autograd, setup_context=_varlen_setup)
+_define(
+    "sdpa_varlen_forward",
+    f"(Tensor q, Tensor k, Tensor v, {_VARLEN}, {_OPTIONS}) -> (Tensor, Tensor)",
+    _sdpa_varlen_forward,
+    _sdpa_varlen_forward_fake,
+    (0, 1, 2, 10),  # q, k, v, sinks
+    _varlen_setup,
+    _varlen_backward_autograd,  # sdpa_varlen_backward for the gradients
+)
 
 
 def _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -573,16 +672,8 @@ def _varlen_composite(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 _LIB.impl("sdpa_varlen", _varlen_composite, "CompositeImplicitAutograd")
 
 
-@torch.library.custom_op(
-    "steel::sdpa_paged_forward",
-    mutates_args=(),
-    schema=(
-        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor block_table, "
-        f"Tensor seqused_k, int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)"
-    ),
-)
-def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
-                       max_seqlen_k, *options):  # fmt: skip
+def _sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
+                        max_seqlen_k, *options):  # fmt: skip
     attn = Attn(*options)
     check.check_paged("sdpa_varlen", q, k, v, attn.sinks, cu_seqlens_q, block_table, seqused_k,
                       max_seqlen_q, max_seqlen_k)  # fmt: skip
@@ -595,10 +686,18 @@ def sdpa_paged_forward(q, k, v, cu_seqlens_q, block_table, seqused_k, max_seqlen
     return out, lse
 
 
-@sdpa_paged_forward.register_fake
-def _(q, k, v, *rest):
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=ref.compute_dtype(q.dtype))
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), lse
+def _sdpa_paged_forward_fake(q, k, v, *rest):
+    return _varlen_outputs_fake(q, v)
+
+
+_define(
+    "sdpa_paged_forward",
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
+    f"int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)",
+    _sdpa_paged_forward,
+    _sdpa_paged_forward_fake,
+    (0, 1, 2, 11),  # q, k, v, sinks: inference only (a KV cache has no gradient)
+)
 
 
 def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -654,6 +753,10 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _gemm(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     check.check_gemm(a, b, bias, c, activation)
+    return _gemm_prechecked(a, b, bias, c, alpha, beta, activation)
+
+
+def _gemm_prechecked(a, b, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     (out,) = run(
         "gemm",
         [a, b, bias, c],
@@ -710,10 +813,14 @@ _define(
     'str activation="none") -> Tensor',
     _gemm,
     _gemm_fake,
+    (0, 1, 2, 3),
     _gemm_setup,
     _gemm_backward,  # steel GEMMs for the gradients
-    (0, 1, 2, 3),
+    _gemm_prechecked,
 )
+_GEMM = torch.ops.steel.gemm.default
+_GEMM_PRECHECKED = torch.ops.steel.gemm_prechecked.default
+_GEMM_ENTRY = _GEMM._op  # the overload's C++ entry point, as _SDPA_FORWARD_ENTRY
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -723,7 +830,9 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     beta == 0 (like addmm); activation is none, relu, gelu, gelu_tanh or silu; fp32 accumulation
     for float16/bfloat16. Same as torch.ops.steel.gemm(a, b, bias, c, alpha, beta, activation).
     """
-    return torch.ops.steel.gemm(a, b, bias, c, float(alpha), float(beta), activation)
+    if torch.compiler.is_compiling():  # see _define
+        return _GEMM_PRECHECKED(a, b, bias, c, float(alpha), float(beta), activation)
+    return _GEMM_ENTRY(a, b, bias, c, float(alpha), float(beta), activation)
 
 
 def linear(x, weight, bias=None, activation="none"):
@@ -748,8 +857,10 @@ def linear(x, weight, bias=None, activation="none"):
 # registered: register_autocast would cast to one dtype whatever the user's autocast asked for.
 _AUTOCAST = {  # op -> indices of the tensor arguments to cast
     "sdpa_forward": (0, 1, 2, 3),
+    "sdpa_forward_prechecked": (0, 1, 2, 3),
     "sdpa_varlen_forward": (0, 1, 2),
     "gemm": (0, 1, 2, 3),
+    "gemm_prechecked": (0, 1, 2, 3),
 }
 
 

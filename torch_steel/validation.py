@@ -294,6 +294,19 @@ def gemm_out_shape(a, b):
 
 
 def check_gemm(a, b, bias, c, activation):
+    if (
+        bias is None
+        and c is None
+        and type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.is_floating_point()
+        and activation in ACTIVATIONS
+    ):
+        sa, sb = a.shape, b.shape
+        if len(sa) >= 2 and len(sb) >= 2 and sa[-1] == sb[-2] and sa[:-2] == sb[:-2]:
+            return  # the common case in one pass; the checks below name any problem
     op = "gemm"
     if bias is None and c is None:
         _check_float_same(op, ("a", "b"), (a, b))

@@ -406,6 +406,76 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   plan->dispatches.push_back(m);
 }
 
+bool decode_length_class(const TensorList& tensors, const Options& options, std::string* cls,
+                         int64_t* S) {
+  if (tensors.size() != 5 || !tensors[0] || !tensors[1] || !tensors[2] || tensors[3]) {
+    return false;
+  }
+  const TensorDesc& q = *tensors[0];
+  const TensorDesc& k = *tensors[1];
+  const TensorDesc& v = *tensors[2];
+  const int64_t nd = q.dim();
+  if (nd < 3 || k.dim() != nd || v.dim() != nd || q.strides.size() != q.sizes.size() ||
+      k.strides.size() != k.sizes.size() || v.strides.size() != v.sizes.size()) {
+    return false;
+  }
+  const int64_t keys = k.sizes[nd - 2];
+  if (v.sizes[nd - 2] != keys || keys < 1 || keys > kInt32Max / 2 ||
+      !check_dtypes("sdpa", q, k, v).empty()) {
+    return false;
+  }
+  for (const TensorDesc* t : {&k, &v}) {  // read in place (read_in_place copies the others)
+    if (t->sizes.back() != 1 && t->strides.back() != 1) return false;
+  }
+  const int64_t Hkv = k.sizes[nd - 3];
+  if (Hkv == 0 || q.sizes[nd - 3] % Hkv != 0 || v.sizes[nd - 3] != Hkv ||
+      k.sizes[nd - 1] != q.sizes[nd - 1] || q.sizes[nd - 2] > kInt32Max / 2) {
+    return false;
+  }
+  for (int64_t d = 0; d < nd - 3; ++d) {
+    if (k.sizes[d] != q.sizes[d] || v.sizes[d] != q.sizes[d]) return false;
+  }
+  Common c;
+  Plan scratch;
+  if (!common("sdpa", q.dtype, q.sizes[nd - 3], Hkv, q.sizes[nd - 1], v.sizes[nd - 1],
+              tensors[4], 4, options, &c, &scratch)
+           .empty()) {
+    return false;
+  }
+  const int64_t L = q.sizes[nd - 2];
+  int64_t count = 1;
+  for (int64_t d = 0; d < nd - 3; ++d) count *= q.sizes[d];
+  if (L == 0 || count == 0 || c.Hq == 0 || !decode_serves(c, L, options)) return false;
+  Decode dec;
+  dec.rows = L;
+  dec.keys = keys;
+  dec.count = count;
+  int64_t splits = 1, split_keys = 0;
+  decode_split(c, dec, options, &splits, &split_keys);
+  const Diagonals diag = diagonals(c, L + keys);
+  const int64_t fields[] = {splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo};
+  cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
+  *S = keys;
+  return true;
+}
+
+void set_decode_length(Plan* plan, int64_t S, const Options& options) {
+  const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
+  for (Dispatch& d : plan->dispatches) {
+    for (Binding& b : d.bindings) {
+      if (b.kind != Binding::Kind::Bytes || b.index != STEEL_ATTN_BUF_PARAMS ||
+          b.bytes.size() != sizeof(AttnDecodeParams)) {
+        continue;
+      }
+      AttnDecodeParams dp;
+      std::memcpy(&dp, b.bytes.data(), sizeof dp);
+      dp.fwd.S = static_cast<int32_t>(S);
+      dp.fwd.shift = static_cast<int32_t>(bottom_right ? S - dp.fwd.L : 0);
+      std::memcpy(b.bytes.data(), &dp, sizeof dp);
+    }
+  }
+}
+
 }  // namespace attn
 
 using attn::Common;

@@ -173,5 +173,20 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
 void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
                 const Decode& dec, const Options& options, Plan* plan);
 
+// ---- One decode plan for every key length (the plan cache, plan_cache.cpp) ----
+//
+// A decode stream calls sdpa with one more key per token, on views of a KV cache whose strides
+// stay. The plan of such a call depends on the key length S only through what
+// decode_length_class puts in `cls` (the partition count and keys per partition, whether S is
+// a multiple of the key tile, which window diagonals bound the rows) and through the S and
+// shift fields of its AttnDecodeParams: two calls that differ only in S and agree on `cls`
+// have plans that differ only there. Returns false (and the call keeps its exact key) for
+// anything else: no decode kernel, a mask (its shape holds S), key or value copied before
+// the launch (the copy's strides hold S), no keys, an empty batch, a refused plan.
+bool decode_length_class(const TensorList& tensors, const Options& options, std::string* cls,
+                         int64_t* S);
+// Rewrites a decode plan that decode_length_class accepted for the key length S.
+void set_decode_length(Plan* plan, int64_t S, const Options& options);
+
 }  // namespace attn
 }  // namespace steel

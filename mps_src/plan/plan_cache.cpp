@@ -1,5 +1,7 @@
 #include "plan_cache.h"
 
+#include "attention_plan.h"
+
 namespace steel {
 namespace {
 
@@ -17,19 +19,22 @@ void put_string(std::string* key, const std::string& value) {
 
 }  // namespace
 
-std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options) {
+std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options,
+                     bool any_length) {
   std::string key;
   key.reserve(64 + 48 * tensors.size());
   put_string(&key, op);
   put_int(&key, static_cast<int64_t>(tensors.size()));
-  for (const std::optional<TensorDesc>& t : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::optional<TensorDesc>& t = tensors[i];
     if (!t) {
       put_int(&key, -1);
       continue;
     }
     put_int(&key, static_cast<int64_t>(t->dtype));
     put_int(&key, t->dim());
-    for (int64_t size : t->sizes) put_int(&key, size);
+    const int64_t length_dim = any_length && (i == 1 || i == 2) ? t->dim() - 2 : -1;
+    for (int64_t d = 0; d < t->dim(); ++d) put_int(&key, d == length_dim ? -2 : t->sizes[d]);
     // A desc with fewer strides than sizes is malformed; the planner refuses it, and the key
     // must still tell it apart from a well-formed one.
     put_int(&key, static_cast<int64_t>(t->strides.size()));
@@ -52,24 +57,42 @@ std::string plan_key(const std::string& op, const TensorList& tensors, const Opt
 
 std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorList& tensors,
                                            const Options& options) {
-  std::string key = plan_key(op, tensors, options);
+  std::string length_class;
+  int64_t length = -1;
+  const bool any_length =
+      op == "sdpa" && attn::decode_length_class(tensors, options, &length_class, &length);
+  std::string key = plan_key(op, tensors, options, any_length);
+  key += length_class;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = index_.find(key);
-    if (found != index_.end()) {
+    // A refusal names the shapes: it is handed out only for the length it was made for.
+    if (found != index_.end() && (found->second->length == length || found->second->plan->ok)) {
       ++hits_;
       recent_.splice(recent_.begin(), recent_, found->second);
-      return found->second->second;
+      Entry& entry = *found->second;
+      if (entry.length != length) {
+        auto plan = std::make_shared<Plan>(*entry.plan);
+        attn::set_decode_length(plan.get(), length, options);
+        entry.plan = std::move(plan);
+        entry.length = length;
+      }
+      return entry.plan;
     }
     ++misses_;
   }
   auto plan = std::make_shared<const Plan>(make_plan(op, tensors, options));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (capacity_ == 0 || index_.count(key) != 0) return plan;  // reset, or planned meanwhile
-  recent_.emplace_front(key, plan);
+  if (capacity_ == 0) return plan;  // caching off
+  auto found = index_.find(key);
+  if (found != index_.end()) {  // planned meanwhile, or a refusal made for another length
+    *found->second = Entry{found->first, plan, length};
+    return plan;
+  }
+  recent_.push_front(Entry{key, plan, length});
   index_.emplace(std::move(key), recent_.begin());
   while (index_.size() > capacity_) {
-    index_.erase(recent_.back().first);
+    index_.erase(recent_.back().key);
     recent_.pop_back();
   }
   return plan;

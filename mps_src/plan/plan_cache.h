@@ -9,6 +9,12 @@
 // (vector loads need aligned row starts) and whether the tensor's reach from it passes 32-bit
 // indexing (extent()); the key holds exactly those two, so that views at different offsets of
 // one layout share a plan while a plan is never handed to a call it was not made for.
+//
+// A decode stream (sdpa with one more key per token) would be a new key per token. Its key
+// leaves the key length S out and holds instead what the plan derives from S
+// (attn::decode_length_class); the cached plan is rewritten for the call's S
+// (attn::set_decode_length, a copy of the plan, far cheaper than planning) when it was made
+// for another, and kept for that S.
 #pragma once
 
 #include <cstddef>
@@ -28,8 +34,10 @@ namespace steel {
 // kernels make (at most 16 bytes, and every element is at least 1 byte).
 constexpr int64_t kPlanOffsetAlign = 16;
 
-// The cache key of a planner call (see the header comment).
-std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options);
+// The cache key of a planner call (see the header comment); with `any_length`, the key and
+// value's lengths (dim -2 of tensors 1 and 2) are left out of it.
+std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options,
+                     bool any_length = false);
 
 class PlanCache {
  public:
@@ -53,7 +61,11 @@ class PlanCache {
   void reset(size_t capacity);
 
  private:
-  using Entry = std::pair<std::string, std::shared_ptr<const Plan>>;
+  struct Entry {
+    std::string key;
+    std::shared_ptr<const Plan> plan;
+    int64_t length;  // the key length the plan was made for (-1: the key holds it)
+  };
 
   mutable std::mutex mutex_;
   size_t capacity_;

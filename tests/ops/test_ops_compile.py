@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) traces the steel ops (fake impls) and matches eager."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -86,4 +87,38 @@ def test_compile_caches_keep_steel_and_pytorch_graphs_apart(steel_calls):
         else:
             torch.compile(attend, fullgraph=True)(q)
         assert steel_calls == (["forward"] if active else [])
+    torch._dynamo.reset()
+
+
+def test_compiled_graphs_call_the_prechecked_ops():
+    """A graph of torch_steel.sdpa / gemm / linear calls the ops' prechecked twins (their
+    checks run in the fake implementations when the graph is traced), with eager's results;
+    bad input is still the checks' error, raised while tracing."""
+    ops = []
+
+    def record(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("steel."))
+        return gm.forward
+
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    a, w = torch.randn(3, 8), torch.randn(6, 8)
+
+    def f(q, k, v, a, w):
+        out = torch_steel.sdpa(q, k, v, enable_gqa=True, is_causal=True)
+        return out, torch_steel.gemm(a, w.t(), activation="silu"), torch_steel.linear(a, w)
+
+    torch._dynamo.reset()
+    with torch_steel.backend("reference"):
+        got = torch.compile(f, fullgraph=True, backend=record)(q, k, v, a, w)
+        expected = f(q, k, v, a, w)
+    assert ops == ["steel.sdpa_forward_prechecked.default"] + ["steel.gemm_prechecked.default"] * 2
+    for g, e in zip(got, expected):  # the same ops on the same inputs: bitwise equal
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="inner dims differ"):
+        torch.compile(lambda a: torch_steel.gemm(a, a), fullgraph=True, backend="aot_eager")(a)
+    with pytest.raises(Exception, match="query and key head dims differ"):
+        bad = lambda q: torch_steel.sdpa(q, k[..., :4], v, enable_gqa=True)  # noqa: E731
+        torch.compile(bad, fullgraph=True)(q)
     torch._dynamo.reset()

@@ -108,6 +108,27 @@ def test_sdpa_backward_mask_grad_needs_a_float_mask():
         torch.ops.steel.sdpa_backward(*args)
 
 
+def test_ops_without_a_gradient_say_so_when_one_is_wanted():
+    """The paged KV cache's forward is inference only and the backward ops have no gradient of
+    their own: a call that wants one is an error at once (never outputs that silently do not
+    require grad); the same calls without grad run."""
+    q, k, v = q_(3, 2, 4).requires_grad_(), q_(4, 2, 2, 4), q_(4, 2, 2, 4)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    used = torch.tensor([3, 4], dtype=torch.int32)
+    paged = (cu, table, used, 2, 4, 0.0, False, 0.5, None, 0.0, -1, -1, False, 0, 0)
+    with pytest.raises(RuntimeError, match="steel::sdpa_paged_forward has no gradient"):
+        torch.ops.steel.sdpa_paged_forward(q, k, v, *paged)
+    with torch.no_grad():
+        out, lse = torch.ops.steel.sdpa_paged_forward(q, k, v, *paged)
+    assert out.shape == (3, 2, 4) and lse.shape == (2, 3)
+    g = q_(1, 2, 3, 4)
+    lse = torch.zeros(1, 2, 3)
+    args = (g, None, g.clone().requires_grad_(), g, g, g, lse, None, False, 0.0, False, 0.5)
+    with pytest.raises(RuntimeError, match="steel::sdpa_backward has no gradient"):
+        torch.ops.steel.sdpa_backward(*args, None, 0.0, -1, -1, False, 0, 0)
+
+
 def test_causal_bias_length_mismatch():
     from torch.nn.attention.bias import causal_lower_right
 

@@ -140,6 +140,15 @@ CASES = {
 }
 
 
+# The prechecked twins that torch.compile graphs call take every argument, without defaults.
+CASES["sdpa_forward_prechecked"] = (
+    torch.ops.steel.sdpa_forward_prechecked,
+    (*CASES["sdpa_forward"][1], 0),  # num_splits
+    {},
+)
+CASES["gemm_prechecked"] = (torch.ops.steel.gemm_prechecked, CASES["gemm"][1], {})
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_opcheck(name):
     op, args, kwargs = CASES[name]

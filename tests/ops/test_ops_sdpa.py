@@ -199,3 +199,46 @@ def test_sdpa_float32_matches_torch_float32():
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+def _steel_dispatches(fn):
+    """The steel op calls that the dispatcher saw while fn ran (one per pass through it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("steel::")]
+
+
+def test_a_call_with_grad_passes_the_dispatcher_once():
+    """With a gradient wanted, the Autograd kernel's Function runs the implementation itself
+    (as without one); with something below autograd (here a TorchDispatchMode) the call is
+    redispatched there, and the gradients are the same either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, 2, 3, 8, requires_grad=True) for _ in range(3))
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    calls = {
+        "steel::sdpa_forward": lambda: torch_steel.sdpa(q, k, v, is_causal=True),
+        "steel::gemm": lambda: torch_steel.gemm(a, b, activation="gelu"),
+    }
+    for name, call in calls.items():
+        with torch_steel.backend("reference"):
+            assert _steel_dispatches(call) == [name]
+            inputs = (q, k, v) if name == "steel::sdpa_forward" else (a, b)
+            expected = torch.autograd.grad(call().sum(), inputs)
+            mode = Seen()
+            with mode:
+                out = call()
+            assert f"{name[7:]}.default" in " ".join(mode.ops)  # redispatched below autograd
+            for g, e in zip(torch.autograd.grad(out.sum(), inputs), expected):
+                torch.testing.assert_close(g, e, atol=0, rtol=0)

@@ -155,3 +155,51 @@ def test_threads_share_the_cache_safely(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ThreadSanitizer" not in run.stderr
     assert run.stdout.startswith("ok "), run.stdout
+
+
+def decode(keys, capacity=4096, rows=1, mask=False, **options):
+    """A decode step: `rows` query rows against the first `keys` keys of a KV cache of
+    `capacity` keys (a view, whose strides stay; capacity None: a contiguous key and value)."""
+    q = desc(F16, [2, 8, rows, 64])
+    if capacity is None:
+        kv = desc(F16, [2, 4, keys, 64])
+    else:
+        kv = desc(F16, [2, 4, keys, 64], [4 * capacity * 64, capacity * 64, 64, 1])
+    m = desc(F16, [rows, keys]) if mask else None
+    return ("sdpa", [q, kv, kv, m, None], {**ATTN, **options}, {})
+
+
+STREAMS = {  # name -> (options of decode(), whether its plans are shared across lengths)
+    "plain": ({}, True),
+    "bottom-right causal": ({"is_causal": 1.0, "bottom_right": 1.0}, True),  # shift = S - L
+    "window": ({"window_left": 300.0, "rows": 3}, True),  # bounds the rows once S passes 300
+    "one pass": ({"num_splits": 1.0}, True),
+    "contiguous": ({"capacity": None}, False),  # the strides hold S: a key per length
+    "mask": ({"mask": True}, False),  # the mask's shape holds S
+}
+
+
+def test_a_decode_stream_hits_with_the_plan_of_its_length(ext):
+    """Decode streams of one more key per call, interleaved: every cached plan is the fresh
+    plan of its call (S and shift rewritten when the cached one was made for another length,
+    never a plan of another length, split count or stream), and a stream over views of a KV
+    cache plans only when what the plan derives from S changes."""
+    ext.plan_cache_reset(4096)
+    lengths = range(1, 1400)
+    misses = {}
+    for s in lengths:
+        for name, (options, _) in STREAMS.items():
+            call = decode(s, **options)
+            before = ext.plan_cache_stats()["misses"]
+            assert described(ext, call) == described(ext, call, cached=False), (name, s)
+            misses[name] = misses.get(name, 0) + ext.plan_cache_stats()["misses"] - before
+    for name, (_, shared) in STREAMS.items():
+        if shared:  # a new plan where the split or the key tile alignment changes
+            assert misses[name] < len(lengths) / 8, (name, misses[name])
+        else:
+            assert misses[name] == len(lengths), name
+    # Where nothing the plan derives from S changes, every call hits.
+    ext.plan_cache_reset(4096)
+    for s in range(1100, 1110):
+        described(ext, decode(s))
+    assert ext.plan_cache_stats()["misses"] == 1
