@@ -174,6 +174,49 @@ inline bool attn_edge_tile(constant AttnParams& p, AttnExtent x, int row0, int l
          (attn_has_lo && key0 < last_row + x.shift - p.lo_off);
 }
 
+// Where a threadgroup's batch entry (or varlen sequence) zb starts in q, k, v, the mask, out and
+// lse, and its extent. Shared by the simdgroup and the matmul2d prefill blocks.
+struct AttnBlockSpan {
+  AttnExtent ext;
+  // 64 bits: B * H * L * E passes 2^31 in real models.
+  steel_i64 q, k, v, m, o;  // element offsets of the entry (before head and row offsets)
+  steel_i64 lse;            // head h's row `row` is lse[lse + row]
+};
+
+// False when the block starting at query row row0 has no rows (varlen: the grid covers the
+// longest sequence). The result is uniform over the threadgroup, so callers may return before
+// any barrier or tensor operation.
+inline bool attn_block_span(constant AttnParams& p, const device int* cu_q, const device int* cu_k,
+                            int h, int zb, int row0, thread AttnBlockSpan& s) {
+  s.ext = {p.L, p.S, p.shift};
+  s.m = 0;
+  s.o = zb * p.o_bs;
+  s.lse = (steel_i64(zb) * p.Hq + h) * p.L;
+  if (attn_varlen) {
+    // Sequence zb is query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens cu_k[zb] ..
+    // cu_k[zb + 1]. The offsets are clamped to the token counts, so that offsets that break
+    // the convention give wrong rows, never accesses outside q, k, v, out or lse.
+    const int q_begin = clamp(cu_q[zb], 0, p.L);
+    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
+    const int k_begin = clamp(cu_k[zb], 0, p.S);
+    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
+    s.ext.L = q_end - q_begin;
+    s.ext.S = k_end - k_begin;
+    s.ext.shift = attn_varlen_br ? s.ext.S - s.ext.L : 0;
+    s.q = q_begin * p.q_rs;
+    s.k = k_begin * p.k_rs;
+    s.v = k_begin * p.v_rs;
+    s.o = q_begin * p.o_rs;
+    s.lse = steel_i64(h) * p.L + q_begin;  // lse is [Hq, total_q]
+    return row0 < s.ext.L;
+  }
+  s.q = attn_batch_offset(p, p.q_bs, zb);
+  s.k = attn_batch_offset(p, p.k_bs, zb);
+  s.v = attn_batch_offset(p, p.v_bs, zb);
+  s.m = attn_batch_offset(p, p.m_bs, zb);
+  return true;
+}
+
 template <typename T, short DE, short DV>
 inline void attention_forward_block(const device T* q, const device T* k, const device T* v,
                                     const device uchar* mask, const device uchar* sinks,
@@ -186,40 +229,13 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   const int h = int(tg.y);
   const int zb = int(tg.z);  // the flattened batch entry, or the sequence (varlen)
 
-  AttnExtent ext = {p.L, p.S, p.shift};
-  // Batch, head and row offsets in 64 bits: B * H * L * E passes 2^31 in real models.
-  steel_i64 q_off = 0, k_off = 0, v_off = 0, m_off = 0;
-  steel_i64 o_off = zb * p.o_bs;
-  steel_i64 lse_off = (steel_i64(zb) * p.Hq + h) * p.L;
-  if (attn_varlen) {
-    // Sequence zb is query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens cu_k[zb] ..
-    // cu_k[zb + 1]. The offsets are clamped to the token counts, so that offsets that break
-    // the convention give wrong rows, never accesses outside q, k, v, out or lse.
-    const int q_begin = clamp(cu_q[zb], 0, p.L);
-    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
-    ext.L = q_end - q_begin;
-    ext.S = k_end - k_begin;
-    ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
-    // The grid covers the longest sequence: blocks past the end of this one have no rows. The
-    // test is uniform over the threadgroup, and no barrier has been reached yet.
-    if (row0 >= ext.L) return;
-    q_off = q_begin * p.q_rs;
-    k_off = k_begin * p.k_rs;
-    v_off = k_begin * p.v_rs;
-    o_off = q_begin * p.o_rs;
-    lse_off = steel_i64(h) * p.L + q_begin;  // lse is [Hq, total_q]
-  } else {
-    q_off = attn_batch_offset(p, p.q_bs, zb);
-    k_off = attn_batch_offset(p, p.k_bs, zb);
-    v_off = attn_batch_offset(p, p.v_bs, zb);
-    m_off = attn_batch_offset(p, p.m_bs, zb);
-  }
+  AttnBlockSpan span;
+  if (!attn_block_span(p, cu_q, cu_k, h, zb, row0, span)) return;
+  const AttnExtent ext = span.ext;
   const int hk = h / p.group;
-  q += q_off + h * p.q_hs;
-  k += k_off + hk * p.k_hs;
-  v += v_off + hk * p.v_hs;
+  q += span.q + h * p.q_hs;
+  k += span.k + hk * p.k_hs;
+  v += span.v + hk * p.v_hs;
 
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
@@ -247,7 +263,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = m_off + h * p.m_hs + row * p.m_rs;
+  const steel_i64 mask_row = span.m + h * p.m_hs + row * p.m_rs;
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
@@ -298,10 +314,10 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
 
   if (!row_ok) return;  // no barrier follows
   const float inv = sm.inverse_sum();
-  attn_store_row_frags<T, A::TV>(out + o_off + h * p.o_hs + row * p.o_rs, o, p.Ev, attn_align_ev,
+  attn_store_row_frags<T, A::TV>(out + span.o + h * p.o_hs + row * p.o_rs, o, p.Ev, attn_align_ev,
                                  inv, lane);
   // One lane of the four that share a row writes its log-sum-exp.
-  if ((lane & 9) == 0) lse[lse_off + row] = sm.lse();
+  if ((lane & 9) == 0) lse[span.lse + row] = sm.lse();
 }
 
 }  // namespace steel

@@ -128,37 +128,15 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
   const int h = int(tg.y);
   const int zb = int(tg.z);  // the flattened batch entry, or the sequence (varlen)
 
-  // Offsets as forward.h computes them (64-bit; varlen offsets clamped to the token counts).
-  AttnExtent ext = {p.L, p.S, p.shift};
-  steel_i64 q_off = 0, k_off = 0, v_off = 0, m_off = 0;
-  steel_i64 o_off = zb * p.o_bs;
-  steel_i64 lse_off = (steel_i64(zb) * p.Hq + h) * p.L;
-  if (attn_varlen) {
-    const int q_begin = clamp(cu_q[zb], 0, p.L);
-    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
-    ext.L = q_end - q_begin;
-    ext.S = k_end - k_begin;
-    ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
-    if (row0 >= ext.L) return;  // uniform over the threadgroup, before any operation
-    q_off = q_begin * p.q_rs;
-    k_off = k_begin * p.k_rs;
-    v_off = k_begin * p.v_rs;
-    o_off = q_begin * p.o_rs;
-    lse_off = steel_i64(h) * p.L + q_begin;
-  } else {
-    q_off = attn_batch_offset(p, p.q_bs, zb);
-    k_off = attn_batch_offset(p, p.k_bs, zb);
-    v_off = attn_batch_offset(p, p.v_bs, zb);
-    m_off = attn_batch_offset(p, p.m_bs, zb);
-  }
+  AttnBlockSpan span;  // forward.h: the block's extent and offsets, as the simdgroup kernel's
+  if (!attn_block_span(p, cu_q, cu_k, h, zb, row0, span)) return;  // before any operation
+  const AttnExtent ext = span.ext;
   const int hk = h / p.group;
   // Tensor views start at the block's first row or the tile's first key, so that their int32
   // element offsets stay below BQ (BK) rows (the planner checks that those fit).
-  q += q_off + h * p.q_hs + row0 * p.q_rs;
-  k += k_off + hk * p.k_hs;
-  v += v_off + hk * p.v_hs;
+  q += span.q + h * p.q_hs + row0 * p.q_rs;
+  k += span.k + hk * p.k_hs;
+  v += span.v + hk * p.v_hs;
   const int rows = ext.L - row0;  // may exceed BQ: the views' edge is the extent's
 
   typename A::ScoreOp score_op;
@@ -182,7 +160,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   const typename A::PTile p_tile(p_mem, extents<int32_t, A::BK, A::BQ>());
   const typename A::RowTile row_tile(row_mem, extents<int32_t, A::BQ>());
-  const steel_i64 mask_head = m_off + h * p.m_hs;
+  const steel_i64 mask_head = span.m + h * p.m_hs;
   const bool whole_e = attn_align_e && attn_align_ev;
 
   for (int t = t_begin; t < t_end; ++t) {
@@ -251,7 +229,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
   }
   // Rows past L and columns past Ev lie beyond the dynamic extents: not stored.
   o.store(tensor<device T, dextents<int32_t, 2>, tensor_inline>(
-      out + o_off + h * p.o_hs + row0 * p.o_rs, dextents<int32_t, 2>(p.Ev, rows),
+      out + span.o + h * p.o_hs + row0 * p.o_rs, dextents<int32_t, 2>(p.Ev, rows),
       array<int32_t, 2>({1, int32_t(p.o_rs)})));
 
   // The log-sum-exp in nats: -inf for a row that saw nothing.
@@ -260,7 +238,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
     factor[i] = sm.l[i] == 0.0f ? -INFINITY : sm.m[i] * attn_unit_nats + log(sm.l[i]);
   }
   factor.store(tensor<device float, dextents<int32_t, 1>, tensor_inline>(
-      lse + lse_off + row0, dextents<int32_t, 1>(rows)));
+      lse + span.lse + row0, dextents<int32_t, 1>(rows)));
 }
 
 }  // namespace steel
