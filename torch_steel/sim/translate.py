@@ -560,6 +560,9 @@ class _Translator:
     # ------------------------------------------------------------------ statements
     def statements(self, r: _Rewriter, in_directive: bool = False) -> None:
         scopes: list[str] = []  # "namespace", "class", "block", "init" per open brace
+        # Per open brace: whether a `return` directly in it returns by value (and may copy
+        # out of another address space, return_copy).
+        by_value: list[bool] = []
         k = 0
         n = len(r.sig)
         stmt_start = 0
@@ -625,16 +628,22 @@ class _Translator:
                     k = stmt_start = nk
                     continue
                 self.local_copy(r, k)
+            if s == "return" and scopes and scopes[-1] == "block" and by_value[-1]:
+                self.return_copy(r, k)
             if s == ")" and (at_ns or scopes[-1] == "class") and not in_directive:
                 self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
             if s == "{":
-                scopes.append(self.scope_kind(r, stmt_start, k))
+                kind = self.scope_kind(r, stmt_start, k)
+                outer = by_value[-1] if scopes and scopes[-1] == "block" else None
+                by_value.append(kind == "block" and self.returns_by_value(r, stmt_start, k, outer))
+                scopes.append(kind)
                 stmt_start = k + 1
             elif s == "}":
                 if scopes:
                     scopes.pop()
+                    by_value.pop()
                 stmt_start = k + 1
             elif s == ";":
                 stmt_start = k + 1
@@ -757,6 +766,8 @@ class _Translator:
         words = [r.t(x) for x in range(j, brace)]
         if "namespace" in words or words[:1] == ["extern"]:
             return "namespace"
+        if _Translator.lambda_head(words):
+            return "block"  # `auto f = [&](int i) {`: a function body, not an initializer
         # `T x = {`, `f(a, {`: a braced initializer. An `=` inside parentheses is a default
         # argument and `operator=` a name: the brace opens a function body.
         depth = 0
@@ -1249,6 +1260,69 @@ class _Translator:
         if end >= n or end == j + 1:
             return
         r.add_after(j, " ::steel_shim::as_local(")
+        r.add_after(end - 1, ")")
+
+    _NOT_BY_VALUE = frozenset({"&", "&&", "decltype", "void"})
+
+    def returns_by_value(self, r: _Rewriter, start: int, brace: int, outer: bool | None) -> bool:
+        """Whether the function whose body (or a block of it) the brace at `brace` opens
+        returns by value, judged from its declaration `start`..`brace`: no `&`, `decltype` or
+        `void` in the return type (a trailing one after `->` if given), so that return_copy
+        neither turns a returned reference into a copy nor wraps a void expression. A block
+        nested in a function (`outer` is not None) inherits its flag unless it is a lambda
+        with a trailing return type."""
+        j = start
+        if r.t(j) == "template" and r.t(j + 1) == "<":
+            j = r.match(j + 1) + 1
+        words = [r.t(x) for x in range(j, brace)]
+        is_lambda = self.lambda_head(words)
+        if "->" in words and (is_lambda or outer is None):
+            trailing = words[len(words) - words[::-1].index("->") :]
+            return not self._NOT_BY_VALUE.intersection(trailing)
+        if is_lambda:
+            return True  # deduced, decayed: a copy is what it returns
+        if outer is not None:
+            return outer
+        head = words[: words.index("(")] if "(" in words else words
+        return not self._NOT_BY_VALUE.intersection(head)
+
+    @staticmethod
+    def lambda_head(words: list[str]) -> bool:
+        """Whether the tokens before a `{` end a lambda's head (`[&](int i) mutable`, `[=]`):
+        a `[` where an expression starts, the brace after its parameters or captures."""
+        if not words or words[-1] not in (")", "]", "mutable") and "->" not in words:
+            return False
+        return any(
+            w == "[" and (x == 0 or words[x - 1] in ("=", "(", ",", "return", "{", ";"))
+            for x, w in enumerate(words)
+        )
+
+    def return_copy(self, r: _Rewriter, k: int) -> None:
+        """`return expression;` in a function returning by value: MSL copies a returned object
+        out of any address space (`return *params;` with `constant Params* params`), C++ only
+        out of the generic one. As for local_copy, the expression goes through
+        steel_shim::as_local; `return;`, braced lists and comma expressions are left alone."""
+        end = k + 1
+        n = len(r.sig)
+        if end >= n or r.t(end) in (";", "{"):
+            return
+        depth = 0
+        while end < n:
+            s = r.t(end)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}"):
+                depth -= 1
+                if depth < 0:
+                    return
+            elif depth == 0 and s == ",":
+                return
+            elif depth == 0 and s == ";":
+                break
+            end += 1
+        if end >= n:
+            return
+        r.add_after(k, " ::steel_shim::as_local(")
         r.add_after(end - 1, ")")
 
     # ---- threadgroup T name[N]; in a function body
