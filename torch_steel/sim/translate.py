@@ -20,9 +20,11 @@ errors and checker reports point into the original file:
   `static_cast<float4>(h)`, `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become
   calls to the shim;
 - floating-point literals without a suffix get `f` (MSL has no double), `h` becomes `f16`;
-- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces), and the
-  initializer of a local variable of class type goes through steel_shim::as_local
-  (copy-initialization across address spaces, `Params p = *params;`);
+- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces), the
+  initializer of a local variable of class type and the operand of `return` in a function
+  returning by value go through steel_shim::as_local (copies across address spaces,
+  `Params p = *params;`, `return *params;`), and call arguments that dereference or subscript
+  (`f(*params)`, `f(p[i])`) through steel_shim::as_arg (by-value parameters);
 - address-space-qualified member functions (`float f() const device`, declared, defined in
   the class or outside it) are renamed and reached through explicit-object templates;
 - other MSL attributes are removed.
@@ -630,6 +632,8 @@ class _Translator:
                 self.local_copy(r, k)
             if s == "return" and scopes and scopes[-1] == "block" and by_value[-1]:
                 self.return_copy(r, k)
+            if s == "(" and "block" in scopes:
+                self.argument_copy(r, k)
             if s == ")" and (at_ns or scopes[-1] == "class") and not in_directive:
                 self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
@@ -1296,6 +1300,73 @@ class _Translator:
             w == "[" and (x == 0 or words[x - 1] in ("=", "(", ",", "return", "{", ";"))
             for x, w in enumerate(words)
         )
+
+    _NOT_CALL = frozenset(
+        {
+            "if",
+            "while",
+            "for",
+            "switch",
+            "return",
+            "sizeof",
+            "alignof",
+            "alignas",
+            "decltype",
+            "noexcept",
+            "static_assert",
+        }
+    )
+
+    def argument_copy(self, r: _Rewriter, k: int) -> None:
+        """`f(*p, ...)`: MSL passes an object of any address space to a parameter taking it by
+        value, C++ only a generic one. An argument that dereferences (`*p`, the form copies
+        out of another space take) goes through steel_shim::as_arg (steel_shim/construct.h),
+        which converts such an object into a checked copy or back into its reference, as the
+        parameter asks. Parentheses of declarators (`T (*rows)[4]`) and of keywords are left
+        alone."""
+        if r.kind(k - 1) != "ident" and r.t(k - 1) != ">" or r.t(k - 1) in self._NOT_CALL:
+            return
+        try:
+            close = r.match(k)
+        except TranslateError:
+            return
+        if r.t(close + 1) in ("[", "("):
+            return
+        start = k + 1
+        depth = 0
+        for j in range(k + 1, close + 1):
+            s = r.t(j)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}") and j < close:
+                depth -= 1
+            elif depth == 0 and (s == "," or j == close):
+                if self.is_object_argument(r, start, j):
+                    r.add_after(start - 1, " ::steel_shim::as_arg(")
+                    r.add_after(j - 1, ")")
+                start = j + 1
+
+    @staticmethod
+    def is_object_argument(r: _Rewriter, a: int, b: int) -> bool:
+        """Whether tokens a..b-1 name an object the way a copy out of another address space
+        does: a dereference (`*p`, `*(p + i)`) or a subscript chain (`p[i]`, `s.rows[i]`,
+        `p->v[i]`). A bare name is left out, as it may be a type passed to a macro."""
+        if b - a < 2:
+            return False
+        if r.t(a) == "*":
+            return True
+        if r.kind(a) != "ident" or r.t(b - 1) != "]":
+            return False
+        j = a
+        while j < b:
+            s = r.t(j)
+            if s == "[":
+                j = r.match(j) + 1
+            elif r.kind(j) == "ident" or s in (".", "->", "::"):
+                j += 1
+            else:
+                return False
+        return j == b
 
     def return_copy(self, r: _Rewriter, k: int) -> None:
         """`return expression;` in a function returning by value: MSL copies a returned object
