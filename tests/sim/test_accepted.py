@@ -104,7 +104,7 @@ def test_params_struct_passed_returned_and_assigned_by_value_across_address_spac
         buffers={0: constant, 1: dev, 2: out},
         counters=True,
     )
-    row = [3 * 0.5 + 0.25, 7 * 0.25 - 2.0, -1.0, 0.5, 0.5, 3 * (2.0 + 1.0 + 0.5), 3 * -0.25]
+    row = [3 * 0.5 + 0.25, 7 * 0.25 - 2.0, -1.0, 0.5 + 2.0, 0.5, 3 * (2.0 + 1.0 + 0.5), 3 * -0.25]
     assert out.view(4, 7).tolist() == [row] * 4
     # The counters see the copies: at least the bytes each lane uses (buffer 0: 12 for
     # accepted_weigh, 4 + 4 for the by-reference call and the returned copy, 12 for q.total();

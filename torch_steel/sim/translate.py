@@ -310,6 +310,11 @@ class _Translator:
         # (`#define C10_METAL_CONSTEXPR constant constexpr`): the pre-pass sees a declaration
         # before the preprocessor expands them.
         self.constant_macros: set[str] = set()
+        # Names of the functions this file has defined so far, as templates and not: only
+        # calls to a non-template one get argument_copy (a template parameter `device T&`
+        # deduces nothing from steel_shim::as_arg's proxy).
+        self.plain_functions: set[str] = set()
+        self.template_functions: set[str] = set()
 
     # ------------------------------------------------------------------ expression rewrites
     def expressions(self, r: _Rewriter) -> None:
@@ -642,6 +647,8 @@ class _Translator:
                 kind = self.scope_kind(r, stmt_start, k)
                 outer = by_value[-1] if scopes and scopes[-1] == "block" else None
                 by_value.append(kind == "block" and self.returns_by_value(r, stmt_start, k, outer))
+                if kind == "block" and outer is None:
+                    self.record_function(r, stmt_start, k)
                 scopes.append(kind)
                 stmt_start = k + 1
             elif s == "}":
@@ -1301,30 +1308,27 @@ class _Translator:
             for x, w in enumerate(words)
         )
 
-    _NOT_CALL = frozenset(
-        {
-            "if",
-            "while",
-            "for",
-            "switch",
-            "return",
-            "sizeof",
-            "alignof",
-            "alignas",
-            "decltype",
-            "noexcept",
-            "static_assert",
-        }
-    )
+    def record_function(self, r: _Rewriter, start: int, brace: int) -> None:
+        """Notes the name of the function whose body the brace at `brace` opens."""
+        head = [r.t(x) for x in range(start, brace)]
+        if "(" not in head:
+            return
+        name = head[head.index("(") - 1] if head.index("(") > 0 else ""
+        if r.kind(start + head.index("(") - 1) != "ident" or name == "operator":
+            return
+        is_template = head[0] == "template" or "<" in head[: head.index("(")]
+        (self.template_functions if is_template else self.plain_functions).add(name)
 
     def argument_copy(self, r: _Rewriter, k: int) -> None:
         """`f(*p, ...)`: MSL passes an object of any address space to a parameter taking it by
         value, C++ only a generic one. An argument that dereferences (`*p`, the form copies
         out of another space take) goes through steel_shim::as_arg (steel_shim/construct.h),
         which converts such an object into a checked copy or back into its reference, as the
-        parameter asks. Parentheses of declarators (`T (*rows)[4]`) and of keywords are left
-        alone."""
-        if r.kind(k - 1) != "ident" and r.t(k - 1) != ">" or r.t(k - 1) in self._NOT_CALL:
+        parameter asks. Only calls by name of a non-template function defined earlier in the
+        file (record_function) qualify: a template would deduce its parameter from the proxy,
+        and neither keywords nor declarators (`T (*rows)[4]`) are calls."""
+        name = r.t(k - 1)
+        if name not in self.plain_functions or name in self.template_functions:
             return
         try:
             close = r.match(k)
