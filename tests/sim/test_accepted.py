@@ -90,3 +90,36 @@ def test_params_struct_copied_from_constant_and_device_memory():
     total = 0.5 + 0.25 - 1.0
     row = [3 * 0.5 - 1.0, 3 * 0.5 + 0.25, 3 - 1.0, total, 2 * total, 3 * total]
     assert out.view(4, 6).tolist() == [row] * 4
+
+
+def test_params_struct_passed_returned_and_assigned_by_value_across_address_spaces():
+    constant = struct.pack("<ifff", 3, 0.5, 0.25, -1.0)
+    structs = struct.pack("<ifff", 5, 2.0, 1.0, 0.5) + struct.pack("<ifff", 7, 0.25, -2.0, 4.0)
+    dev = torch.frombuffer(bytearray(structs), dtype=torch.uint8).clone()
+    out = torch.zeros(4 * 7)
+    c = run(
+        "accepted_params_by_value",
+        grid=(1,),
+        threads=(4,),
+        buffers={0: constant, 1: dev, 2: out},
+        counters=True,
+    )
+    row = [3 * 0.5 + 0.25, 7 * 0.25 - 2.0, -1.0, 0.5 + 2.0, 0.5, 3 * (2.0 + 1.0 + 0.5), 3 * -0.25]
+    assert out.view(4, 7).tolist() == [row] * 4
+    # The counters see the copies: at least the bytes each lane uses (buffer 0: 12 for
+    # accepted_weigh, 4 + 4 for the by-reference call and the returned copy, 12 for q.total();
+    # buffer 1: the 16 copied into threadgroup memory, then 12 + 4 per lane).
+    assert c["buffers"][0]["read"] >= 4 * 32
+    assert c["buffers"][1]["read"] >= 16 + 4 * 16
+    # The copies are checked: with a device buffer one struct short, `accepted_weigh(dp[1])`
+    # reads past its end (the optimizer keeps only the bytes the callee uses).
+    line = 1 + SRC[0].read_text().splitlines().index("  out[i * 7 + 1] = accepted_weigh(dp[1]);")
+    msg = r"out-of-bounds device read of \d+ bytes at byte offset 16 of \[\[buffer\(1\)\]\]"
+    msg += rf"(.|\n)*lang_accepted.metal:{line}:"
+    with pytest.raises(SimulatorError, match=msg):
+        run(
+            "accepted_params_by_value",
+            grid=(1,),
+            threads=(4,),
+            buffers={0: constant, 1: dev[:16].clone(), 2: out},
+        )

@@ -239,6 +239,28 @@ void f() { struct Local { int y; }; }
     assert "STEEL_SIM_AS_COPY" not in "".join(lines[2:])
 
 
+def test_copies_out_of_other_spaces_only_where_a_value_is_taken():
+    src = """\
+P get(constant P* p) { return *p; }
+const device P& ref(const device P* p) { return *p; }
+const device auto& fwd(const device P* p) { return p[0]; }
+void none(device float* o) { return other(o); }
+float use(P p, device P* q) { auto l = [&]() { return *q; }; return take(p) + use(*q, q); }
+template <typename T> float deduce(const device T& x) { return use(*x, x) + deduce(*x); }
+"""
+    lines = tr(src).split("\n")[1:]
+    # By-value returns (also the lambda's, deduced) copy; references (also deduced) and void
+    # keep what they return.
+    assert squash("{ return ::steel_shim::as_local(*p); }") in squash(lines[0])
+    assert "as_local" not in "".join(lines[1:4])
+    assert squash("return ::steel_shim::as_local(*q); }") in squash(lines[4])
+    # Arguments that dereference, in calls of the non-template functions defined so far; not a
+    # bare name, and not a template's (which would deduce from the proxy).
+    assert squash("use(::steel_shim::as_arg(*q), q)") in squash(lines[4])
+    assert "take(p)" in lines[4]
+    assert squash("use(::steel_shim::as_arg(*x), x) + deduce(*x)") in squash(lines[5])
+
+
 # ---------------------------------------------------------------------------- expressions
 
 

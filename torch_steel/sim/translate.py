@@ -20,9 +20,11 @@ errors and checker reports point into the original file:
   `static_cast<float4>(h)`, `vec<T, 2>(...)`), which C++ reads as bitcasts or rejects, become
   calls to the shim;
 - floating-point literals without a suffix get `f` (MSL has no double), `h` becomes `f16`;
-- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces), and the
-  initializer of a local variable of class type goes through steel_shim::as_local
-  (copy-initialization across address spaces, `Params p = *params;`);
+- every struct and class gets STEEL_SIM_AS_COPY (assignment across address spaces), the
+  initializer of a local variable of class type and the operand of `return` in a function
+  returning by value go through steel_shim::as_local (copies across address spaces,
+  `Params p = *params;`, `return *params;`), and call arguments that dereference or subscript
+  (`f(*params)`, `f(p[i])`) through steel_shim::as_arg (by-value parameters);
 - address-space-qualified member functions (`float f() const device`, declared, defined in
   the class or outside it) are renamed and reached through explicit-object templates;
 - other MSL attributes are removed.
@@ -308,6 +310,11 @@ class _Translator:
         # (`#define C10_METAL_CONSTEXPR constant constexpr`): the pre-pass sees a declaration
         # before the preprocessor expands them.
         self.constant_macros: set[str] = set()
+        # Names of the functions this file has defined so far, as templates and not: only
+        # calls to a non-template one get argument_copy (a template parameter `device T&`
+        # deduces nothing from steel_shim::as_arg's proxy).
+        self.plain_functions: set[str] = set()
+        self.template_functions: set[str] = set()
 
     # ------------------------------------------------------------------ expression rewrites
     def expressions(self, r: _Rewriter) -> None:
@@ -560,6 +567,9 @@ class _Translator:
     # ------------------------------------------------------------------ statements
     def statements(self, r: _Rewriter, in_directive: bool = False) -> None:
         scopes: list[str] = []  # "namespace", "class", "block", "init" per open brace
+        # Per open brace: whether a `return` directly in it returns by value (and may copy
+        # out of another address space, return_copy).
+        by_value: list[bool] = []
         k = 0
         n = len(r.sig)
         stmt_start = 0
@@ -625,16 +635,26 @@ class _Translator:
                     k = stmt_start = nk
                     continue
                 self.local_copy(r, k)
+            if s == "return" and scopes and scopes[-1] == "block" and by_value[-1]:
+                self.return_copy(r, k)
+            if s == "(" and "block" in scopes:
+                self.argument_copy(r, k)
             if s == ")" and (at_ns or scopes[-1] == "class") and not in_directive:
                 self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
             if s == "{":
-                scopes.append(self.scope_kind(r, stmt_start, k))
+                kind = self.scope_kind(r, stmt_start, k)
+                outer = by_value[-1] if scopes and scopes[-1] == "block" else None
+                by_value.append(kind == "block" and self.returns_by_value(r, stmt_start, k, outer))
+                if kind == "block" and outer is None:
+                    self.record_function(r, stmt_start, k)
+                scopes.append(kind)
                 stmt_start = k + 1
             elif s == "}":
                 if scopes:
                     scopes.pop()
+                    by_value.pop()
                 stmt_start = k + 1
             elif s == ";":
                 stmt_start = k + 1
@@ -757,6 +777,8 @@ class _Translator:
         words = [r.t(x) for x in range(j, brace)]
         if "namespace" in words or words[:1] == ["extern"]:
             return "namespace"
+        if _Translator.lambda_head(words):
+            return "block"  # `auto f = [&](int i) {`: a function body, not an initializer
         # `T x = {`, `f(a, {`: a braced initializer. An `=` inside parentheses is a default
         # argument and `operator=` a name: the brace opens a function body.
         depth = 0
@@ -1249,6 +1271,133 @@ class _Translator:
         if end >= n or end == j + 1:
             return
         r.add_after(j, " ::steel_shim::as_local(")
+        r.add_after(end - 1, ")")
+
+    _NOT_BY_VALUE = frozenset({"&", "&&", "decltype", "void"})
+
+    def returns_by_value(self, r: _Rewriter, start: int, brace: int, outer: bool | None) -> bool:
+        """Whether the function whose body (or a block of it) the brace at `brace` opens
+        returns by value, judged from its declaration `start`..`brace`: no `&`, `decltype` or
+        `void` in the return type (a trailing one after `->` if given), so that return_copy
+        neither turns a returned reference into a copy nor wraps a void expression. A block
+        nested in a function (`outer` is not None) inherits its flag unless it is a lambda
+        with a trailing return type."""
+        j = start
+        if r.t(j) == "template" and r.t(j + 1) == "<":
+            j = r.match(j + 1) + 1
+        words = [r.t(x) for x in range(j, brace)]
+        is_lambda = self.lambda_head(words)
+        if "->" in words and (is_lambda or outer is None):
+            trailing = words[len(words) - words[::-1].index("->") :]
+            return not self._NOT_BY_VALUE.intersection(trailing)
+        if is_lambda:
+            return True  # deduced, decayed: a copy is what it returns
+        if outer is not None:
+            return outer
+        head = words[: words.index("(")] if "(" in words else words
+        return not self._NOT_BY_VALUE.intersection(head)
+
+    @staticmethod
+    def lambda_head(words: list[str]) -> bool:
+        """Whether the tokens before a `{` end a lambda's head (`[&](int i) mutable`, `[=]`):
+        a `[` where an expression starts, the brace after its parameters or captures."""
+        if not words or words[-1] not in (")", "]", "mutable") and "->" not in words:
+            return False
+        return any(
+            w == "[" and (x == 0 or words[x - 1] in ("=", "(", ",", "return", "{", ";"))
+            for x, w in enumerate(words)
+        )
+
+    def record_function(self, r: _Rewriter, start: int, brace: int) -> None:
+        """Notes the name of the function whose body the brace at `brace` opens."""
+        head = [r.t(x) for x in range(start, brace)]
+        if "(" not in head:
+            return
+        name = head[head.index("(") - 1] if head.index("(") > 0 else ""
+        if r.kind(start + head.index("(") - 1) != "ident" or name == "operator":
+            return
+        is_template = head[0] == "template" or "<" in head[: head.index("(")]
+        (self.template_functions if is_template else self.plain_functions).add(name)
+
+    def argument_copy(self, r: _Rewriter, k: int) -> None:
+        """`f(*p, ...)`: MSL passes an object of any address space to a parameter taking it by
+        value, C++ only a generic one. An argument that dereferences (`*p`, the form copies
+        out of another space take) goes through steel_shim::as_arg (steel_shim/construct.h),
+        which converts such an object into a checked copy or back into its reference, as the
+        parameter asks. Only calls by name of a non-template function defined earlier in the
+        file (record_function) qualify: a template would deduce its parameter from the proxy,
+        and neither keywords nor declarators (`T (*rows)[4]`) are calls."""
+        name = r.t(k - 1)
+        if name not in self.plain_functions or name in self.template_functions:
+            return
+        try:
+            close = r.match(k)
+        except TranslateError:
+            return
+        if r.t(close + 1) in ("[", "("):
+            return
+        start = k + 1
+        depth = 0
+        for j in range(k + 1, close + 1):
+            s = r.t(j)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}") and j < close:
+                depth -= 1
+            elif depth == 0 and (s == "," or j == close):
+                if self.is_object_argument(r, start, j):
+                    r.add_after(start - 1, " ::steel_shim::as_arg(")
+                    r.add_after(j - 1, ")")
+                start = j + 1
+
+    @staticmethod
+    def is_object_argument(r: _Rewriter, a: int, b: int) -> bool:
+        """Whether tokens a..b-1 name an object the way a copy out of another address space
+        does: a dereference (`*p`, `*(p + i)`) or a subscript chain (`p[i]`, `s.rows[i]`,
+        `p->v[i]`). A bare name is left out, as it may be a type passed to a macro."""
+        if b - a < 2:
+            return False
+        if r.t(a) == "*":
+            return True
+        if r.kind(a) != "ident" or r.t(b - 1) != "]":
+            return False
+        j = a
+        while j < b:
+            s = r.t(j)
+            if s == "[":
+                j = r.match(j) + 1
+            elif r.kind(j) == "ident" or s in (".", "->", "::"):
+                j += 1
+            else:
+                return False
+        return j == b
+
+    def return_copy(self, r: _Rewriter, k: int) -> None:
+        """`return expression;` in a function returning by value: MSL copies a returned object
+        out of any address space (`return *params;` with `constant Params* params`), C++ only
+        out of the generic one. As for local_copy, the expression goes through
+        steel_shim::as_local; `return;`, braced lists and comma expressions are left alone."""
+        end = k + 1
+        n = len(r.sig)
+        if end >= n or r.t(end) in (";", "{"):
+            return
+        depth = 0
+        while end < n:
+            s = r.t(end)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}"):
+                depth -= 1
+                if depth < 0:
+                    return
+            elif depth == 0 and s == ",":
+                return
+            elif depth == 0 and s == ";":
+                break
+            end += 1
+        if end >= n:
+            return
+        r.add_after(k, " ::steel_shim::as_local(")
         r.add_after(end - 1, ")")
 
     # ---- threadgroup T name[N]; in a function body

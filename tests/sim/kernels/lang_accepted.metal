@@ -160,3 +160,34 @@ kernel void accepted_params_copy(constant AcceptedParams* cp [[buffer(0)]],
   out[i * 6 + 4] = dp->total();
   out[i * 6 + 5] = b.total();
 }
+
+// Copies out of constant, device and threadgroup memory that are not declarations: arguments
+// taken by value (`*p`, `p[i]`; a template still deduces `device T&` from `*p`), values
+// returned (also by a lambda), an assignment to an existing local.
+static float accepted_weigh(AcceptedParams p) { return float(p.n) * p.scale + p.bias[0]; }
+static float accepted_weigh_ref(constant AcceptedParams& p) { return p.bias[1]; }
+static AcceptedParams accepted_fetch(const device AcceptedParams* p) { return *p; }
+template <typename T>
+float accepted_scale_of(const device T& p) {
+  return p.scale;
+}
+static AcceptedParams accepted_fetch_constant(constant AcceptedParams* p, int i) { return p[i]; }
+
+kernel void accepted_params_by_value(constant AcceptedParams* cp [[buffer(0)]],
+                                     const device AcceptedParams* dp [[buffer(1)]],
+                                     device float* out [[buffer(2)]],
+                                     uint i [[thread_index_in_threadgroup]]) {
+  threadgroup AcceptedParams shared;
+  if (i == 0) shared = dp[0];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  auto from_shared = [&]() { return shared; };
+  AcceptedParams q;
+  q = *cp;
+  out[i * 7 + 0] = accepted_weigh(*cp);
+  out[i * 7 + 1] = accepted_weigh(dp[1]);
+  out[i * 7 + 2] = accepted_weigh_ref(*cp);
+  out[i * 7 + 3] = accepted_fetch(dp).bias[1] + accepted_scale_of(*dp);
+  out[i * 7 + 4] = accepted_fetch_constant(cp, 0).scale;
+  out[i * 7 + 5] = from_shared().total();
+  out[i * 7 + 6] = q.total();
+}

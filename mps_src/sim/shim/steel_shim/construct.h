@@ -153,6 +153,37 @@ constexpr decltype(auto) as_local(T&& x) {
   }
 }
 
+// An argument `*p` (the pre-pass wraps every argument that dereferences) for a parameter that
+// takes the object by value, which MSL allows from any address space and C++ only from the
+// generic one: an object of a class type outside the thread address space becomes this,
+// convertible into a byte copy (a memcpy, checked like any struct copy) or back into its
+// reference for a parameter that takes one; anything else passes through unchanged.
+template <class R>
+struct arg_copy {
+  using U = metal::remove_address_space_t<metal::remove_cv_t<R>>;
+  R& ref;
+  operator U() const {
+    U r;
+    __builtin_memcpy((void*)&r, (const void*)&ref, sizeof r);
+    return r;
+  }
+  // A template, so that it takes no part in a conversion into U (where it would make that
+  // ambiguous): deduced only from a reference to the object's own address space.
+  template <class X, STEEL_SHIM_IF(__is_same(metal::remove_cv_t<X>, metal::remove_cv_t<R>))>
+  operator X&() const {
+    return ref;
+  }
+};
+template <class T>
+constexpr decltype(auto) as_arg(T&& x) {
+  using R = __remove_reference_t(T);
+  if constexpr (__is_class(R) && metal::remove_address_space<R>::value != 0) {
+    return arg_copy<R>{x};
+  } else {
+    return static_cast<T&&>(x);
+  }
+}
+
 }  // namespace steel_shim
 
 #if __cplusplus > 202002L
