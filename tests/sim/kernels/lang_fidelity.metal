@@ -68,22 +68,33 @@ kernel void lang_precision(const device float* x [[buffer(0)]],
   hout[i * 4 + 3] = sqrt(half(p));
 }
 
-// Table 8.2's rows given as implementations, and acos/asin/atan (5 ulp), in float; Table 8.3's
-// correctly rounded half rsqrt and the half functions added with the builtins.
+// Table 8.2's rows given as implementations, and acos/asin/atan (5 ulp) and sinpi/cospi
+// (2^-13 absolute), in float; Table 8.3's correctly rounded half rsqrt and the half functions
+// added with the builtins.
 kernel void lang_precision_composed(const device float* x [[buffer(0)]],
                                     device float* out [[buffer(1)]],
                                     device half* hout [[buffer(2)]],
                                     uint i [[thread_position_in_grid]]) {
   const float v = x[i];
   const float p = fabs(v) + 0.25f;
-  out[i * 8 + 0] = fast::exp10(v);
-  out[i * 8 + 1] = fast::log10(p);
-  out[i * 8 + 2] = fast::pow(p, 1.5f);
-  out[i * 8 + 3] = fast::sinh(v);
-  out[i * 8 + 4] = fast::cosh(v);
-  out[i * 8 + 5] = fast::asin(v / 4.0f);
-  out[i * 8 + 6] = fast::acos(v / 4.0f);
-  out[i * 8 + 7] = fast::atan(v);
+  out[i * 18 + 0] = fast::exp10(v);
+  out[i * 18 + 1] = fast::log10(p);
+  out[i * 18 + 2] = fast::pow(p, 1.5f);
+  out[i * 18 + 3] = fast::sinh(v);
+  out[i * 18 + 4] = fast::cosh(v);
+  out[i * 18 + 5] = fast::asin(v / 4.0f);
+  out[i * 18 + 6] = fast::acos(v / 4.0f);
+  out[i * 18 + 7] = fast::atan(v);
+  out[i * 18 + 8] = fast::tan(v / 2.0f);
+  out[i * 18 + 9] = fast::tanh(v);
+  out[i * 18 + 10] = fast::tanpi(v / 8.0f);
+  out[i * 18 + 11] = fast::sqrt(p);
+  out[i * 18 + 12] = fast::atan2((i & 1) ? 0.75f : -0.75f, v);
+  out[i * 18 + 13] = fast::asinh(v);
+  out[i * 18 + 14] = fast::acosh(p + 1.0f);
+  out[i * 18 + 15] = fast::atanh(v / 4.0f);
+  out[i * 18 + 16] = fast::sinpi(v / 3.0f);
+  out[i * 18 + 17] = fast::cospi(v / 3.0f);
   hout[i * 4 + 0] = rsqrt(half(p));
   hout[i * 4 + 1] = sinpi(half(v));
   hout[i * 4 + 2] = asinh(half(v));

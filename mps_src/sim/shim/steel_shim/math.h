@@ -152,11 +152,17 @@ inline bool_of<T> test1(T x, F f) {
 //   math enabled"): exp, exp2 by 3 + floor(|2x|) ulp; log by 2^-21 absolute for x in [0.5, 2],
 //   else 3 ulp; log2 by 2^-22 absolute in [0.5, 2], else 2 ulp; sin and cos by 2^-13 absolute
 //   for x in [-pi, pi]; acos by 5 ulp in [-1, 1], asin by 5 ulp in [-1, 1] for |x| >= 2^-125,
-//   atan by 5 ulp; rsqrt by 2 ulp; divide by 2.5 ulp for a divisor in [2^-126, 2^126]. The
-//   entries the table gives as an implementation are computed as it says, from those:
-//   exp10(x) = exp2(x * log2(10)), log10(x) = log2(x) * log10(2), pow and powr(x, y) =
-//   exp2(y * log2(x)) (x > 0), sinh and cosh(x) = 0.5 * (exp(x) -/+ exp(-x)). (tan, tanh, sqrt,
-//   atan2, asinh, acosh, atanh, sinpi, cospi and tanpi keep their exact results.)
+//   atan by 5 ulp; rsqrt by 2 ulp; divide by 2.5 ulp and 1.0 / x by 1 ulp for a divisor in
+//   [2^-126, 2^126]; sinpi and cospi by 2^-13 absolute for x in [-1, 1]. The entries the table
+//   gives as an implementation are computed as it says, from those: exp10(x) =
+//   exp2(x * log2(10)), log10(x) = log2(x) * log10(2), pow and powr(x, y) = exp2(y * log2(x))
+//   (x > 0), sinh and cosh(x) = 0.5 * (exp(x) -/+ exp(-x)), tan(x) = sin(x) * (1.0 / cos(x)),
+//   tanh(x) = (t - 1.0) / (t + 1.0) with t = exp(2.0 * x), tanpi(x) = tan(x * pi),
+//   sqrt(x) = x * rsqrt(x), asinh(x) = log(x + sqrt(x * x + 1.0)), acosh(x) =
+//   log(x + sqrt(x * x - 1.0)), atanh(x) = 0.5 * log((1.0 + x) / (1.0 - x)), and atan2(y, x) =
+//   atan(y / x), + M_PI_F for x < 0 < y, - M_PI_F for x, y < 0. Where a formula is undefined
+//   (atan2 with x or y = 0) or leaves its domain (an intermediate that is not finite, a log of
+//   a non-positive value), the exact result stays.
 // - Precise float (Table 8.1) is what this project's shaders use (Metal built with
 //   -fno-fast-math): not perturbed.
 // "Moved to the edge": the representable value farthest from the exact result (the function
@@ -168,7 +174,7 @@ inline bool_of<T> test1(T x, F f) {
 // same for every lane that computes the same value.
 enum class Fn : uint32_t {
   exp = 1, exp2, exp10, log, log2, log10, sin, cos, tan, asin, acos, atan, atan2, sinh, cosh,
-  tanh, rsqrt, pow, powr, divide, acosh, asinh, atanh, sinpi, cospi, tanpi
+  tanh, rsqrt, pow, powr, divide, acosh, asinh, atanh, sinpi, cospi, tanpi, recip
 };
 
 inline uint64_t precision_hash(Fn fn, float x, float y) {
@@ -696,11 +702,9 @@ using metal::abs, metal::acos, metal::asin, metal::atan, metal::atan2, metal::ce
 // fast::exp2 overload (for its own bfloat type, say) would hide precise::exp2 and capture every
 // fast::exp2(float) call.
 namespace fast {
-using metal::abs, metal::atan2, metal::ceil, metal::copysign, metal::erf, metal::fabs,
-    metal::floor, metal::fma, metal::fmod, metal::fract, metal::rint, metal::round, metal::sqrt,
-    metal::tan, metal::tanh, metal::trunc, metal::acosh, metal::asinh, metal::atanh, metal::sinpi,
-    metal::cospi, metal::tanpi, metal::fdim, metal::nextafter, metal::frexp, metal::ldexp,
-    metal::fmax3, metal::fmin3, metal::fmedian3;
+using metal::abs, metal::ceil, metal::copysign, metal::erf, metal::fabs, metal::floor,
+    metal::fma, metal::fmod, metal::fract, metal::rint, metal::round, metal::trunc, metal::fdim,
+    metal::nextafter, metal::frexp, metal::ldexp, metal::fmax3, metal::fmin3, metal::fmedian3;
 
 // The fast-math table's bounds for float (steel_shim::worst, measured from the function in
 // binary64); half and bfloat arguments get the metal:: function (fast:: changes only single
@@ -733,6 +737,11 @@ STEEL_SHIM_FAST_INEXACT(log2, __builtin_log2(x), 2, STEEL_SHIM_IN(0.5f, 2.0f) ? 
 // as computed there).
 STEEL_SHIM_FAST_INEXACT(sin, __builtin_sin(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
 STEEL_SHIM_FAST_INEXACT(cos, __builtin_cos(x), 0, STEEL_SHIM_IN(-M_PI_F, M_PI_F) ? 0x1p-13 : 0.0)
+// sinpi, cospi: for x in [-1, 1] an absolute error <= 2^-13, "larger otherwise".
+STEEL_SHIM_FAST_INEXACT(sinpi, __builtin_sin(kPi * x), 0,
+                        STEEL_SHIM_IN(-1.0f, 1.0f) ? 0x1p-13 : 0.0)
+STEEL_SHIM_FAST_INEXACT(cospi, __builtin_cos(kPi * x), 0,
+                        STEEL_SHIM_IN(-1.0f, 1.0f) ? 0x1p-13 : 0.0)
 // acos: <= 5 ulp in [-1, 1]; asin: <= 5 ulp in [-1, 1] for |x| >= 2^-125; atan: <= 5 ulp.
 STEEL_SHIM_FAST_INEXACT(acos, __builtin_acos(x), STEEL_SHIM_IN(-1.0f, 1.0f) ? 5 : 0, 0.0)
 STEEL_SHIM_FAST_INEXACT(asin, __builtin_asin(x),
@@ -744,10 +753,43 @@ STEEL_SHIM_FAST_INEXACT(rsqrt, 1.0 / __builtin_sqrt(x), 2, 0.0)
 #undef STEEL_SHIM_IN
 #undef STEEL_SHIM_FAST_INEXACT
 
+// divide: <= 2.5 ulp for y in [2^-126, 2^126] (Table 8.2's x / y).
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T divide(T x, T y) {
+  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
+    return metal::divide(x, y);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
+      r[k] = fast::divide(float(x[k]), float(y[k]));
+    }
+    return r;
+  } else {
+    const float ay = __builtin_fabsf(y);
+    const double ulps = ay >= 0x1p-126f && ay <= 0x1p126f ? 2.5 : 0.0;
+    return steel_shim::worst(double(x) / double(y), x / y, steel_shim::Fn::divide, x, y, ulps, 0.0);
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline T divide(T x, steel_shim::elem_t<T> y) {
+  return fast::divide(x, T(y));
+}
+
+// 1.0 / x: <= 1 ulp for x in [2^-126, 2^126]; MSL has no function of its own for it, it is the
+// reciprocal inside tan's formula.
+namespace steel_fast {
+inline float recip(float x) {
+  const float ax = __builtin_fabsf(x);
+  const double ulps = ax >= 0x1p-126f && ax <= 0x1p126f ? 1.0 : 0.0;
+  return steel_shim::worst(1.0 / double(x), 1.0f / x, steel_shim::Fn::recip, x, 0.0f, ulps, 0.0);
+}
+}  // namespace steel_fast
+
 // Table 8.2's rows that give an implementation instead of a bound: in the pessimistic mode,
 // that implementation over the fast:: functions above (so their errors compound as on the
 // GPU); otherwise the function's exact result. `composed` is the row's formula for a float.
-#define STEEL_SHIM_FAST_COMPOSED1(name, composed)                                         \
+// `defined` (of x) says where the formula applies; elsewhere the exact result stays.
+#define STEEL_SHIM_FAST_COMPOSED_IF(name, defined, composed)                              \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                            \
   inline T name(T x) {                                                                  \
     if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                           \
@@ -757,15 +799,100 @@ STEEL_SHIM_FAST_INEXACT(rsqrt, 1.0 / __builtin_sqrt(x), 2, 0.0)
       for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::name(float(x[k])); \
       return r;                                                                         \
     } else {                                                                            \
-      return steel_sim::worst_precision() ? float(composed) : metal::name(x);           \
+      return steel_sim::worst_precision() && (defined) ? float(composed) : metal::name(x); \
     }                                                                                   \
   }
+#define STEEL_SHIM_FAST_COMPOSED1(name, composed) STEEL_SHIM_FAST_COMPOSED_IF(name, true, composed)
 // log2(10) and log10(2) rounded to float, as the GPU's formula holds them.
 STEEL_SHIM_FAST_COMPOSED1(exp10, fast::exp2(x * float(3.32192809488736234787)))
 STEEL_SHIM_FAST_COMPOSED1(log10, fast::log2(x) * float(0.301029995663981195214))
 STEEL_SHIM_FAST_COMPOSED1(sinh, 0.5f * (fast::exp(x) - fast::exp(-x)))
 STEEL_SHIM_FAST_COMPOSED1(cosh, 0.5f * (fast::exp(x) + fast::exp(-x)))
+STEEL_SHIM_FAST_COMPOSED_IF(tan, __builtin_isfinite(x),
+                            fast::sin(x) * steel_fast::recip(fast::cos(x)))
+STEEL_SHIM_FAST_COMPOSED_IF(tanpi, __builtin_isfinite(x), fast::tan(x * M_PI_F))
+// sqrt: x * rsqrt(x) "with special cases handled correctly" (0, infinity, negative x: exact).
+STEEL_SHIM_FAST_COMPOSED_IF(sqrt, x > 0.0f && __builtin_isfinite(x), x * fast::rsqrt(x))
 #undef STEEL_SHIM_FAST_COMPOSED1
+#undef STEEL_SHIM_FAST_COMPOSED_IF
+
+// tanh: (t - 1.0) / (t + 1.0) with t = exp(2.0 * x), where t is finite.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T tanh(T x) {
+  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
+    return metal::tanh(x);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::tanh(float(x[k]));
+    return r;
+  } else {
+    if (!steel_sim::worst_precision()) return metal::tanh(x);
+    const float t = fast::exp(2.0f * x);
+    return __builtin_isfinite(t) ? fast::divide(t - 1.0f, t + 1.0f) : metal::tanh(x);
+  }
+}
+
+// asinh, acosh: log(x +/- ...) over the fast sqrt and log; atanh: 0.5 * log((1.0 + x) /
+// (1.0 - x)). The log is taken of a finite positive argument only (else the exact result).
+// (One transcription of the row reads 0.5 * (log(1.0 + x) / (1.0 - x)), which is not atanh;
+// another puts the quotient inside the log, as here.)
+#define STEEL_SHIM_FAST_LOG_OF(name, defined, arg)                                         \
+  template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                             \
+  inline T name(T x) {                                                                   \
+    if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                            \
+      return metal::name(x);                                                             \
+    } else if constexpr (steel_shim::vinfo<T>::is_vector) {                              \
+      T r;                                                                               \
+      for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::name(float(x[k])); \
+      return r;                                                                          \
+    } else {                                                                             \
+      if (!steel_sim::worst_precision() || !(defined)) return metal::name(x);            \
+      const float u = (arg);                                                             \
+      return u > 0.0f && __builtin_isfinite(u) ? fast::log(u) : metal::name(x);          \
+    }                                                                                    \
+  }
+STEEL_SHIM_FAST_LOG_OF(asinh, __builtin_isfinite(x * x), x + fast::sqrt(x * x + 1.0f))
+STEEL_SHIM_FAST_LOG_OF(acosh, x >= 1.0f && __builtin_isfinite(x * x),
+                       x + fast::sqrt(x * x - 1.0f))
+#undef STEEL_SHIM_FAST_LOG_OF
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T atanh(T x) {
+  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
+    return metal::atanh(x);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = fast::atanh(float(x[k]));
+    return r;
+  } else {
+    if (!steel_sim::worst_precision() || !(__builtin_fabsf(x) < 1.0f)) return metal::atanh(x);
+    return 0.5f * fast::log(fast::divide(1.0f + x, 1.0f - x));
+  }
+}
+
+// atan2(y, x): atan(y / x), + M_PI_F for x < 0 < y, - M_PI_F for x, y < 0; "undefined" for
+// x = 0 or y = 0, where the exact result stays.
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
+inline T atan2(T y, T x) {
+  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
+    return metal::atan2(y, x);
+  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
+    T r;
+    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
+      r[k] = fast::atan2(float(y[k]), float(x[k]));
+    }
+    return r;
+  } else {
+    const bool composed = steel_sim::worst_precision() && x != 0.0f && y != 0.0f &&
+                          __builtin_isfinite(x) && __builtin_isfinite(y);
+    if (!composed) return metal::atan2(y, x);
+    const float a = fast::atan(fast::divide(y, x));
+    return x > 0.0f ? a : y > 0.0f ? a + M_PI_F : a - M_PI_F;
+  }
+}
+template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
+inline T atan2(T y, steel_shim::elem_t<T> x) {
+  return fast::atan2(y, T(x));
+}
 
 // pow, powr: exp2(y * log2(x)) ("undefined for x = 0 and y = 0"); composed for x > 0 only,
 // where log2 is defined.
@@ -792,28 +919,6 @@ STEEL_SHIM_FAST_COMPOSED1(cosh, 0.5f * (fast::exp(x) + fast::exp(-x)))
 STEEL_SHIM_FAST_POW(pow)
 STEEL_SHIM_FAST_POW(powr)
 #undef STEEL_SHIM_FAST_POW
-
-// divide: <= 2.5 ulp for y in [2^-126, 2^126] (Table 8.2's x / y).
-template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
-inline T divide(T x, T y) {
-  if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
-    return metal::divide(x, y);
-  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
-    T r;
-    for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
-      r[k] = fast::divide(float(x[k]), float(y[k]));
-    }
-    return r;
-  } else {
-    const float ay = __builtin_fabsf(y);
-    const double ulps = ay >= 0x1p-126f && ay <= 0x1p126f ? 2.5 : 0.0;
-    return steel_shim::worst(double(x) / double(y), x / y, steel_shim::Fn::divide, x, y, ulps, 0.0);
-  }
-}
-template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
-inline T divide(T x, steel_shim::elem_t<T> y) {
-  return fast::divide(x, T(y));
-}
 
 namespace steel_fast {
 template <typename T>
