@@ -18,6 +18,10 @@ PRE_PASS = {
     "namespace-scope array": ("float table[4];", "mutable namespace-scope variables"),
     "static data member": ("struct S { static int count; };", "mutable static data members"),
     "auto parameter": ("void f(auto x) {}", "no `auto` function parameters"),
+    "auto parameter, decltype(auto) return": (
+        "decltype(auto) f(int n, auto x) { return x; }",
+        "no `auto` function parameters",
+    ),
     "deducing this": ("struct S { int f(this S& self); };", "no explicit object parameters"),
     "requires": ("template <typename T> requires true void g(T);", "no requires clauses"),
     "consteval": ("consteval int f() { return 1; }", "no consteval"),
@@ -45,6 +49,9 @@ def test_pre_pass_accepts_the_msl_forms():
         "  auto g = [](auto x) { return x; };\n"
         "  device float* p = (device float*)q + 1;\n"
         "}\n"
+        "decltype(auto) h(int x) { return x; }\n"
+        "template <typename T> decltype(auto) first(thread T& v) { return (v[0]); }\n"
+        "struct R { decltype(auto) get(int i) const { return i; } };\n"
     )
     translate(src, "x.metal")
 

@@ -725,10 +725,11 @@ class _Translator:
                 depth += 1
             elif t == "(":
                 if depth == 0:
-                    # `for (auto x = ...)`, `if (auto x = ...)`: a declaration, not a parameter.
+                    # `for (auto x = ...)`, `if (auto x = ...)`: a declaration, not a parameter;
+                    # `decltype(auto) f(...)`: a C++14 return type.
                     return (
                         r.kind(j - 1) == "ident"
-                        and r.t(j - 1) not in ("for", "if", "while", "switch")
+                        and r.t(j - 1) not in ("for", "if", "while", "switch", "decltype")
                         and r.t(j - 2) not in (".", "->", "=", "(")
                     )
                 depth -= 1
