@@ -52,6 +52,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from . import reference as ref
 from . import validation as check
@@ -159,6 +161,18 @@ _IMPL_KEYSETS = frozenset(
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
 
 
+def _check_transform(name):
+    """Forward-mode AD has no formula here: the op would run on the primals alone, silently
+    dropping the tangents (torch.func.jvp's transform is the innermost one whenever this op runs
+    under it, nested in vmap or grad or not)."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is not None and interpreter.key() == torch._C._functorch.TransformType.Jvp:
+        raise RuntimeError(
+            f"steel::{name} does not support forward-mode AD (torch.func.jvp, jacfwd, hessian); "
+            "torch.func.grad, vjp, jacrev and vmap are supported"
+        )
+
+
 def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
@@ -173,7 +187,8 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
     With `setup` and `backward`, a call that wants a gradient applies a torch.autograd.Function
     (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
     them the op has no gradient (the backward ops, the paged KV cache's inference-only forward):
-    a call that wants one is an error, raised before any work.
+    a call that wants one is an error, raised before any work (inside a torch.func transform,
+    which differentiates with create_graph, when the gradient's own gradient is asked for).
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
@@ -189,37 +204,62 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
     after_autograd = torch._C._after_autograd_keyset
     after_autograd_bits = after_autograd.raw_repr()  # ANDed as ints: no keyset object per call
 
+    def below_autograd(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    def no_gradient(*_):
+        raise RuntimeError(
+            f"steel::{name} has no gradient: call it on tensors that do not require grad "
+            "(or under torch.no_grad())"
+        )
+
+    def function(forward, how, setup, backward):
+        return type(f"_{name}_autograd", (torch.autograd.Function,), {
+            "__doc__": f"steel::{name}'s autograd: {how}, {backward.__name__} for the "
+                       "gradients.",
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup),
+            "backward": staticmethod(backward),
+        })  # fmt: skip
+
     if backward is not None:
-
-        def below_autograd(*args):
-            with torch._C._AutoDispatchBelowAutograd():
-                return op(*args)
-
-        def function(forward, how):
-            return type(f"_{name}_autograd", (torch.autograd.Function,), {
-                "__doc__": f"steel::{name}'s autograd: {how}, {backward.__name__} for the "
-                           "gradients.",
-                "forward": staticmethod(forward),
-                "setup_context": staticmethod(setup),
-                "backward": staticmethod(backward),
-            })  # fmt: skip
-
         # A call with a gradient passes the dispatcher once, like one without: the Function's
         # forward is `impl` itself when nothing but a device kernel is below autograd and no
         # functorch transform is active, applied by autograd's C++ apply: Function.apply binds
         # the arguments to forward's signature with inspect first (about 30 us per call),
         # which a forward of *args without defaults does not need.
-        direct = _C_APPLY.__get__(None, function(impl, "impl itself"))
-        redispatched = function(below_autograd, "the op below autograd").apply
+        direct = _C_APPLY.__get__(None, function(impl, "impl itself", setup, backward))
+        below_rules = (setup, backward)
+        redispatched = function(below_autograd, "the op below autograd", *below_rules).apply
     else:
+        direct = redispatched = no_gradient
+        # Inside a torch.func transform the gradients are computed with create_graph (so that
+        # transforms nest), which makes a backward op's inputs require grad: the error waits
+        # until its gradient is asked for, in the gradient's backward.
+        below_rules = (lambda *_: None, no_gradient)
 
-        def direct(*args):
-            raise RuntimeError(
-                f"steel::{name} has no gradient: call it on tensors that do not require grad "
-                "(or under torch.no_grad())"
-            )
+    # Inside a torch.func transform (grad, vjp, jacrev) this kernel runs on the transform's
+    # tensor wrappers, within the transform's layer of the dispatcher. Function.apply would hand
+    # the call to functorch's custom_function_call, which enters the transform's layer itself
+    # and has no kernel from within it (at Autograd): the C++ apply records the gradient on the
+    # wrappers, as the Autograd kernel of a built-in op does. Its forward reaches the layer's
+    # back end (unwrap, the transform below, wrap): a function of one transform level, which
+    # functorch's own grad rule for autograd.Function applies with the same permission.
+    # Autograd's apply turns gradients off for the forward, and the transform below (an outer
+    # grad, say) keeps that mode: turned back on, as in functorch's rule, so that the outer
+    # transform records the op too (else a gradient of a gradient is silently zero).
+    def forward_in_transform(*args):
+        with torch.enable_grad(), _set_fwd_grad_enabled(True):
+            return below_autograd(*args)
 
-        redispatched = direct
+    in_transform = function(forward_in_transform, "the op in a torch.func transform", *below_rules)
+    below_apply = _C_APPLY.__get__(None, in_transform)
+
+    def transformed(*args):
+        _check_transform(name)
+        with enable_single_level_autograd_function():
+            return below_apply(*args)
 
     def autograd_kernel(keyset, *args):
         plain = keyset.raw_repr() & after_autograd_bits in _IMPL_KEYSETS
@@ -227,11 +267,15 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
             n = len(args)  # the dispatcher drops trailing arguments left at their defaults
             for i in tensors:
                 if i < n and args[i] is not None and args[i].requires_grad:
-                    if plain and not torch._C._are_functorch_transforms_active():
+                    if torch._C._are_functorch_transforms_active():
+                        return transformed(*args)
+                    if plain:
                         return direct(*args)
                     return redispatched(*args)
         if plain:
             return impl(*args)
+        if torch._C._are_functorch_transforms_active():
+            _check_transform(name)
         return op.redispatch(keyset & after_autograd, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)

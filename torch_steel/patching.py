@@ -101,8 +101,8 @@ def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
     if not 0.0 <= dropout_p <= 1.0 or min(query.dim(), key.dim(), value.dim()) < 2:
         return False  # PyTorch's own error
     if torch._C._functorch.peek_interpreter_stack() is not None:
-        # Inside torch.func transforms (grad, vmap, jvp, ...): steel's ops have no functorch
-        # rules, PyTorch's kernels do.
+        # Inside torch.func transforms (grad, vmap, jvp, ...): PyTorch's kernels have every
+        # rule; steel's ops have no forward-mode AD and vmap would loop over the examples.
         return False
     if _forward_ad._current_level >= 0 and any(
         _forward_ad.unpack_dual(t).tangent is not None for t in tensors
