@@ -1224,6 +1224,26 @@ class _Translator:
         }
     )
 
+    @staticmethod
+    def _expression_end(r: _Rewriter, start: int) -> int | None:
+        """The `;` ending the expression that starts at token `start`, or None where the
+        expression is not one to wrap: a comma at its top level (several declarators or a
+        comma expression), a bracket closing what it did not open, or no `;`."""
+        depth = 0
+        for end in range(start, len(r.sig)):
+            s = r.t(end)
+            if s in ("(", "[", "{"):
+                depth += 1
+            elif s in (")", "]", "}"):
+                depth -= 1
+                if depth < 0:
+                    return None
+            elif depth == 0 and s == ",":
+                return None
+            elif depth == 0 and s == ";":
+                return end
+        return None
+
     def local_copy(self, r: _Rewriter, k: int) -> None:
         """`T name = expression;` in a function body, T a class type or `auto`: MSL
         copy-initializes from an object in any address space (`Params p = *params;` with
@@ -1254,22 +1274,8 @@ class _Translator:
             return
         if words[-2] in self._NOT_CLASS:
             return
-        end = j + 1
-        depth = 0
-        while end < n:
-            s = r.t(end)
-            if s in ("(", "[", "{"):
-                depth += 1
-            elif s in (")", "]", "}"):
-                depth -= 1
-                if depth < 0:
-                    return
-            elif depth == 0 and s == ",":
-                return
-            elif depth == 0 and s == ";":
-                break
-            end += 1
-        if end >= n or end == j + 1:
+        end = self._expression_end(r, j + 1)
+        if end is None or end == j + 1:
             return
         r.add_after(j, " ::steel_shim::as_local(")
         r.add_after(end - 1, ")")
@@ -1378,25 +1384,10 @@ class _Translator:
         out of any address space (`return *params;` with `constant Params* params`), C++ only
         out of the generic one. As for local_copy, the expression goes through
         steel_shim::as_local; `return;`, braced lists and comma expressions are left alone."""
-        end = k + 1
-        n = len(r.sig)
-        if end >= n or r.t(end) in (";", "{"):
+        if k + 1 >= len(r.sig) or r.t(k + 1) in (";", "{"):
             return
-        depth = 0
-        while end < n:
-            s = r.t(end)
-            if s in ("(", "[", "{"):
-                depth += 1
-            elif s in (")", "]", "}"):
-                depth -= 1
-                if depth < 0:
-                    return
-            elif depth == 0 and s == ",":
-                return
-            elif depth == 0 and s == ";":
-                break
-            end += 1
-        if end >= n:
+        end = self._expression_end(r, k + 1)
+        if end is None:
             return
         r.add_after(k, " ::steel_shim::as_local(")
         r.add_after(end - 1, ")")
