@@ -70,24 +70,22 @@ class TranslateError(ValueError):
     """MSL that the simulator does not support; the message starts with file:line."""
 
 
-VECTOR_TYPES = frozenset(
-    f"{base}{n}"
-    for base in (
-        "bool",
-        "char",
-        "uchar",
-        "short",
-        "ushort",
-        "int",
-        "uint",
-        "long",
-        "ulong",
-        "half",
-        "bfloat",
-        "float",
-    )
-    for n in (2, 3, 4)
+# MSL's scalar element types, each of which also names vectors of 2, 3 and 4.
+SCALAR_TYPES = (
+    "bool",
+    "char",
+    "uchar",
+    "short",
+    "ushort",
+    "int",
+    "uint",
+    "long",
+    "ulong",
+    "half",
+    "bfloat",
+    "float",
 )
+VECTOR_TYPES = frozenset(f"{base}{n}" for base in SCALAR_TYPES for n in (2, 3, 4))
 
 # Kernel parameter attributes -> the shim's argument source.
 POSITION_ATTRIBUTES = {
@@ -1169,20 +1167,9 @@ class _Translator:
 
     # ---- Params p = *params;: a local variable initialized from another address space
     _NOT_CLASS = (
-        frozenset(
+        frozenset(SCALAR_TYPES)
+        | frozenset(
             {
-                "bool",
-                "char",
-                "uchar",
-                "short",
-                "ushort",
-                "int",
-                "uint",
-                "long",
-                "ulong",
-                "half",
-                "bfloat",
-                "float",
                 "size_t",
                 "ptrdiff_t",
                 "int8_t",
