@@ -14,6 +14,7 @@ with a one-time warning naming the reason; TORCH_STEEL_STRICT=1 turns that into 
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import warnings
 
@@ -95,6 +96,9 @@ def strict() -> bool:
 
 def _optional_module(name):
     """torch_steel.sim / torch_steel.metal, or None when that part is not installed."""
+    module = sys.modules.get(f"torch_steel.{name}")  # every op call on MPS asks: 2 us saved
+    if module is not None:
+        return module
     try:
         return importlib.import_module(f"torch_steel.{name}")
     except ImportError as error:
@@ -134,7 +138,7 @@ def metal_status():
     problem = metal.extension_problem()
     if problem is not None:
         return False, problem
-    if not metal.available():
+    if metal._extension() is None:  # the rest of metal.available() was checked above
         return False, "the torch_steel Metal extension is not built"
     return True, ""
 
@@ -192,19 +196,20 @@ def run(op, tensors, options, reference):
         if name == "metal":
             raise RuntimeError(f"steel::{op}: backend 'metal' needs MPS tensors, got {device}")
         return reference()
-    ok, why = metal_status()
     raising = getattr(_local, "refusals_raise", False)
-    if not ok and raising and name == "auto":
-        raise PlanRefused(f"steel::{op}: {why}")
-    if not ok:
-        if name == "metal":
-            raise RuntimeError(f"steel::{op}: backend 'metal' is not available: {why}")
-        _fallback(op, why, every_op=True)
-        return reference()
-    from . import metal
-
+    metal = sys.modules.get("torch_steel.metal")
+    if metal is None or not metal._loaded:  # loaded kernels: it was available, and stays so
+        ok, why = metal_status()
+        if not ok and raising and name == "auto":
+            raise PlanRefused(f"steel::{op}: {why}")
+        if not ok:
+            if name == "metal":
+                raise RuntimeError(f"steel::{op}: backend 'metal' is not available: {why}")
+            _fallback(op, why, every_op=True)
+            return reference()
+        metal = _optional_module("metal")
     try:
-        return list(metal.run_op(op, list(tensors), dict(options)))
+        return metal.run_op(op, tensors, options)
     except PlanRefused as refusal:
         if raising:
             raise

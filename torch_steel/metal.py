@@ -220,9 +220,10 @@ def run_op(
     ext = _extension()
     if ext is None:
         raise RuntimeError("torch-steel: the Metal extension is not built (it is built on macOS)")
-    _load_library(ext)
+    if not _loaded:  # else no lock to take: _loaded is set once, under it, and never unset
+        _load_library(ext)
     try:
-        return list(ext.run_op(op, list(tensors), dict(options or {})))
+        return ext.run_op(op, tensors, options or {})
     except RuntimeError as error:
         reason = refusal_reason(str(error))
         if reason is None:

@@ -161,6 +161,33 @@ _IMPL_KEYSETS = frozenset(
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
 
 
+def _straight_to_impl(*tensors):
+    """True when the dispatcher would hand an op call on these tensors (None for an absent one)
+    straight to the op's implementation, so that the public functions may call it themselves.
+
+    The dispatcher's pass costs about 10 us of a decode call's host time (its arguments and
+    results converted between Python and C++ twice, issue 16). It does nothing else when the
+    tensors are plain CPU or MPS tensors (no subclass: a FakeTensor, a FunctionalTensor, a
+    Parameter take the dispatcher), nothing needs a gradient, and nothing active hooks the
+    call: no functorch transform, dispatch or function mode, profiler (which records the op's
+    pass), autocast (which casts the inputs at the op: _register_autocast) or JIT trace.
+    """
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (
+            type(t) is not Tensor or not (t.is_mps or t.is_cpu) or (grad and t.requires_grad)
+        ):
+            return False
+    return not (
+        torch._C._are_functorch_transforms_active()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._autograd._profiler_enabled()
+        or torch._C._is_any_autocast_enabled()
+        or torch._C._get_tracing_state()
+    )
+
+
 def _check_transform(name):
     """Forward-mode AD has no formula here: the op would run on the primals alone, silently
     dropping the tangents (torch.func.jvp's transform is the innermost one whenever this op runs
@@ -290,21 +317,34 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
 
 
 def _sdpa_forward(q, k, v, attn_mask, *options):
-    attn = Attn(*options)
-    check.check_sdpa(q, k, v, attn_mask, True, attn.sinks)
-    return _sdpa_forward_run(q, k, v, attn_mask, attn)
+    check.check_sdpa(q, k, v, attn_mask, True, options[3] if len(options) > 3 else None)
+    return _sdpa_forward_prechecked(q, k, v, attn_mask, *options)
+
+
+# run_op options of the common sdpa_forward call (three options: no sinks, the rest at their
+# defaults), by (dropout_p, is_causal, scale): a decode stream asks for the same ones per token.
+_COMMON_RUN_OPTIONS = {}
+
+
+def _sdpa_run_options(options):
+    """Attn(*options).run_options(), kept for the common case (not for a scale of +-0.0, which
+    compare equal: plans tell them apart)."""
+    if len(options) != 3 or options[2] == 0.0:
+        return Attn(*options).run_options()
+    found = _COMMON_RUN_OPTIONS.get(options)
+    if found is None:
+        if len(_COMMON_RUN_OPTIONS) >= 256:  # a bound for scales that change every call
+            _COMMON_RUN_OPTIONS.clear()
+        found = _COMMON_RUN_OPTIONS[options] = Attn(*options).run_options()
+    return found
 
 
 def _sdpa_forward_prechecked(q, k, v, attn_mask, *options):
-    return _sdpa_forward_run(q, k, v, attn_mask, Attn(*options))
-
-
-def _sdpa_forward_run(q, k, v, attn_mask, attn):
     out, lse = run(
         "sdpa",
-        [q, k, v, attn_mask, attn.sinks],
-        attn.run_options(),
-        lambda: ref.sdpa_forward(q, k, v, attn_mask, *attn.math()),
+        [q, k, v, attn_mask, options[3] if len(options) > 3 else None],
+        _sdpa_run_options(options),
+        lambda: ref.sdpa_forward(q, k, v, attn_mask, *Attn(*options).math()),
     )
     if out.stride() != q.stride() or out.shape[-1] != q.shape[-1]:  # else it has q's layout
         strides = ref.layout_strides(q, out.shape)
@@ -406,10 +446,13 @@ _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, si
 
 def _call_sdpa_forward(*args):
     """sdpa_forward(*args), or its prechecked twin, which takes every argument, while
-    torch.compile traces (see _define). Eagerly the overload's C++ entry point is called
-    itself, without OpOverload.__call__'s Python frame."""
+    torch.compile traces (see _define). Eagerly its implementation itself when the dispatcher
+    would call nothing else (_straight_to_impl), else the overload's C++ entry point, without
+    OpOverload.__call__'s Python frame."""
     if torch.compiler.is_compiling():
         return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
+    if _straight_to_impl(*args[:4], args[7] if len(args) > 7 else None):  # q, k, v, mask, sinks
+        return _sdpa_forward(*args)
     return _SDPA_FORWARD_ENTRY(*args)
 
 
@@ -459,10 +502,12 @@ def _plain_qkv(q, k, v, enable_gqa):
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
     return (
-        len(qs) >= 3
-        and len(ks) == len(qs) == len(vs)
-        and qs[:-3] == ks[:-3] == vs[:-3]
+        n >= 3
+        and len(ks) == n == len(vs)
+        # [B, H, L, E] compared without slicing (each slice is a new torch.Size)
+        and (qs[0] == ks[0] == vs[0] if n == 4 else qs[:-3] == ks[:-3] == vs[:-3])
         and ks[-3] == vs[-3]
         and (enable_gqa or qs[-3] == ks[-3])
     )
@@ -876,6 +921,8 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     """
     if torch.compiler.is_compiling():  # see _define
         return _GEMM_PRECHECKED(a, b, bias, c, float(alpha), float(beta), activation)
+    if _straight_to_impl(a, b, bias, c):  # the dispatcher would call nothing else
+        return _gemm(a, b, bias, c, float(alpha), float(beta), activation)
     return _GEMM_ENTRY(a, b, bias, c, float(alpha), float(beta), activation)
 
 

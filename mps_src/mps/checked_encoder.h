@@ -213,6 +213,7 @@ inline constexpr int kPlanAttempts = 3;
 // many registers): then the op is planned again with "max_threads" = that cap, which planners
 // honour or refuse. Threadgroup memory, static and dynamic, beyond the device's is a refusal.
 //
+// `first`, when given, is the cached plan of the call's options (the first attempt's).
 // limits_of(dispatch, i) builds (or finds) the pipeline of the i-th dispatch of a candidate plan
 // and returns its limits; it is called for every dispatch of every attempt, in order, after the
 // attempt passed validate_plan. Returns the plan, or a refused Plan whose reason names the limit;
@@ -221,11 +222,15 @@ inline constexpr int kPlanAttempts = 3;
 // plans nothing.
 template <class LimitsOf>
 std::shared_ptr<const Plan> plan_within_limits(const std::string& op, const TensorList& tensors,
-                                               Options options,
+                                               const Options& call_options,
                                                uint64_t device_threadgroup_memory,
-                                               LimitsOf&& limits_of) {
+                                               LimitsOf&& limits_of,
+                                               std::shared_ptr<const Plan> first = nullptr) {
+  const Options* options = &call_options;
+  Options capped_options;  // a copy only when a pipeline's cap asks for another attempt
   for (int attempt = 1;; ++attempt) {
-    std::shared_ptr<const Plan> candidate = cached_plan(op, tensors, options);
+    std::shared_ptr<const Plan> candidate =
+        attempt == 1 && first ? std::move(first) : cached_plan(op, tensors, *options);
     const Plan& plan = *candidate;
     if (!plan.ok) return candidate;
     validate_plan(plan, slots_present(tensors, plan));
@@ -249,13 +254,15 @@ std::shared_ptr<const Plan> plan_within_limits(const std::string& op, const Tens
       }
     }
     if (capped.empty()) return candidate;
-    const double asked = options.number("max_threads", 1e9);
+    const double asked = options->number("max_threads", 1e9);
     if (attempt >= kPlanAttempts || asked <= static_cast<double>(cap)) {
       return refused("kernel " + capped + " runs at most " + std::to_string(cap) +
                           " threads per threadgroup on this device and the planner found no "
                           "smaller plan");
     }
-    options.numbers["max_threads"] = static_cast<double>(cap);
+    if (options != &capped_options) capped_options = call_options;
+    capped_options.numbers["max_threads"] = static_cast<double>(cap);
+    options = &capped_options;
   }
 }
 

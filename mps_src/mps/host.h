@@ -21,12 +21,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "mps/checked_encoder.h"
 #include "plan/plan.h"
+#include "plan/plan_cache.h"
 
 namespace steel::mps {
 
@@ -105,13 +108,58 @@ inline Options to_options(const pybind11::dict& options) {
   return result;
 }
 
+// The pipelines of each plan family (Plan::family) that planned within its pipelines' limits
+// at the first try, found once: a repeated call, or a decode stream's next token, gets them here
+// instead of validating the plan, building every pipeline's key and looking it up, and checking
+// its limits again (all the same for every plan of a family). Bounded and thread-safe.
+template <class Pipeline>
+class PreparedPipelines {
+ public:
+  bool find(uint64_t family, std::vector<Pipeline>* pipelines) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = families_.find(family);
+    if (found == families_.end()) return false;
+    *pipelines = found->second;
+    ++hits_;
+    return true;
+  }
+
+  void add(uint64_t family, const std::vector<Pipeline>& pipelines) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Families evicted from the plan cache are never asked for again: dropping them all now
+    // and then keeps this within a few times the plan cache's size.
+    if (families_.size() >= 2 * kPlanCacheCapacity) families_.clear();
+    families_.emplace(family, pipelines);
+  }
+
+  uint64_t hits() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return hits_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<uint64_t, std::vector<Pipeline>> families_;
+  uint64_t hits_ = 0;
+};
+
+// The process's prepared pipelines of a host type.
+template <class Host>
+PreparedPipelines<typename Host::Pipeline>& prepared_pipelines() {
+  static PreparedPipelines<typename Host::Pipeline> instance;
+  return instance;
+}
+
 // Plans the op within the limits of its pipelines (plan_within_limits, which tests/mps runs with
 // made-up limits) and leaves the final plan's pipelines in `pipelines`.
 template <class Host>
 std::shared_ptr<const Plan> plan_with_pipelines(Host& host, const std::string& op,
                                                 const TensorList& descs, const Options& options,
                                                 std::vector<typename Host::Pipeline>& pipelines) {
-  std::shared_ptr<const Plan> plan;
+  std::shared_ptr<const Plan> plan = cached_plan(op, descs, options);
+  PreparedPipelines<typename Host::Pipeline>& prepared = prepared_pipelines<Host>();
+  if (plan->ok && plan->family != 0 && prepared.find(plan->family, &pipelines)) return plan;
+  const uint64_t family = plan->family;
   pipelines.clear();
   try {
     plan = plan_within_limits(op, descs, options, host.max_threadgroup_memory(),
@@ -119,13 +167,17 @@ std::shared_ptr<const Plan> plan_with_pipelines(Host& host, const std::string& o
                                 if (index == 0) pipelines.clear();  // a new attempt
                                 pipelines.push_back(host.pipeline(dispatch));
                                 return host.limits(pipelines.back());
-                              });
+                              },
+                              plan);
   } catch (const InvalidPlan& e) {
     // Metal would reject or misread the plan (a planner bug, not a refusal): stopped before any
     // pipeline is specialized with its constants or anything is encoded.
     TORCH_CHECK(false, "torch-steel: invalid launch plan for ", op, ": ", e.what());
   }
   TORCH_CHECK(plan->ok, kRefused, plan->reason);
+  // A plan re-planned under a pipeline's thread cap is another family's: its first plan is
+  // prepared only when it was the final one.
+  if (family != 0 && plan->family == family) prepared.add(family, pipelines);
   return plan;
 }
 

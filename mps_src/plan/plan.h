@@ -99,6 +99,10 @@ struct Plan {
   std::vector<int32_t> contiguous_inputs;  // inputs the host copies to contiguous first
   std::vector<Allocation> allocations;
   std::vector<Dispatch> dispatches;  // encoded in order on one stream
+  // The plan cache's number for the key this plan was made for (0: not from the cache). A plan
+  // rewritten for another decode length keeps it: the plans of one family differ in their
+  // params bytes only, so that the Metal host prepares them once (mps/host.h).
+  uint64_t family = 0;
 
   static Plan refuse(std::string why);
 };

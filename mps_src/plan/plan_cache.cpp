@@ -81,9 +81,11 @@ std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorLi
     }
     ++misses_;
   }
-  auto plan = std::make_shared<const Plan>(make_plan(op, tensors, options));
+  auto made = std::make_shared<Plan>(make_plan(op, tensors, options));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (capacity_ == 0) return plan;  // caching off
+  if (capacity_ == 0) return made;  // caching off: no family
+  made->family = ++families_;
+  std::shared_ptr<const Plan> plan = std::move(made);
   auto found = index_.find(key);
   if (found != index_.end()) {  // planned meanwhile, or a refusal made for another length
     *found->second = Entry{found->first, plan, length};

@@ -73,6 +73,7 @@ class PlanCache {
   std::unordered_map<std::string, std::list<Entry>::iterator> index_;
   uint64_t hits_ = 0;
   uint64_t misses_ = 0;
+  uint64_t families_ = 0;  // the last Plan::family handed out
 };
 
 // Enough for every op of a model at a few shapes each (an entry is a few hundred bytes).

@@ -7,8 +7,10 @@
 // ("pipeline <kernel>", "tensor <index> <slot> <byte offset>", "bytes <index> <size>",
 // "tgmem <index> <bytes>", "dispatch <grid> <threads>"); pipelines_built() counts the pipelines
 // made, each once per process as in library.mm; plan_cache_stats() is (hits, misses) of the
-// plan cache, plan_cache_reset(capacity) empties it (capacity 0: plan every call). bench/bench_overhead.py times it behind the op
-// layer; tests/mps/test_host_record.py checks it against the simulator's plans.
+// plan cache, plan_cache_reset(capacity) empties it (capacity 0: plan every call);
+// prepared_hits() counts the calls that found their plan's pipelines prepared (mps/host.h).
+// bench/bench_overhead.py times it behind the op layer; tests/mps/test_host_record.py checks it
+// against the simulator's plans.
 #include <torch/extension.h>
 
 #include <map>
@@ -29,45 +31,74 @@ using steel::Dispatch;
 using steel::Plan;
 using steel::mps::PipelineLimits;
 
-// The calls MetalBackend (module.mm) makes, as text.
+// One call MetalBackend (module.mm) makes, kept as numbers: formatted as text only when the
+// record is read, so that the host time measured around it (bench/bench_overhead.py) is the
+// host's, not the formatting's.
+struct Call {
+  enum class Kind { Pipeline, Tensor, Bytes, Tgmem, Dispatch } kind;
+  uint64_t values[6] = {};
+  std::string kernel;  // Pipeline
+};
+
+std::string format(const Call& call) {
+  const uint64_t* v = call.values;
+  switch (call.kind) {
+    case Call::Kind::Pipeline:
+      return "pipeline " + call.kernel;
+    case Call::Kind::Tensor:
+      return "tensor " + std::to_string(v[0]) + " " + std::to_string(v[1]) + " " +
+             std::to_string(v[2]);
+    case Call::Kind::Bytes:
+      return "bytes " + std::to_string(v[0]) + " " + std::to_string(v[1]);
+    case Call::Kind::Tgmem:
+      return "tgmem " + std::to_string(v[0]) + " " + std::to_string(v[1]);
+    case Call::Kind::Dispatch: {
+      std::string line = "dispatch";
+      for (int i = 0; i < 6; ++i) line += " " + std::to_string(v[i]);
+      return line;
+    }
+  }
+  return "";
+}
+
 class RecordingBackend {
  public:
-  RecordingBackend(const std::vector<at::Tensor>& slots, std::vector<std::string>& record)
+  RecordingBackend(const std::vector<at::Tensor>& slots, std::vector<Call>& record)
       : slots_(slots), record_(record) {}
 
-  void set_pipeline(const Dispatch& dispatch) { record_.push_back("pipeline " + dispatch.kernel); }
+  void set_pipeline(const Dispatch& dispatch) {
+    record_.push_back(Call{Call::Kind::Pipeline, {}, dispatch.kernel});
+  }
 
   void set_tensor(uint32_t index, int32_t slot) {
     const at::Tensor& tensor = slots_.at(slot);
     const int64_t offset = tensor.storage_offset() * tensor.element_size();
-    record_.push_back("tensor " + std::to_string(index) + " " + std::to_string(slot) + " " +
-                      std::to_string(offset));
+    record_.push_back(Call{Call::Kind::Tensor,
+                           {index, static_cast<uint64_t>(slot), static_cast<uint64_t>(offset)}});
   }
 
   void set_bytes(uint32_t index, const void*, size_t size) {
-    record_.push_back("bytes " + std::to_string(index) + " " + std::to_string(size));
+    record_.push_back(Call{Call::Kind::Bytes, {index, size}});
   }
 
   void set_threadgroup_memory(uint32_t index, uint32_t bytes) {
-    record_.push_back("tgmem " + std::to_string(index) + " " + std::to_string(bytes));
+    record_.push_back(Call{Call::Kind::Tgmem, {index, bytes}});
   }
 
   void dispatch_threadgroups(const uint32_t grid[3], const uint32_t threads[3]) {
-    std::string line = "dispatch";
-    for (int i = 0; i < 3; ++i) line += " " + std::to_string(grid[i]);
-    for (int i = 0; i < 3; ++i) line += " " + std::to_string(threads[i]);
-    record_.push_back(line);
+    record_.push_back(Call{Call::Kind::Dispatch,
+                           {grid[0], grid[1], grid[2], threads[0], threads[1], threads[2]}});
   }
 
  private:
   const std::vector<at::Tensor>& slots_;
-  std::vector<std::string>& record_;
+  std::vector<Call>& record_;
 };
 
 struct State {
   std::mutex mutex;
   std::map<std::string, PipelineLimits> pipelines;  // library.mm's cache, by the same key
-  std::vector<std::string> record;
+  std::vector<Call> record;
 };
 
 State& state() {
@@ -93,7 +124,7 @@ struct RecordingHost {
 
   void encode(const std::string&, const Plan& plan, const std::vector<Pipeline>&,
               const std::vector<at::Tensor>& slots, const std::vector<bool>& present) {
-    std::vector<std::string> record;
+    std::vector<Call> record;
     RecordingBackend backend(slots, record);
     steel::mps::CheckedEncoder<RecordingBackend> encoder(backend, present);
     steel::encode_plan(encoder, plan);
@@ -121,7 +152,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("last_record", [] {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
-    return s.record;
+    std::vector<std::string> lines;
+    for (const Call& call : s.record) lines.push_back(format(call));
+    return lines;
+  });
+  m.def("prepared_hits", [] {
+    return steel::mps::prepared_pipelines<RecordingHost>().hits();
   });
   m.def("plan_cache_stats", [] {
     const steel::PlanCache::Stats stats = steel::plan_cache().stats();
