@@ -8,7 +8,9 @@
 // "tgmem <index> <bytes>", "dispatch <grid> <threads>"); pipelines_built() counts the pipelines
 // made, each once per process as in library.mm; plan_cache_stats() is (hits, misses) of the
 // plan cache, plan_cache_reset(capacity) empties it (capacity 0: plan every call);
-// prepared_hits() counts the calls that found their plan's pipelines prepared (mps/host.h).
+// last_pipelines() the keys of the pipelines the last call was encoded with (in plan order: the
+// record's pipeline lines are theirs, as MetalBackend sets them); prepared_hits() counts the
+// calls that found their plan's pipelines prepared (mps/host.h).
 // bench/bench_overhead.py times it behind the op layer; tests/mps/test_host_record.py checks it
 // against the simulator's plans.
 #include <torch/extension.h>
@@ -61,13 +63,23 @@ std::string format(const Call& call) {
   return "";
 }
 
+// A pipeline of the recorder's cache: its key (steel::mps::pipeline_key: the kernel, then its
+// constants) in the cache, and what "Metal" reports about it.
+struct RecordedPipeline {
+  const std::string* key = nullptr;
+  PipelineLimits limits;
+};
+
 class RecordingBackend {
  public:
-  RecordingBackend(const std::vector<at::Tensor>& slots, std::vector<Call>& record)
-      : slots_(slots), record_(record) {}
+  RecordingBackend(const std::vector<RecordedPipeline>& pipelines,
+                   const std::vector<at::Tensor>& slots, std::vector<Call>& record)
+      : pipelines_(pipelines), slots_(slots), record_(record) {}
 
-  void set_pipeline(const Dispatch& dispatch) {
-    record_.push_back(Call{Call::Kind::Pipeline, {}, dispatch.kernel});
+  // As MetalBackend: the host's pipelines in plan order, whatever the dispatch says.
+  void set_pipeline(const Dispatch&) {
+    const std::string& key = *pipelines_.at(next_pipeline_++).key;
+    record_.push_back(Call{Call::Kind::Pipeline, {}, key.substr(0, key.find('|'))});
   }
 
   void set_tensor(uint32_t index, int32_t slot) {
@@ -91,14 +103,17 @@ class RecordingBackend {
   }
 
  private:
+  const std::vector<RecordedPipeline>& pipelines_;
   const std::vector<at::Tensor>& slots_;
   std::vector<Call>& record_;
+  size_t next_pipeline_ = 0;
 };
 
 struct State {
   std::mutex mutex;
   std::map<std::string, PipelineLimits> pipelines;  // library.mm's cache, by the same key
   std::vector<Call> record;
+  std::vector<const std::string*> used;  // the keys of the last call's pipelines
 };
 
 State& state() {
@@ -107,7 +122,7 @@ State& state() {
 }
 
 struct RecordingHost {
-  using Pipeline = PipelineLimits;
+  using Pipeline = RecordedPipeline;
 
   void check_tensor(const std::string&, size_t, const at::Tensor&) {}
 
@@ -115,22 +130,26 @@ struct RecordingHost {
     State& s = state();
     const std::string key = steel::mps::pipeline_key(dispatch);
     std::lock_guard<std::mutex> lock(s.mutex);
-    return s.pipelines.emplace(key, PipelineLimits{}).first->second;
+    auto entry = s.pipelines.emplace(key, PipelineLimits{}).first;  // std::map: stays put
+    return RecordedPipeline{&entry->first, entry->second};
   }
 
-  PipelineLimits limits(const Pipeline& pipeline) { return pipeline; }
+  PipelineLimits limits(const Pipeline& pipeline) { return pipeline.limits; }
 
   uint64_t max_threadgroup_memory() { return steel::mps::kMaxThreadgroupMemory; }
 
-  void encode(const std::string&, const Plan& plan, const std::vector<Pipeline>&,
+  void encode(const std::string&, const Plan& plan, const std::vector<Pipeline>& pipelines,
               const std::vector<at::Tensor>& slots, const std::vector<bool>& present) {
     std::vector<Call> record;
-    RecordingBackend backend(slots, record);
+    RecordingBackend backend(pipelines, slots, record);
     steel::mps::CheckedEncoder<RecordingBackend> encoder(backend, present);
     steel::encode_plan(encoder, plan);
+    std::vector<const std::string*> used;
+    for (const Pipeline& pipeline : pipelines) used.push_back(pipeline.key);
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
     s.record = std::move(record);
+    s.used = std::move(used);
   }
 };
 
@@ -155,6 +174,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::vector<std::string> lines;
     for (const Call& call : s.record) lines.push_back(format(call));
     return lines;
+  });
+  m.def("last_pipelines", [] {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    std::vector<std::string> keys;
+    for (const std::string* key : s.used) keys.push_back(*key);
+    return keys;
   });
   m.def("prepared_hits", [] {
     return steel::mps::prepared_pipelines<RecordingHost>().hits();

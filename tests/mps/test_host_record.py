@@ -113,3 +113,44 @@ def test_the_op_layer_reaches_the_host_as_on_mps(recorder, monkeypatch):
         c = torch_steel.gemm(torch.randn(4, 8), torch.randn(8, 3))
         assert c.shape == (4, 3)
         assert recorder.last_record()[0].startswith("pipeline steel_gemm_nn_f32")
+
+
+def _stream_calls():
+    """Calls of several ops and shapes; among them a decode stream over views of a KV cache,
+    whose plans are one family rewritten per key length (plan/plan_cache.h)."""
+    cache = torch.randn(1, 4, 300, 64, dtype=torch.float16)
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    decode = {"dropout_p": 0.0, "is_causal": False, "scale": 0.125}
+    calls = [("sdpa", [q, cache[:, :, :n], cache[:, :, :n], None, None], decode)
+             for n in (40, 41, 77, 200, 299)]  # fmt: skip
+    calls.append(("gemm", [torch.randn(7, 9), torch.randn(9, 5), None, None], GEMM))
+    calls.append(CALLS["sdpa"][0:1] + (CALLS["sdpa"][1](), CALLS["sdpa"][2]))
+    calls.append(("gemm", [torch.randn(33, 40).half(), torch.randn(40, 17).half(), None, None],
+                  {**GEMM, "activation": "gelu"}))  # fmt: skip
+    return calls
+
+
+def test_prepared_pipelines_are_each_plans_own(recorder):
+    """The host prepares a plan family's pipelines once (mps/host.h): every call of two rounds
+    over interleaved ops, shapes and a decode stream is encoded as the same call planned and
+    prepared afresh (its record and its pipelines' keys, constants included), and the second
+    round found every plan prepared."""
+    calls = _stream_calls()
+    records = []
+    for _ in range(2):
+        hits = recorder.prepared_hits()
+        for op, tensors, options in calls:
+            recorder.run_op(op, tensors, options)
+            records.append(recorder.last_record() + recorder.last_pipelines())
+    assert recorder.prepared_hits() - hits == len(calls)
+    recorder.plan_cache_reset(0)  # no plan cache: no family, nothing prepared
+    try:
+        fresh = []
+        for _ in range(2):
+            for op, tensors, options in calls:
+                recorder.run_op(op, tensors, options)
+                fresh.append(recorder.last_record() + recorder.last_pipelines())
+    finally:
+        recorder.plan_cache_reset()
+    assert records == fresh
+    assert len({tuple(r) for r in records}) > 3  # the calls differ

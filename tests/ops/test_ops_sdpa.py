@@ -242,3 +242,99 @@ def test_a_call_with_grad_passes_the_dispatcher_once():
             assert f"{name[7:]}.default" in " ".join(mode.ops)  # redispatched below autograd
             for g, e in zip(torch.autograd.grad(out.sum(), inputs), expected):
                 torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _SeenModes(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _FunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _within(context):
+    """Runs a call inside a fresh context(), returning its result."""
+
+    def run(call):
+        with context():
+            return call()
+
+    return run
+
+
+def _profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU])
+
+
+# How each call is made: (wrap the inputs, run the call), and whether the dispatcher must see it.
+_HOOKS = {
+    "plain": (lambda t: t, lambda call: call(), False),
+    "no_grad over inputs requiring grad": (
+        lambda t: t.requires_grad_(),
+        _within(torch.no_grad),
+        False,
+    ),
+    "an input requiring grad": (lambda t: t.requires_grad_(), lambda call: call(), True),
+    "a Parameter": (torch.nn.Parameter, lambda call: call(), True),
+    "a tensor subclass": (lambda t: t.as_subclass(_Subclass), lambda call: call(), True),
+    "a meta tensor": (lambda t: t.to("meta"), lambda call: call(), True),
+    "a dispatch mode": (lambda t: t, _within(_SeenModes), True),
+    "a function mode": (lambda t: t, _within(_FunctionMode), True),
+    "the profiler": (lambda t: t, _within(_profiler), True),
+    "autocast": (lambda t: t, _within(lambda: torch.autocast("cpu", torch.bfloat16)), True),
+    "a functorch transform": (
+        lambda t: t,
+        lambda call: torch.func.vmap(lambda _: call())(torch.zeros(1)),
+        True,
+    ),
+    "a JIT trace": (lambda t: t, lambda call: torch.jit.trace(call, ()), True),
+}
+
+
+@pytest.mark.parametrize("hook", _HOOKS)
+@pytest.mark.parametrize("op", ["sdpa", "gemm"])
+def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op, monkeypatch):
+    """torch_steel.sdpa and gemm call the op's implementation themselves when the dispatcher
+    would hand it the call untouched (issue 16: its pass is about 10 us of a decode call), and
+    call the op through it whenever something hooks the call: a gradient, a subclass, a device
+    with its own kernel (meta), a mode, the profiler, autocast, a transform, a JIT trace. The
+    results are the same either way."""
+    from torch_steel import ops
+
+    wrap, run, through_dispatcher = _HOOKS[hook]
+    entered = []
+    name = {"sdpa": "_SDPA_FORWARD_ENTRY", "gemm": "_GEMM_ENTRY"}[op]
+    entry = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *args: entered.append(1) or entry(*args))
+    g = torch.Generator().manual_seed(0)
+    if op == "sdpa":
+        inputs = [torch.randn(1, 2, 3, 8, generator=g) for _ in range(3)]
+        expected = F.scaled_dot_product_attention(*inputs, is_causal=True)
+        steel = torch_steel.sdpa
+        kwargs = {"is_causal": True}
+    else:
+        inputs = [torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g)]
+        expected = inputs[0] @ inputs[1]
+        steel = torch_steel.gemm
+        kwargs = {}
+    wrapped = [wrap(t.clone()) for t in inputs]
+    with torch_steel.backend("reference"):
+        out = run(lambda: steel(*wrapped, **kwargs))
+    assert bool(entered) == through_dispatcher  # (a JIT trace runs the call twice)
+    if hook == "a JIT trace":
+        out = out()
+    if hook == "a meta tensor":
+        assert out.device.type == "meta" and out.shape == expected.shape
+        return
+    out = out.squeeze(0) if hook == "a functorch transform" else out
+    tol = {"atol": 2e-2, "rtol": 2e-2} if hook == "autocast" else {"atol": 1e-5, "rtol": 1e-5}
+    assert out.dtype == (torch.bfloat16 if hook == "autocast" else torch.float32)
+    torch.testing.assert_close(out.float().detach(), expected, **tol)
