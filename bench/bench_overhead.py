@@ -17,7 +17,9 @@ work itself is negligible, in one run:
               graph's runtime wrappers), so steel's share under compile is the difference
 
 beside the floors: an empty torch.library.custom_op and an empty torch.library.Library op (a
-Python kernel registered with Library.impl) of two tensors, timed with each row. Each figure is
+Python kernel registered with Library.impl) of two tensors, timed with each row; for the rows
+whose inputs require grad, the custom_op has a gradient formula (register_autograd) and both
+floors take inputs that require grad, as the call records an autograd node. Each figure is
 the best of --runs runs of --calls calls, the runs of one row's functions interleaved, in CPU
 time of the thread (the machine may be shared: other jobs do not count, the best run is the
 least disturbed one, and a ratio compares runs made under the same load). On a Mac the `torch`
@@ -74,6 +76,22 @@ def _empty_custom_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _EMPTY_OUT
 
 
+@torch.library.custom_op("bench_overhead::empty_custom_op_grad", mutates_args=())
+def _empty_custom_op_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _EMPTY_OUT
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+torch.library.register_autograd(
+    "bench_overhead::empty_custom_op_grad",
+    lambda ctx, grad: (grad, grad),
+    setup_context=_save_inputs,
+)
+
+
 _LIB = torch.library.Library("bench_overhead", "FRAGMENT")
 _LIB.define("empty_library_op(Tensor a, Tensor b) -> Tensor")
 _LIB.impl("empty_library_op", lambda a, b: _EMPTY_OUT, "CompositeExplicitAutograd")
@@ -93,14 +111,17 @@ def _case_inputs(grad: bool):
     qp, kp, vp = rand(1, 8, 32, 64), rand(1, 8, 32, 64), rand(1, 8, 32, 64)
     tq, tk, tv = rand(24, 8, 64), rand(24, 8, 64), rand(24, 8, 64)
     cu = torch.tensor([0, 8, 24], dtype=torch.int32)
-    # A decode stream: each call sees one more key of a KV cache (views, whose strides stay).
+    # A decode stream: each call sees one more key of a KV cache (views, whose strides stay),
+    # made beforehand: slicing them is the caller's work, not the op's.
     cache_k, cache_v = rand(1, 8, 4096, 64), rand(1, 8, 4096, 64)
-    lengths = itertools.cycle(range(16, 4096))
+    views = [(cache_k[:, :, :n], cache_v[:, :, :n]) for n in range(16, 4096)]
 
     def stream(attend):
+        keys = itertools.cycle(views)
+
         def step():
-            n = next(lengths)
-            return attend(q1, cache_k[:, :, :n], cache_v[:, :, :n])
+            k, v = next(keys)
+            return attend(q1, k, v)
 
         return step
 
@@ -226,17 +247,25 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.empty(4, 4)
+    x_grad = torch.empty(4, 4, requires_grad=True)
     floors = [
         lambda: torch.ops.bench_overhead.empty_custom_op(x, x),
         lambda: torch.ops.bench_overhead.empty_library_op(x, x),
+    ]
+    # A call with a gradient records an autograd node (and saves its inputs): its floor is an
+    # empty custom_op with a gradient formula, called on inputs that require grad.
+    grad_floors = [
+        lambda: torch.ops.bench_overhead.empty_custom_op_grad(x_grad, x_grad),
+        lambda: torch.ops.bench_overhead.empty_library_op(x_grad, x_grad),
     ]
     recorder = None if args.no_metal_host else _host_recorder()
     if recorder is not None and args.no_plan_cache:
         recorder.plan_cache_reset(0)
 
-    def measure(row, named):
+    def measure(row, named, grad):
         """Times the functions of `named` with the floors, runs interleaved."""
-        times = per_call_us([fn for _, fn in named] + floors, args.calls, args.runs)
+        fns = [fn for _, fn in named] + (grad_floors if grad else floors)
+        times = per_call_us(fns, args.calls, args.runs)
         row.update(zip([name for name, _ in named], times))
         row["floor custom_op"] = min(row.get("floor custom_op", 1e9), times[-2])
         row["floor Library"] = min(row.get("floor Library", 1e9), times[-1])
@@ -248,17 +277,17 @@ def main() -> int:
                 if grad and not name.startswith("sdpa "):
                     continue
                 row = {"call": name + (", grad" if grad else "")}
-                measure(row, [("whole", steel_call), ("torch", torch_call)])
+                measure(row, [("whole", steel_call), ("torch", torch_call)], grad)
                 with stubbed_reference(steel_call):
                     named = [("overhead", steel_call)]
                     if not args.no_compile and not grad and name in COMPILED:
                         torch._dynamo.reset()
                         named.append(("compiled", torch.compile(steel_call, fullgraph=True)))
                         named.append(("compiled torch", torch.compile(torch_call, fullgraph=True)))
-                    measure(row, named)
+                    measure(row, named, grad)
                 if recorder is not None:
                     with metal_host(recorder), torch_steel.backend("auto"):
-                        measure(row, [("metal host", steel_call)])
+                        measure(row, [("metal host", steel_call)], grad)
                 rows.append(row)
                 print(f"  measured {row['call']}", file=sys.stderr)
 
@@ -266,7 +295,9 @@ def main() -> int:
     columns += ["floor custom_op", "floor Library"]
     print(
         f"Per-call host time in us, best of {args.runs} runs of {args.calls} calls, one thread, "
-        f"torch {torch.__version__}. Floors: the empty ops, timed alongside each row.\n"
+        f"torch {torch.__version__}. Floors: the empty ops, timed alongside each row (for the "
+        "rows with grad, the custom_op has a gradient formula and both take inputs that require "
+        "grad).\n"
     )
     header = ["call", *columns, "overhead / custom_op", "metal host / custom_op"]
     print("| " + " | ".join(header) + " |")

@@ -734,6 +734,9 @@ _define(
 )
 
 
+_SDPA_VARLEN_FORWARD = torch.ops.steel.sdpa_varlen_forward.default
+
+
 def _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, is_causal, scale, sinks, softcap, window, causal_align, seed,
                    offset):  # fmt: skip
@@ -833,7 +836,10 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                             max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap, window,
                             causal_align, seed, offset)  # fmt: skip
     inputs = (*inputs[:-1], splits)  # num_splits is the last option
-    out, lse = torch.ops.steel.sdpa_varlen_forward(*inputs)
+    if not torch.compiler.is_compiling() and _straight_to_impl(*inputs[:5], inputs[10]):
+        out, lse = _sdpa_varlen_forward(*inputs)  # q, k, v, cu_seqlens, sinks: see gemm
+    else:
+        out, lse = _SDPA_VARLEN_FORWARD(*inputs)
     return (out, lse) if return_lse else out
 
 

@@ -300,7 +300,7 @@ _HOOKS = {
 
 
 @pytest.mark.parametrize("hook", _HOOKS)
-@pytest.mark.parametrize("op", ["sdpa", "gemm"])
+@pytest.mark.parametrize("op", ["sdpa", "sdpa_varlen", "gemm"])
 def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op, monkeypatch):
     """torch_steel.sdpa and gemm call the op's implementation themselves when the dispatcher
     would hand it the call untouched (issue 16: its pass is about 10 us of a decode call), and
@@ -311,7 +311,8 @@ def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op,
 
     wrap, run, through_dispatcher = _HOOKS[hook]
     entered = []
-    name = {"sdpa": "_SDPA_FORWARD_ENTRY", "gemm": "_GEMM_ENTRY"}[op]
+    name = {"sdpa": "_SDPA_FORWARD_ENTRY", "sdpa_varlen": "_SDPA_VARLEN_FORWARD",
+            "gemm": "_GEMM_ENTRY"}[op]  # fmt: skip
     entry = getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *args: entered.append(1) or entry(*args))
     g = torch.Generator().manual_seed(0)
@@ -320,6 +321,22 @@ def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op,
         expected = F.scaled_dot_product_attention(*inputs, is_causal=True)
         steel = torch_steel.sdpa
         kwargs = {"is_causal": True}
+    elif op == "sdpa_varlen":  # two sequences of 3 and 2 tokens
+        inputs = [torch.randn(5, 2, 8, generator=g) for _ in range(3)]
+        cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+        rows = [inputs[i].transpose(0, 1) for i in range(3)]
+        expected = torch.cat(
+            [
+                F.scaled_dot_product_attention(*(t[:, a:b] for t in rows))
+                for a, b in ((0, 3), (3, 5))
+            ],
+            dim=1,
+        ).transpose(0, 1)
+
+        def steel(q, k, v):
+            return torch_steel.sdpa_varlen(q, k, v, cu, cu, 3, 3)
+
+        kwargs = {}
     else:
         inputs = [torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g)]
         expected = inputs[0] @ inputs[1]
