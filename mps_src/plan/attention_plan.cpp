@@ -453,13 +453,28 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   int64_t splits = 1, split_keys = 0;
   decode_split(c, dec, options, &splits, &split_keys);
   const Diagonals diag = diagonals(c, L + keys);
-  const int64_t fields[] = {splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo};
+  const bool grown = row_major(k) && row_major(v);
+  const int64_t fields[] = {splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo,
+                            grown};
+  // Row-major key and value strides above the key dim hold S, but their alignment (what the
+  // planner reads of them: vectorized loads) is their row stride's, which does not.
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
   *S = keys;
   return true;
 }
 
-void set_decode_length(Plan* plan, int64_t S, const Options& options) {
+namespace {
+
+// A row-major key or value's batch or head stride, made for `from` keys, for `to` keys: the
+// products of dims that include the key dim (so a multiple of `from`), or 0 where broadcast.
+steel_i64 rescaled(steel_i64 stride, int64_t from, int64_t to) { return stride / from * to; }
+
+}  // namespace
+
+void set_decode_length(Plan* plan, const TensorList& tensors, const Options& options) {
+  const TensorDesc& k = *tensors[1];
+  const int64_t S = k.sizes[k.dim() - 2];
+  const bool grown = row_major(k) && row_major(*tensors[2]);  // by torch.cat: see the header
   const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
   for (Dispatch& d : plan->dispatches) {
     for (Binding& b : d.bindings) {
@@ -469,6 +484,15 @@ void set_decode_length(Plan* plan, int64_t S, const Options& options) {
       }
       AttnDecodeParams dp;
       std::memcpy(&dp, b.bytes.data(), sizeof dp);
+      if (grown) {
+        const int64_t from = dp.fwd.S;
+        for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
+          dp.fwd.k_bs[i] = rescaled(dp.fwd.k_bs[i], from, S);
+          dp.fwd.v_bs[i] = rescaled(dp.fwd.v_bs[i], from, S);
+        }
+        dp.fwd.k_hs = rescaled(dp.fwd.k_hs, from, S);
+        dp.fwd.v_hs = rescaled(dp.fwd.v_hs, from, S);
+      }
       dp.fwd.S = static_cast<int32_t>(S);
       dp.fwd.shift = static_cast<int32_t>(bottom_right ? S - dp.fwd.L : 0);
       std::memcpy(b.bytes.data(), &dp, sizeof dp);

@@ -142,6 +142,16 @@ int64_t extent(const TensorDesc& t) {
   return last + 1;
 }
 
+bool row_major(const TensorDesc& t) {
+  if (t.strides.size() != t.sizes.size()) return false;
+  int64_t step = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.strides[d] != step) return false;
+    step *= t.sizes[d];
+  }
+  return true;
+}
+
 std::string shape_str(const std::vector<int64_t>& sizes) {
   std::string s = "[";
   for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);

@@ -35,10 +35,15 @@ std::string plan_key(const std::string& op, const TensorList& tensors, const Opt
     put_int(&key, t->dim());
     const int64_t length_dim = any_length && (i == 1 || i == 2) ? t->dim() - 2 : -1;
     for (int64_t d = 0; d < t->dim(); ++d) put_int(&key, d == length_dim ? -2 : t->sizes[d]);
-    // A desc with fewer strides than sizes is malformed; the planner refuses it, and the key
-    // must still tell it apart from a well-formed one.
-    put_int(&key, static_cast<int64_t>(t->strides.size()));
-    for (int64_t stride : t->strides) put_int(&key, stride);
+    if (length_dim >= 0 && row_major(*t)) {
+      // A key or value grown by torch.cat: its strides are its sizes', S included.
+      put_int(&key, -3);
+    } else {
+      // A desc with fewer strides than sizes is malformed; the planner refuses it, and the key
+      // must still tell it apart from a well-formed one.
+      put_int(&key, static_cast<int64_t>(t->strides.size()));
+      for (int64_t stride : t->strides) put_int(&key, stride);
+    }
     put_int(&key, t->offset % kPlanOffsetAlign);
     put_int(&key, t->strides.size() == t->sizes.size() && extent(*t) > kInt32Max ? 1 : 0);
   }
@@ -73,7 +78,7 @@ std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorLi
       Entry& entry = *found->second;
       if (entry.length != length) {
         auto plan = std::make_shared<Plan>(*entry.plan);
-        attn::set_decode_length(plan.get(), length, options);
+        attn::set_decode_length(plan.get(), tensors, options);
         entry.plan = std::move(plan);
         entry.length = length;
       }

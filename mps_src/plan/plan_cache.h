@@ -14,7 +14,8 @@
 // leaves the key length S out and holds instead what the plan derives from S
 // (attn::decode_length_class); the cached plan is rewritten for the call's S
 // (attn::set_decode_length, a copy of the plan, far cheaper than planning) when it was made
-// for another, and kept for that S.
+// for another, and kept for that S. A key and value that grow by torch.cat (row-major, so
+// their strides hold S too) are keyed by their sizes alone, and their strides rewritten.
 #pragma once
 
 #include <cstddef>

@@ -171,6 +171,22 @@ def test_batch_and_strided_layouts():
     check_decode(q, k, v, num_splits=4, is_causal=True, causal_align="bottom_right")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_a_cache_grown_by_cat(dtype):
+    """A KV cache grown by torch.cat, one token per step (HF's DynamicCache), GQA, batch 2: one
+    plan family for every length (its key and value strides rewritten with S, plan_cache.h),
+    each step's result the oracle's. Lengths cross the key tile and a split count change."""
+    gen = torch.Generator().manual_seed(9)
+    k = rand(2, 2, 30, 64, dtype=dtype, gen=gen)
+    v = rand(2, 2, 30, 64, dtype=dtype, gen=gen)
+    for step in range(5):
+        q = rand(2, 4, 1, 64, dtype=dtype, gen=gen)
+        check_decode(q, k, v, is_causal=True, causal_align="bottom_right")
+        new = [rand(2, 2, 1 + 17 * (step == 2), 64, dtype=dtype, gen=gen) for _ in range(2)]
+        k, v = torch.cat([k, new[0]], dim=-2), torch.cat([v, new[1]], dim=-2)
+        assert k.is_contiguous()
+
+
 # ---------------------------------------------------------------- varlen and the paged cache
 
 

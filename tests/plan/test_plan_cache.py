@@ -157,14 +157,15 @@ def test_threads_share_the_cache_safely(tmp_path):
     assert run.stdout.startswith("ok "), run.stdout
 
 
-def decode(keys, capacity=4096, rows=1, mask=False, **options):
+def decode(keys, capacity=4096, rows=1, mask=False, dim=64, **options):
     """A decode step: `rows` query rows against the first `keys` keys of a KV cache of
-    `capacity` keys (a view, whose strides stay; capacity None: a contiguous key and value)."""
-    q = desc(F16, [2, 8, rows, 64])
+    `capacity` keys (a view, whose strides stay; capacity None: a contiguous key and value, as
+    torch.cat grows them)."""
+    q = desc(F16, [2, 8, rows, dim])
     if capacity is None:
-        kv = desc(F16, [2, 4, keys, 64])
+        kv = desc(F16, [2, 4, keys, dim])
     else:
-        kv = desc(F16, [2, 4, keys, 64], [4 * capacity * 64, capacity * 64, 64, 1])
+        kv = desc(F16, [2, 4, keys, dim], [4 * capacity * dim, capacity * dim, dim, 1])
     m = desc(F16, [rows, keys]) if mask else None
     return ("sdpa", [q, kv, kv, m, None], {**ATTN, **options}, {})
 
@@ -174,7 +175,9 @@ STREAMS = {  # name -> (options of decode(), whether its plans are shared across
     "bottom-right causal": ({"is_causal": 1.0, "bottom_right": 1.0}, True),  # shift = S - L
     "window": ({"window_left": 300.0, "rows": 3}, True),  # bounds the rows once S passes 300
     "one pass": ({"num_splits": 1.0}, True),
-    "contiguous": ({"capacity": None}, False),  # the strides hold S: a key per length
+    "contiguous": ({"capacity": None}, True),  # grown by torch.cat: the strides hold S too
+    # ... rows of 68 halves, not 16-byte aligned: unvectorized loads for every S
+    "contiguous, head dim 68": ({"capacity": None, "dim": 68}, True),
     "mask": ({"mask": True}, False),  # the mask's shape holds S
 }
 
