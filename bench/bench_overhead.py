@@ -13,7 +13,8 @@ work itself is negligible, in one run:
               (tests/mps/host_record.cpp, the code of mps_src/mps/host.h that module.mm runs)
   torch       PyTorch's own op on the same inputs (F.scaled_dot_product_attention, a @ b, ...)
   compiled    `overhead` inside a torch.compile'd function (fullgraph), and `compiled torch`
-              PyTorch's op the same way: a compiled call has a cost of its own (guards, the
+              PyTorch's op the same way, of one call and of ten (a second table gives steel's
+              share per call of each): a compiled call has a cost of its own (guards, the
               graph's runtime wrappers), so steel's share under compile is the difference
 
 beside the floors: an empty torch.library.custom_op and an empty torch.library.Library op (a
@@ -158,6 +159,16 @@ def _case_inputs(grad: bool):
 COMPILED = ("sdpa decode [1, 8, 1, 64] x 16 keys", "gemm 4x8 @ 8x4")
 
 
+def _compiled_calls(call, n):
+    """A torch.compile'd function (fullgraph) making `call` n times: a graph of n ops, whose
+    own cost (guards, runtime wrappers) is paid once for the n."""
+
+    def calls():
+        return [call() for _ in range(n)]
+
+    return torch.compile(calls, fullgraph=True)
+
+
 @contextlib.contextmanager
 def stubbed_reference(call):
     """The reference math of the internal ops returns the outputs of one real call of `call`."""
@@ -284,6 +295,8 @@ def main() -> int:
                         torch._dynamo.reset()
                         named.append(("compiled", torch.compile(steel_call, fullgraph=True)))
                         named.append(("compiled torch", torch.compile(torch_call, fullgraph=True)))
+                        named.append(("compiled x10", _compiled_calls(steel_call, 10)))
+                        named.append(("compiled torch x10", _compiled_calls(torch_call, 10)))
                     measure(row, named, grad)
                 if recorder is not None:
                     with metal_host(recorder), torch_steel.backend("auto"):
@@ -308,6 +321,19 @@ def main() -> int:
         for c in ("overhead", "metal host"):
             cells.append(f"{row[c] / row['floor custom_op']:.2f}x" if c in row else "")
         print("| " + " | ".join(cells) + " |")
+    compiled = [row for row in rows if "compiled" in row]
+    if compiled:
+        print(
+            "\nsteel's share (steel's time minus PyTorch's op's) per call, eagerly and in a "
+            "compiled graph of 1 call and of 10 calls (per call):\n"
+        )
+        print("| call | eager | compiled, 1 call | compiled, 10 calls |")
+        print("|---|---|---|---|")
+        for row in compiled:
+            eager = row["overhead"] - row["torch"]
+            one = row["compiled"] - row["compiled torch"]
+            ten = (row["compiled x10"] - row["compiled torch x10"]) / 10
+            print(f"| {row['call']} | {eager:.1f} | {one:.1f} | {ten:.1f} |")
     return 0
 
 
