@@ -154,3 +154,25 @@ def test_prepared_pipelines_are_each_plans_own(recorder):
         recorder.plan_cache_reset()
     assert records == fresh
     assert len({tuple(r) for r in records}) > 3  # the calls differ
+
+
+def test_loaded_kernels_skip_the_availability_checks(recorder, monkeypatch):
+    """Once the kernels are loaded the Metal path is available for the rest of the process:
+    an op call goes straight to the extension (no MPS, macOS or extension checks, no lock:
+    issue 16), and before that it checks."""
+
+    def unavailable():
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(backends, "_device_type", lambda tensors: "mps")
+    monkeypatch.setattr(metal, "_extension", lambda: recorder)
+    monkeypatch.setattr(backends, "metal_status", unavailable)
+    monkeypatch.setattr(metal, "_load_library", unavailable)
+    monkeypatch.setattr(metal, "_loaded", True)
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with torch_steel.backend("metal"):
+        assert torch_steel.gemm(a, b).shape == (4, 3)
+        assert recorder.last_record()[0].startswith("pipeline steel_gemm_nn_f32")
+        monkeypatch.setattr(metal, "_loaded", False)
+        with pytest.raises(AssertionError, match="checked again"):
+            torch_steel.gemm(a, b)
