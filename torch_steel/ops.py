@@ -644,8 +644,15 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
 def _sdpa_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          *options):  # fmt: skip
+    check.check_varlen(q, k, v, Attn(*options).sinks, op="sdpa_varlen_forward")
+    return _sdpa_varlen_forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, *options)  # fmt: skip
+
+
+def _sdpa_varlen_forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             *options):  # fmt: skip
+    """sdpa_varlen_forward once query, key and value are checked (by it, or by sdpa_varlen)."""
     attn = Attn(*options)
-    check.check_varlen(q, k, v, attn.sinks, op="sdpa_varlen_forward")
     check.check_cu_seqlens("sdpa_varlen", cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                            max_seqlen_q, max_seqlen_k, q.device)  # fmt: skip
     out, lse = run(
@@ -837,7 +844,8 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                             causal_align, seed, offset)  # fmt: skip
     inputs = (*inputs[:-1], splits)  # num_splits is the last option
     if not torch.compiler.is_compiling() and _straight_to_impl(*inputs[:5], inputs[10]):
-        out, lse = _sdpa_varlen_forward(*inputs)  # q, k, v, cu_seqlens, sinks: see gemm
+        # q, k, v, cu_seqlens, sinks: see gemm; _varlen_inputs checked query, key, value
+        out, lse = _sdpa_varlen_forward_run(*inputs)
     else:
         out, lse = _SDPA_VARLEN_FORWARD(*inputs)
     return (out, lse) if return_lse else out
