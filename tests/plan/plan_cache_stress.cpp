@@ -1,9 +1,12 @@
 // Threads share a small plan cache (test_plan_cache.py builds this with ThreadSanitizer).
 //
 // Eight threads plan GEMMs of 24 shapes in different orders through a cache of 8 entries, so
-// that hits, misses, evictions and two threads planning one key at once all happen. Every plan a
-// thread gets must equal a fresh steel::make_plan of its own call. Prints "ok <hits> <misses>"
-// or the first mismatch (exit 1); ThreadSanitizer reports any data race (exit 66).
+// that hits, misses, evictions and two threads planning one key at once all happen; between
+// them, decode steps over a key and value grown by torch.cat, at lengths that differ per
+// thread, which share one cache key and get the cached plan rewritten for their length. Every
+// plan a thread gets must equal a fresh steel::make_plan of its own call. Prints
+// "ok <hits> <misses>" or the first mismatch (exit 1); ThreadSanitizer reports any data race
+// (exit 66).
 #include <atomic>
 #include <cstdio>
 #include <string>
@@ -25,6 +28,21 @@ steel::TensorDesc matrix(int64_t rows, int64_t cols) {
 
 steel::TensorList gemm_call(int64_t m) {
   return {matrix(m, 32), matrix(32, 16 + m), std::nullopt, std::nullopt};
+}
+
+steel::TensorDesc row_major(std::vector<int64_t> sizes) {
+  steel::TensorDesc t;
+  t.dtype = steel::DType::Float16;
+  t.sizes = sizes;
+  t.strides.assign(sizes.size(), 1);
+  for (size_t d = sizes.size() - 1; d > 0; --d) t.strides[d - 1] = t.strides[d] * sizes[d];
+  return t;
+}
+
+// One query row against `keys` keys, grouped query heads.
+steel::TensorList decode_call(int64_t keys) {
+  const steel::TensorDesc kv = row_major({1, 4, keys, 64});
+  return {row_major({1, 8, 1, 64}), kv, kv, std::nullopt, std::nullopt};
 }
 
 // Everything of a plan that a host reads, as text.
@@ -51,7 +69,7 @@ std::string summary(const steel::Plan& plan) {
 }  // namespace
 
 int main() {
-  constexpr int kThreads = 8, kShapes = 24, kRounds = 40;
+  constexpr int kThreads = 8, kShapes = 24, kRounds = 40, kDecodeEvery = 4;
   steel::PlanCache cache(8);
   steel::Options options;
   options.numbers["alpha"] = 1.0;
@@ -60,6 +78,10 @@ int main() {
   for (int m = 1; m <= kShapes; ++m) {
     expected.push_back(summary(steel::make_plan("gemm", gemm_call(m), options)));
   }
+  steel::Options attention;
+  attention.numbers["dropout_p"] = 0.0;
+  attention.numbers["is_causal"] = 0.0;
+  attention.numbers["scale"] = 0.125;
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
@@ -72,6 +94,13 @@ int main() {
             std::printf("mismatch for m = %d:\n  got      %s\n  expected %s\n", m, got.c_str(),
                         expected[m - 1].c_str());
           }
+          if (i % kDecodeEvery != 0) continue;
+          const int64_t keys = 100 + (t * 37 + round * kShapes + i) % 60;  // one split class
+          const std::string step = summary(*cache.get("sdpa", decode_call(keys), attention));
+          const std::string fresh = summary(steel::make_plan("sdpa", decode_call(keys), attention));
+          if (step != fresh && failures++ == 0) {
+            std::printf("decode mismatch for %lld keys\n", static_cast<long long>(keys));
+          }
         }
       }
     });
@@ -79,7 +108,8 @@ int main() {
   for (std::thread& thread : threads) thread.join();
   const steel::PlanCache::Stats stats = cache.stats();
   if (failures != 0) return 1;
-  if (stats.size > 8 || stats.hits + stats.misses != uint64_t{kThreads} * kShapes * kRounds) {
+  const uint64_t calls = uint64_t{kThreads} * kRounds * (kShapes + kShapes / kDecodeEvery);
+  if (stats.size > 8 || stats.hits + stats.misses != calls) {
     std::printf("bad stats: size %zu, %llu hits, %llu misses\n", stats.size,
                 static_cast<unsigned long long>(stats.hits),
                 static_cast<unsigned long long>(stats.misses));
