@@ -408,9 +408,7 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
 
 bool decode_length_class(const TensorList& tensors, const Options& options, std::string* cls,
                          int64_t* S) {
-  if (tensors.size() != 5 || !tensors[0] || !tensors[1] || !tensors[2] || tensors[3]) {
-    return false;
-  }
+  if (tensors.size() != 5 || !tensors[0] || !tensors[1] || !tensors[2]) return false;
   const TensorDesc& q = *tensors[0];
   const TensorDesc& k = *tensors[1];
   const TensorDesc& v = *tensors[2];
@@ -435,6 +433,11 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   for (int64_t d = 0; d < nd - 3; ++d) {
     if (k.sizes[d] != q.sizes[d] || v.sizes[d] != q.sizes[d]) return false;
   }
+  const std::optional<TensorDesc>& mask = tensors[3];
+  if (mask && (mask->dim() == 0 || mask->strides.size() != mask->sizes.size() ||
+               (mask->sizes.back() != keys && mask->sizes.back() != 1))) {
+    return false;  // no mask of every length: the planner refuses it, for this call only
+  }
   Common c;
   Plan scratch;
   if (!common("sdpa", q.dtype, q.sizes[nd - 3], Hkv, q.sizes[nd - 1], v.sizes[nd - 1],
@@ -454,8 +457,11 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   decode_split(c, dec, options, &splits, &split_keys);
   const Diagonals diag = diagonals(c, L + keys);
   const bool grown = row_major(k) && row_major(v);
-  const int64_t fields[] = {splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo,
-                            grown};
+  // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a
+  // last dim of 1 (at S = 1 too) broadcasts, with a key stride of 0 at every S.
+  const int64_t mask_class = !mask ? 0 : mask->sizes.back() == 1 ? 1 : row_major(*mask) ? 2 : 3;
+  const int64_t fields[] = {
+      splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo, grown, mask_class};
   // Row-major key and value strides above the key dim hold S, but their alignment (what the
   // planner reads of them: vectorized loads) is their row stride's, which does not.
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
@@ -465,8 +471,9 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
 
 namespace {
 
-// A row-major key or value's batch or head stride, made for `from` keys, for `to` keys: the
-// products of dims that include the key dim (so a multiple of `from`), or 0 where broadcast.
+// A row-major key's, value's or mask's stride above the key dim, made for `from` keys, for `to`
+// keys: a product of dims that include the key dim (so a multiple of `from`), or 0 where
+// broadcast.
 steel_i64 rescaled(steel_i64 stride, int64_t from, int64_t to) { return stride / from * to; }
 
 }  // namespace
@@ -475,6 +482,8 @@ void set_decode_length(Plan* plan, const TensorList& tensors, const Options& opt
   const TensorDesc& k = *tensors[1];
   const int64_t S = k.sizes[k.dim() - 2];
   const bool grown = row_major(k) && row_major(*tensors[2]);  // by torch.cat: see the header
+  const std::optional<TensorDesc>& mask = tensors[3];
+  const bool mask_grown = mask && mask->sizes.back() != 1 && row_major(*mask);
   const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
   for (Dispatch& d : plan->dispatches) {
     for (Binding& b : d.bindings) {
@@ -492,6 +501,14 @@ void set_decode_length(Plan* plan, const TensorList& tensors, const Options& opt
         }
         dp.fwd.k_hs = rescaled(dp.fwd.k_hs, from, S);
         dp.fwd.v_hs = rescaled(dp.fwd.v_hs, from, S);
+      }
+      if (mask_grown) {  // its strides above the key dim are multiples of S, or 0
+        const int64_t from = dp.fwd.S;
+        for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
+          dp.fwd.m_bs[i] = rescaled(dp.fwd.m_bs[i], from, S);
+        }
+        dp.fwd.m_hs = rescaled(dp.fwd.m_hs, from, S);
+        dp.fwd.m_rs = rescaled(dp.fwd.m_rs, from, S);
       }
       dp.fwd.S = static_cast<int32_t>(S);
       dp.fwd.shift = static_cast<int32_t>(bottom_right ? S - dp.fwd.L : 0);

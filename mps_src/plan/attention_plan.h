@@ -177,15 +177,17 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
 //
 // A decode stream calls sdpa with one more key per token, on views of a KV cache whose strides
 // stay, or on a key and value that grow by torch.cat (row-major: their strides above the key
-// dim are S times what they are for one key). The plan of such a call depends on the key
-// length S only through what decode_length_class puts in `cls` (the partition count and keys
-// per partition, whether S is a multiple of the key tile, which window diagonals bound the
-// rows, whether key and value are row-major) and through fields of its AttnDecodeParams (S,
-// the shift, and for row-major key and value their batch and head strides, which merge the
-// same way for every S): two calls that differ only in S and agree on `cls` have plans that
-// differ only there. Returns false (and the call keeps its exact key) for anything else: no
-// decode kernel, a mask (its shape holds S), key or value copied before the launch (the
-// copy's strides hold S), no keys, an empty batch, a refused plan.
+// dim are S times what they are for one key), with or without a mask over the keys (a view,
+// or made anew per token: row-major). The plan of such a call depends on the key length S
+// only through what decode_length_class puts in `cls` (the partition count and keys per
+// partition, whether S is a multiple of the key tile, which window diagonals bound the rows,
+// whether key and value are row-major, what the mask is) and through fields of its
+// AttnDecodeParams (S, the shift, and for row-major key, value and mask their strides above
+// the key dim, which merge the same way for every S): two calls that differ only in S and
+// agree on `cls` have plans that differ only there. Returns false (and the call keeps its
+// exact key) for anything else: no decode kernel, a mask whose last dim is neither S nor 1,
+// key or value copied before the launch (the copy's strides hold S), no keys, an empty batch,
+// a refused plan.
 bool decode_length_class(const TensorList& tensors, const Options& options, std::string* cls,
                          int64_t* S);
 // Rewrites a decode plan that decode_length_class accepted, with the same `cls`, for the key

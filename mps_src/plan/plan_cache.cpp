@@ -33,10 +33,14 @@ std::string plan_key(const std::string& op, const TensorList& tensors, const Opt
     }
     put_int(&key, static_cast<int64_t>(t->dtype));
     put_int(&key, t->dim());
-    const int64_t length_dim = any_length && (i == 1 || i == 2) ? t->dim() - 2 : -1;
+    // Where the key length is: key and value rows, a mask's last dim (unless broadcast).
+    int64_t length_dim = -1;
+    if (any_length && (i == 1 || i == 2)) length_dim = t->dim() - 2;
+    if (any_length && i == 3 && t->dim() > 0 && t->sizes.back() != 1) length_dim = t->dim() - 1;
     for (int64_t d = 0; d < t->dim(); ++d) put_int(&key, d == length_dim ? -2 : t->sizes[d]);
     if (length_dim >= 0 && row_major(*t)) {
-      // A key or value grown by torch.cat: its strides are its sizes', S included.
+      // A key, value or mask grown by torch.cat (or made anew per token): its strides are its
+      // sizes', S included.
       put_int(&key, -3);
     } else {
       // A desc with fewer strides than sizes is malformed; the planner refuses it, and the key

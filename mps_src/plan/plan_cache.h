@@ -14,8 +14,10 @@
 // leaves the key length S out and holds instead what the plan derives from S
 // (attn::decode_length_class); the cached plan is rewritten for the call's S
 // (attn::set_decode_length, a copy of the plan, far cheaper than planning) when it was made
-// for another, and kept for that S. A key and value that grow by torch.cat (row-major, so
-// their strides hold S too) are keyed by their sizes alone, and their strides rewritten.
+// for another, and kept for that S. A key and value that grow by torch.cat, and a mask made
+// anew per token (row-major, so their strides hold S too) are keyed by their sizes alone, and
+// their strides rewritten. A mask's view of a longer buffer keeps its strides, as a KV
+// cache's views do.
 #pragma once
 
 #include <cstddef>
@@ -35,8 +37,9 @@ namespace steel {
 // kernels make (at most 16 bytes, and every element is at least 1 byte).
 constexpr int64_t kPlanOffsetAlign = 16;
 
-// The cache key of a planner call (see the header comment); with `any_length`, the key and
-// value's lengths (dim -2 of tensors 1 and 2) are left out of it.
+// The cache key of a planner call (see the header comment); with `any_length`, the key length
+// (dim -2 of the key and value, tensors 1 and 2, and the last dim of a mask, tensor 3, unless
+// it broadcasts) is left out of it, and so are the strides of those that are row-major.
 std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options,
                      bool any_length = false);
 

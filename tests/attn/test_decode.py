@@ -187,6 +187,25 @@ def test_a_cache_grown_by_cat(dtype):
         assert k.is_contiguous()
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16], ids=str)
+def test_batched_decode_with_a_padding_mask(mask_dtype):
+    """Batched generation as HF runs it: left-padded prompts, a [B, 1, 1, S] padding mask made
+    anew each step (row-major, so its strides hold S) and a KV cache grown by torch.cat: one
+    plan family for every length (plan_cache.h), each step the oracle's."""
+    gen = torch.Generator().manual_seed(10)
+    dtype = torch.float16
+    k, v = (rand(3, 2, 20, 64, dtype=dtype, gen=gen) for _ in range(2))
+    pad = torch.tensor([0, 5, 11])  # left padding of each sequence
+    for _ in range(4):
+        q = rand(3, 4, 1, 64, dtype=dtype, gen=gen)
+        keep = torch.arange(k.shape[-2])[None, :] >= pad[:, None]  # [B, S]
+        mask = keep if mask_dtype == torch.bool else torch.zeros(keep.shape, dtype=mask_dtype)
+        if mask_dtype != torch.bool:
+            mask.masked_fill_(~keep, float("-inf"))
+        check_decode(q, k, v, mask[:, None, None, :].contiguous())
+        k, v = (torch.cat([t, rand(3, 2, 1, 64, dtype=dtype, gen=gen)], dim=-2) for t in (k, v))
+
+
 # ---------------------------------------------------------------- varlen and the paged cache
 
 

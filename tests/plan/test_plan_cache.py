@@ -19,7 +19,7 @@ from gemm_helpers import requires_planner  # noqa: E402
 pytestmark = requires_planner
 
 ROOT = Path(__file__).resolve().parents[2]
-F16, F32, I32 = 0, 2, 3  # steel::DType codes
+F16, F32, I32, BOOL = 0, 2, 3, 5  # steel::DType codes
 GEMM = {"alpha": 1.0, "beta": 0.0}
 ATTN = {"dropout_p": 0.0, "is_causal": 0.0, "scale": 0.125, "window_left": -1.0}
 
@@ -157,17 +157,25 @@ def test_threads_share_the_cache_safely(tmp_path):
     assert run.stdout.startswith("ok "), run.stdout
 
 
-def decode(keys, capacity=4096, rows=1, mask=False, dim=64, **options):
+MASKS = {  # kind -> the mask of decode(), for `keys` keys and `rows` query rows
+    "none": lambda keys, rows: None,
+    "rows": lambda keys, rows: desc(F16, [rows, keys]),  # made anew per token: row-major
+    "batch": lambda keys, rows: desc(BOOL, [2, 1, 1, keys]),  # a padding mask, over heads
+    "view": lambda keys, rows: desc(F32, [2, 1, rows, keys], [rows * 2048, 0, 2048, 1]),
+    "keys broadcast": lambda keys, rows: desc(F16, [2, 8, rows, 1]),
+}
+
+
+def decode(keys, capacity=4096, rows=1, mask="none", dim=64, **options):
     """A decode step: `rows` query rows against the first `keys` keys of a KV cache of
     `capacity` keys (a view, whose strides stay; capacity None: a contiguous key and value, as
-    torch.cat grows them)."""
+    torch.cat grows them), with a mask of MASKS."""
     q = desc(F16, [2, 8, rows, dim])
     if capacity is None:
         kv = desc(F16, [2, 4, keys, dim])
     else:
         kv = desc(F16, [2, 4, keys, dim], [4 * capacity * dim, capacity * dim, dim, 1])
-    m = desc(F16, [rows, keys]) if mask else None
-    return ("sdpa", [q, kv, kv, m, None], {**ATTN, **options}, {})
+    return ("sdpa", [q, kv, kv, MASKS[mask](keys, rows), None], {**ATTN, **options}, {})
 
 
 STREAMS = {  # name -> (options of decode(), whether its plans are shared across lengths)
@@ -178,7 +186,14 @@ STREAMS = {  # name -> (options of decode(), whether its plans are shared across
     "contiguous": ({"capacity": None}, True),  # grown by torch.cat: the strides hold S too
     # ... rows of 68 halves, not 16-byte aligned: unvectorized loads for every S
     "contiguous, head dim 68": ({"capacity": None, "dim": 68}, True),
-    "mask": ({"mask": True}, False),  # the mask's shape holds S
+    # a mask's last dim holds S, its strides too when it is made anew per token
+    "mask over rows and keys": ({"mask": "rows", "rows": 3}, True),
+    "padding mask, a cache grown by torch.cat": ({"mask": "batch", "capacity": None}, True),
+    "mask view, bottom-right causal": (
+        {"mask": "view", "is_causal": 1.0, "bottom_right": 1.0, "rows": 2},
+        True,
+    ),
+    "mask broadcast over keys": ({"mask": "keys broadcast"}, True),
 }
 
 
