@@ -194,5 +194,13 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
 // length of `tensors`.
 void set_decode_length(Plan* plan, const TensorList& tensors, const Options& options);
 
+// A decode stream over a paged KV cache calls sdpa_varlen with max_seqlen_k one more per token.
+// Its plan reads max_seqlen_k (`max_keys`) only for what paged_length_class puts in `cls` (the
+// partition count and keys per partition, the window diagonals over max_seqlen_q +
+// max_seqlen_k): two calls that differ only there and agree on `cls` have the same plan.
+// Returns false for anything else (not a paged call, options the planner refuses).
+bool paged_length_class(const TensorList& tensors, const Options& options, std::string* cls,
+                        int64_t* max_keys);
+
 }  // namespace attn
 }  // namespace steel

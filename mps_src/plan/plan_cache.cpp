@@ -20,7 +20,7 @@ void put_string(std::string* key, const std::string& value) {
 }  // namespace
 
 std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options,
-                     bool any_length) {
+                     bool any_length, const char* without) {
   std::string key;
   key.reserve(64 + 48 * tensors.size());
   put_string(&key, op);
@@ -53,6 +53,7 @@ std::string plan_key(const std::string& op, const TensorList& tensors, const Opt
   }
   put_int(&key, static_cast<int64_t>(options.numbers.size()));
   for (const auto& [name, value] : options.numbers) {
+    if (without != nullptr && name == without) continue;  // counted: a call without it differs
     put_string(&key, name);
     put_bytes(&key, &value, sizeof value);  // bit-exact: -0.0 and 0.0 may plan differently
   }
@@ -70,7 +71,10 @@ std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorLi
   int64_t length = -1;
   const bool any_length =
       op == "sdpa" && attn::decode_length_class(tensors, options, &length_class, &length);
-  std::string key = plan_key(op, tensors, options, any_length);
+  const bool any_max_keys = op == "sdpa_varlen" &&
+                            attn::paged_length_class(tensors, options, &length_class, &length);
+  std::string key =
+      plan_key(op, tensors, options, any_length, any_max_keys ? "max_seqlen_k" : nullptr);
   key += length_class;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -80,12 +84,12 @@ std::shared_ptr<const Plan> PlanCache::get(const std::string& op, const TensorLi
       ++hits_;
       recent_.splice(recent_.begin(), recent_, found->second);
       Entry& entry = *found->second;
-      if (entry.length != length) {
+      if (entry.length != length && any_length) {  // a paged plan holds nothing of its length
         auto plan = std::make_shared<Plan>(*entry.plan);
         attn::set_decode_length(plan.get(), tensors, options);
         entry.plan = std::move(plan);
-        entry.length = length;
       }
+      entry.length = length;
       return entry.plan;
     }
     ++misses_;

@@ -17,7 +17,9 @@
 // for another, and kept for that S. A key and value that grow by torch.cat, and a mask made
 // anew per token (row-major, so their strides hold S too) are keyed by their sizes alone, and
 // their strides rewritten. A mask's view of a longer buffer keeps its strides, as a KV
-// cache's views do.
+// cache's views do. A paged KV cache's decode stream (max_seqlen_k one more per token) is keyed
+// without max_seqlen_k, with what its plan derives from it (attn::paged_length_class): the
+// cached plan serves every max_seqlen_k of its class as it is.
 #pragma once
 
 #include <cstddef>
@@ -39,9 +41,10 @@ constexpr int64_t kPlanOffsetAlign = 16;
 
 // The cache key of a planner call (see the header comment); with `any_length`, the key length
 // (dim -2 of the key and value, tensors 1 and 2, and the last dim of a mask, tensor 3, unless
-// it broadcasts) is left out of it, and so are the strides of those that are row-major.
+// it broadcasts) is left out of it, and so are the strides of those that are row-major; the
+// number option named `without` is left out too.
 std::string plan_key(const std::string& op, const TensorList& tensors, const Options& options,
-                     bool any_length = false);
+                     bool any_length = false, const char* without = nullptr);
 
 class PlanCache {
  public:

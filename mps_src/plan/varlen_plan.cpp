@@ -242,6 +242,50 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   return plan;
 }
 
+namespace attn {
+
+bool paged_length_class(const TensorList& tensors, const Options& options, std::string* cls,
+                        int64_t* max_keys) {
+  if (tensors.size() != 8 || !tensors[0] || !tensors[1] || !tensors[2] || !tensors[3] ||
+      tensors[4] || !tensors[6] || !tensors[7]) {
+    return false;
+  }
+  const TensorDesc& q = *tensors[0];
+  const TensorDesc& k = *tensors[1];
+  const TensorDesc& v = *tensors[2];
+  const TensorDesc& table = *tensors[6];
+  if (q.dim() != 3 || k.dim() != 4 || v.dim() != 4 || table.dim() != 2 ||
+      tensors[3]->dim() != 1 || k.sizes[2] == 0 || q.sizes[1] % k.sizes[2] != 0) {
+    return false;
+  }
+  const int64_t max_q = static_cast<int64_t>(options.number("max_seqlen_q", -1));
+  const int64_t max_k = static_cast<int64_t>(options.number("max_seqlen_k", -1));
+  if (max_q < 0 || max_k < 0 || max_q > kInt32Max / 2 || max_k > kInt32Max / 2) return false;
+  Common c;
+  Plan scratch;
+  if (!common("sdpa_varlen", q.dtype, q.sizes[1], k.sizes[2], q.sizes[2], v.sizes[3], tensors[5],
+              5, options, &c, &scratch)
+           .empty()) {
+    return false;
+  }
+  // As plan_attention_varlen plans a paged call: the decode split over the keys a sequence can
+  // hold, the diagonals over max_seqlen_q + max_seqlen_k.
+  Decode dec;
+  dec.rows = std::min(max_q, q.sizes[0]);
+  dec.keys = std::min(max_k, table.sizes[1] * k.sizes[1]);
+  dec.count = tensors[3]->sizes[0] - 1;
+  int64_t splits = 1, split_keys = 0;
+  decode_split(c, dec, options, &splits, &split_keys);
+  const Diagonals diag = diagonals(c, max_q + max_k);
+  const int64_t fields[] = {splits,      split_keys,  diag.has_hi,
+                            diag.has_lo, diag.hi_off, diag.lo_off};
+  cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
+  *max_keys = max_k;
+  return true;
+}
+
+}  // namespace attn
+
 // The varlen backward builds on the varlen forward's plan for the same q, k, v, cu_seqlens and
 // sinks (its refusals, kernel, constants and AttnParams), as the dense backward does on the
 // dense forward's: the delta pre-pass, dK/dV, dQ (and dsinks) kernels of

@@ -221,3 +221,28 @@ def test_a_decode_stream_hits_with_the_plan_of_its_length(ext):
     for s in range(1100, 1110):
         described(ext, decode(s))
     assert ext.plan_cache_stats()["misses"] == 1
+
+
+def paged_decode(max_keys, **options):
+    """A paged KV cache's decode step (sdpa_varlen with block_table): 3 sequences of one query
+    row against pools of 64 pages of 16 keys, max_seqlen_k = `max_keys`."""
+    q = desc(F16, [3, 8, 64])
+    pool = desc(F16, [64, 16, 4, 64])
+    cu_q, table, used = desc(I32, [4]), desc(I32, [3, 40]), desc(I32, [3])
+    numbers = {**ATTN, "max_seqlen_q": 1.0, "max_seqlen_k": float(max_keys), **options}
+    return ("sdpa_varlen", [q, pool, pool, cu_q, None, None, table, used], numbers, {})
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"is_causal": 1.0, "bottom_right": 1.0}, {"window_left": 300.0}], ids=str
+)
+def test_a_paged_decode_stream_shares_one_plan(ext, options):
+    """A paged KV cache's stream raises max_seqlen_k by one per token: every cached plan is the
+    fresh plan of its call, planned again only where what the plan derives from max_seqlen_k
+    (the split, the window diagonals) changes."""
+    ext.plan_cache_reset(4096)
+    lengths = range(0, 700)  # past the 640 keys a sequence's 40 pages hold
+    for n in lengths:
+        call = paged_decode(n, **options)
+        assert described(ext, call) == described(ext, call, cached=False), n
+    assert ext.plan_cache_stats()["misses"] < len(lengths) / 8
