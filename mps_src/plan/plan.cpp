@@ -143,13 +143,7 @@ int64_t extent(const TensorDesc& t) {
 }
 
 bool row_major(const TensorDesc& t) {
-  if (t.strides.size() != t.sizes.size()) return false;
-  int64_t step = 1;
-  for (int64_t d = t.dim() - 1; d >= 0; --d) {
-    if (t.strides[d] != step) return false;
-    step *= t.sizes[d];
-  }
-  return true;
+  return t.strides.size() == t.sizes.size() && t.strides == t.contiguous().strides;
 }
 
 std::string shape_str(const std::vector<int64_t>& sizes) {

@@ -129,8 +129,8 @@ bool supported_dtype(DType d);
 const char* dtype_tag(DType d);
 // One past the largest element offset a tensor can touch (0 when empty).
 int64_t extent(const TensorDesc& t);
-// Whether the strides are exactly the row-major strides of the sizes (as torch.cat and
-// torch.empty make them), every dim's included.
+// Whether the strides are exactly contiguous()'s (as torch.cat and torch.empty make them),
+// every dim's included.
 bool row_major(const TensorDesc& t);
 // "[2, 3, 4]".
 std::string shape_str(const std::vector<int64_t>& sizes);

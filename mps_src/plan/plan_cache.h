@@ -71,7 +71,7 @@ class PlanCache {
   struct Entry {
     std::string key;
     std::shared_ptr<const Plan> plan;
-    int64_t length;  // the key length the plan was made for (-1: the key holds it)
+    int64_t length;  // the key length (paged: max_seqlen_k) it was made for (-1: the key holds it)
   };
 
   mutable std::mutex mutex_;
