@@ -93,13 +93,8 @@ inline AttnBwdSeq attn_bwd_seq(constant AttnBackwardParams& bp, const device int
   constant AttnParams& p = bp.fwd;
   AttnBwdSeq s;
   if (attn_varlen) {
-    const int q_begin = clamp(cu_q[zb], 0, p.L);
-    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
-    s.ext.L = q_end - q_begin;
-    s.ext.S = k_end - k_begin;
-    s.ext.shift = attn_varlen_br ? s.ext.S - s.ext.L : 0;
+    int q_begin, k_begin;
+    s.ext = attn_varlen_sequence(p, cu_q, cu_k, zb, q_begin, k_begin);
     s.q0 = q_begin;
     s.k0 = k_begin;
     s.q = q_begin * p.q_rs;

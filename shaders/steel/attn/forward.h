@@ -183,6 +183,24 @@ struct AttnBlockSpan {
   steel_i64 lse;            // head h's row `row` is lse[lse + row]
 };
 
+// Sequence zb of a varlen launch: query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens
+// cu_k[zb] .. cu_k[zb + 1]. The offsets are clamped to the token counts, so that offsets that
+// break the convention give wrong rows, never accesses outside the tensors. Returns its extent
+// and sets its first query and key token.
+inline AttnExtent attn_varlen_sequence(constant AttnParams& p, const device int* cu_q,
+                                       const device int* cu_k, int zb, thread int& q_begin,
+                                       thread int& k_begin) {
+  q_begin = clamp(cu_q[zb], 0, p.L);
+  const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
+  k_begin = clamp(cu_k[zb], 0, p.S);
+  const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
+  AttnExtent ext;
+  ext.L = q_end - q_begin;
+  ext.S = k_end - k_begin;
+  ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
+  return ext;
+}
+
 // False when the block starting at query row row0 has no rows (varlen: the grid covers the
 // longest sequence). The result is uniform over the threadgroup, so callers may return before
 // any barrier or tensor operation.
@@ -193,16 +211,8 @@ inline bool attn_block_span(constant AttnParams& p, const device int* cu_q, cons
   s.o = zb * p.o_bs;
   s.lse = (steel_i64(zb) * p.Hq + h) * p.L;
   if (attn_varlen) {
-    // Sequence zb is query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens cu_k[zb] ..
-    // cu_k[zb + 1]. The offsets are clamped to the token counts, so that offsets that break
-    // the convention give wrong rows, never accesses outside q, k, v, out or lse.
-    const int q_begin = clamp(cu_q[zb], 0, p.L);
-    const int q_end = clamp(cu_q[zb + 1], q_begin, p.L);
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    const int k_end = clamp(cu_k[zb + 1], k_begin, p.S);
-    s.ext.L = q_end - q_begin;
-    s.ext.S = k_end - k_begin;
-    s.ext.shift = attn_varlen_br ? s.ext.S - s.ext.L : 0;
+    int q_begin, k_begin;
+    s.ext = attn_varlen_sequence(p, cu_q, cu_k, zb, q_begin, k_begin);
     s.q = q_begin * p.q_rs;
     s.k = k_begin * p.k_rs;
     s.v = k_begin * p.v_rs;
