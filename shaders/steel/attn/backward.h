@@ -421,14 +421,7 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   // dP o Z = (dO V^T) o Z.
   ds.clear();
   attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
-  if (attn_dropout) {
-#pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-      const float2 z = attn_dropout_pair(p, bh, row, key0 + j * 8 + fc);
-      ds.frag[j].thread_elements()[0] *= z.x;
-      ds.frag[j].thread_elements()[1] *= z.y;
-    }
-  }
+  if (attn_dropout) attn_dropout_tile<A::TK>(ds, p, bh, row, key0, fc);
   if (A::kShared) {  // K takes V's place once every simdgroup has its dP
     threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,

@@ -48,6 +48,19 @@ inline float2 attn_dropout_pair(constant AttnParams& p, uint bh, int row, int co
   return float2(attn_keep(p, low ? w.x : w.z), attn_keep(p, low ? w.y : w.w));
 }
 
+// A score tile of TK 8x8 fragments (keys key0 .. key0 + 8 * TK, this lane's row and fragment
+// column fc) times its dropout factors.
+template <short TK, typename Tile>
+inline void attn_dropout_tile(thread Tile& t, constant AttnParams& p, uint bh, int row, int key0,
+                              short fc) {
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TK; ++j) {
+    const float2 z = attn_dropout_pair(p, bh, row, key0 + j * 8 + fc);
+    t.frag[j].thread_elements()[0] *= z.x;
+    t.frag[j].thread_elements()[1] *= z.y;
+  }
+}
+
 // The factor of one (row, col).
 inline float attn_dropout_one(constant AttnParams& p, uint bh, int row, int col) {
   const uint4 w = attn_dropout_words(p, bh, row, col);

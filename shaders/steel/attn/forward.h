@@ -303,12 +303,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
     if (attn_dropout) {  // weights are dropped after the softmax: l keeps the undropped sum
       const uint bh = uint(zb) * uint(p.Hq) + uint(h);
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-        const float2 z = attn_dropout_pair(p, bh, row, key0 + j * 8 + fc);
-        s.frag[j].thread_elements()[0] *= z.x;
-        s.frag[j].thread_elements()[1] *= z.y;
-      }
+      attn_dropout_tile<A::TK>(s, p, bh, row, key0, fc);
     }
 
     if (A::kShared) {  // V takes K's place once every simdgroup has its scores
