@@ -47,6 +47,7 @@ out of any other layout into it):
 """
 
 import math
+import operator
 import re
 from typing import NamedTuple
 
@@ -55,6 +56,7 @@ from torch import Tensor
 from torch._functorch.utils import enable_single_level_autograd_function
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
+from . import inductor
 from . import reference as ref
 from . import validation as check
 from .backends import backend, current_backend, run
@@ -200,6 +202,26 @@ def _check_transform(name):
         )
 
 
+def _graph_call(op, impl):
+    """The call of `op` in a compiled graph's code (torch_steel.inductor): `impl` itself when
+    the dispatcher would call nothing else, as for an eager call (inside the graph autograd is
+    off, or the graph is an inference one), else the overload's C++ entry point."""
+    entry = op._op
+    positions = tuple(
+        i
+        for i, argument in enumerate(op._schema.arguments)
+        if argument.type.isSubtypeOf(torch._C.OptionalType.ofTensor())
+    )
+    last, tensors = positions[-1], operator.itemgetter(*positions)
+
+    def call(*args):
+        if len(args) > last and _straight_to_impl(*tensors(args)):
+            return impl(*args)
+        return entry(*args)
+
+    return call
+
+
 def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
@@ -209,7 +231,8 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
     them: its fake implementation checks the inputs when the graph is traced, and the graph's
     guards keep them what they were, so the compiled call goes straight to the backend. A
     compiled graph runs the op's Python more slowly than eager code does (the caches are cold
-    after the graph's runtime wrappers), so work skipped there counts double (issue 16).
+    after the graph's runtime wrappers), so work skipped there counts double (issue 16); for
+    the same reason inductor's code calls every op here as `_graph_call` (torch_steel.inductor).
 
     With `setup` and `backward`, a call that wants a gradient applies a torch.autograd.Function
     (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
@@ -306,6 +329,7 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
         return op.redispatch(keyset & after_autograd, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    inductor.add(name, _graph_call(op, impl))
     if prechecked is not None:
         # Without defaults, so that a compiled graph passes every argument positionally (by
         # keyword, about 4 us more per call).

@@ -1,8 +1,11 @@
 """torch.compile(fullgraph=True) traces the steel ops (fake impls) and matches eager."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
 import torch_steel
 
@@ -121,4 +124,64 @@ def test_compiled_graphs_call_the_prechecked_ops():
     with pytest.raises(Exception, match="query and key head dims differ"):
         bad = lambda q: torch_steel.sdpa(q, k[..., :4], v, enable_gqa=True)  # noqa: E731
         torch.compile(bad, fullgraph=True)(q)
+    torch._dynamo.reset()
+
+
+def _steel_calls(code):
+    """The steel op calls in inductor's generated code: (direct, op name) per call, `direct`
+    when it calls the op's implementation (torch_steel.inductor) instead of its overload."""
+    calls = re.findall(r"= (steel_graph_calls\.|torch\.ops\.steel\.)(\w+?)(?:\.default)?\(", code)
+    return [(how == "steel_graph_calls.", name) for how, name in calls]
+
+
+def test_inductor_graphs_call_the_ops_implementations():
+    """Inductor writes each steel op of a graph, forward and backward, as a call of its
+    implementation (torch_steel.inductor), with eager's results and gradients: the dispatcher's
+    pass and the op's Autograd kernel (autograd is outside the graph) cost more per call than
+    the whole eager call (issue 16)."""
+    torch._dynamo.reset()
+    block = Block()
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    expected = block(x)
+    expected_grad = torch.autograd.grad(expected.square().sum(), x)[0]
+    compiled = torch.compile(block, fullgraph=True)
+
+    def train_step():
+        out = compiled(x)
+        return out, torch.autograd.grad(out.square().sum(), x)[0]
+
+    (out, grad), (forward, backward) = run_and_get_code(train_step)
+    assert _steel_calls(forward) == [
+        (True, "gemm_prechecked"),
+        (True, "sdpa_forward_prechecked"),
+        (True, "gemm_prechecked"),
+        (True, "gemm_prechecked"),
+    ]
+    backward_calls = _steel_calls(backward)
+    assert (True, "sdpa_backward") in backward_calls and (True, "gemm") in backward_calls
+    assert all(direct for direct, _ in backward_calls)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # as the aot_eager test
+    torch.testing.assert_close(grad, expected_grad, atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
+
+def test_inductor_graphs_keep_the_dispatcher_where_it_does_more():
+    """A graph's direct call takes the dispatcher whenever it would do more than call the
+    implementation: under the profiler, the steel ops of a compiled graph are its events, as
+    PyTorch's own are."""
+    torch._dynamo.reset()
+    q, a = torch.randn(1, 2, 5, 8), torch.randn(3, 8)
+
+    def f(q, a):
+        return torch_steel.sdpa(q, q, q, is_causal=True), torch_steel.gemm(a, a.t())
+
+    compiled = torch.compile(f, fullgraph=True)
+    expected = f(q, a)
+    compiled(q, a)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = compiled(q, a)
+    names = {event.name for event in profile.events()}
+    assert {"steel::sdpa_forward_prechecked", "steel::gemm_prechecked"} <= names
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
     torch._dynamo.reset()
