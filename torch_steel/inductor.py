@@ -11,7 +11,8 @@ an eager call), else the overload, so that the call means what it meant.
 
 The hook is inductor's registry of codegen per extern kernel (CUSTOM_EXTERN_KERNEL_CODEGEN, by
 the kernel's Python name). Where inductor has none (another torch), writes C++ (AOTInductor) or
-an FX graph, the graph keeps the overload's call.
+an FX graph, the graph keeps the overload's call. So does a graph that inductor's caches hold
+from before this hook (their keys do not see it): until they are cleared, or torch changes.
 """
 
 from __future__ import annotations
