@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 from torch._functorch.utils import enable_single_level_autograd_function
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch.nn import Parameter
 
 from . import inductor
 from . import reference as ref
@@ -163,31 +164,44 @@ _IMPL_KEYSETS = frozenset(
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
 
 
-def _straight_to_impl(*tensors):
-    """True when the dispatcher would hand an op call on these tensors (None for an absent one)
-    straight to the op's implementation, so that the public functions may call it themselves.
+_IMPL, _FUNCTION = 1, 2  # how _undispatched says to call an op, 0 being through the dispatcher
+
+
+def _undispatched(*tensors):
+    """How the dispatcher would hand an op call on these tensors (None for an absent one) on,
+    when all it would do is hand it on, so that the public functions may make that call
+    themselves: _IMPL, the op's implementation; _FUNCTION, the op's autograd Function around
+    it (_FUNCTIONS), as its Autograd kernel applies it when a gradient is wanted; else 0.
 
     The dispatcher's pass costs about 10 us of a decode call's host time (its arguments and
     results converted between Python and C++ twice, issue 16). It does nothing else when the
-    tensors are plain CPU or MPS tensors (no subclass: a FakeTensor, a FunctionalTensor, a
-    Parameter take the dispatcher), nothing needs a gradient, and nothing active hooks the
+    tensors are plain CPU or MPS tensors or Parameters (which dispatch as plain tensors; a
+    subclass, FakeTensor or FunctionalTensor takes the dispatcher) and nothing active hooks the
     call: no functorch transform, dispatch or function mode, profiler (which records the op's
     pass), autocast (which casts the inputs at the op: _register_autocast) or JIT trace.
     """
     grad = torch.is_grad_enabled()
+    how = _IMPL
     for t in tensors:
-        if t is not None and (
-            type(t) is not Tensor or not (t.is_mps or t.is_cpu) or (grad and t.requires_grad)
-        ):
-            return False
-    return not (
+        if t is not None:
+            if (type(t) is not Tensor and type(t) is not Parameter) or not (t.is_mps or t.is_cpu):
+                return 0
+            if grad and t.requires_grad:
+                how = _FUNCTION
+    if (
         torch._C._are_functorch_transforms_active()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._autograd._profiler_enabled()
         or torch._C._is_any_autocast_enabled()
         or torch._C._get_tracing_state()
-    )
+    ):
+        return 0
+    return how
+
+
+# op name -> its autograd Function's apply around its implementation (ops with a gradient).
+_FUNCTIONS = {}
 
 
 def _check_transform(name):
@@ -215,7 +229,7 @@ def _graph_call(op, impl):
     last, tensors = positions[-1], operator.itemgetter(*positions)
 
     def call(*args):
-        if len(args) > last and _straight_to_impl(*tensors(args)):
+        if len(args) > last and _undispatched(*tensors(args)) == _IMPL:
             return impl(*args)
         return entry(*args)
 
@@ -280,6 +294,7 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
         # the arguments to forward's signature with inspect first (about 30 us per call),
         # which a forward of *args without defaults does not need.
         direct = _C_APPLY.__get__(None, function(impl, "impl itself", setup, backward))
+        _FUNCTIONS[name] = direct
         below_rules = (setup, backward)
         redispatched = function(below_autograd, "the op below autograd", *below_rules).apply
     else:
@@ -463,6 +478,7 @@ _define(
 _SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
 _SDPA_FORWARD_PRECHECKED = torch.ops.steel.sdpa_forward_prechecked.default
 _SDPA_FORWARD_ENTRY = _SDPA_FORWARD._op
+_SDPA_FORWARD_FUNCTION = _FUNCTIONS["sdpa_forward"]
 
 
 _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, sinks on
@@ -470,13 +486,16 @@ _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, si
 
 def _call_sdpa_forward(*args):
     """sdpa_forward(*args), or its prechecked twin, which takes every argument, while
-    torch.compile traces (see _define). Eagerly its implementation itself when the dispatcher
-    would call nothing else (_straight_to_impl), else the overload's C++ entry point, without
+    torch.compile traces (see _define). Eagerly what the dispatcher would call when it would
+    do nothing else (_undispatched), else the overload's C++ entry point, without
     OpOverload.__call__'s Python frame."""
     if torch.compiler.is_compiling():
         return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
-    if _straight_to_impl(*args[:4], args[7] if len(args) > 7 else None):  # q, k, v, mask, sinks
+    how = _undispatched(*args[:4], args[7] if len(args) > 7 else None)  # q, k, v, mask, sinks
+    if how == _IMPL:
         return _sdpa_forward(*args)
+    if how == _FUNCTION:
+        return _SDPA_FORWARD_FUNCTION(*args)
     return _SDPA_FORWARD_ENTRY(*args)
 
 
@@ -766,6 +785,7 @@ _define(
 
 
 _SDPA_VARLEN_FORWARD = torch.ops.steel.sdpa_varlen_forward.default
+_SDPA_VARLEN_FORWARD_FUNCTION = _FUNCTIONS["sdpa_varlen_forward"]
 
 
 def _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -867,9 +887,11 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                             max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap, window,
                             causal_align, seed, offset)  # fmt: skip
     inputs = (*inputs[:-1], splits)  # num_splits is the last option
-    if not torch.compiler.is_compiling() and _straight_to_impl(*inputs[:5], inputs[10]):
-        # q, k, v, cu_seqlens, sinks: see gemm; _varlen_inputs checked query, key, value
+    how = 0 if torch.compiler.is_compiling() else _undispatched(*inputs[:5], inputs[10])
+    if how == _IMPL:  # q, k, v, cu_seqlens, sinks: see gemm; _varlen_inputs checked q, k, v
         out, lse = _sdpa_varlen_forward_run(*inputs)
+    elif how == _FUNCTION:
+        out, lse = _SDPA_VARLEN_FORWARD_FUNCTION(*inputs)
     else:
         out, lse = _SDPA_VARLEN_FORWARD(*inputs)
     return (out, lse) if return_lse else out
@@ -948,6 +970,7 @@ _define(
 _GEMM = torch.ops.steel.gemm.default
 _GEMM_PRECHECKED = torch.ops.steel.gemm_prechecked.default
 _GEMM_ENTRY = _GEMM._op  # the overload's C++ entry point, as _SDPA_FORWARD_ENTRY
+_GEMM_FUNCTION = _FUNCTIONS["gemm"]
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -959,8 +982,11 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     """
     if torch.compiler.is_compiling():  # see _define
         return _GEMM_PRECHECKED(a, b, bias, c, float(alpha), float(beta), activation)
-    if _straight_to_impl(a, b, bias, c):  # the dispatcher would call nothing else
+    how = _undispatched(a, b, bias, c)  # what the dispatcher would call, if nothing else
+    if how == _IMPL:
         return _gemm(a, b, bias, c, float(alpha), float(beta), activation)
+    if how == _FUNCTION:
+        return _GEMM_FUNCTION(a, b, bias, c, float(alpha), float(beta), activation)
     return _GEMM_ENTRY(a, b, bias, c, float(alpha), float(beta), activation)
 
 

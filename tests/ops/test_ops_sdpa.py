@@ -248,6 +248,10 @@ class _Subclass(torch.Tensor):
     pass
 
 
+class _ParameterSubclass(torch.nn.Parameter):
+    pass
+
+
 class _SeenModes(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -282,8 +286,13 @@ _HOOKS = {
         _within(torch.no_grad),
         False,
     ),
-    "an input requiring grad": (lambda t: t.requires_grad_(), lambda call: call(), True),
-    "a Parameter": (torch.nn.Parameter, lambda call: call(), True),
+    "an input requiring grad": (lambda t: t.requires_grad_(), lambda call: call(), False),
+    "a Parameter": (torch.nn.Parameter, lambda call: call(), False),
+    "a subclass of Parameter": (
+        lambda t: torch.nn.Parameter(t).as_subclass(_ParameterSubclass),
+        lambda call: call(),
+        True,
+    ),
     "a tensor subclass": (lambda t: t.as_subclass(_Subclass), lambda call: call(), True),
     "a meta tensor": (lambda t: t.to("meta"), lambda call: call(), True),
     "a dispatch mode": (lambda t: t, _within(_SeenModes), True),
@@ -299,14 +308,18 @@ _HOOKS = {
 }
 
 
+_GRADIENT_HOOKS = ("an input requiring grad", "a Parameter", "a subclass of Parameter")
+
+
 @pytest.mark.parametrize("hook", _HOOKS)
 @pytest.mark.parametrize("op", ["sdpa", "sdpa_varlen", "gemm"])
 def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op, monkeypatch):
-    """torch_steel.sdpa and gemm call the op's implementation themselves when the dispatcher
+    """torch_steel.sdpa and gemm call what the dispatcher would call (the op's implementation,
+    or with a gradient the op's autograd Function around it) themselves when the dispatcher
     would hand it the call untouched (issue 16: its pass is about 10 us of a decode call), and
-    call the op through it whenever something hooks the call: a gradient, a subclass, a device
-    with its own kernel (meta), a mode, the profiler, autocast, a transform, a JIT trace. The
-    results are the same either way."""
+    call the op through it whenever something hooks the call: a subclass, a device with its own
+    kernel (meta), a mode, the profiler, autocast, a transform, a JIT trace. The results and
+    the gradients are the same either way."""
     from torch_steel import ops
 
     wrap, run, through_dispatcher = _HOOKS[hook]
@@ -345,6 +358,18 @@ def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op,
     wrapped = [wrap(t.clone()) for t in inputs]
     with torch_steel.backend("reference"):
         out = run(lambda: steel(*wrapped, **kwargs))
+        if hook in _GRADIENT_HOOKS:  # against PyTorch's gradients of the same inputs
+            # the op's own gradient (the kernels'), not autograd's through the reference math
+            assert type(out.grad_fn).__name__.endswith("_autogradBackward")
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            reference = {"sdpa": lambda: F.scaled_dot_product_attention(*leaves, is_causal=True),
+                         "gemm": lambda: leaves[0] @ leaves[1]}  # fmt: skip
+            if op in reference:
+                weights = torch.randn(expected.shape, generator=g)
+                got = torch.autograd.grad((out * weights).sum(), wrapped)
+                want = torch.autograd.grad((reference[op]() * weights).sum(), leaves)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert bool(entered) == through_dispatcher  # (a JIT trace runs the call twice)
     if hook == "a JIT trace":
         out = out()
