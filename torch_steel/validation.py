@@ -171,8 +171,34 @@ def check_sdpa(q, k, v, attn_mask, enable_gqa, sinks, op="sdpa"):
     _check_sinks(op, sinks, hq, q)
 
 
+def _plain_varlen(q, k, v, sinks):
+    """The common packed attention, accepted in a few checks: query, key and value floating
+    tensors of one dtype and device, each of rank 3, key and value of one shape but for the
+    last dim, the query's heads a multiple of theirs, the key's head dim the query's; no sinks
+    (check_varlen's full checks name the problem of anything else)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (
+        sinks is None
+        and len(qs) == 3
+        and len(ks) == 3
+        and len(vs) == 3
+        and q.is_floating_point()
+        and q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and qs[2] == ks[2]
+        and ks[0] == vs[0]
+        and ks[1] == vs[1]
+        and ks[1] > 0
+        and qs[1] % ks[1] == 0
+    )
+
+
 def check_varlen(q, k, v, sinks, op="sdpa_varlen"):
     """Packed attention: [total_q, heads, E] query, [total_k, heads_kv, E|Ev] key|value."""
+    if _plain_varlen(q, k, v, sinks):
+        return
     _check_float_same(op, ("query", "key", "value"), (q, k, v))
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 3:
@@ -201,7 +227,7 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
         fail(
             op, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {counts}"
         )
-    if cu_q.device.type != "cpu":
+    if not cu_q.is_cpu:
         return
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_q, total_q, max_q),
@@ -211,11 +237,15 @@ def check_cu_seqlens(op, cu_q, cu_k, total_q, total_k, max_q, max_k, device):
         if values[0] != 0 or values[-1] != total:
             span = f"{values[0]}..{values[-1]}"
             fail(op, f"{name} must start at 0 and end at the token count {total}, got {span}")
-        lengths = [b - a for a, b in zip(values, values[1:])]
-        if any(n < 0 for n in lengths):
-            fail(op, f"{name} must be non-decreasing, got {values}")
-        if lengths and max(lengths) > longest:
-            fail(op, f"{name} has a sequence of length {max(lengths)} > max_seqlen {longest}")
+        start, most = 0, 0
+        for end in values:
+            if end < start:
+                fail(op, f"{name} must be non-decreasing, got {values}")
+            if end - start > most:
+                most = end - start
+            start = end
+        if len(values) > 1 and most > longest:
+            fail(op, f"{name} has a sequence of length {most} > max_seqlen {longest}")
 
 
 def check_paged(op, q, k, v, sinks, cu_q, block_table, seqused_k, max_q, max_k):
