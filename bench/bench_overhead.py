@@ -12,7 +12,8 @@ work itself is negligible, in one run:
               host's CheckedEncoder) with a recording backend in place of the Metal calls
               (tests/mps/host_record.cpp, the code of mps_src/mps/host.h that module.mm runs)
   torch       PyTorch's own op on the same inputs (F.scaled_dot_product_attention, a @ b, ...)
-  compiled    `overhead` inside a torch.compile'd function (fullgraph), and `compiled torch`
+  compiled    `overhead` inside a torch.compile'd function (fullgraph, compiled afresh with
+              inductor's caches off), and `compiled torch`
               PyTorch's op the same way, of one call and of ten (a second table gives steel's
               share per call of each): a compiled call has a cost of its own (guards, the
               graph's runtime wrappers), so steel's share under compile is the difference
