@@ -108,6 +108,80 @@ inline Options to_options(const pybind11::dict& options) {
   return result;
 }
 
+// The converted options of recent calls. A decode stream passes the same options per token, in
+// a dict that torch_steel.ops keeps (a GEMM, a new dict of the same objects), and converting it
+// anew builds a dozen map nodes (issue 16). An entry is found by the identity of the dict's
+// names and values, in order, and holds references to them, so that none of their addresses is
+// reused while it lives (names and values are immutable: the same objects mean the same
+// options). `finish` completes the options once per entry (the Metal host's device facts).
+// Needs the GIL, as to_options. Never destroyed: its references outlive the interpreter.
+class OptionsMemo {
+ public:
+  template <class Finish>
+  std::shared_ptr<const Options> get(const pybind11::dict& options, Finish finish) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t size = 2 * options.size();
+    for (const Entry& entry : entries_) {
+      if (entry.objects.size() == size && same(entry, options)) {
+        ++hits_;
+        return entry.parsed;
+      }
+    }
+    auto parsed = std::make_shared<Options>(to_options(options));
+    finish(parsed.get());
+    Entry entry;
+    entry.objects.reserve(size);
+    for (const auto& item : options) {
+      entry.objects.push_back(pybind11::reinterpret_borrow<pybind11::object>(item.first));
+      entry.objects.push_back(pybind11::reinterpret_borrow<pybind11::object>(item.second));
+    }
+    entry.parsed = std::move(parsed);
+    if (entries_.size() < kEntries) {
+      entries_.push_back(std::move(entry));
+      return entries_.back().parsed;
+    }
+    next_ = (next_ + 1) % kEntries;  // round robin: a miss per call evicts each entry in turn
+    entries_[next_] = std::move(entry);
+    return entries_[next_].parsed;
+  }
+
+  uint64_t hits() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return hits_;
+  }
+
+ private:
+  static constexpr size_t kEntries = 16;
+
+  struct Entry {
+    std::vector<pybind11::object> objects;  // name, value, name, value, ... in the dict's order
+    std::shared_ptr<const Options> parsed;
+  };
+
+  static bool same(const Entry& entry, const pybind11::dict& options) {
+    PyObject* name = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    size_t i = 0;
+    while (PyDict_Next(options.ptr(), &position, &name, &value)) {
+      if (entry.objects[i].ptr() != name || entry.objects[i + 1].ptr() != value) return false;
+      i += 2;
+    }
+    return true;
+  }
+
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+  size_t next_ = 0;
+  uint64_t hits_ = 0;
+};
+
+// The process's options memo (per extension module).
+inline OptionsMemo& options_memo() {
+  static OptionsMemo* instance = new OptionsMemo();  // leaked on purpose: see OptionsMemo
+  return *instance;
+}
+
 // The pipelines of each plan family (Plan::family) that planned within its pipelines' limits
 // at the first try, found once: a repeated call, or a decode stream's next token, gets them here
 // instead of validating the plan, building every pipeline's key and looking it up, and checking

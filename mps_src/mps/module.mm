@@ -157,10 +157,12 @@ std::vector<at::Tensor> run_plan(const std::string& op,
 std::vector<at::Tensor> run_op(const std::string& op,
                                const std::vector<std::optional<at::Tensor>>& tensors,
                                const py::dict& options) {
-  Options parsed = to_options(options);
+  // With the device's facts: which kernel family the plan may choose (plan/device.h). They are
+  // fixed once the library is loaded, which torch_steel.metal does before its first run_op, so
+  // that a memoized entry keeps them.
+  const std::shared_ptr<const Options> parsed = options_memo().get(options, describe_device);
   py::gil_scoped_release no_gil;
-  describe_device(&parsed);  // which kernel family the plan may choose (plan/device.h)
-  return run_plan(op, tensors, parsed);
+  return run_plan(op, tensors, *parsed);
 }
 
 }  // namespace

@@ -157,10 +157,11 @@ struct RecordingHost {
 std::vector<at::Tensor> run_op(const std::string& op,
                                const std::vector<std::optional<at::Tensor>>& tensors,
                                const py::dict& options) {
-  const steel::Options parsed = steel::mps::to_options(options);
+  const std::shared_ptr<const steel::Options> parsed =
+      steel::mps::options_memo().get(options, [](steel::Options*) {});
   py::gil_scoped_release no_gil;
   RecordingHost host;
-  return steel::mps::run_plan_on(host, op, tensors, parsed);
+  return steel::mps::run_plan_on(host, op, tensors, *parsed);
 }
 
 }  // namespace
@@ -181,6 +182,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::vector<std::string> keys;
     for (const std::string* key : s.used) keys.push_back(*key);
     return keys;
+  });
+  m.def("options_hits", [] { return steel::mps::options_memo().hits(); });
+  m.def("parsed_options", [](const py::dict& options) {
+    const std::shared_ptr<const steel::Options> parsed =
+        steel::mps::options_memo().get(options, [](steel::Options*) {});
+    return std::make_pair(parsed->numbers, parsed->strings);
   });
   m.def("prepared_hits", [] {
     return steel::mps::prepared_pipelines<RecordingHost>().hits();

@@ -176,3 +176,30 @@ def test_loaded_kernels_skip_the_availability_checks(recorder, monkeypatch):
         monkeypatch.setattr(metal, "_loaded", False)
         with pytest.raises(AssertionError, match="checked again"):
             torch_steel.gemm(a, b)
+
+
+def test_options_are_converted_once_per_set_of_objects(recorder):
+    """The host converts a call's options once per set of name and value objects (a decode
+    stream passes the same ones per token), and anew whenever one differs: a dict changed in
+    place, or equal values of other objects, each with the options it holds."""
+    options = {"alpha": 1.0, "beta": 0.0, "activation": "none"}
+    converted = ({"alpha": 1.0, "beta": 0.0}, {"activation": "none"})
+    assert recorder.parsed_options(options) == converted  # converted, or met in another test
+    hits = recorder.options_hits()
+    assert recorder.parsed_options(options) == converted
+    assert recorder.parsed_options(dict(options)) == converted  # a new dict, the same objects
+    assert recorder.options_hits() == hits + 2
+    options["alpha"] = 2.5  # changed in place
+    assert recorder.parsed_options(options) == ({"alpha": 2.5, "beta": 0.0}, converted[1])
+    assert recorder.options_hits() == hits + 2
+    scale = float(sum([0.5, 0.25]))  # equal to 0.75, another object each time
+    for i in range(40):  # more sets of objects than the memo keeps
+        other = {"alpha": float(sum([0.5, 0.25])), "beta": float(i), "activation": "relu"}
+        assert recorder.parsed_options(other) == (
+            {"alpha": scale, "beta": i},
+            {"activation": "relu"},
+        )
+    assert recorder.options_hits() == hits + 2
+    assert recorder.parsed_options(options) == ({"alpha": 2.5, "beta": 0.0}, converted[1])
+    with pytest.raises(RuntimeError, match="option 'beta' must be a bool, number or string"):
+        recorder.parsed_options({"alpha": 1.0, "beta": [0.0]})
