@@ -25,11 +25,14 @@ BACKENDS = ("auto", "metal", "sim", "reference")
 
 class _ThreadState(threading.local):
     """Per thread (torch.compile traces threading.local reads, and guards on them, but not
-    ContextVar). Defaults as class attributes: reading a missing attribute with getattr's
-    default raises and catches an AttributeError, about 0.5 us of every op call (issue 16)."""
+    ContextVar). Every thread's state starts with its attributes set: reading a missing one
+    with getattr's default raises and catches an AttributeError, about 0.5 us of every op call
+    (issue 16), and a class attribute in its place would hide a thread's own value from
+    torch.compile's guards."""
 
-    name = None  # the innermost `with backend(name):`
-    refusals_raise = False  # inside `with refusals_raise():`
+    def __init__(self):
+        self.name = None  # the innermost `with backend(name):`
+        self.refusals_raise = False  # inside `with refusals_raise():`
 
 
 _local = _ThreadState()

@@ -165,6 +165,7 @@ _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Funct
 
 
 _IMPL, _FUNCTION = 1, 2  # how _undispatched says to call an op, 0 being through the dispatcher
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
 def _undispatched(*tensors):
@@ -176,15 +177,22 @@ def _undispatched(*tensors):
     The dispatcher's pass costs about 10 us of a decode call's host time (its arguments and
     results converted between Python and C++ twice, issue 16). It does nothing else when the
     tensors are plain CPU or MPS tensors or Parameters (which dispatch as plain tensors; a
-    subclass, FakeTensor or FunctionalTensor takes the dispatcher) and nothing active hooks the
-    call: no functorch transform, dispatch or function mode, profiler (which records the op's
-    pass), autocast (which casts the inputs at the op: _register_autocast) or JIT trace.
+    subclass, FakeTensor or FunctionalTensor, a negated view or a ZeroTensor takes the
+    dispatcher) and nothing active hooks the call: no functorch transform, dispatch or function
+    mode, profiler (which records the op's pass), autocast (which casts the inputs at the op:
+    _register_autocast) or JIT trace. Below autograd (_AutoDispatchBelowAutograd) a call that
+    wants a gradient gets the implementation, as the dispatcher would give it.
     """
     grad = torch.is_grad_enabled()
     how = _IMPL
     for t in tensors:
         if t is not None:
-            if (type(t) is not Tensor and type(t) is not Parameter) or not (t.is_mps or t.is_cpu):
+            if (
+                (type(t) is not Tensor and type(t) is not Parameter)
+                or not (t.is_mps or t.is_cpu)
+                or t.is_neg()  # a view whose negation (or zeros) the dispatcher materializes
+                or t._is_zerotensor()
+            ):
                 return 0
             if grad and t.requires_grad:
                 how = _FUNCTION
@@ -197,6 +205,8 @@ def _undispatched(*tensors):
         or torch._C._get_tracing_state()
     ):
         return 0
+    if how == _FUNCTION and torch._C._dispatch_tls_is_dispatch_key_excluded(_AUTOGRAD):
+        return _IMPL  # below autograd (_AutoDispatchBelowAutograd): the dispatcher skips it
     return how
 
 

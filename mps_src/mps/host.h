@@ -113,18 +113,22 @@ inline Options to_options(const pybind11::dict& options) {
 // anew builds a dozen map nodes (issue 16). An entry is found by the identity of the dict's
 // names and values, in order, and holds references to them, so that none of their addresses is
 // reused while it lives (names and values are immutable: the same objects mean the same
-// options). `finish` completes the options once per entry (the Metal host's device facts).
-// Needs the GIL, as to_options. Never destroyed: its references outlive the interpreter.
+// options). `finish` completes the options once per entry (the Metal host's device facts: it
+// must not wait on anything that waits on the GIL). Needs the GIL, as to_options; its lock is
+// never held while Python code may run (a conversion, an evicted entry's references
+// released). Never destroyed: its references outlive the interpreter.
 class OptionsMemo {
  public:
   template <class Finish>
   std::shared_ptr<const Options> get(const pybind11::dict& options, Finish finish) {
-    std::lock_guard<std::mutex> lock(mutex_);
     const size_t size = 2 * options.size();
-    for (const Entry& entry : entries_) {
-      if (entry.objects.size() == size && same(entry, options)) {
-        ++hits_;
-        return entry.parsed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const Entry& entry : entries_) {
+        if (entry.objects.size() == size && same(entry, options)) {
+          ++hits_;
+          return entry.parsed;
+        }
       }
     }
     auto parsed = std::make_shared<Options>(to_options(options));
@@ -136,13 +140,17 @@ class OptionsMemo {
       entry.objects.push_back(pybind11::reinterpret_borrow<pybind11::object>(item.second));
     }
     entry.parsed = std::move(parsed);
-    if (entries_.size() < kEntries) {
-      entries_.push_back(std::move(entry));
-      return entries_.back().parsed;
+    const std::shared_ptr<const Options> result = entry.parsed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (entries_.size() < kEntries) {
+        entries_.push_back(std::move(entry));
+        return result;
+      }
+      next_ = (next_ + 1) % kEntries;  // round robin: a miss per call evicts each entry in turn
+      std::swap(entries_[next_], entry);
     }
-    next_ = (next_ + 1) % kEntries;  // round robin: a miss per call evicts each entry in turn
-    entries_[next_] = std::move(entry);
-    return entries_[next_].parsed;
+    return result;  // the evicted entry (now `entry`) releases its references unlocked
   }
 
   uint64_t hits() {

@@ -4,6 +4,7 @@
 #include <ATen/mps/MPSDevice.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 
@@ -17,6 +18,7 @@ struct State {
   std::mutex mutex;
   std::vector<id<MTLLibrary>> libraries;
   std::vector<id<MTLLibrary>> tensor_libraries;  // the MSL 4 tensor-op kernels, when loaded
+  std::atomic<bool> tensor_ops_loaded{false};     // !tensor_libraries.empty(), read unlocked
   bool tensor_ops_tried = false;
   std::map<std::string, id<MTLComputePipelineState>> pipelines;
 };
@@ -152,6 +154,7 @@ bool load_tensor_ops_metallib(const std::string& path) {
     id<MTLLibrary> library = library_at(path, &ns_error);
     if (library != nil) s.tensor_libraries.push_back(library);
   }
+  s.tensor_ops_loaded = !s.tensor_libraries.empty();
   return !s.tensor_libraries.empty();
 }
 
@@ -176,16 +179,14 @@ bool compile_tensor_ops_sources(const std::vector<std::string>& sources) {
     }
   }
   s.tensor_libraries = std::move(libraries);
+  s.tensor_ops_loaded = true;
   return true;
 }
 
+// Without the state's lock: run_op calls it with the GIL held (OptionsMemo), and pipeline()
+// holds the lock while it compiles.
 void describe_device(Options* options) {
-  bool loaded = false;
-  {
-    State& s = state();
-    std::lock_guard<std::mutex> lock(s.mutex);
-    loaded = !s.tensor_libraries.empty();
-  }
+  const bool loaded = state().tensor_ops_loaded;
   options->numbers.emplace(kDeviceAppleFamily, apple_family());
   options->numbers.emplace(kDeviceMetal4, supports_metal4() ? 1.0 : 0.0);
   options->numbers.emplace(kDeviceTensorOps, loaded ? 1.0 : 0.0);

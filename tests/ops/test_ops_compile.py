@@ -197,3 +197,20 @@ def test_inductor_graphs_keep_the_dispatcher_where_it_does_more():
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
     torch._dynamo.reset()
+
+
+def test_compiled_code_sees_the_backend_of_its_thread():
+    """torch.compile guards on the thread's backend state: code compiled outside any
+    `with torch_steel.backend(...)` block recompiles inside one (torch_steel.backends)."""
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def shifted(x):
+        return x + (1 if torch_steel.current_backend() == "reference" else 0)
+
+    x = torch.zeros(1)
+    assert shifted(x).item() == 0
+    with torch_steel.backend("reference"):
+        assert shifted(x).item() == 1
+    assert shifted(x).item() == 0
+    torch._dynamo.reset()

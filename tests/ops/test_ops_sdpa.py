@@ -294,6 +294,13 @@ _HOOKS = {
         True,
     ),
     "a tensor subclass": (lambda t: t.as_subclass(_Subclass), lambda call: call(), True),
+    # Reads as t, its memory holds -t: the dispatcher materializes it before the op runs.
+    "a negated view": (lambda t: torch._neg_view(t.neg()), lambda call: call(), True),
+    "below autograd, inputs requiring grad": (
+        lambda t: t.requires_grad_(),
+        _within(torch._C._AutoDispatchBelowAutograd),
+        False,
+    ),
     "a meta tensor": (lambda t: t.to("meta"), lambda call: call(), True),
     "a dispatch mode": (lambda t: t, _within(_SeenModes), True),
     "a function mode": (lambda t: t, _within(_FunctionMode), True),
@@ -371,6 +378,8 @@ def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op,
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert bool(entered) == through_dispatcher  # (a JIT trace runs the call twice)
+    if hook == "below autograd, inputs requiring grad":  # as the dispatcher would: no gradient
+        assert not out.requires_grad
     if hook == "a JIT trace":
         out = out()
     if hook == "a meta tensor":
