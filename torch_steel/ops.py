@@ -164,7 +164,10 @@ _IMPL_KEYSETS = frozenset(
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what torch.autograd.Function.apply ends in
 
 
-_IMPL, _FUNCTION = 1, 2  # how _undispatched says to call an op, 0 being through the dispatcher
+# How _undispatched says to call an op, 0 being through the dispatcher: each public function
+# keeps a tuple of the three calls in this order (its overload's entry, the implementation, the
+# op's Function) and indexes it with the answer.
+_IMPL, _FUNCTION = 1, 2
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
@@ -497,8 +500,8 @@ _define(
 # The overloads themselves: calling a packet (torch.ops.steel.sdpa_forward) resolves it per call.
 _SDPA_FORWARD = torch.ops.steel.sdpa_forward.default
 _SDPA_FORWARD_PRECHECKED = torch.ops.steel.sdpa_forward_prechecked.default
-_SDPA_FORWARD_ENTRY = _SDPA_FORWARD._op
-_SDPA_FORWARD_FUNCTION = _FUNCTIONS["sdpa_forward"]
+# Through the dispatcher by the overload's C++ entry point, without OpOverload.__call__'s frame.
+_SDPA_FORWARD_CALLS = (_SDPA_FORWARD._op, _sdpa_forward, _FUNCTIONS["sdpa_forward"])
 
 
 _ATTN_TAIL = Attn(0.0, False, 1.0)[3:]  # sdpa_forward's defaulted arguments, sinks on
@@ -512,11 +515,7 @@ def _call_sdpa_forward(*args):
     if torch.compiler.is_compiling():
         return _SDPA_FORWARD_PRECHECKED(*args, *_ATTN_TAIL[len(args) - 7 :])
     how = _undispatched(*args[:4], args[7] if len(args) > 7 else None)  # q, k, v, mask, sinks
-    if how == _IMPL:
-        return _sdpa_forward(*args)
-    if how == _FUNCTION:
-        return _SDPA_FORWARD_FUNCTION(*args)
-    return _SDPA_FORWARD_ENTRY(*args)
+    return _SDPA_FORWARD_CALLS[how](*args)
 
 
 def _broadcast_qkv(q, k, v, enable_gqa):
@@ -805,7 +804,12 @@ _define(
 
 
 _SDPA_VARLEN_FORWARD = torch.ops.steel.sdpa_varlen_forward.default
-_SDPA_VARLEN_FORWARD_FUNCTION = _FUNCTIONS["sdpa_varlen_forward"]
+# The implementation without the checks of query, key and value: sdpa_varlen made them.
+_SDPA_VARLEN_FORWARD_CALLS = (
+    _SDPA_VARLEN_FORWARD,
+    _sdpa_varlen_forward_run,
+    _FUNCTIONS["sdpa_varlen_forward"],
+)
 
 
 def _varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -907,13 +911,9 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                             max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap, window,
                             causal_align, seed, offset)  # fmt: skip
     inputs = (*inputs[:-1], splits)  # num_splits is the last option
+    # q, k, v, cu_seqlens, sinks: see gemm
     how = 0 if torch.compiler.is_compiling() else _undispatched(*inputs[:5], inputs[10])
-    if how == _IMPL:  # q, k, v, cu_seqlens, sinks: see gemm; _varlen_inputs checked q, k, v
-        out, lse = _sdpa_varlen_forward_run(*inputs)
-    elif how == _FUNCTION:
-        out, lse = _SDPA_VARLEN_FORWARD_FUNCTION(*inputs)
-    else:
-        out, lse = _SDPA_VARLEN_FORWARD(*inputs)
+    out, lse = _SDPA_VARLEN_FORWARD_CALLS[how](*inputs)
     return (out, lse) if return_lse else out
 
 
@@ -989,8 +989,7 @@ _define(
 )
 _GEMM = torch.ops.steel.gemm.default
 _GEMM_PRECHECKED = torch.ops.steel.gemm_prechecked.default
-_GEMM_ENTRY = _GEMM._op  # the overload's C++ entry point, as _SDPA_FORWARD_ENTRY
-_GEMM_FUNCTION = _FUNCTIONS["gemm"]
+_GEMM_CALLS = (_GEMM._op, _gemm, _FUNCTIONS["gemm"])  # as _SDPA_FORWARD_CALLS
 
 
 def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
@@ -1003,11 +1002,7 @@ def gemm(a, b, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="none"):
     if torch.compiler.is_compiling():  # see _define
         return _GEMM_PRECHECKED(a, b, bias, c, float(alpha), float(beta), activation)
     how = _undispatched(a, b, bias, c)  # what the dispatcher would call, if nothing else
-    if how == _IMPL:
-        return _gemm(a, b, bias, c, float(alpha), float(beta), activation)
-    if how == _FUNCTION:
-        return _GEMM_FUNCTION(a, b, bias, c, float(alpha), float(beta), activation)
-    return _GEMM_ENTRY(a, b, bias, c, float(alpha), float(beta), activation)
+    return _GEMM_CALLS[how](a, b, bias, c, float(alpha), float(beta), activation)
 
 
 def linear(x, weight, bias=None, activation="none"):
