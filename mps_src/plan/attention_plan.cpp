@@ -89,6 +89,7 @@ std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t
            ", Ev = " + std::to_string(Ev);
   }
   const double dropout_p = options.number("dropout_p", 0.0);
+  // Dropout is refused only at p >= 1 (every weight dropped); any p below runs in the kernels.
   if (dropout_p >= 1.0) {
     return name + ": dropout_p = 1 drops every weight (reference math serves it)";
   }

@@ -150,7 +150,10 @@ constexpr int64_t kDecodeDefaultCores = 10;
 constexpr int64_t kDecodeTgPerCore = 4;
 constexpr int64_t kDecodeMinSplitKeys = 256;
 
-// Whether the decode kernels serve `rows` query rows per (batch entry, head).
+// Whether the decode kernels serve `rows` query rows per (batch entry, head): at most
+// STEEL_ATTN_DECODE_MAX_L rows and no dropout. A call they do not serve is not refused: a
+// dense or varlen call with dropout and few rows runs the prefill kernel (only a paged cache,
+// which has no prefill path, refuses dropout; varlen_plan.cpp).
 bool decode_serves(const Common& c, int64_t rows, const Options& options);
 
 // What a decode launch adds to the forward's: the shape it is split over and the paged cache.

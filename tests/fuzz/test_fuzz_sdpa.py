@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from attn_helpers import OUT_ROUNDING, oracle, score_error
+from attn_helpers import OUT_ROUNDING, check, oracle, qkv, score_error
 from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import given
 from strategies import sdpa_calls, sdpa_refusals
@@ -172,3 +173,20 @@ def test_strategy_reaches_prefill_and_decode():
 
     draw()
     assert seen == {"prefill", "decode"}, seen
+
+
+@pytest.mark.parametrize("L,S,p", [(1, 1, 0.1), (8, 37, 0.5)])
+def test_dropout_at_decode_rows_runs_the_prefill_kernel(L, S, p):
+    """Issue 31's fuzz case "dropout" (dropout_p 0.1, q, k, v [1, 1, 1, 8]): the decode kernels
+    take no dropout, so a call of at most 8 rows with dropout is served by the prefill kernel,
+    not refused, and equals the float64 reference under the same Philox mask; without dropout
+    the same call decodes."""
+    q, k, v = qkv(1, 1, L, S, 8)
+
+    def families(options):
+        plan = sim.plan("sdpa", [q, k, v, None, None], {"scale": 0.125, **options})
+        return {family(d.kernel) for d in plan.dispatches}
+
+    assert families({"dropout_p": p}) == {"prefill"}
+    assert families({}) == {"decode"}
+    check(q, k, v, dropout_p=p, seed=7, scale=0.125)

@@ -15,7 +15,7 @@ from attn_helpers import OUT_ROUNDING, score_error
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from strategies import sdpa_calls
+from strategies import Layout, MaskSpec, SdpaCall, sdpa_calls
 
 import torch_steel
 from torch_steel import sim
@@ -27,9 +27,10 @@ pytestmark = requires_simulator
 SLACK = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 
 
-def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None):
-    """(out, grad_out, {name: gradient}) of <out, grad_out> + <lse, ramp>; with mask_grad (and
-    a float mask) the mask is differentiated too; `mask` replaces t's."""
+def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None, lse_grad=True):
+    """(out, grad_out, {name: gradient}, (lse, grad_lse)) of <out, grad_out> + <lse, ramp> (the
+    lse term only with lse_grad; grad_lse is then the ramp, else 0); with mask_grad (and a
+    float mask) the mask is differentiated too; `mask` replaces t's."""
     inputs = {n: t[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v")}
     sinks = t["sinks"]
     if sinks is not None:
@@ -48,13 +49,27 @@ def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None):
         g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
         finite = torch.isfinite(lse)
-        loss = (out * g.to(out.dtype)).sum() + (torch.where(finite, lse, 0) * w.to(lse.dtype)).sum()
+        loss = (out * g.to(out.dtype)).sum()
+        if lse_grad:
+            loss = loss + (torch.where(finite, lse, 0) * w.to(lse.dtype)).sum()
         grads = torch.autograd.grad(loss, list(inputs.values()))
     names = ["d" + n if n != "dmask" else n for n in inputs]
-    return out, g, dict(zip(names, grads, strict=True))
+    return out, g, dict(zip(names, grads, strict=True)), (lse, w if lse_grad else 0 * w)
 
 
-def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L, dmask_terms=None):
+def sink_terms(out, g, lse, w, sinks):
+    """The largest over heads of sum over rows of |exp(sink - lse) * delta|, delta = rowsum(dO *
+    O) - grad_lse: the magnitude of what the dsinks kernel adds up (float64, from the
+    reference's out and lse; rows that see nothing, lse = -inf, add nothing)."""
+    delta = (g * out.detach().double()).sum(-1) - w
+    p = torch.exp(sinks.detach().double()[:, None] - lse.detach().double())
+    terms = torch.where(torch.isfinite(lse), p * delta.abs(), 0.0)
+    return float(terms.transpose(-1, -2).flatten(0, -2).sum(0).max()) if terms.numel() else 0.0
+
+
+def assert_gradients_close(
+    got, want, q, k, out, g, scale, E, softcap, rows, L, dmask_terms=None, sinks_sum=0.0
+):
     """dq, dk, dv (dsinks, dmask) of the kernels within the bound of float64's: the dtype's
     rounding, SLACK and the score error relative to the largest element, and delta's error.
 
@@ -64,7 +79,15 @@ def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L, 
     the batch (`rows`; its weights are at most 1). dmask sums n dS terms per element (the
     broadcast pairs, rows, keys; dmask_terms = (n, max |dS|) from the unbroadcast call): n times
     one term's bound, and delta's error on each (the weights of a row's dS sum to at most 1,
-    over at most rows * heads rows)."""
+    over at most rows * heads rows).
+
+    dsinks is a sum of `rows` fp32 terms exp(sink - lse) * delta, and the terms can cancel: with
+    every key hidden, O = 0 and delta = -grad_lse, so dsinks is the sum of the lse gradient's
+    ramp over the rows, 0 in float64 and a few fp32 ulps of sum |terms| in the kernel (issue
+    31: -1.19e-6 over 127 rows whose |terms| sum to 64, exactly the fp32 sum in the kernel's
+    order). So it also gets the error of any fp32 sum of `rows` terms, (rows - 1) * 2^-24 of
+    sinks_sum (the sum of |terms|, sink_terms), plus each term's own error: a few roundings
+    and exp(sink - lse) through lse's error (the score error, 4 * err) relative to that term."""
     err = score_error(q, k, scale) + (8 * 2.0**-24 * softcap if softcap else 0)
     scale = abs(scale) if scale is not None else E**-0.5
     d_err = OUT_ROUNDING[q.dtype] * float(
@@ -72,7 +95,9 @@ def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L, 
     )
     q_max = float(q.double().abs().max()) if q.numel() else 0.0
     k_max = float(k.double().abs().max()) if k.numel() else 0.0
-    extra = {"dq": d_err * scale * k_max, "dk": d_err * scale * q_max * L, "dsinks": d_err * rows}
+    sum_err = ((rows + 3) * 2.0**-24 + 4 * err) * sinks_sum
+    extra = {"dq": d_err * scale * k_max, "dk": d_err * scale * q_max * L,
+             "dsinks": d_err * rows + sum_err}  # fmt: skip
     assert got.keys() == want.keys()
     for name in got:
         a, r = got[name], want[name]
@@ -94,19 +119,31 @@ def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L, 
         )
 
 
-def check_backward(call, dropout, mask_grad):
-    t, guards = call.build()
-    kwargs = call.kwargs()
-    q, k, v = t["q"], t["k"], t["v"]
-    qe, ke, ve = torch_steel.ops._broadcast_qkv(q, k, v, kwargs["enable_gqa"])
-    probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=q.dtype)
+def backward_serves(call, dropout):
+    """Whether the backward's plan serves the call (the forward's calls it refuses are skipped)."""
+    t, _ = call.build()
+    qe, ke, ve = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+    probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=call.dtype)
     lse = torch.empty(qe.shape[:-1])
     p = sim.plan("sdpa_backward", [probe, qe, ke, ve, probe, lse, t["attn_mask"], t["sinks"], lse],
                  {"scale": 0.1, "dropout_p": dropout})  # fmt: skip
-    assume(p.ok)
+    return p.ok
+
+
+def check_backward(call, dropout, mask_grad):
+    assume(backward_serves(call, dropout))
+    compare_backward(call, dropout, mask_grad)
+
+
+def compare_backward(call, dropout, mask_grad):
+    t, guards = call.build()
+    kwargs = call.kwargs()
+    q, k = t["q"], t["k"]
+    qe, ke, _ = torch_steel.ops._broadcast_qkv(q, k, t["v"], kwargs["enable_gqa"])
     with strict_sim():
-        _, _, got = gradients(t, kwargs, dropout, "sim", q.dtype, mask_grad)
-    out, g, want = gradients(t, kwargs, dropout, "reference", torch.float64, mask_grad)
+        _, _, got, _ = gradients(t, kwargs, dropout, "sim", q.dtype, mask_grad)
+    out, g, want, (lse, w) = gradients(t, kwargs, dropout, "reference", torch.float64, mask_grad)
+    sinks_sum = 0.0 if t["sinks"] is None else sink_terms(out, g, lse, w, t["sinks"])
     terms = None
     if "dmask" in want:  # each dmask element sums dS over what the mask broadcasts along
         mask = t["attn_mask"]
@@ -118,7 +155,7 @@ def check_backward(call, dropout, mask_grad):
             float(ds.abs().max()) if ds.numel() else 0.0,
         )
     assert_gradients_close(got, want, q, k, out, g, call.scale, call.E, call.softcap,
-                           math.prod(call.batch) * call.L, call.L, terms)  # fmt: skip
+                           math.prod(call.batch) * call.L, call.L, terms, sinks_sum)  # fmt: skip
     for guard in guards:
         guard.check()
 
@@ -137,3 +174,23 @@ def test_sdpa_backward_matches_float64(call, dropout, mask_grad):
 def test_fuzz_sdpa_backward(call, dropout, mask_grad):
     """-m fuzz: random calls' gradients agree with float64 autograd."""
     check_backward(call, dropout, mask_grad)
+
+
+def test_dsinks_of_rows_that_see_no_key():
+    """Issue 31's backward case: f16, L = 127, S = 1, E = 192, Ev = 128, a bool mask [1, 1]
+    hiding the key, f16 sinks. Every row's softmax is its sink alone, O = 0, so delta =
+    -grad_lse: with the lse term of the loss, dsinks is the fp32 sum of the ramp over 127 rows
+    (0 in float64, -1.19e-6 in the kernel), within check_backward's bound for a cancelling sum;
+    without it, delta = 0 and every gradient is exactly 0."""
+    c = [Layout.contiguous(3)] * 3
+    mask = MaskSpec(torch.bool, (1, 1), Layout.contiguous(2), "random", 0.0, "-inf")
+    call = SdpaCall(torch.float16, (), (), 1, 1, 127, 1, 192, 128, *c, mask, False, "top_left",
+                    None, (torch.float16, Layout.contiguous(1)), None, None, 0)  # fmt: skip
+    assert backward_serves(call, 0.0)
+    compare_backward(call, 0.0, False)
+    t, _ = call.build()
+    with strict_sim():
+        _, _, got, _ = gradients(t, call.kwargs(), 0.0, "sim", torch.float16, lse_grad=False)
+    assert set(got) == {"dq", "dk", "dv", "dsinks"}
+    for name, x in got.items():
+        assert bool((x == 0).all()), f"{name}: {x.abs().max()}"

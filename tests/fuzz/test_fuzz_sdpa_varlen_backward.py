@@ -16,7 +16,7 @@ import torch
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import assume, given
 from strategies import varlen_calls
-from test_fuzz_sdpa_backward import assert_gradients_close
+from test_fuzz_sdpa_backward import assert_gradients_close, sink_terms
 
 import torch_steel
 from torch_steel import sim
@@ -25,7 +25,7 @@ pytestmark = requires_simulator
 
 
 def gradients(call, t, backend, dtype):
-    """(out, grad_out, {name: gradient}) of <out, grad_out> + <lse, ramp>."""
+    """(out, grad_out, {name: gradient}, lse) of <out, grad_out> + <lse, ramp>."""
     inputs = {n: t[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v")}
     if t["sinks"] is not None:
         sinks_dtype = torch.float64 if dtype == torch.float64 else t["sinks"].dtype
@@ -38,10 +38,10 @@ def gradients(call, t, backend, dtype):
                                            return_lse=True, **call.kwargs())  # fmt: skip
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
         w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
-        lse = torch.where(torch.isfinite(lse), lse, 0)
-        loss = (out * g.to(out.dtype)).sum() + (lse * w.to(lse.dtype)).sum()
+        finite = torch.where(torch.isfinite(lse), lse, 0)
+        loss = (out * g.to(out.dtype)).sum() + (finite * w.to(lse.dtype)).sum()
         grads = torch.autograd.grad(loss, list(inputs.values()))
-    return out, g, {"d" + n: x for n, x in zip(inputs, grads, strict=True)}
+    return out, g, {"d" + n: x for n, x in zip(inputs, grads, strict=True)}, lse
 
 
 def check_varlen_backward(call):
@@ -56,13 +56,18 @@ def check_varlen_backward(call):
     p = sim.plan("sdpa_varlen_backward", tensors, options)
     assume(p.ok)
     with strict_sim():
-        _, _, got = gradients(call, t, "sim", call.dtype)
-    out, g, want = gradients(call, t, "reference", torch.float64)
+        _, _, got, _ = gradients(call, t, "sim", call.dtype)
+    out, g, want, lse = gradients(call, t, "reference", torch.float64)
+    sinks_sum = 0.0
+    if t["sinks"] is not None:  # sink_terms over [Hq, tokens] planes
+        w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
+        sinks_sum = sink_terms(out.transpose(0, 1), g.transpose(0, 1), lse, w, t["sinks"])
     # A packed batch is one plane of rows: every sequence's rows count for dsinks, the longest
     # sequence's for dk.
     q, k = t["q"].transpose(0, 1), t["k"].transpose(0, 1)  # [heads, tokens, dim]
     rows = sum(call.lq)
-    assert_gradients_close(got, want, q, k, out, g, call.scale, call.E, call.softcap, rows, max_q)
+    assert_gradients_close(got, want, q, k, out, g, call.scale, call.E, call.softcap, rows, max_q,
+                           sinks_sum=sinks_sum)  # fmt: skip
     for guard in guards:
         guard.check()
 
