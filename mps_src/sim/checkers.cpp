@@ -302,6 +302,7 @@ void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
     return;
   }
   (write ? b->counters.written : b->counters.read) += n;
+  if (g.cache_on) cache_access(a, n, write);
   if (g.checkers && !bytes) check_alignment(*b, a, n, write);
   if (b->race != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
@@ -575,6 +576,22 @@ void unbind_device(bool write_back) {
   g_arena = nullptr;
   g.dev.clear();
   g.dev_last = nullptr;
+}
+
+Counters take_counters() {
+  Counters c = g.counters;
+  for (DeviceBuffer& d : g.dev) {
+    if (d.disabled) continue;
+    BufferCounters& b = c.buffers[d.index];
+    b.read += d.counters.read;
+    b.written += d.counters.written;
+    d.counters = BufferCounters();
+  }
+  c.lanes = c.threadgroups * g.nlanes;
+  g.counters = Counters();
+  g.counters.kernel = c.kernel;
+  g.counters.cache = c.cache;
+  return c;
 }
 
 namespace {

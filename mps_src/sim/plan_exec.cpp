@@ -11,8 +11,10 @@ constexpr size_t kMaxInlineBytes = 4096;  // setBytes:length:atIndex: limit
 
 class SimEncoder {
  public:
-  SimEncoder(const Library* library, const std::vector<SlotArg>& slots, bool checkers)
-      : library_(library), slots_(slots), checkers_(checkers) {}
+  SimEncoder(const Library* library, const std::vector<SlotArg>& slots, bool checkers,
+             const std::vector<CacheSpec>& caches,
+             const std::vector<std::vector<std::vector<uint32_t>>>& groups)
+      : library_(library), slots_(slots), checkers_(checkers), caches_(caches), groups_(groups) {}
 
   void set_pipeline(const steel::Dispatch& d) {
     spec_ = LaunchSpec();
@@ -51,32 +53,48 @@ class SimEncoder {
       spec_.grid[d] = grid[d];
       spec_.threads[d] = threads[d];
     }
-    counters_.push_back(launch(spec_));
+    const size_t i = counters_.size();
+    if (i < caches_.size()) spec_.cache = caches_[i];
+    if (i < groups_.size()) spec_.groups = groups_[i];
+    counters_.push_back(launch_groups(spec_));
   }
 
-  std::vector<Counters> take_counters() { return std::move(counters_); }
+  std::vector<std::vector<Counters>> take_counters() { return std::move(counters_); }
 
  private:
   const Library* library_;
   const std::vector<SlotArg>& slots_;
   bool checkers_;
+  const std::vector<CacheSpec>& caches_;
+  const std::vector<std::vector<std::vector<uint32_t>>>& groups_;
   LaunchSpec spec_;
-  std::vector<Counters> counters_;
+  std::vector<std::vector<Counters>> counters_;
 };
 
 }  // namespace
 
-std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
-                               const std::vector<SlotArg>& slots, bool checkers) {
+std::vector<std::vector<Counters>> run_plan_groups(
+    const Library* library, const steel::Plan& plan, const std::vector<SlotArg>& slots,
+    bool checkers, const std::vector<CacheSpec>& caches,
+    const std::vector<std::vector<std::vector<uint32_t>>>& groups) {
   if (!plan.ok) throw SimError("cannot run a refused plan: " + plan.reason);
   size_t expected = static_cast<size_t>(plan.inputs) + plan.allocations.size();
   if (slots.size() != expected) {
     throw SimError("the plan has " + std::to_string(expected) + " slots, got " +
                    std::to_string(slots.size()) + " tensors");
   }
-  SimEncoder encoder(library, slots, checkers);
+  SimEncoder encoder(library, slots, checkers, caches, groups);
   steel::encode_plan(encoder, plan);
   return encoder.take_counters();
+}
+
+std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
+                               const std::vector<SlotArg>& slots, bool checkers) {
+  std::vector<Counters> out;
+  for (std::vector<Counters>& c : run_plan_groups(library, plan, slots, checkers, {}, {})) {
+    out.push_back(std::move(c[0]));
+  }
+  return out;
 }
 
 }  // namespace steel_sim

@@ -345,6 +345,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     push_ready(&lane);
   }
   start_threadgroup_memory();
+  if (g.cache_on) cache_start_threadgroup(g.tg_id - 1);
 }
 
 std::string describe_waits() {
@@ -988,6 +989,18 @@ KernelEntry find_kernel(const LaunchSpec& spec) {
 
 void validate(const LaunchSpec& spec) {
   const std::string k = "kernel '" + spec.kernel + "': ";
+  const uint64_t threadgroups = uint64_t{spec.grid[0]} * spec.grid[1] * spec.grid[2];
+  int64_t previous = -1;
+  for (const std::vector<uint32_t>& group : spec.groups) {
+    for (uint32_t id : group) {
+      if (id >= threadgroups || int64_t{id} <= previous) {
+        throw SimError(k + format("threadgroup %u of a sampled run: the ids must ascend across "
+                                  "the groups and lie below the grid's %llu threadgroups",
+                                  id, static_cast<unsigned long long>(threadgroups)));
+      }
+      previous = id;
+    }
+  }
   uint64_t lanes = uint64_t{spec.threads[0]} * spec.threads[1] * spec.threads[2];
   if (lanes == 0) throw SimError(k + "threads per threadgroup must be positive in every dimension");
   if (lanes > kMaxLanes) {
@@ -1006,14 +1019,31 @@ void validate(const LaunchSpec& spec) {
 }
 
 void run_grid_once(const LaunchSpec& spec) {
-  for (uint32_t z = 0; z < spec.grid[2]; ++z) {
-    for (uint32_t y = 0; y < spec.grid[1]; ++y) {
-      for (uint32_t x = 0; x < spec.grid[0]; ++x) {
-        if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
-        run_threadgroup(x, y, z);
-        ++g.counters.threadgroups;
+  cache_reset(spec);
+  g.group_counters.clear();
+  if (spec.groups.empty()) {
+    for (uint32_t z = 0; z < spec.grid[2]; ++z) {
+      for (uint32_t y = 0; y < spec.grid[1]; ++y) {
+        for (uint32_t x = 0; x < spec.grid[0]; ++x) {
+          if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
+          run_threadgroup(x, y, z);
+          ++g.counters.threadgroups;
+        }
       }
     }
+    cache_end_group();
+    g.group_counters.push_back(take_counters());
+    return;
+  }
+  for (const std::vector<uint32_t>& group : spec.groups) {
+    for (uint32_t id : group) {
+      if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
+      run_threadgroup(id % spec.grid[0], id / spec.grid[0] % spec.grid[1],
+                      id / spec.grid[0] / spec.grid[1]);
+      ++g.counters.threadgroups;
+    }
+    cache_end_group();
+    g.group_counters.push_back(take_counters());
   }
 }
 
@@ -1055,6 +1085,11 @@ void read_precision_mode() {
 }  // namespace
 
 Counters launch(const LaunchSpec& spec) {
+  if (!spec.groups.empty()) throw SimError("kernel '" + spec.kernel + "': groups need launch_groups");
+  return launch_groups(spec)[0];
+}
+
+std::vector<Counters> launch_groups(const LaunchSpec& spec) {
   std::lock_guard<std::mutex> lock(launch_mutex());
   validate(spec);
   g.entry = find_kernel(spec);
@@ -1126,8 +1161,7 @@ Counters launch(const LaunchSpec& spec) {
     throw;
   }
   unbind_device(true);
-  g.counters.lanes = g.counters.threadgroups * g.nlanes;
-  return g.counters;
+  return std::move(g.group_counters);
 }
 
 }  // namespace steel_sim

@@ -44,6 +44,18 @@ struct BufferArg {
   bool write_back = true;  // false for inline bytes (setBytes)
 };
 
+// The cache model of a launch (cache.cpp): device accesses replayed through an L2 and a
+// system-level cache (SLC), each a fully associative LRU of whole lines, with `resident`
+// threadgroups in flight at a time (a wave: linear threadgroup ids [w * resident, (w + 1) *
+// resident)), whose accesses are interleaved round-robin. Off unless `enabled`.
+struct CacheSpec {
+  bool enabled = false;
+  uint32_t line_bytes = 128;
+  uint64_t l2_bytes = 0;
+  uint64_t slc_bytes = 0;
+  uint32_t resident = 1;
+};
+
 struct LaunchSpec {
   const Library* library = nullptr;
   std::string kernel;
@@ -53,6 +65,13 @@ struct LaunchSpec {
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
   bool checkers = true;
+  CacheSpec cache;
+  // Empty: every threadgroup runs and launch_groups returns one Counters. Else only the
+  // threadgroups listed (linear ids x + grid[0] * (y + grid[1] * z), ascending across the
+  // groups) run, and each group gets its own Counters; the cache model's state carries over from
+  // one group to the next, each group's pending wave being replayed when it ends. The outputs of
+  // such a run are partial.
+  std::vector<std::vector<uint32_t>> groups;
 };
 
 struct BufferCounters {
@@ -81,11 +100,23 @@ struct Counters {
   uint64_t tensor_ops = 0;
   uint64_t tensor_multiply_adds = 0;
   std::map<uint32_t, BufferCounters> buffers;
+  // With the cache model on (CacheSpec::enabled): bytes read from and written to DRAM, and the
+  // line accesses that hit or missed each level (repeats of a line within a threadgroup's last
+  // kTraceWindow distinct lines merged, cache.cpp).
+  bool cache = false;
+  uint64_t dram_read = 0;
+  uint64_t dram_written = 0;
+  uint64_t l2_hits = 0;
+  uint64_t l2_misses = 0;
+  uint64_t slc_hits = 0;
+  uint64_t slc_misses = 0;
 };
 
 // Runs one dispatch to completion. Throws SimError on any fault; buffers are then not written
 // back. One launch at a time per process (a global lock serializes callers).
 Counters launch(const LaunchSpec& spec);
+// The same, with the counters of each of spec.groups (one Counters when it is empty).
+std::vector<Counters> launch_groups(const LaunchSpec& spec);
 
 // A plan slot's tensor as bound: element 0 and the bytes its view can reach.
 struct SlotArg {
@@ -97,5 +128,12 @@ struct SlotArg {
 // Executes every dispatch of `plan` in order through steel::encode_plan, like the Metal host.
 std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
                                const std::vector<SlotArg>& slots, bool checkers);
+// The same with a cache model and threadgroup groups per dispatch (index = the dispatch's
+// position in the plan; missing entries: off / every threadgroup): the counters of each group of
+// each dispatch.
+std::vector<std::vector<Counters>> run_plan_groups(
+    const Library* library, const steel::Plan& plan, const std::vector<SlotArg>& slots,
+    bool checkers, const std::vector<CacheSpec>& caches,
+    const std::vector<std::vector<std::vector<uint32_t>>>& groups);
 
 }  // namespace steel_sim

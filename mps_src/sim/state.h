@@ -241,6 +241,9 @@ struct Sim {
   std::string error;
 
   Counters counters;
+  // The counters of each finished group (sim.h: LaunchSpec::groups) of the running attempt.
+  std::vector<Counters> group_counters;
+  bool cache_on = false;  // the cache model records device accesses (cache.cpp)
 };
 
 STEEL_SIM_HIDDEN extern Sim g;
@@ -266,5 +269,14 @@ void unbind_device(bool write_back);         // copies them back (on success) an
 void reset_threadgroup_memory(const LaunchSpec& spec);  // [[threadgroup(i)]] layout
 void start_threadgroup_memory();             // poisons the allocated bytes for a new threadgroup
 void* allocate_threadgroup_array(uint32_t decl, size_t bytes, size_t align, const void* pc);
+// The running counters with the bound buffers' bytes, which it then zeroes (a group's counters).
+Counters take_counters();
+
+// cache.cpp (sim.h: CacheSpec): reset at each attempt of a dispatch (after bind_device), then
+// told of every threadgroup start and device access, and of the end of each group.
+void cache_reset(const LaunchSpec& spec);
+void cache_start_threadgroup(uint32_t linear_id);
+void cache_access(uintptr_t a, size_t n, bool write);
+void cache_end_group();
 
 }  // namespace steel_sim::detail

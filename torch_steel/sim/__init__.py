@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from torch_steel.errors import PlanRefused, SimulatorError
-from torch_steel.sim import build
+from torch_steel.sim import build, traffic
 
 # steel::DType codes (mps_src/plan/plan.h).
 _DTYPES = {
@@ -287,11 +287,23 @@ def run_op(
     *,
     counters: bool = False,
     checkers: bool | None = None,
+    cache: Mapping[str, Any] | None = None,
+    sample: int | Mapping[str, Any] | None = None,
 ):
     """Execute `op`'s launch plan on CPU tensors; returns the outputs (and per-dispatch counters).
 
+    cache: {"l2_bytes", "slc_bytes", "resident_threadgroups", "line_bytes" (default 128)}: replay
+    each dispatch's device accesses through the cache model; each counters dict then has
+    dram_read, dram_written (bytes) and l2_hits, l2_misses, slc_hits, slc_misses (lines).
+    resident_threadgroups is an int, a list (one per dispatch) or a callable taking the plan's
+    Dispatch. sample: K or {"waves": K, "warm": 1, "resident_threadgroups": N}: run a few waves
+    of each dispatch and extrapolate every counter (torch_steel/sim/traffic.py); the outputs are
+    then partial, so None is returned in their place. cache and sample need counters=True.
+
     Raises PlanRefused when the plan refuses, SimulatorError when a kernel faults.
     """
+    if (cache is not None or sample is not None) and not counters:
+        raise ValueError("cache= and sample= give counters: pass counters=True")
     p = plan(op, tensors, options)
     if not p.ok:
         raise PlanRefused(p.reason)
@@ -308,9 +320,29 @@ def run_op(
     lib = build.shader_library()
     ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers)
+    sampling = None if sample is None else traffic.Sampling(sample, cache)
+    wave_sizes = traffic.cache_resident(cache) if sampling is None else sampling.resident
+    caches, groups, weights, residents = [], [], [], []
+    for i, d in enumerate(p.dispatches):
+        resident = 1 if wave_sizes is None else traffic.resident_for(wave_sizes, i, d)
+        residents.append(resident)
+        caches.append(traffic.cache_arg(cache, resident))
+        g, w = ([], []) if sampling is None else sampling.plan(_threadgroups(d.grid), resident)
+        groups.append(g)
+        weights.append(w)
+    raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, groups)
     outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
-    return (outputs, _counters(raw)) if counters else outputs
+    if sampling is not None:
+        return None, [
+            traffic.combine(_counters(r), w, _threadgroups(d.grid), n)
+            for r, w, d, n in zip(raw, weights, p.dispatches, residents, strict=True)
+        ]
+    per_dispatch = _counters([r[0] for r in raw])
+    return (outputs, per_dispatch) if counters else outputs
+
+
+def _threadgroups(grid: Sequence[int]) -> int:
+    return grid[0] * grid[1] * grid[2]
 
 
 def run_kernel(
@@ -325,6 +357,8 @@ def run_kernel(
     counters: bool = False,
     checkers: bool | None = None,
     include_dirs: Sequence[str | os.PathLike] = (),
+    cache: Mapping[str, Any] | None = None,
+    sample: int | Mapping[str, Any] | None = None,
 ):
     """Launch kernel `name` (its host name) from a test library built from `sources` (.metal).
 
@@ -334,7 +368,11 @@ def run_kernel(
     buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
     constants: {function_constant index: value}; threadgroup_memory: {index: bytes}.
     Returns the dispatch's counters dict when counters=True, else None.
+    cache, sample: as for run_op (resident_threadgroups an int); a sampled run's buffers hold
+    partial results.
     """
+    if (cache is not None or sample is not None) and not counters:
+        raise ValueError("cache= and sample= give counters: pass counters=True")
     grid3 = _dim3(grid, "grid")
     threads3 = _dim3(threads, "threads")
     raw_buffers = []
@@ -364,11 +402,29 @@ def run_kernel(
     lib = build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs])
     ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
+    sampling = None if sample is None else traffic.Sampling(sample, cache)
+    wave_size = traffic.cache_resident(cache) if sampling is None else sampling.resident
+    resident = 1 if wave_size is None else traffic.resident_for(wave_size, 0, None)
+    groups, weights = [], []
+    if sampling is not None:
+        groups, weights = sampling.plan(_threadgroups(grid3), resident)
     raw = _call(
-        lib, ext.launch, name, raw_constants, raw_buffers, raw_tgmem, grid3, threads3, use_checkers
+        lib,
+        ext.launch,
+        name,
+        raw_constants,
+        raw_buffers,
+        raw_tgmem,
+        grid3,
+        threads3,
+        use_checkers,
+        traffic.cache_arg(cache, resident),
+        groups,
     )
     del keep
-    return _counters([raw])[0] if counters else None
+    if sampling is not None:
+        return traffic.combine(_counters(raw), weights, _threadgroups(grid3), resident)
+    return _counters(raw)[0] if counters else None
 
 
 def _dim3(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:

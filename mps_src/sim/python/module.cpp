@@ -139,16 +139,39 @@ py::dict counters_dict(const steel_sim::Counters& c) {
     buffers[py::int_(kv.first)] = b;
   }
   d["buffers"] = buffers;
+  if (c.cache) {
+    d["dram_read"] = c.dram_read;
+    d["dram_written"] = c.dram_written;
+    d["l2_hits"] = c.l2_hits;
+    d["l2_misses"] = c.l2_misses;
+    d["slc_hits"] = c.slc_hits;
+    d["slc_misses"] = c.slc_misses;
+  }
   return d;
+}
+
+// (line_bytes, l2_bytes, slc_bytes, resident threadgroups) or None (no cache model).
+using CacheArg = std::optional<std::tuple<uint32_t, uint64_t, uint64_t, uint32_t>>;
+using Groups = std::vector<std::vector<uint32_t>>;
+
+steel_sim::CacheSpec cache_spec(const CacheArg& a) {
+  steel_sim::CacheSpec c;
+  if (a) {
+    c.enabled = true;
+    std::tie(c.line_bytes, c.l2_bytes, c.slc_bytes, c.resident) = *a;
+  }
+  return c;
 }
 
 using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
 
-py::dict launch(const LibraryHandle& lib, const std::string& kernel,
+// One dispatch; the counters of each group of `groups` (one entry when it is empty).
+py::list launch(const LibraryHandle& lib, const std::string& kernel,
                 const std::vector<std::tuple<uint32_t, int, int64_t, double>>& constants,
                 const std::vector<std::tuple<uint32_t, uintptr_t, size_t, bool>>& buffers,
                 const std::vector<std::tuple<uint32_t, uint32_t>>& threadgroup_memory,
-                const Dim3& grid, const Dim3& threads, bool checkers) {
+                const Dim3& grid, const Dim3& threads, bool checkers, const CacheArg& cache,
+                const Groups& groups) {
   steel_sim::LaunchSpec spec;
   spec.library = lib.library;
   spec.kernel = kernel;
@@ -170,20 +193,27 @@ py::dict launch(const LibraryHandle& lib, const std::string& kernel,
   std::tie(spec.grid[0], spec.grid[1], spec.grid[2]) = grid;
   std::tie(spec.threads[0], spec.threads[1], spec.threads[2]) = threads;
   spec.checkers = checkers;
-  steel_sim::Counters counters;
+  spec.cache = cache_spec(cache);
+  spec.groups = groups;
+  std::vector<steel_sim::Counters> counters;
   try {
     py::gil_scoped_release release;
-    counters = steel_sim::launch(spec);
+    counters = steel_sim::launch_groups(spec);
   } catch (const steel_sim::Interrupted&) {
     PyErr_SetNone(PyExc_KeyboardInterrupt);
     throw py::error_already_set();
   }
-  return counters_dict(counters);
+  py::list out;
+  for (const auto& c : counters) out.append(counters_dict(c));
+  return out;
 }
 
+// Per dispatch of the plan, the counters of each group (caches and groups per dispatch, as
+// steel_sim::run_plan_groups takes them).
 py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
                   const std::vector<std::optional<std::tuple<uintptr_t, size_t>>>& slots,
-                  bool checkers) {
+                  bool checkers, const std::vector<CacheArg>& caches,
+                  const std::vector<Groups>& groups) {
   std::vector<steel_sim::SlotArg> args;
   for (const auto& s : slots) {
     steel_sim::SlotArg a;
@@ -194,16 +224,22 @@ py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
     }
     args.push_back(a);
   }
-  std::vector<steel_sim::Counters> counters;
+  std::vector<steel_sim::CacheSpec> specs;
+  for (const CacheArg& c : caches) specs.push_back(cache_spec(c));
+  std::vector<std::vector<steel_sim::Counters>> counters;
   try {
     py::gil_scoped_release release;
-    counters = steel_sim::run_plan(lib.library, *plan.plan, args, checkers);
+    counters = steel_sim::run_plan_groups(lib.library, *plan.plan, args, checkers, specs, groups);
   } catch (const steel_sim::Interrupted&) {
     PyErr_SetNone(PyExc_KeyboardInterrupt);
     throw py::error_already_set();
   }
   py::list out;
-  for (const auto& c : counters) out.append(counters_dict(c));
+  for (const auto& dispatch : counters) {
+    py::list groups_out;
+    for (const auto& c : dispatch) groups_out.append(counters_dict(c));
+    out.append(groups_out);
+  }
   return out;
 }
 
