@@ -588,6 +588,7 @@ Counters take_counters() {
     d.counters = BufferCounters();
   }
   c.lanes = c.threadgroups * g.nlanes;
+  c.threadgroup_memory_bytes = g.tg_used;  // arrays stay placed for the whole launch
   g.counters = Counters();
   g.counters.kernel = c.kernel;
   g.counters.cache = c.cache;

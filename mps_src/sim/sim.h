@@ -94,6 +94,9 @@ struct Counters {
   uint64_t barriers = 0;
   uint64_t threadgroup_read = 0;     // bytes of threadgroup memory loaded by all lanes
   uint64_t threadgroup_written = 0;  // bytes stored
+  // Threadgroup memory one threadgroup holds ([[threadgroup(i)]] lengths and arrays declared in
+  // the kernel, aligned as Metal counts them): what limits how many threadgroups share a core.
+  uint64_t threadgroup_memory_bytes = 0;
   uint64_t lane_switches = 0;
   // Metal 4 tensor operations (matmul2d::run, reductions), once per execution scope, and the
   // multiply-adds of the matmuls among them (m * n * K each).

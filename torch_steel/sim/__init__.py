@@ -5,6 +5,7 @@
     run_op(op, tensors, options)      execute that plan on CPU tensors, return the outputs
     run_kernel(name, sources=...)     launch one kernel of test-only .metal files directly
     device(description)               plan and run in a block as on a made-up GPU
+    predict(op, tensors, options, chip=)  the predicted time on an Apple GPU (timing.py)
 
 Kernel faults (out-of-bounds access, threadgroup-memory race, divergent barrier or simd op,
 resource limits) raise torch_steel.errors.SimulatorError naming the kernel; refused plans raise
@@ -434,3 +435,28 @@ def _dim3(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:
     if not 1 <= len(v) <= 3 or any(x < 0 for x in v):
         raise ValueError(f"{what}: expected 1 to 3 non-negative sizes, got {v}")
     return v + (1,) * (3 - len(v))
+
+
+def predict(
+    op: str,
+    tensors: Sequence[torch.Tensor | None],
+    options: Mapping[str, Any] | None = None,
+    *,
+    chip: str,
+    checkers: bool = False,
+) -> dict[str, Any]:
+    """Predicted time of `op` on `chip` (a name of timing.chips()): runs the op's plan in the
+    simulator with counters and applies the timing model (timing.py) to every dispatch.
+
+    Returns {"chip", "time_s" (the sum over dispatches), "bound" (that of the longest dispatch),
+    "dispatches": [timing.predict_dispatch's result per dispatch], "outputs"}. The checkers are
+    off by default: they change no counter and cost time."""
+    from torch_steel.sim import timing  # noqa: PLC0415 (keeps the package import light)
+
+    p = plan(op, tensors, options)
+    if not p.ok:
+        raise PlanRefused(p.reason)
+    outputs, raw = run_op(op, tensors, options, counters=True, checkers=checkers)
+    result = timing.predict_call(p.dispatches, raw, chip)
+    result["outputs"] = outputs
+    return result

@@ -127,6 +127,7 @@ py::dict counters_dict(const steel_sim::Counters& c) {
   d["ballots"] = c.ballots;
   d["threadgroup_read"] = c.threadgroup_read;
   d["threadgroup_written"] = c.threadgroup_written;
+  d["threadgroup_memory_bytes"] = c.threadgroup_memory_bytes;
   d["barriers"] = c.barriers;
   d["lane_switches"] = c.lane_switches;
   d["tensor_ops"] = c.tensor_ops;

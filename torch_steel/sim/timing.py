@@ -1,0 +1,431 @@
+"""The timing model (DESIGN.md section 7, layer 3): a dispatch's predicted time on an Apple GPU
+from the simulator's counters, at the occupancy the dispatch reaches, on one chip of chips.json.
+
+    chips()                                   the chips of the table
+    chip(name)                                one chip: every figure, and where each comes from
+    predict_dispatch(counters, geometry, chip, kernel_info=None)
+                                              one dispatch: its times, the bound that binds
+    steel_kernel_info(kernel)                 the register estimate of one of steel's kernels
+    torch_steel.sim.predict(op, tensors, options, chip=...)
+                                              a steel op call: run it, predict every dispatch
+
+The model (README, "Timing model", lists every assumption):
+  - compute: the instructions a dispatch issues, per class, at the chip's rates. The ALU
+    instructions, the simdgroup MMAs and (without a neural accelerator) the matmul2d work share
+    the FP pipeline and its issue slots; transcendentals and conversions also occupy the complex
+    pipeline, shuffles the shuffle network, matmul2d on M5 the neural accelerator. These pipes
+    overlap: compute is the busiest of them. Taken at the ALU efficiency of the occupancy the
+    dispatch reaches (the table's alu_occupancy_efficiency).
+  - threadgroup memory: bytes loaded and stored at the per-core threadgroup-memory bandwidth.
+  - cache: device bytes through each core's path to L2.
+  - DRAM: DRAM bytes (part 24B's cache model) at the chip's bandwidth; without them, the bytes of
+    the dispatch's tensors as the simulator counts them (every re-read counted: pessimistic).
+  - per-core times are quantized in waves: the threadgroups resident at once are cores x
+    threadgroups per core (threads, threadgroup memory, registers), and the last wave is short.
+  - the prediction is the largest of the four plus the dispatch overhead; `bound` names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+CHIPS_FILE = Path(__file__).with_name("chips.json")
+UNCONFIRMED = "unconfirmed"
+
+# Simdgroup width, and the multiply-adds of one 8x8x8 simdgroup MMA.
+_LANES = 32
+_MMA_FMAS = 512
+# Instruction classes of part 24A's `instructions` counter and the rate field each is costed at.
+_ALU_RATES = {
+    "fp32": ("alu_fp32_flop_per_core_cycle", 2),  # FLOP per lane op (an FMA is 2)
+    "half": ("alu_fp16_flop_per_core_cycle", 2),
+    "int": ("int_ops_per_core_cycle", 1),
+    "compare_select": ("compare_select_ops_per_core_cycle", 1),
+    "branch": ("branch_ops_per_core_cycle", 1),
+    "other": ("int_ops_per_core_cycle", 1),
+}
+_COMPLEX_RATES = {
+    "transcendental": "transcendental_ops_per_core_cycle",
+    "convert": "convert_ops_per_core_cycle",
+}
+_MMA_RATES = {
+    "half": "simdgroup_matrix_fma_half_per_core_cycle",
+    "bfloat": "simdgroup_matrix_fma_bfloat_per_core_cycle",
+    "float": "simdgroup_matrix_fma_float_per_core_cycle",
+}
+# A simd reduction (simd_sum, prefix sums) is costed as log2(32) = 5 shuffle steps.
+_REDUCTION_SHUFFLES = 5
+# 32-bit registers per lane that every kernel holds besides its fragments (indices, pointers,
+# loop bounds, a row's softmax statistics): an assumption, see steel_kernel_info.
+_BASE_REGISTERS = 24
+BOUNDS = ("compute", "threadgroup_memory", "cache", "dram")
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(CHIPS_FILE.read_text())
+
+
+def _resolved(name: str) -> dict[str, dict]:
+    table = _table()
+    record = table["chips"][name]
+    entries = dict(table["families"][record["family"]])
+    entries.update({k: e for k, e in record.items() if k != "family"})
+    return entries
+
+
+def chips() -> list[str]:
+    """The chips of the table, in its order."""
+    return list(_table()["chips"])
+
+
+def chip(name: str) -> dict[str, Any]:
+    """One chip: {"name", "family", every figure by field name, "provenance": {field: its
+    table entry (value, source, note / basis, alternatives)}, "sources": the table's sources}."""
+    table = _table()
+    if name not in table["chips"]:
+        raise KeyError(f"unknown chip {name!r}; the table has {', '.join(chips())}")
+    entries = _resolved(name)
+    record: dict[str, Any] = {"name": name, "family": table["chips"][name]["family"]}
+    record.update({k: e["value"] for k, e in entries.items()})
+    record["provenance"] = entries
+    record["sources"] = table["sources"]
+    return record
+
+
+def _efficiency(points: Sequence[Sequence[float]], simdgroups: float) -> float:
+    """Piecewise-linear ALU efficiency against resident simdgroups per core (flat past the last
+    point)."""
+    if simdgroups >= points[-1][0]:
+        return float(points[-1][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= simdgroups <= x1:
+            return y0 + (y1 - y0) * (simdgroups - x0) / (x1 - x0)
+    return float(points[0][1])
+
+
+# --- register estimates of steel's kernels ---------------------------------------------------
+
+_ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+_TG_BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
+
+
+def _attn_ld(d: int, elem: int) -> int:
+    return d + 16 // elem
+
+
+def _attn_bk(de: int, dv: int, elem: int) -> int:
+    """steel_attn_bk of shaders/steel/params.h: the key tile of the forward."""
+    shared = de > 128 or dv > 128
+    if not shared:
+        separate = 32 * (_attn_ld(de, elem) + _attn_ld(dv, elem)) * elem
+        return 32 if separate <= _TG_BUDGET else 16
+    for bk in (32, 16):
+        if bk * max(_attn_ld(de, elem), _attn_ld(dv, elem)) * elem <= _TG_BUDGET:
+            return bk
+    return 8
+
+
+def steel_kernel_info(kernel: str) -> dict[str, Any]:
+    """The register estimate of one of steel's kernels, from its host name.
+
+    Apple's compiler cannot be asked here, so the estimate counts the 8x8 fp32 fragments
+    (simdgroup_matrix<float, 8, 8>: 2 registers per lane) that the kernel keeps live across its
+    inner loop, read off its source, plus _BASE_REGISTERS scalars. Returns {"registers": per
+    thread or None when unknown, "register_basis": how, "mma_dtype": "float" (steel's fragments
+    are all simdgroup_matrix<float, 8, 8>, fragment.h, whatever the tensors' dtype)}. Unknown
+    kernels (PyTorch's) get registers None: registers then do not limit occupancy,
+    and the result says so."""
+    m = re.match(
+        r"steel_attention_(?:(decode|tensor|bwd_dkdv|bwd_dq)_)?(f16|bf16|f32)_e(\d+)_v(\d+)$",
+        kernel,
+    )
+    if m:
+        kind, dt, de, dv = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+        td, tv, tk = de // 8, dv // 8, _attn_bk(de, dv, _ELEM_BYTES[dt]) // 8
+        if kind == "bwd_dkdv":
+            frags, what = 2 * td + 2 * tv + 4 * tk, "K, V, dK, dV rows and 4 score-tile fragments"
+        elif kind == "bwd_dq":
+            frags, what = 2 * td + tv + 2 * tk, "Q, dO, dQ rows and 2 score-tile fragments"
+        elif kind == "tensor":
+            frags, what = 0, "matmul2d keeps its operands in cooperative tensors: not counted"
+        else:
+            frags, what = td + tv + tk + 1, "Q and O rows, the score tile and one operand"
+        basis = f"{frags} live 8x8 fp32 fragments ({what}) x 2 + {_BASE_REGISTERS} scalars"
+        return {
+            "registers": 2 * frags + _BASE_REGISTERS,
+            "register_basis": basis,
+            "mma_dtype": "float",
+        }
+    m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)
+    if m:
+        bm, bn, wm, wn = (int(m.group(i)) for i in (2, 3, 5, 6))
+        tm, tn = bm // (8 * wm), bn // (8 * wn)
+        frags = tm * tn + tm + tn
+        basis = (
+            f"{frags} live 8x8 fp32 fragments ({tm}x{tn} accumulators, {tm} A and {tn} B) "
+            f"x 2 + {_BASE_REGISTERS} scalars"
+        )
+        return {
+            "registers": 2 * frags + _BASE_REGISTERS,
+            "register_basis": basis,
+            "mma_dtype": "float",
+        }
+    m = re.match(r"steel_\w+?_(f16|bf16|f32)(?:_|$)", kernel)
+    if m:
+        return {
+            "registers": _BASE_REGISTERS,
+            "register_basis": f"no fragments held: {_BASE_REGISTERS} scalars",
+            "mma_dtype": "float",
+        }
+    return {
+        "registers": None,
+        "register_basis": "unknown kernel: registers not limiting",
+        "mma_dtype": None,
+    }
+
+
+_chip_record = chip
+
+
+# --- one dispatch ----------------------------------------------------------------------------
+
+
+def _geometry(geometry: Any) -> tuple[tuple[int, int, int], tuple[int, int, int], int, list]:
+    """(grid in threadgroups, threads per threadgroup, threadgroup-memory bytes set by the
+    dispatch, bindings or None) from a sim.Dispatch or a mapping with the same keys."""
+    get = (
+        geometry.get if isinstance(geometry, Mapping) else lambda k, d=None: getattr(geometry, k, d)
+    )
+    grid = tuple(int(x) for x in get("grid")) + (1, 1)
+    threads = tuple(int(x) for x in get("threads")) + (1, 1)
+    tgmem = get("threadgroup_memory", 0) or 0
+    if isinstance(tgmem, Mapping):
+        tgmem = sum(tgmem.values())
+    return grid[:3], threads[:3], int(tgmem), get("bindings", None)
+
+
+def _device_bytes(counters: Mapping, bindings) -> tuple[int, int]:
+    """(all device bytes, bytes of tensor bindings): with the bindings known, setBytes data
+    (params structs, read through the constant cache) are told apart from tensors."""
+    inline = set()
+    if bindings is not None:
+        inline = {
+            b.index if hasattr(b, "index") else b["index"]
+            for b in bindings
+            if (b.kind if hasattr(b, "kind") else b["kind"]) == "bytes"
+        }
+    total = tensors = 0
+    for index, b in counters.get("buffers", {}).items():
+        n = int(b["read"]) + int(b["written"])
+        total += n
+        if int(index) not in inline:
+            tensors += n
+    return total + int(counters.get("constant_read", 0)), tensors
+
+
+def predict_dispatch(
+    counters: Mapping[str, Any],
+    geometry: Any,
+    chip: str | Mapping[str, Any],
+    kernel_info: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Predicted time of one dispatch.
+
+    counters: the simulator's counters of the dispatch (sim.run_op / run_kernel, counters=True).
+    geometry: its sim.Dispatch (grid in threadgroups, threads, threadgroup_memory {index: bytes},
+        bindings) or a mapping with those keys.
+    chip: a name of chips() or a chip() record.
+    kernel_info: {"registers": 32-bit registers per thread, "register_basis": str, "mma_dtype":
+        "half" / "bfloat" / "float" (the MMA operands when mma_by_dtype is absent),
+        "threadgroup_memory": bytes a threadgroup declares}; default: the estimate for
+        steel's kernels (steel_kernel_info).
+
+    Returns {"time_s", "bound", "compute_s", "threadgroup_memory_s", "cache_s", "dram_s",
+    "overhead_s", "occupancy": {...}, "pipes": core-cycles per pipe, "dram_bytes",
+    "dram_source", "notes": [...]}.
+    """
+    c = chip if isinstance(chip, Mapping) else _chip_record(chip)
+    info = (
+        dict(kernel_info)
+        if kernel_info is not None
+        else steel_kernel_info(counters.get("kernel", ""))
+    )
+    grid, threads, dispatch_tgmem, bindings = _geometry(geometry)
+    notes: list[str] = []
+
+    cores = int(c["gpu_cores"])
+    clock = float(c["clock_ghz"]) * 1e9
+    threadgroups = int(counters.get("threadgroups") or math.prod(grid))
+    tg_threads = math.prod(threads)
+    tg_simdgroups = max(1, math.ceil(tg_threads / _LANES))
+
+    # Occupancy: threadgroups resident on one core at once.
+    tgmem = max(
+        dispatch_tgmem,
+        int(counters.get("threadgroup_memory_bytes", 0)),
+        int(info.get("threadgroup_memory", 0) or 0),
+    )
+    if "threadgroup_memory_bytes" not in counters and not info.get("threadgroup_memory"):
+        notes.append(
+            "threadgroup memory declared in the kernel unknown: only the dispatch's lengths count"
+        )
+    registers = info.get("registers")
+    limits = {"threads": int(c["max_threads_per_core"]) // (tg_simdgroups * _LANES)}
+    if tgmem:
+        limits["threadgroup_memory"] = int(c["threadgroup_memory_bytes_per_core"]) // tgmem
+    if registers:
+        limits["registers"] = int(c["register_file_bytes_per_core"]) // (
+            int(registers) * 4 * tg_simdgroups * _LANES
+        )
+    else:
+        notes.append("no register estimate: registers assumed not to limit occupancy")
+    limiter = min(limits, key=limits.get)
+    resident = max(1, limits[limiter])
+    if limits[limiter] < 1:
+        notes.append(
+            f"one threadgroup exceeds a core's {limiter}: the compiler would spill; costed as 1"
+        )
+    slots = cores * resident
+    full_waves, rest = divmod(threadgroups, slots)
+    waves = full_waves + (1 if rest else 0)
+    per_core_last = math.ceil(rest / cores) if rest else 0
+    points = c["alu_occupancy_efficiency"]
+
+    def eff(k: int) -> float:
+        return _efficiency(points, k * tg_simdgroups)
+
+    # Pipes, in core-cycles summed over the whole dispatch.
+    instructions = counters.get("instructions")
+    fp_pipe = complex_pipe = 0.0
+    if instructions is not None:
+        for cls, n in instructions.items():
+            if cls in _COMPLEX_RATES:
+                complex_pipe += n * _LANES / float(c[_COMPLEX_RATES[cls]])
+                fp_pipe += n / 4  # its issue slot: one instruction per scheduler-cycle, 4 per core
+            else:
+                field, per_op = _ALU_RATES.get(cls, _ALU_RATES["other"])
+                fp_pipe += n * _LANES * per_op / float(c[field])
+    else:
+        notes.append("no instruction-class counters (part 24A): ALU instructions not costed")
+    by_dtype = counters.get("mma_by_dtype")
+    if by_dtype is None and counters.get("mma"):
+        dt = info.get("mma_dtype") or "half"
+        by_dtype = {dt: counters["mma"]}
+        notes.append(f"MMAs costed as {dt} (no mma_by_dtype counter)")
+    mma_pipe = sum(n * _MMA_FMAS / float(c[_MMA_RATES[dt]]) for dt, n in (by_dtype or {}).items())
+    tensor_pipe = (
+        2.0 * counters.get("tensor_multiply_adds", 0) / float(c["matmul2d_flop_per_core_cycle"])
+    )
+    neural = c["family"] == "apple10"
+    if not neural:
+        fp_pipe += tensor_pipe  # matmul2d runs on the simdgroup-matrix units
+        tensor_pipe = 0.0
+    fp_pipe += mma_pipe
+    shuffle_pipe = (
+        (
+            counters.get("shuffles", 0)
+            + counters.get("ballots", 0)
+            + _REDUCTION_SHUFFLES * counters.get("reductions", 0)
+        )
+        * _LANES
+        * 4
+        / float(c["shuffle_bytes_per_core_cycle"])
+    )
+    pipes = {
+        "fp": fp_pipe,
+        "complex": complex_pipe,
+        "shuffle": shuffle_pipe,
+        "neural_accelerator": tensor_pipe,
+    }
+    compute_cycles = max(pipes.values())
+
+    def per_core_time(total: float, rate_per_cycle: float, use_eff: bool) -> float:
+        """Seconds for `total` units spread evenly over the threadgroups, each core running its
+        resident threadgroups wave after wave at `rate_per_cycle` units per core-cycle."""
+        if total == 0:
+            return 0.0
+        per_tg = total / threadgroups / rate_per_cycle / clock
+        t = full_waves * resident * per_tg / (eff(resident) if use_eff else 1.0)
+        if rest:
+            t += per_core_last * per_tg / (eff(per_core_last) if use_eff else 1.0)
+        return t
+
+    compute_s = per_core_time(compute_cycles, 1.0, True)
+    tg_bytes = counters.get("threadgroup_read", 0) + counters.get("threadgroup_written", 0)
+    tgmem_s = per_core_time(tg_bytes, float(c["threadgroup_memory_bytes_per_core_cycle"]), False)
+    device_bytes, tensor_bytes = _device_bytes(counters, bindings)
+    cache_s = per_core_time(device_bytes, float(c["l2_bytes_per_core_cycle"]), False)
+    if "dram_read" in counters or "dram_written" in counters:
+        dram_bytes = int(counters.get("dram_read", 0)) + int(counters.get("dram_written", 0))
+        dram_source = "cache model (part 24B)"
+    else:
+        dram_bytes = tensor_bytes if bindings is not None else device_bytes
+        dram_source = (
+            "device bytes of the tensors, no cache model"
+            if bindings is not None
+            else "device bytes, no cache model"
+        )
+        notes.append(f"DRAM bytes are {dram_source}: every re-read is counted")
+    dram_s = dram_bytes / float(c["dram_bytes_per_s"])
+    times = {"compute": compute_s, "threadgroup_memory": tgmem_s, "cache": cache_s, "dram": dram_s}
+    bound = max(BOUNDS, key=lambda k: times[k])
+    overhead = float(c["dispatch_overhead_s"])
+    return {
+        "kernel": counters.get("kernel"),
+        "chip": c["name"],
+        "time_s": times[bound] + overhead,
+        "bound": bound,
+        "compute_s": compute_s,
+        "threadgroup_memory_s": tgmem_s,
+        "cache_s": cache_s,
+        "dram_s": dram_s,
+        "overhead_s": overhead,
+        "occupancy": {
+            "threadgroups": threadgroups,
+            "threads_per_threadgroup": tg_threads,
+            "threadgroup_memory": tgmem,
+            "registers": registers,
+            "register_basis": info.get("register_basis"),
+            "limits": limits,
+            "limiter": limiter,
+            "threadgroups_per_core": resident,
+            "simdgroups_per_core": resident * tg_simdgroups,
+            "alu_efficiency": eff(resident),
+            "last_wave_threadgroups_per_core": per_core_last or resident,
+            "slots": slots,
+            "waves": waves,
+        },
+        "pipes": pipes,
+        "dram_bytes": dram_bytes,
+        "dram_source": dram_source,
+        "device_bytes": device_bytes,
+        "notes": notes,
+    }
+
+
+def predict_call(
+    dispatches: Sequence[Any],
+    counters: Sequence[Mapping],
+    chip: str | Mapping,
+    kernel_infos: Sequence[Mapping | None] | None = None,
+) -> dict[str, Any]:
+    """The sum over one call's dispatches (geometry and counters in dispatch order). The call's
+    bound is the bound of the dispatch that takes longest."""
+    if len(dispatches) != len(counters):
+        raise ValueError(f"{len(dispatches)} dispatches but {len(counters)} counter records")
+    infos = kernel_infos or [None] * len(dispatches)
+    parts = [predict_dispatch(k, d, chip, i) for d, k, i in zip(dispatches, counters, infos)]
+    longest = max(parts, key=lambda p: p["time_s"]) if parts else None
+    return {
+        "chip": chip if isinstance(chip, str) else chip["name"],
+        "time_s": sum(p["time_s"] for p in parts),
+        "bound": longest["bound"] if longest else None,
+        "dispatches": parts,
+    }
