@@ -3,13 +3,19 @@ run, and `-m fuzz`), running an op on the simulator in strict mode, and the refu
 
 from __future__ import annotations
 
+import functools
+import heapq
+import inspect
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 from gemm_helpers import requires_planner, requires_simulator  # noqa: F401 (tests/fuzz/conftest.py: the path)
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import UnsatisfiedAssumption
 
 import torch_steel
 from torch_steel import sim
@@ -26,14 +32,63 @@ def fixed(examples):
                     suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
 
 
-def fuzz():
+def fuzz(kernels=None):
     """`-m fuzz`: TORCH_STEEL_FUZZ_EXAMPLES (default 2000) random calls per test, failures kept in
     the example database (.hypothesis/ at the repository root, or TORCH_STEEL_FUZZ_DB) and
-    replayed first on the next run."""
+    replayed first on the next run.
+
+    With TORCH_STEEL_FUZZ_LOG set (bench/fuzz_campaign.py sets it), every example the test body
+    runs appends a line to that file: the test, the kernels it exercised (`kernels(*args)`, a
+    list of names; default the test's name), its seconds, its outcome (ok, fail, or rejected by
+    assume) and, when it is a failure or among the test's 5 slowest so far, its arguments'
+    repr (the whole recipe). So the campaign's counts are what ran, not what was asked for."""
     db = os.environ.get("TORCH_STEEL_FUZZ_DB", str(ROOT / ".hypothesis" / "examples"))
-    return settings(max_examples=int(os.environ.get("TORCH_STEEL_FUZZ_EXAMPLES", "2000")),
-                    database=DirectoryBasedExampleDatabase(db), deadline=None,
-                    suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
+    chosen = settings(max_examples=int(os.environ.get("TORCH_STEEL_FUZZ_EXAMPLES", "2000")),
+                      database=DirectoryBasedExampleDatabase(db), deadline=None,
+                      suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
+
+    def apply(test):
+        test = chosen(test)
+        log = os.environ.get("TORCH_STEEL_FUZZ_LOG")
+        if log:  # hypothesis runs test.hypothesis.inner_test per example (a documented hook)
+            test.hypothesis.inner_test = _logged(test.hypothesis.inner_test, log, kernels)
+        return test
+
+    return apply
+
+
+def _logged(body, log, kernels):
+    name = f"{Path(inspect.getsourcefile(body)).name}::{body.__name__}"
+    signature = inspect.signature(body)
+    slowest = []  # the 5 longest seconds so far
+
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        drawn = signature.bind(*args, **kwargs).arguments
+        start = time.perf_counter()
+        outcome = "fail"
+        try:
+            body(*args, **kwargs)
+            outcome = "ok"
+        except UnsatisfiedAssumption:
+            outcome = "rejected"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            line = {"test": name, "outcome": outcome, "seconds": round(seconds, 4)}
+            if outcome != "rejected":
+                line["kernels"] = list(kernels(**drawn)) if kernels else [body.__name__]
+            slow = outcome == "ok" and (len(slowest) < 5 or seconds > slowest[0])
+            if outcome == "fail" or slow:
+                line["call"] = ", ".join(f"{k}={v!r}" for k, v in drawn.items())
+                if slow:
+                    heapq.heappush(slowest, seconds)
+                    if len(slowest) > 5:
+                        heapq.heappop(slowest)
+            with open(log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    return run
 
 
 fuzz_mark = pytest.mark.fuzz

@@ -63,7 +63,7 @@ def test_gemm_refusals_have_a_reason(case):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda call: ["gemm"])
 @given(gemm_calls())
 def test_fuzz_gemm(call):
     """-m fuzz: random calls agree with float64 math and leave their guard buffers untouched."""
@@ -71,7 +71,7 @@ def test_fuzz_gemm(call):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda case: ["refusals"])
 @given(gemm_refusals())
 def test_fuzz_gemm_refusals(case):
     """-m fuzz: random calls outside the envelope are refused with a reason."""

@@ -55,7 +55,7 @@ def test_gemm_tensor_matches_float64(call):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda call: ["matmul2d gemm"])
 @given(gemm_calls(dtypes=HALF))
 def test_fuzz_gemm_tensor(call):
     """-m fuzz: random calls on the matmul2d kernels agree with float64 math."""

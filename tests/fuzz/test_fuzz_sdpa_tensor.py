@@ -72,7 +72,7 @@ def test_sdpa_tensor_matches_float64(call):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda call: ["matmul2d attention"])
 @given(tensor_calls())
 def test_fuzz_sdpa_tensor(call):
     """-m fuzz: random calls on the matmul2d kernel agree with float64 math."""

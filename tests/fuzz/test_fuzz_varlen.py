@@ -105,7 +105,7 @@ def test_varlen_refusals_have_a_reason(case):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda call: ["varlen"] + ["dropout"] * (call.dropout_p > 0))
 @given(varlen_calls())
 def test_fuzz_varlen(call):
     """-m fuzz: random calls agree with float64 math and leave their guard buffers untouched."""
@@ -113,7 +113,7 @@ def test_fuzz_varlen(call):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda call: ["paged"])
 @given(paged_calls())
 def test_fuzz_paged(call):
     """-m fuzz: random calls on a paged KV cache agree with float64 math on the gathered cache
@@ -122,7 +122,7 @@ def test_fuzz_paged(call):
 
 
 @fuzz_mark
-@fuzz()
+@fuzz(lambda case: ["refusals"])
 @given(varlen_refusals())
 def test_fuzz_varlen_refusals(case):
     """-m fuzz: random calls outside the envelope are refused with a reason."""
