@@ -227,6 +227,25 @@ bool tensor_serves(const Common& c, const AttnParams& p, const Options& options)
   return true;
 }
 
+bool tensor_backward(const Plan& fwd, int64_t g_rs, int64_t Ev) {
+  if (!fwd.ok || fwd.dispatches.empty() ||
+      fwd.dispatches[0].kernel.rfind("steel_attention_tensor_", 0) != 0) {
+    return false;
+  }
+  return g_rs >= 0 && g_rs * STEEL_ATTN_TENSOR_BQ + Ev <= kInt32Max;
+}
+
+std::vector<FunctionConstant> tensor_backward_constants(const Plan& fwd,
+                                                        std::vector<FunctionConstant> constants) {
+  for (FunctionConstant& c : constants) {
+    if (c.index != STEEL_ATTN_FC_ALIGN_L && c.index != STEEL_ATTN_FC_ALIGN_S) continue;
+    for (const FunctionConstant& f : fwd.dispatches[0].constants) {
+      if (f.index == c.index) c = f;
+    }
+  }
+  return constants;
+}
+
 Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l) {
   Dispatch out;
   out.kernel = std::string(c.tensor_ops ? "steel_attention_tensor_" : "steel_attention_") +
@@ -720,6 +739,9 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   prefill.numbers["tensor_ops"] = 0.0;
   const Plan fwd = plan_attention(forward_tensors, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
+  Options on_tensor = options;  // the same call's forward as it runs (attn::tensor_backward)
+  on_tensor.numbers["decode"] = 0.0;
+  const Plan tensor_fwd = plan_attention(forward_tensors, on_tensor);
   const bool mask_grad = options.number("mask_grad", 0.0) != 0.0;
   if (mask_grad && (!tensors[6] || tensors[6]->dtype == DType::Bool)) {
     return Plan::refuse("sdpa_backward: mask_grad needs a float attn_mask");
@@ -894,6 +916,16 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   pre.threads[0] = 32 * STEEL_ATTN_DELTA_ROWS;
   plan.dispatches.push_back(pre);
 
+  // dK/dV and dQ on matmul2d where the forward runs there (attn::tensor_backward): BQ = 64
+  // keys (dK/dV) or query rows (dQ) per threadgroup of STEEL_ATTN_TENSOR_SIMDGROUPS.
+  const bool tensor = attn::tensor_backward(tensor_fwd, bp.g_rs, Ev);
+  const std::string family = tensor ? "steel_attention_bwd_tensor_" : "steel_attention_bwd_";
+  const std::vector<FunctionConstant> kernel_constants =
+      tensor ? attn::tensor_backward_constants(tensor_fwd, constants) : constants;
+  const int64_t kv_block = tensor ? STEEL_ATTN_TENSOR_BQ : 8 * STEEL_ATTN_SIMDGROUPS;
+  const int64_t q_block = tensor ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
+  const uint32_t kernel_threads = static_cast<uint32_t>(
+      tensor ? 32 * STEEL_ATTN_TENSOR_SIMDGROUPS : attn::kThreads);
   const std::vector<Binding> inputs = {
       tensor_binding(STEEL_ATTN_BUF_Q, slots.q), tensor_binding(STEEL_ATTN_BUF_K, slots.k),
       tensor_binding(STEEL_ATTN_BUF_V, slots.v), mask,
@@ -902,29 +934,29 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
       tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta)};
   if (S > 0) {
     Dispatch kv;
-    kv.kernel = "steel_attention_bwd_dkdv_" + tag;
-    kv.constants = constants;
+    kv.kernel = family + "dkdv_" + tag;
+    kv.constants = kernel_constants;
     kv.bindings = inputs;
     kv.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DK, kSlotDk));
     kv.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DV, kSlotDv));
     kv.bindings.push_back(params);
-    kv.grid[0] = static_cast<uint32_t>(ceil_div(S, 8 * STEEL_ATTN_SIMDGROUPS));
+    kv.grid[0] = static_cast<uint32_t>(ceil_div(S, kv_block));
     kv.grid[1] = static_cast<uint32_t>(Hkv);
     kv.grid[2] = static_cast<uint32_t>(batch_count);
-    kv.threads[0] = static_cast<uint32_t>(attn::kThreads);
+    kv.threads[0] = kernel_threads;
     plan.dispatches.push_back(kv);
   }  // without keys dk and dv are empty, and the dQ kernel visits no tile: dq = 0
 
   Dispatch dq;
-  dq.kernel = "steel_attention_bwd_dq_" + tag;
-  dq.constants = constants;
+  dq.kernel = family + "dq_" + tag;
+  dq.constants = kernel_constants;
   dq.bindings = inputs;
   dq.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DQ, kSlotDq));
   dq.bindings.push_back(params);
-  dq.grid[0] = static_cast<uint32_t>(ceil_div(L, STEEL_ATTN_BQ));
+  dq.grid[0] = static_cast<uint32_t>(ceil_div(L, q_block));
   dq.grid[1] = static_cast<uint32_t>(Hq);
   dq.grid[2] = static_cast<uint32_t>(batch_count);
-  dq.threads[0] = static_cast<uint32_t>(attn::kThreads);
+  dq.threads[0] = kernel_threads;
   plan.dispatches.push_back(dq);
 
   if (has_sinks) {

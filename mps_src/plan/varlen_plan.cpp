@@ -307,6 +307,10 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   const Plan fwd = plan_attention_varlen(
       {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, prefill);
   if (!fwd.ok) return Plan::refuse(fwd.reason);
+  Options on_tensor = options;  // the same call's forward as it runs (attn::tensor_backward)
+  on_tensor.numbers["decode"] = 0.0;
+  const Plan tensor_fwd = plan_attention_varlen(
+      {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, on_tensor);
   Plan plan;
   for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);
   TensorDesc q = *tensors[1];
@@ -410,18 +414,28 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
       tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),
       tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
       tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta)};
-  const int64_t threads = 32 * STEEL_ATTN_SIMDGROUPS;
+  // dK/dV and dQ on matmul2d where the forward runs there, as in the dense plan.
+  const bool tensor = attn::tensor_backward(tensor_fwd, bp.g_rs, tensors[3]->sizes[2]);
+  const std::string family = tensor ? "steel_attention_bwd_tensor_" : "steel_attention_bwd_";
+  const int64_t threads = 32 * (tensor ? STEEL_ATTN_TENSOR_SIMDGROUPS : STEEL_ATTN_SIMDGROUPS);
+  const int64_t kv_block = tensor ? STEEL_ATTN_TENSOR_BQ : 8 * STEEL_ATTN_SIMDGROUPS;
+  const int64_t q_block = tensor ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
+  const size_t simdgroup_dispatches = plan.dispatches.size();
   if (max_k > 0) {
     std::vector<Binding> b = inputs;
     b.insert(b.end(), {tensor_binding(STEEL_ATTN_BUF_DK, kSlotDk),
                        tensor_binding(STEEL_ATTN_BUF_DV, kSlotDv), cu_q, cu_k, params});
-    add("steel_attention_bwd_dkdv_" + tag, b, ceil_div(max_k, 8 * STEEL_ATTN_SIMDGROUPS), Hkv,
-        sequences, threads);
+    add(family + "dkdv_" + tag, b, ceil_div(max_k, kv_block), Hkv, sequences, threads);
   }  // without keys dk and dv are empty, and the dQ kernel visits no tile: dq = 0
   std::vector<Binding> b = inputs;
   b.insert(b.end(), {tensor_binding(STEEL_ATTN_BUF_DQ, kSlotDq), cu_q, cu_k, params});
-  add("steel_attention_bwd_dq_" + tag, b, ceil_div(max_q, STEEL_ATTN_BQ), Hq, sequences,
-      threads);
+  add(family + "dq_" + tag, b, ceil_div(max_q, q_block), Hq, sequences, threads);
+  if (tensor) {
+    for (size_t i = simdgroup_dispatches; i < plan.dispatches.size(); ++i) {
+      plan.dispatches[i].constants =
+          attn::tensor_backward_constants(tensor_fwd, plan.dispatches[i].constants);
+    }
+  }
   if (has_sinks) {
     add("steel_attention_bwd_dsinks_" + tname,
         {tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
