@@ -1022,8 +1022,24 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="default", choices=sorted(DEVICES),
                         help="the device the forward and varlen tables plan for")  # fmt: skip
+    parser.add_argument("--predict", metavar="CHIP",
+                        help="predicted times of steel and PyTorch on CHIP of the timing model's "
+                        "table (or 'all'), from simulator counters")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="--predict on a few tiny shapes")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out",
+                        help="where --predict saves its plots")  # fmt: skip
+    parser.add_argument("--sim-budget", type=float, default=1e9,
+                        help="--predict: simulate whole a shape whose reduced run has at most "
+                        "this many multiply-adds; sample or skip the others")  # fmt: skip
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.predict:
+        import attention_predict  # noqa: PLC0415
+        import side_by_side  # noqa: PLC0415
+
+        chips = side_by_side.chip_names(args.predict)
+        attention_predict.run(chips, dtype, args.quick, args.out, args.sim_budget)
+        return 0
     device = DEVICES[args.device]
     failures = traffic_table(dtype, args.sim_limit, device)
     failures += varlen_table(dtype, args.sim_limit, device)

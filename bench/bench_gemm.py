@@ -193,8 +193,32 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="default", choices=sorted(DEVICES))
+    parser.add_argument(
+        "--predict",
+        metavar="CHIP",
+        help="predicted times of steel and MPS matmul on CHIP of the timing model's table "
+        "(or 'all'), from simulator counters",
+    )
+    parser.add_argument("--quick", action="store_true", help="--predict on a tiny shape")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "out", help="--predict's plots"
+    )
+    parser.add_argument(
+        "--sim-budget",
+        type=float,
+        default=1e9,
+        help="--predict: simulate whole a shape of at most this many multiply-adds, sample the "
+        "others",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.predict:
+        import gemm_predict  # noqa: PLC0415
+        import side_by_side  # noqa: PLC0415
+
+        chips = side_by_side.chip_names(args.predict)
+        gemm_predict.run(chips, dtype, args.quick, args.out, args.sim_budget)
+        return 0
     es = torch.finfo(dtype).bits // 8
     run_sim = sim.available()
     on_mps = torch.backends.mps.is_available()

@@ -245,11 +245,12 @@ def launches(q, k, v, *, scale=None, causal=False, mask=None) -> tuple[torch.Ten
     return out, vector_2pass_launches(q, k, v, out, scale, causal, mask)
 
 
-def run(launch: dict, *, counters: bool = False, checkers: bool | None = None):
+def run(launch: dict, *, counters: bool = False, checkers: bool | None = None, **options):
     """sim.run_kernel on one launch (the static threadgroup memory is the kernel's own, not a
-    binding: it is left out of the call)."""
+    binding: it is left out of the call); `options`: run_kernel's other keywords (cache=,
+    sample=)."""
     kw = {key: val for key, val in launch.items() if key != "threadgroup_memory_bytes"}
-    return sim.run_kernel(**kw, counters=counters, checkers=checkers)
+    return sim.run_kernel(**kw, counters=counters, checkers=checkers, **options)
 
 
 def records(q, k, v, *, scale=None, causal=False, mask=None, checkers=False) -> tuple:

@@ -1,0 +1,280 @@
+"""bench_attention.py --predict: steel's attention against PyTorch's on one chip of the timing
+model's table, predicted from simulator counters (issue 24, deliverable 5; side_by_side.py says
+how each side is obtained).
+
+Tables:
+- prefill forward (L 512..16k, d64/128, causal or not, MHA and GQA 32/8): steel's forward against
+  PyTorch's prefill kernel (PrefillAttention.h);
+- decode (1 and 4 tokens, S 1k..32k, GQA 32/8 and MHA 32/32): steel's decode kernels against
+  PyTorch's one-pass or two-pass vector kernels (DecodeAttention.h), as its host picks them;
+- training step (forward + backward): steel's forward and backward kernels against F.sdpa with
+  grad on MPS, which runs the composite math (PyTorch's _scaled_dot_product_attention_math:
+  q and k scaled by sqrt(scale), K/V repeated for GQA, the causal mask built as an L x S float
+  tensor, Q K^T, + mask, _safe_softmax, dropout, P V; autograd's backward of each), modelled op
+  by op at the roofline;
+- varlen: one packed batch through steel's sdpa_varlen against PyTorch's kernels called once per
+  sequence (PyTorch has no varlen attention on MPS);
+FLOPs count the visible (row, key) pairs: 4 D per pair forward, 10 D backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import side_by_side as sbs
+import torch
+
+# (name, B, Hq, Hkv, L, S, D, causal)
+PREFILL = [
+    (f"prefill L{L} d{D}{' causal' if c else ''}", 1, 8, 8, L, L, D, c)
+    for D in (64, 128)
+    for c in (False, True)
+    for L in (512, 1024, 2048, 4096, 8192, 16384)
+] + [(f"prefill GQA 32/8 L{L} d128 causal", 1, 32, 8, L, L, 128, True) for L in (1024, 4096)]
+DECODE = [
+    (f"decode {t} tok S{S // 1024}k {Hq}/{Hkv} d128", 1, Hq, Hkv, t, S, 128, False)
+    for Hq, Hkv in ((32, 8), (32, 32))
+    for t in (1, 4)
+    for S in (1024, 4096, 16384, 32768)
+]
+TRAIN = [
+    (f"train L{L} d{D} causal", 1, 8, 8, L, L, D, True)
+    for D in (64, 128)
+    for L in (512, 1024, 2048)
+] + [("train GQA 32/8 L1024 d128 causal", 1, 32, 8, 1024, 1024, 128, True)]
+# (name, lengths, Hq, Hkv, D, causal)
+VARLEN = [("varlen 5 docs 100..2048 d128 causal", [512, 1024, 300, 2048, 100], 8, 8, 128, True)]
+
+QUICK_PREFILL = [("prefill L80 d64 GQA 2/1 causal", 1, 2, 1, 80, 80, 64, True)]
+QUICK_DECODE = [("decode 1 tok S256 4/1 d64", 1, 4, 1, 1, 256, 64, False)]
+QUICK_TRAIN = [("train L40 d64 causal", 1, 2, 2, 40, 40, 64, True)]
+QUICK_VARLEN = [("varlen 33,17 d64", [33, 17], 2, 1, 64, False)]
+
+
+def visible(L, S, causal) -> int:
+    """(row, key) pairs a top-left causal mask (PyTorch's is_causal) lets rows see."""
+    if not causal:
+        return L * S
+    return sum(min(S, i + 1) for i in range(L))
+
+
+def _options(D, causal, **extra):
+    return {
+        "dropout_p": 0.0,
+        "is_causal": causal,
+        "scale": 1 / math.sqrt(D),
+        "softcap": 0.0,
+        "window_left": -1,
+        "window_right": -1,
+        "bottom_right": False,
+        **extra,
+    }
+
+
+def _qkv(B, Hq, Hkv, L, S, D, dtype, device):
+    g = torch.Generator().manual_seed(L * 7 + S)
+    if device == "meta":
+        return [torch.empty(*s, dtype=dtype, device="meta") for s in
+                ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D))]  # fmt: skip
+    return [torch.randn(*s, generator=g).to(dtype) for s in
+            ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D))]  # fmt: skip
+
+
+def _reduce(B, Hq, Hkv):
+    """(B, Hq, Hkv) of one KV head group, and the factor back. Heads only: steel's kernels read
+    more of the params struct in batch entries past the first, so the batch is kept."""
+    return (B, Hq // Hkv, 1), Hkv
+
+
+def forward_pair(shape, dtype, chip, budget):
+    """(steel, PyTorch) predictions of one F.sdpa forward."""
+    _, B, Hq, Hkv, L, S, D, causal = shape
+    (rb, rh, rkv), factor = _reduce(B, Hq, Hkv)
+
+    def make_steel(device, reduced):
+        dims = (rb, rh, rkv) if reduced else (B, Hq, Hkv)
+        return [*_qkv(*dims, L, S, D, dtype, device), None, None]
+
+    work = rh * visible(L, S, causal) * 2 * D
+    ours = sbs.steel_records("sdpa", make_steel, _options(D, causal), factor, chip, budget, work)
+
+    def make_torch(reduced):
+        if reduced:
+            q, k, v = _qkv(rb, rh, rkv, L, S, D, dtype, "cpu")
+        else:  # the full shape gives only the launches' geometry: no values needed
+            q, k, v = (
+                torch.empty(t.shape, dtype=dtype) for t in _qkv(B, Hq, Hkv, L, S, D, dtype, "meta")
+            )
+        return q, k, v, {"causal": causal}
+
+    theirs = sbs.pytorch_records(make_torch, factor, chip, budget, work)
+    return ours, theirs
+
+
+def training_pair(shape, dtype, chip, budget):
+    """(steel forward + backward, PyTorch's composite forward + backward)."""
+    _, B, Hq, Hkv, L, S, D, causal = shape
+    (rb, rh, rkv), factor = _reduce(B, Hq, Hkv)
+    work = rh * visible(L, S, causal) * 2 * D
+    opts = _options(D, causal)
+
+    def make_fwd(device, reduced):
+        dims = (rb, rh, rkv) if reduced else (B, Hq, Hkv)
+        return [*_qkv(*dims, L, S, D, dtype, device), None, None]
+
+    def make_bwd(device, reduced):
+        dims = (rb, rh, rkv) if reduced else (B, Hq, Hkv)
+        q, k, v = _qkv(*dims, L, S, D, dtype, device)
+        out = torch.randn(q.shape, device=device).to(dtype) if device != "meta" else q
+        lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=device)
+        if device != "meta":
+            lse += float(math.log(S))
+        return [torch.randn(q.shape, device=device).to(dtype) if device != "meta" else q,
+                q, k, v, out, lse, None, None, None]  # fmt: skip
+
+    fwd = sbs.steel_records("sdpa", make_fwd, opts, factor, chip, budget, work)
+    bwd = sbs.steel_records("sdpa_backward", make_bwd, opts, factor, chip, budget, 2.5 * work)
+    if "skipped" in fwd or "skipped" in bwd:
+        ours = fwd if "skipped" in fwd else bwd
+    else:
+        ours = {
+            "time_s": fwd["time_s"] + bwd["time_s"],
+            "bound": f"{bwd['bound']} (bwd)",
+            "dispatches": fwd["dispatches"] + bwd["dispatches"],
+            "how": fwd["how"],
+        }
+    theirs = sbs.composite_time(composite_training_ops(B, Hq, Hkv, L, S, D, causal, 0.0, dtype),
+                                chip, dtype)  # fmt: skip
+    theirs["how"] = "composite math, op roofline"
+    return ours, theirs
+
+
+def composite_training_ops(B, Hq, Hkv, L, S, D, causal, dropout_p, dtype):
+    """The ops of F.sdpa's math path with grad (forward, then autograd's backward), each with
+    its FLOPs and bytes (read + written) from the shapes; L x S tensors in the query's dtype."""
+    es = sbs._ES[dtype]
+    op = sbs.op
+    n = B * Hq
+    ls = n * L * S * es  # one L x S tensor of every head
+    qb, kb = n * L * D * es, n * S * D * es
+    ops = []
+    if Hkv != Hq:
+        kv = B * Hkv * S * D * es
+        ops += [op("repeat_interleave k", read=kv, written=kb),
+                op("repeat_interleave v", read=kv, written=kb)]  # fmt: skip
+    ops += [op("q * sqrt(scale)", n * L * D, qb, qb), op("k * sqrt(scale)", n * S * D, kb, kb)]
+    if causal:
+        ops += [op("ones(L, S) bool", written=L * S), op("tril", read=L * S, written=L * S),
+                op("bool mask to float (-inf)", read=L * S, written=2 * L * S * es)]  # fmt: skip
+    ops += [op("Q K^T", 2 * n * L * S * D, qb + kb, ls, matmul=True)]
+    if causal:
+        ops += [op("+ mask", n * L * S, ls + L * S * es, ls)]
+    # _safe_softmax: the softmax, then rows that saw no key set to 0 (a second pass).
+    ops += [op("softmax", 5 * n * L * S, ls, ls), op("safe-softmax fix-up", n * L * S, ls, ls)]
+    if dropout_p > 0:
+        ops += [op("dropout", 2 * n * L * S, ls, ls + n * L * S)]
+    ops += [op("P V", 2 * n * L * S * D, ls + kb, qb, matmul=True)]
+    # backward
+    ops += [op("dP = dO V^T", 2 * n * L * S * D, qb + kb, ls, matmul=True),
+            op("dV = P^T dO", 2 * n * L * S * D, ls + qb, kb, matmul=True)]  # fmt: skip
+    if dropout_p > 0:
+        ops += [op("dropout backward", n * L * S, ls + n * L * S, ls)]
+    ops += [op("safe-softmax fix-up backward", n * L * S, ls, ls),
+            op("softmax backward", 3 * n * L * S, 2 * ls, ls),
+            op("dQ = dS K", 2 * n * L * S * D, ls + kb, qb, matmul=True),
+            op("dK = dS^T Q", 2 * n * L * S * D, ls + qb, kb, matmul=True),
+            op("dq * sqrt(scale)", n * L * D, qb, qb),
+            op("dk * sqrt(scale)", n * S * D, kb, kb)]  # fmt: skip
+    if Hkv != Hq:
+        kv = B * Hkv * S * D * es
+        ops += [op("sum dK over the group", n * S * D, kb, kv),
+                op("sum dV over the group", n * S * D, kb, kv)]  # fmt: skip
+    return ops
+
+
+def varlen_pair(shape, dtype, chip, budget):
+    """(steel's one sdpa_varlen dispatch, PyTorch's kernels once per sequence)."""
+    _, lengths, Hq, Hkv, D, causal = shape
+    rh = Hq // Hkv
+    total = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    opts = _options(D, causal, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    work = rh * sum(visible(n, n, causal) for n in lengths) * 2 * D
+
+    def make_steel(device, reduced):
+        hq, hkv = (rh, 1) if reduced else (Hq, Hkv)
+        g = torch.Generator().manual_seed(total)
+        shapes = ((total, hq, D), (total, hkv, D), (total, hkv, D))
+        if device == "meta":
+            q, k, v = (torch.empty(*s, dtype=dtype, device="meta") for s in shapes)
+        else:
+            q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in shapes)
+        return [q, k, v, cu, cu.clone(), None]
+
+    ours = sbs.steel_records("sdpa_varlen", make_steel, opts, Hkv, chip, budget, work)
+    parts = []
+    for n in lengths:
+        shape1 = (f"seq {n}", 1, Hq, Hkv, n, n, D, causal)
+        parts.append(forward_pair(shape1, dtype, chip, budget)[1])
+    if any("skipped" in p for p in parts):
+        theirs = next(p for p in parts if "skipped" in p)
+    else:
+        longest = max(parts, key=lambda p: p["time_s"])
+        theirs = {
+            "time_s": sum(p["time_s"] for p in parts),
+            "bound": longest["bound"],
+            "dispatches": [d for p in parts for d in p["dispatches"]],
+            "how": f"{len(parts)} calls, heads reduced",
+        }
+    return ours, theirs
+
+
+def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
+    """Print the tables for each chip and save the plots; returns the table lines (for tests)."""
+    lines: list[str] = []
+
+    def say(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    prefill, decode, train, varlen = (
+        (QUICK_PREFILL, QUICK_DECODE, QUICK_TRAIN, QUICK_VARLEN)
+        if quick
+        else (PREFILL, DECODE, TRAIN, VARLEN)
+    )
+    for chip in chips:
+        say(f"\n== {chip}: predicted time, steel against PyTorch 2.13 (ratio = PyTorch / steel), "
+            f"{dtype}")  # fmt: skip
+        source = "cache model" if sbs.cache_model_available() else "tensors' device bytes"
+        say(f"   DRAM bytes: {source}; how: heads reduced / sampled / full (side_by_side.py)")
+        say(sbs.HEADER)
+        series: dict[str, list] = {}
+        for kind, shapes, pair, fl in (
+            ("prefill", prefill, forward_pair, 4),
+            ("decode", decode, forward_pair, 4),
+            ("train", train, training_pair, 14),
+        ):
+            for shape in shapes:
+                _, B, Hq, _, L, S, D, causal = shape
+                flops = fl * B * Hq * visible(L, S, causal) * D
+                ours, theirs = pair(shape, dtype, chip, budget)
+                say(sbs.row(shape[0], flops, ours, theirs))
+                if kind == "prefill" and Hq == shape[3]:
+                    label = f"d{D}{' causal' if causal else ''}"
+                    for side, r in (("steel", ours), ("PyTorch", theirs)):
+                        if "time_s" in r:
+                            series.setdefault(f"{side} {label}", []).append(
+                                (L, flops / r["time_s"] / 1e12,
+                                 sbs.dram_bytes(r) / r["time_s"] / 1e9))  # fmt: skip
+        for shape in varlen:
+            _, lengths, Hq, _, D, causal = shape
+            flops = 4 * Hq * sum(visible(n, n, causal) for n in lengths) * D
+            ours, theirs = varlen_pair(shape, dtype, chip, budget)
+            say(sbs.row(shape[0], flops, ours, theirs))
+        path = sbs.plot(out_dir / f"attention_{chip.replace(' ', '_')}.png", chip, series,
+                        sbs.roofline_peaks(chip, dtype))  # fmt: skip
+        if path is not None:
+            say(f"plot: {path}")
+    return lines

@@ -1,0 +1,402 @@
+"""Predicted times side by side (issue 24, deliverable 5): steel's kernels and PyTorch's on one
+chip of the timing model's table, from the simulator's counters, as ratios.
+
+Used by bench_attention.py --predict and bench_gemm.py --predict. The pieces:
+
+- steel's side: the op's plan (sim.plan, the dispatches the Mac would encode) run in the
+  simulator with counters; each dispatch predicted by torch_steel.sim.timing (part 24C) from its
+  counters and the plan's geometry.
+- PyTorch's own kernels: bench/pytorch_mps.py (the wheel's kernels with the host's bindings and
+  dispatch rules), predicted the same way; the kernels' register use is not estimated (the timing
+  model then lets registers not limit their occupancy, and says so in its notes).
+- PyTorch's composite paths (F.sdpa with grad, MPS matmul): modelled op by op from the ops they
+  run, each op at the roofline of the chip's table: the larger of its FLOPs at the matrix or ALU
+  peak and its bytes at the DRAM bandwidth, plus one dispatch overhead. No published efficiency
+  of MPS's matmul is used: the roofline is an upper bound on PyTorch's speed, so a ratio against
+  it is a lower bound on steel's advantage.
+
+Simulation cost is kept down without changing a count: every KV head group of a batch entry runs
+the same code on the same lengths, so a shape is simulated on one KV head group (Hkv = 1, Hq =
+the group) and each counter multiplied by Hkv (tests/sim/test_bench_predict.py checks that this
+equals the full run; the batch is kept, since steel's kernels read more of their params struct
+in batch entries past the first); the full shape's plan
+gives the geometry, and the reduction is used only when the reduced plan has the same kernels,
+threads and threadgroups per head (else the full shape runs). A shape whose reduced work is over
+the simulation budget runs sampled (part 24B's sample=, when the simulator has it: a few waves of
+threadgroups, extrapolated) or is reported as skipped. With part 24B's cache model the DRAM bytes
+come from it (per chip: its L2 and SLC sizes, waves of the threadgroups resident at once); the
+reduction then scales them too, which assumes each KV group's traffic is independent of the
+others'.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_steel import sim
+
+# The device description steel plans for on an M5-generation chip (bench_gemm.DEVICES["m5"]).
+M5_DEVICE = {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True}
+_ES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+_MMA_FIELD = {
+    torch.float16: "simdgroup_matrix_fma_half_per_core_cycle",
+    torch.bfloat16: "simdgroup_matrix_fma_bfloat_per_core_cycle",
+    torch.float32: "simdgroup_matrix_fma_float_per_core_cycle",
+}
+_ALU_FIELD = {
+    torch.float16: "alu_fp16_flop_per_core_cycle",
+    torch.bfloat16: "alu_fp16_flop_per_core_cycle",
+    torch.float32: "alu_fp32_flop_per_core_cycle",
+}
+
+
+def timing():
+    """torch_steel.sim.timing (part 24C), or SystemExit naming what is missing."""
+    try:
+        from torch_steel.sim import timing as t  # noqa: PLC0415
+    except ImportError as e:
+        raise SystemExit(f"--predict needs the timing model (torch_steel.sim.timing): {e}") from e
+    return t
+
+
+def chip_names(spec: str) -> list[str]:
+    names = timing().chips()
+    if spec == "all":
+        return names
+    if spec not in names:
+        raise SystemExit(f"unknown chip {spec!r}; the table has {', '.join(names)} (or 'all')")
+    return [spec]
+
+
+def chip(name: str) -> dict[str, Any]:
+    return timing().chip(name)
+
+
+def is_m5(name: str) -> bool:
+    return chip(name)["family"] == "apple10"
+
+
+def _takes(fn, keyword: str) -> bool:
+    return keyword in inspect.signature(fn).parameters
+
+
+def cache_model_available() -> bool:
+    return _takes(sim.run_op, "cache")
+
+
+def sampling_available() -> bool:
+    return _takes(sim.run_op, "sample")
+
+
+# --- counters ------------------------------------------------------------------------------
+
+
+def scale_counters(c: Mapping[str, Any], factor: int) -> dict[str, Any]:
+    """Every count of a dispatch multiplied by `factor` (nested per-binding and per-class counts
+    too); names stay."""
+    out: dict[str, Any] = {}
+    for key, val in c.items():
+        if key == "sampled" or isinstance(val, bool) or not isinstance(val, (int, float, Mapping)):
+            out[key] = val
+        elif isinstance(val, Mapping):
+            out[key] = scale_counters(val, factor)
+        else:
+            out[key] = val * factor
+    return out
+
+
+def _resident(name: str, geometry, kernel_info=None) -> int:
+    """Threadgroups resident on the whole chip at once for this dispatch (the timing model's
+    occupancy), for the cache model's waves."""
+    grid = tuple(geometry["grid"]) if isinstance(geometry, Mapping) else geometry.grid
+    p = timing().predict_dispatch(
+        {"threadgroups": math.prod(grid), "buffers": {}}, geometry, name, kernel_info
+    )
+    return p["occupancy"]["slots"]
+
+
+def _cache(name: str, resident) -> dict[str, Any]:
+    c = chip(name)
+    return {
+        "l2_bytes": int(c["l2_bytes"]),
+        "slc_bytes": int(c["slc_bytes"]),
+        "resident_threadgroups": resident,
+    }
+
+
+# --- steel ---------------------------------------------------------------------------------
+
+
+def _same_kernels(full: sim.Plan, reduced: sim.Plan, factor: int) -> bool:
+    if len(full.dispatches) != len(reduced.dispatches):
+        return False
+    for a, b in zip(full.dispatches, reduced.dispatches, strict=True):
+        if (a.kernel, a.threads, a.constants) != (b.kernel, b.threads, b.constants):
+            return False
+        if math.prod(a.grid) != factor * math.prod(b.grid):
+            return False
+    return True
+
+
+def steel_records(
+    op: str,
+    make: Callable[[str, bool], list],
+    options: Mapping[str, Any],
+    factor: int,
+    chip_name: str,
+    budget: float,
+    work: float,
+) -> dict[str, Any]:
+    """steel's prediction of one call on one chip.
+
+    make(device, reduced) -> the op's tensors ("meta" or "cpu"; the reduced shape when reduced);
+    factor: the full shape's KV groups per reduced run (Hkv); work: the reduced run's
+    multiply-adds, against `budget`. Returns {"time_s", "bound", "dispatches", "records",
+    "how"} or {"skipped": reason}."""
+    device = M5_DEVICE if is_m5(chip_name) else {}
+    opts = {**options, **device}
+    full = sim.plan(op, make("meta", False), opts)
+    if not full.ok:
+        return {"skipped": f"refused: {full.reason}"}
+    reduced = sim.plan(op, make("meta", True), opts)
+    use_reduced = reduced.ok and _same_kernels(full, reduced, factor)
+    if not use_reduced:
+        work *= factor
+    how = "heads reduced" if use_reduced and factor > 1 else "full"
+    kw: dict[str, Any] = {}
+    if cache_model_available():
+        residents = [_resident(chip_name, d) for d in full.dispatches]
+        kw["cache"] = _cache(chip_name, residents)
+    if work > budget:
+        if not sampling_available():
+            return {"skipped": f"{work:.1e} MACs over the budget; needs sampling (part 24B)"}
+        kw["sample"] = {"waves": 2}
+        if "cache" not in kw:
+            kw["sample"]["resident_threadgroups"] = [
+                _resident(chip_name, d) for d in full.dispatches
+            ]
+    tensors = make("cpu", use_reduced)
+    _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False, **kw)
+    if any(c.get("sampled", {}).get("extrapolated") for c in counters):
+        how += ", sampled"
+    if use_reduced:
+        counters = [scale_counters(c, factor) for c in counters]
+    result = timing().predict_call(full.dispatches, counters, chip_name)
+    result["how"] = how
+    result["records"] = [
+        {
+            "kernel": d.kernel,
+            "grid": d.grid,
+            "threads": d.threads,
+            "threadgroup_memory": sum(d.threadgroup_memory.values()),
+            "counters": c,
+        }
+        for d, c in zip(full.dispatches, counters, strict=True)
+    ]
+    return result
+
+
+# --- PyTorch's kernels ---------------------------------------------------------------------
+
+
+def pytorch_records(
+    make: Callable[[bool], tuple],
+    factor: int,
+    chip_name: str,
+    budget: float,
+    work: float,
+) -> dict[str, Any]:
+    """PyTorch's kernels' prediction of one F.sdpa call (no grad) on one chip.
+
+    make(reduced) -> (q, k, v, kwargs of pytorch_mps.launches) on CPU; factor and work as for
+    steel_records (PyTorch's grids are per query head, so the reduction always applies)."""
+    import pytorch_mps  # noqa: PLC0415 (bench/ is on the path of the scripts that use this)
+
+    q, k, v, kw = make(True)
+    _, full_launches = pytorch_mps.launches(*make(False)[:3], **make(False)[3])
+    _, launches = pytorch_mps.launches(q, k, v, **kw)
+    geometries = [_pytorch_geometry(x) for x in full_launches]
+    infos = [_pytorch_info(x, q.dtype) for x in full_launches]
+    how = "heads reduced" if factor > 1 else "full"
+    counters = []
+    for i, launch in enumerate(launches):
+        extra: dict[str, Any] = {}
+        if cache_model_available():
+            extra["cache"] = _cache(chip_name, _resident(chip_name, geometries[i], infos[i]))
+        if work > budget:
+            if not sampling_available():
+                return {"skipped": f"{work:.1e} MACs over the budget; needs sampling (part 24B)"}
+            extra["sample"] = {"waves": 2}
+            if "cache" not in extra:
+                extra["sample"]["resident_threadgroups"] = _resident(
+                    chip_name, geometries[i], infos[i]
+                )
+        c = pytorch_mps.run(launch, counters=True, checkers=False, **extra)
+        if c.get("sampled", {}).get("extrapolated") and "sampled" not in how:
+            how += ", sampled"
+        counters.append(scale_counters(c, factor))
+    result = timing().predict_call(geometries, counters, chip_name, infos)
+    result["how"] = how
+    result["records"] = [
+        {
+            "kernel": launch["name"],
+            "grid": g["grid"],
+            "threads": g["threads"],
+            "threadgroup_memory": launch["threadgroup_memory_bytes"],
+            "counters": c,
+        }
+        for launch, g, c in zip(full_launches, geometries, counters, strict=True)
+    ]
+    return result
+
+
+def _pytorch_geometry(launch: dict) -> dict[str, Any]:
+    grid = tuple(launch["grid"]) + (1,) * (3 - len(launch["grid"]))
+    threads = tuple(launch["threads"]) + (1,) * (3 - len(launch["threads"]))
+    bindings = [
+        {"index": i, "kind": "tensor" if isinstance(b, torch.Tensor) else "bytes"}
+        for i, b in launch["buffers"].items()
+    ]
+    return {"grid": grid, "threads": threads, "threadgroup_memory": 0, "bindings": bindings}
+
+
+def _pytorch_info(launch: dict, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "registers": None,
+        "register_basis": "PyTorch's kernel: not estimated",
+        "dtype": {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}[dtype],
+        "threadgroup_memory": launch["threadgroup_memory_bytes"],
+    }
+
+
+# --- PyTorch's composite paths, op by op -----------------------------------------------------
+
+
+def op(name: str, flops: float = 0.0, read: float = 0.0, written: float = 0.0, matmul=False):
+    return {"op": name, "flops": flops, "bytes": read + written, "matmul": matmul}
+
+
+def roofline_peaks(chip_name: str, dtype: torch.dtype) -> dict[str, float]:
+    """{"matrix": FLOP/s, "alu": FLOP/s, "dram": bytes/s} of the chip's table: the simdgroup
+    matrix rate (x 2 FLOP per FMA; on M5 the neural accelerators' matmul2d rate when larger),
+    the ALU rate, the DRAM bandwidth."""
+    c = chip(chip_name)
+    per_s = int(c["gpu_cores"]) * float(c["clock_ghz"]) * 1e9
+    matrix = 2 * float(c[_MMA_FIELD[dtype]])
+    if c["family"] == "apple10" and dtype != torch.float32:
+        matrix = max(matrix, float(c["matmul2d_flop_per_core_cycle"]))
+    return {
+        "matrix": matrix * per_s,
+        "alu": float(c[_ALU_FIELD[dtype]]) * per_s,
+        "dram": float(c["dram_bytes_per_s"]),
+    }
+
+
+def composite_time(ops: Sequence[dict], chip_name: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Each op at its roofline plus one dispatch overhead; the bound of the longest op."""
+    peaks = roofline_peaks(chip_name, dtype)
+    overhead = float(chip(chip_name)["dispatch_overhead_s"])
+    parts = []
+    for o in ops:
+        compute = o["flops"] / (peaks["matrix"] if o["matmul"] else peaks["alu"])
+        memory = o["bytes"] / peaks["dram"]
+        bound = "compute" if compute >= memory else "dram"
+        parts.append({**o, "time_s": max(compute, memory) + overhead, "bound": bound})
+    longest = max(parts, key=lambda p: p["time_s"])
+    return {
+        "time_s": sum(p["time_s"] for p in parts),
+        "bound": f"{longest['bound']} ({longest['op']})",
+        "ops": parts,
+        "dram_bytes": sum(p["bytes"] for p in parts),
+    }
+
+
+def dram_bytes(result: Mapping[str, Any]) -> float:
+    if "dram_bytes" in result:
+        return float(result["dram_bytes"])
+    return float(sum(d.get("dram_bytes", 0) for d in result.get("dispatches", [])))
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def ratio(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> float | None:
+    """PyTorch's predicted time over steel's (> 1: steel is predicted faster)."""
+    if "time_s" not in ours or "time_s" not in theirs:
+        return None
+    return theirs["time_s"] / ours["time_s"]
+
+
+HEADER = (
+    f"{'shape':34} {'steel us':>10} {'PyTorch us':>10} {'ratio':>7} {'steel bound':>18} "
+    f"{'PyTorch bound':>26} {'steel TF':>8} {'GB/s':>7}  how"
+)
+
+
+def row(name: str, flops: float, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
+    def us(r):
+        return f"{r['time_s'] * 1e6:10.1f}" if "time_s" in r else f"{'-':>10}"
+
+    def bound(r, width):
+        return f"{str(r.get('bound', '-'))[:width]:>{width}}"
+
+    q = ratio(ours, theirs)
+    tf = f"{flops / ours['time_s'] / 1e12:8.2f}" if "time_s" in ours else f"{'-':>8}"
+    gbs = f"{dram_bytes(ours) / ours['time_s'] / 1e9:7.1f}" if "time_s" in ours else f"{'-':>7}"
+    notes = [
+        ours.get("how") or ours.get("skipped", ""),
+        theirs.get("how") or theirs.get("skipped", ""),
+    ]
+    return (
+        f"{name[:34]:34} {us(ours)} {us(theirs)} "
+        f"{(f'{q:7.2f}' if q is not None else f'{chr(45):>7}')} {bound(ours, 18)} "
+        f"{bound(theirs, 26)} {tf} {gbs}  steel: {notes[0]}; PyTorch: {notes[1]}"
+    )
+
+
+def plot(
+    path: Path,
+    chip_name: str,
+    series: Mapping[str, list],
+    roof: Mapping[str, float],
+    x_label: str = "L",
+):
+    """series: {label: [(x, TFLOPS, GB/s), ...]}; two panels against x (L by default), with
+    the chip's matrix peak and DRAM bandwidth drawn as the roofline. Returns the file written,
+    or None without matplotlib."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, points in series.items():
+        points = sorted(points)
+        if not points:
+            continue
+        ls = [p[0] for p in points]
+        style = "-o" if label.startswith("steel") else "--s"
+        left.plot(ls, [p[1] for p in points], style, label=label, markersize=4)
+        right.plot(ls, [p[2] for p in points], style, label=label, markersize=4)
+    left.axhline(roof["matrix"] / 1e12, color="k", lw=1, label="matrix peak (roofline)")
+    right.axhline(roof["dram"] / 1e9, color="k", lw=1, label="DRAM bandwidth (roofline)")
+    for ax, what in ((left, "predicted TFLOPS"), (right, "predicted DRAM GB/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle(f"{chip_name}: predicted by the timing model from simulator counters")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

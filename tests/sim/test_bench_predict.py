@@ -1,0 +1,144 @@
+"""bench_attention.py / bench_gemm.py --predict (issue 24, deliverable 5), end to end on tiny
+shapes: the printed table's structure, the ratio is the quotient of the two predictions, and the
+head reduction that keeps the bench affordable changes no counter. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sim_helpers import requires_clang
+
+from torch_steel import sim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import pytorch_mps  # noqa: E402
+
+pytestmark = [
+    requires_clang,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch_steel.sim.timing") is None,
+        reason="the timing model (torch_steel.sim.timing, part 24C) is not in this tree",
+    ),
+    pytest.mark.skipif(not pytorch_mps.available(), reason="this torch wheel ships no kernels"),
+]
+
+_NUMBER = r"\s+(\S+)"
+
+
+def _row_fields(line):
+    """(name, steel us, PyTorch us, ratio) of a table row (the name is 34 characters)."""
+    name, rest = line[:34].strip(), line[34:].split()
+    return name, float(rest[0]), float(rest[1]), float(rest[2])
+
+
+def test_attention_predict_quick_table(tmp_path, capsys):
+    import attention_predict
+    import side_by_side
+
+    lines = attention_predict.run(["M1"], torch.float16, True, tmp_path, 1e9)
+    assert "\n".join(lines) in capsys.readouterr().out
+    header = lines.index(side_by_side.HEADER)
+    rows = lines[header + 1 : header + 5]
+    quick = (
+        attention_predict.QUICK_PREFILL
+        + attention_predict.QUICK_DECODE
+        + attention_predict.QUICK_TRAIN
+        + [s[:1] for s in attention_predict.QUICK_VARLEN]
+    )
+    for row, shape in zip(rows, quick, strict=True):
+        name, ours, theirs, q = _row_fields(row)
+        assert name == shape[0][:34]
+        assert ours > 0 and theirs > 0
+        # the printed ratio is PyTorch / steel of the printed times, to their rounding
+        # (0.05 us on each time, 0.005 on the ratio)
+        lo = (theirs - 0.05) / (ours + 0.05)
+        hi = (theirs + 0.05) / (ours - 0.05)
+        assert lo - 0.005 <= q <= hi + 0.005, row
+    assert (tmp_path / "attention_M1.png").stat().st_size > 0
+
+
+def test_ratio_is_the_quotient_of_the_predictions():
+    import attention_predict
+    import side_by_side
+
+    shape = attention_predict.QUICK_PREFILL[0]
+    ours, theirs = attention_predict.forward_pair(shape, torch.float16, "M1", 1e9)
+    assert ours["time_s"] == pytest.approx(sum(d["time_s"] for d in ours["dispatches"]))
+    assert theirs["time_s"] == pytest.approx(sum(d["time_s"] for d in theirs["dispatches"]))
+    q = side_by_side.ratio(ours, theirs)
+    assert q == theirs["time_s"] / ours["time_s"]
+    row = side_by_side.row(shape[0], 1.0, ours, theirs)
+    assert _row_fields(row)[3] == float(f"{q:.2f}")
+    # PyTorch's side ran the kernel its host picks for this shape (qL > 8: prefill)
+    assert [r["kernel"] for r in theirs["records"]] == [
+        "prefill_attention_float16_bq32_bk32_bd64_wm4_wn1_hm0_dc1_maskfloat16"
+    ]
+
+
+def _strip(c):
+    """Counters without the cache model's, which see other heads' traffic in a full run."""
+    drop = {"dram_read", "dram_written", "l2_hits", "l2_misses", "slc_hits", "slc_misses"}
+    return {k: v for k, v in c.items() if k not in drop and k != "kernel"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_head_reduction_is_exact(dtype):
+    """B = 2, Hq/Hkv = 4/2 counted on one KV group, times Hkv, equals the full run's counters,
+    for steel's plan and PyTorch's kernel (the bench relies on it)."""
+    import side_by_side
+
+    B, Hq, Hkv, L, S, D = 2, 4, 2, 37, 45, 64
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(b, hq, hkv):
+        return [torch.randn(*s, generator=g).to(dtype) for s in
+                ((b, hq, L, D), (b, hkv, S, D), (b, hkv, S, D))]  # fmt: skip
+
+    opts = {"dropout_p": 0.0, "is_causal": True, "scale": D**-0.5, "softcap": 0.0,
+            "window_left": -1, "window_right": -1, "bottom_right": False}  # fmt: skip
+    _, full = sim.run_op("sdpa", [*qkv(B, Hq, Hkv), None, None], opts, counters=True)
+    _, one = sim.run_op("sdpa", [*qkv(B, Hq // Hkv, 1), None, None], opts, counters=True)
+    scaled = [side_by_side.scale_counters(c, Hkv) for c in one]
+    assert [_strip(c) for c in scaled] == [_strip(c) for c in full]
+
+    q, k, v = qkv(B, Hq, Hkv)
+    _, (whole,) = pytorch_mps.records(q, k, v, causal=True)
+    q, k, v = qkv(B, Hq // Hkv, 1)
+    _, (part,) = pytorch_mps.records(q, k, v, causal=True)
+    assert _strip(side_by_side.scale_counters(part["counters"], Hkv)) == _strip(whole["counters"])
+    assert math.prod(whole["grid"]) == Hkv * math.prod(part["grid"])
+
+
+def test_composite_training_ops_count_the_matmuls():
+    """The composite path's matmul FLOPs are those of its four forward-and-backward products
+    plus the two forward ones: 2 L S D each, per head; its L x S traffic grows as L S."""
+    import attention_predict
+
+    B, Hq, Hkv, L, S, D = 2, 8, 2, 1024, 1024, 16
+    ops = attention_predict.composite_training_ops(B, Hq, Hkv, L, S, D, True, 0.0, torch.float16)
+    matmuls = [o for o in ops if o["matmul"]]
+    assert len(matmuls) == 6
+    assert sum(o["flops"] for o in matmuls) == 6 * 2 * B * Hq * L * S * D
+    doubled = attention_predict.composite_training_ops(
+        B, Hq, Hkv, 2 * L, S, D, True, 0.0, torch.float16
+    )
+    big = sum(o["bytes"] for o in doubled) / sum(o["bytes"] for o in ops)
+    assert 1.9 < big < 2.0  # the L x S tensors dominate; q and out double, k and v do not
+
+
+def test_gemm_predict_quick_table(tmp_path):
+    import gemm_predict
+    import side_by_side
+
+    lines = gemm_predict.run(["M5"], torch.float16, True, tmp_path, 1e9)
+    row = lines[lines.index(side_by_side.HEADER) + 1]
+    name, ours, theirs, q = _row_fields(row)
+    assert name == gemm_predict.QUICK[0][0]
+    assert ours > 0 and theirs > 0 and re.search(r"steel: full", row)
+    assert (tmp_path / "gemm_M5.png").stat().st_size > 0
