@@ -97,12 +97,16 @@ def sampling_available() -> bool:
 # --- counters ------------------------------------------------------------------------------
 
 
+# Counters that describe one threadgroup or the run, not sums over threadgroups.
+_NOT_SUMS = {"sampled", "threadgroup_memory_bytes"}
+
+
 def scale_counters(c: Mapping[str, Any], factor: int) -> dict[str, Any]:
     """Every count of a dispatch multiplied by `factor` (nested per-binding and per-class counts
-    too); names stay."""
+    too); names, and the figures of _NOT_SUMS, stay."""
     out: dict[str, Any] = {}
     for key, val in c.items():
-        if key == "sampled" or isinstance(val, bool) or not isinstance(val, (int, float, Mapping)):
+        if key in _NOT_SUMS or isinstance(val, bool) or not isinstance(val, (int, float, Mapping)):
             out[key] = val
         elif isinstance(val, Mapping):
             out[key] = scale_counters(val, factor)
@@ -270,7 +274,9 @@ def _pytorch_info(launch: dict, dtype: torch.dtype) -> dict[str, Any]:
     return {
         "registers": None,
         "register_basis": "PyTorch's kernel: not estimated",
-        "dtype": {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}[dtype],
+        "mma_dtype": {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}[
+            dtype
+        ],
         "threadgroup_memory": launch["threadgroup_memory_bytes"],
     }
 
