@@ -289,12 +289,30 @@ COMPILE_RULES = {
 }
 
 
+def test_language_version_follows_what_the_file_uses(tmp_path):
+    """Issue 26 finding 10: a file that includes <metal_tensor> under any name is MSL 4 (as it
+    must be built on the Mac), unless -std says otherwise (test_compile_time_rules)."""
+    from torch_steel import sim
+
+    src = tmp_path / "tensor_version.metal"
+    src.write_text(
+        "#include <metal_stdlib>\n#include <metal_tensor>\nusing namespace metal;\n"
+        "[[kernel]] void tensor_version(device int* out [[buffer(0)]]) {\n"
+        "#if __METAL_VERSION__ >= 400 && __HAVE_TENSOR__\n  out[0] = __METAL_VERSION__;\n"
+        "#endif\n}\n"
+    )
+    out = torch.zeros(1, dtype=torch.int32)
+    sim.run_kernel("tensor_version", sources=[src], grid=(1,), threads=(1,), buffers={0: out})
+    assert out.item() == 400
+
+
 @pytest.mark.parametrize("rule", sorted(COMPILE_RULES))
 def test_compile_time_rules(rule, tmp_path):
     from torch_steel import sim
 
     body, message = COMPILE_RULES[rule]
     name = "refused.metal" if body is None else "refused_msl4.metal"
+    std = "metal3.1" if body is None else None  # MSL 3.1 has no <metal_tensor>
     src = tmp_path / name
     src.write_text(
         textwrap.dedent(
@@ -317,4 +335,4 @@ def test_compile_time_rules(rule, tmp_path):
         ).replace("BODY", body or "")
     )
     with pytest.raises(SimulatorError, match=message):
-        sim.run_kernel("refused", sources=[src], grid=(1,), threads=(32,), buffers={})
+        sim.run_kernel("refused", sources=[src], grid=(1,), threads=(32,), buffers={}, std=std)

@@ -360,11 +360,14 @@ def run_kernel(
     include_dirs: Sequence[str | os.PathLike] = (),
     cache: Mapping[str, Any] | None = None,
     sample: int | Mapping[str, Any] | None = None,
+    std: str | None = None,
 ):
     """Launch kernel `name` (its host name) from a test library built from `sources` (.metal).
 
-    include_dirs: directories searched by the sources' `#include <dir/name.h>` (their headers
-    go through the pre-pass like the sources).
+    include_dirs: directories searched by the sources' `#include <dir/name.h>` (the pre-pass
+    preprocesses each source with its headers). std: the language version, as `xcrun metal
+    -std=` takes it ("metal3.1", "metal4.0"; by default chosen from what each source uses, as
+    the package's own build does: *_msl4.metal files are metal4.0).
 
     buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
     constants: {function_constant index: value}; threadgroup_memory: {index: bytes}.
@@ -400,7 +403,7 @@ def run_kernel(
         else:
             raise TypeError(f"constant {index}: expected bool, int or float, got {v!r}")
     raw_tgmem = [(int(i), int(n)) for i, n in sorted((threadgroup_memory or {}).items())]
-    lib = build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs])
+    lib = build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs], std)
     ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
     sampling = None if sample is None else traffic.Sampling(sample, cache)

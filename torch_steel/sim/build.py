@@ -102,13 +102,18 @@ SHADER_FLAGS = [
 ]
 LINK_FLAGS = ["-shared", "-rtlib=compiler-rt"]
 # Sources the Mac build compiles as MSL 4.0 (-std=metal4.0, mps_src/mps/build_macos.py): those
-# named *_msl4.metal. The shim's <metal_stdlib> then says __METAL_VERSION__ 400 and has tensors.
+# named *_msl4.metal. The pre-pass preprocesses them so (__METAL_VERSION__ 400, tensors).
 MSL4_SUFFIX = "_msl4.metal"
-MSL4_DEFINE = "-DSTEEL_SIM_MSL4"
 
 
 def is_msl4(path: Path) -> bool:
     return path.name.endswith(MSL4_SUFFIX)
+
+
+def language(path: Path, std: str | None = None) -> str | None:
+    """The -std a file is built with: `std` when given, else what the Mac build gives it
+    (None: the pre-pass chooses from what the file uses)."""
+    return std or ("metal4.0" if is_msl4(path) else None)
 
 
 RUNTIME_SONAME = "libsteel_sim_rt.so"
@@ -336,18 +341,26 @@ def _translator():
     return translate
 
 
-def _mirror(src_root: Path, files: list[Path], mirror: Path, translate) -> dict[Path, str]:
-    """Translates `files` into `mirror`; returns {file: error} for those the pre-pass refused.
+def _mirror(
+    src_root: Path,
+    files: list[Path],
+    mirror: Path,
+    translate,
+    include_dirs: list[Path],
+    std: str | None = None,
+) -> dict[Path, str]:
+    """Translates the .metal `files` (each a translation unit: the pre-pass preprocesses it with
+    its headers) into `mirror`; returns {file: error} for those the pre-pass refused.
 
-    A refused file is mirrored as an `#error` carrying the message, so that only the TUs that
-    include it fail to build, with the pre-pass's message.
+    A refused file is mirrored as an `#error` carrying the message, so that it fails to build
+    with the pre-pass's message.
     """
     errors = {}
     for f in files:
         dst = mirror / f.relative_to(src_root)
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
-            text = translate(f.read_text(), str(f))
+            text = translate(f.read_text(), str(f), include_dirs, language(f, std))
         except Exception as e:  # noqa: BLE001 (any pre-pass failure must name the file)
             errors[f] = str(e)
             text = "#error " + json.dumps(f"pre-pass: {e}") + "\n"
@@ -361,16 +374,13 @@ class ShaderLibrary:
     errors: str  # why some .metal files are missing from it (empty when all built)
 
 
-def _shader_lib(
-    out: Path, metal_files: list[tuple[Path, Path]], include_dirs: list[Path], strict: bool
-) -> str:
+def _shader_lib(out: Path, metal_files: list[tuple[Path, Path]], strict: bool) -> str:
     """Compiles translated (original, mirrored) .metal files, one TU each, and links those that
     built into one shared library each (listed in libraries.txt). Returns the errors of the
     others (strict: raises them)."""
     rt = runtime_dir()
-    incs = " ".join(f"-I {_q(d)}" for d in include_dirs)
     flags = (
-        " ".join(SHADER_FLAGS) + f" {incs} -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
+        " ".join(SHADER_FLAGS) + f" -I {_q(SHIM)} -I {_q(ROOT / 'mps_src')}"
         f" -include {_q(SIM_SRC / 'shader_prelude.h')}"
     )
     host = " ".join(HOST_FLAGS) + f" -I {_q(ROOT / 'mps_src')}"
@@ -378,12 +388,12 @@ def _shader_lib(
     # machine code from that IR without optimizing it again.
     memops = f"{_q(sys.executable)} {_q(FRONT / 'ir.py')}"
     rules = (
-        f"rule ll\n  command = $cxx -x c++ {flags} $lang -S -emit-llvm $in -o $out 2> $log\n"
+        f"rule ll\n  command = $cxx -x c++ {flags} -S -emit-llvm $in -o $out 2> $log\n"
         f"rule memops\n  command = {memops} $in $out 2>> $log\n"
         f"rule cc\n  command = $cxx -fPIC -O2 -Xclang -disable-llvm-passes -c $in -o $out"
         " 2>> $log\n"
         # Unoptimized IR, for the recursion check (the optimizer may turn recursion into loops).
-        f"rule ir\n  command = $cxx -x c++ {flags} $lang -O0 -S -emit-llvm $in -o $out"
+        f"rule ir\n  command = $cxx -x c++ {flags} -O0 -S -emit-llvm $in -o $out"
         " 2> $out.log\n"
         f"rule host\n  command = $cxx {host} -c $in -o $out 2> $out.log\n"
     )
@@ -391,11 +401,10 @@ def _shader_lib(
     for i, (_, mirrored) in enumerate(metal_files):
         obj = f"obj/{i}_{mirrored.stem}.o"
         log = f"  log = {obj}.log"
-        lang = f"  lang = {MSL4_DEFINE if is_msl4(mirrored) else ''}"
-        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}\n{lang}")
+        builds.append(f"build {obj[:-2]}.opt.ll: ll {_q(mirrored)}\n{log}")
         builds.append(f"build {obj[:-2]}.mem.ll: memops {obj[:-2]}.opt.ll\n{log}")
         builds.append(f"build {obj}: cc {obj[:-2]}.mem.ll\n{log}")
-        builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}\n{lang}")
+        builds.append(f"build {obj[:-2]}.ll: ir {_q(mirrored)}")
         objs.append(obj)
     # The load/store callbacks, so that shader code calls them without the PLT; also what a
     # library with no kernels (none given, or none built) consists of.
@@ -556,11 +565,10 @@ def shader_library() -> ShaderLibrary:
 
     def build(d: Path) -> None:
         mirror = d / "src"
-        _mirror(SHADERS, shader_files, mirror, translate)
-        metals = [
-            (f, mirror / f.relative_to(SHADERS)) for f in shader_files if f.suffix == ".metal"
-        ]
-        _shader_lib(d, metals, [mirror], strict=False)
+        metal_files = [f for f in shader_files if f.suffix == ".metal"]
+        _mirror(SHADERS, metal_files, mirror, translate, [SHADERS])
+        metals = [(f, mirror / f.relative_to(SHADERS)) for f in metal_files]
+        _shader_lib(d, metals, strict=False)
 
     return _load(_locked_build(out, build, "shaders", "20-40 s"))
 
@@ -568,7 +576,9 @@ def shader_library() -> ShaderLibrary:
 _test_libraries: dict[str, ShaderLibrary] = {}
 
 
-def test_library(sources: list[Path], include_dirs: list[Path] = ()) -> ShaderLibrary:
+def test_library(
+    sources: list[Path], include_dirs: list[Path] = (), std: str | None = None
+) -> ShaderLibrary:
     """A library of test-only kernels: the given .metal files (which may include headers next
     to them, headers under `include_dirs` and the package's shaders/ headers), loaded. Any
     build error is raised."""
@@ -595,29 +605,23 @@ def test_library(sources: list[Path], include_dirs: list[Path] = ()) -> ShaderLi
         SHADER_FLAGS,
         rt.name,
         [str(d) for d in include_dirs],
+        std,
     )
     if key in _test_libraries:
         return _test_libraries[key]
     out = cache_root() / f"test-{key}"
 
     def build(d: Path) -> None:
-        _mirror(SHADERS, shader_headers, d / "shaders", translate)
         metals = []
         for i, dd in enumerate(dirs):
             mirror = d / f"src{i}"
             mine = [s for s in sources if s.parent == dd]
-            errors = _mirror(
-                dd, mine + [h for h in local_headers if h.parent == dd], mirror, translate
-            )
-            bad = [f"{f}: {e}" for f, e in errors.items() if f in mine]
+            errors = _mirror(dd, mine, mirror, translate, [*include_dirs, SHADERS], std)
+            bad = [f"{f}: {e}" for f, e in errors.items()]
             if bad:
                 raise SimulatorError("the shader pre-pass refused:\n" + "\n".join(bad))
             metals += [(s, mirror / s.name) for s in mine]
-        mirrored_includes = []
-        for i, (inc, headers) in enumerate(zip(include_dirs, included, strict=True)):
-            _mirror(inc, headers, d / f"inc{i}", translate)
-            mirrored_includes.append(d / f"inc{i}")
-        _shader_lib(d, metals, [*mirrored_includes, d / "shaders"], strict=True)
+        _shader_lib(d, metals, strict=True)
 
     names = ", ".join(s.name for s in sources)
     lib = _load(_locked_build(out, build, f"test kernels ({names})", "5-20 s"))

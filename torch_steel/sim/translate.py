@@ -1,17 +1,19 @@
 """The source pre-pass of the Metal simulator: real MSL in, C++ for the shim out.
 
-The simulator compiles the shipped .metal/.h files as C++ (clang 19) against the shim in
-mps_src/sim/shim (`#include <metal_stdlib>` finds it). Most of MSL compiles as is; this pass
-rewrites the few constructs C++ cannot express, keeping every line where it was (the output
-starts with a `#line` directive, and no rewrite adds or removes a line), so that compiler
-errors and checker reports point into the original file:
+The simulator compiles each shipped .metal file as C++ (clang 19) against the shim in
+mps_src/sim/shim (`#include <metal_stdlib>` finds it). The pass judges what Metal's compiler
+judges: the file is first preprocessed with its headers (clang -E, with the macros Metal
+predefines for the language version: macros expanded, #if evaluated; see _preprocess), and the
+preprocessor's line markers stay in the output, so that compiler errors, the messages of this
+pass and checker reports name the original file and line (no rewrite adds or removes a line).
+Most of MSL compiles as is; this pass rewrites the few constructs C++ cannot express:
 
 - kernels: `[[kernel]] void f(... [[buffer(0)]], uint3 tid [[thread_position_in_grid]])` loses
   its attributes, and a struct `__steel_kernel_f` after its body records what each parameter
   asks for (a `[[buffer(n), function_constant(c)]]` one only when c holds);
-  `template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;` (or `... void f<..>(...);`,
-  also inside a #define) and every non-template kernel become a registration under the host
-  name;
+  `template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;` (or `... void f<..>(...);`;
+  `[[kernel]]` may be left out for a kernel template's instance) and every non-template kernel
+  become a registration under the host name;
 - `threadgroup T a[N];` in a function body becomes a reference to storage that the runtime
   shares between the lanes of a threadgroup;
 - `constant T x [[function_constant(i)]];` becomes an object that reads the dispatch's value;
@@ -29,17 +31,22 @@ errors and checker reports point into the original file:
   the class or outside it) are renamed and reached through explicit-object templates;
 - other MSL attributes are removed.
 
-Constructs outside MSL (C++ standard library includes, kernels declared inside macros,
-parameters without attributes, mutable static variables in functions) raise TranslateError
-naming file:line. The shim refuses the rest
+Constructs outside MSL (C++ standard library includes, parameters without attributes, mutable
+static variables in functions) raise TranslateError naming file:line. The shim refuses the rest
 (double, exceptions, allocation) at compile time.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
+import shutil
+import subprocess
+import tempfile
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["TranslateError", "translate"]
 
@@ -151,6 +158,7 @@ class Tok:
     text: str
     line: int  # 1-based line of the token's first character in the original file
     col: int
+    path: str = ""  # the original file (from the preprocessor's line markers)
 
 
 def _tokenize(text: str, first_line: int = 1) -> list[Tok]:
@@ -209,10 +217,8 @@ def _tokenize(text: str, first_line: int = 1) -> list[Tok]:
 class _Rewriter:
     """Edits over one token list: replacements keep the number of newlines they cover."""
 
-    def __init__(self, toks: list[Tok], path: str, in_directive: bool):
+    def __init__(self, toks: list[Tok]):
         self.toks = toks
-        self.path = path
-        self.in_directive = in_directive
         self.sig = [
             i for i, t in enumerate(toks) if t.kind not in ("ws", "comment", "directive_done")
         ]
@@ -228,7 +234,8 @@ class _Rewriter:
 
     def where(self, k: int) -> str:
         k = min(max(k, 0), len(self.sig) - 1)
-        return f"{self.path}:{self.toks[self.sig[k]].line}"
+        tok = self.toks[self.sig[k]]
+        return f"{tok.path}:{tok.line}"
 
     def error(self, k: int, message: str) -> TranslateError:
         return TranslateError(f"{self.where(k)}: {message}")
@@ -282,7 +289,7 @@ class _Rewriter:
                 lost = covered.count("\n") - text.count("\n")
                 out.append(text)
                 if lost > 0:
-                    out.append(("\\\n" if self.in_directive else "\n") * lost)
+                    out.append("\n" * lost)
                 last = end - 1
                 i = end
             else:
@@ -301,13 +308,8 @@ def _decl_id(path: str, line: int, col: int) -> int:
 class _Translator:
     """The rewrites of one file (see the module docstring)."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self.branches: list[bool | None] = []
-        # Object-like macros of this file whose body makes a declaration constant
-        # (`#define C10_METAL_CONSTEXPR constant constexpr`): the pre-pass sees a declaration
-        # before the preprocessor expands them.
-        self.constant_macros: set[str] = set()
+    def __init__(self):
+        self.kernel_templates: set[str] = set()  # names of the kernel templates seen so far
         # Names of the functions this file has defined so far, as templates and not: only
         # calls to a non-template one get argument_copy (a template parameter `device T&`
         # deduces nothing from steel_shim::as_arg's proxy).
@@ -519,51 +521,15 @@ class _Translator:
         return items
 
     # ------------------------------------------------------------------ directives
-    def conditional(self, word: str, text: str) -> None:
-        """Tracks #if nesting: whether the current lines are seen by the Metal compiler
-        (False inside `#ifndef __METAL_VERSION__`, the `#else` of `#ifdef __METAL__` and the like,
-        None when unknown)."""
-        rest = text.split(word, 1)[1]
-        mentions = re.search(r"\b__METAL(_VERSION)?__\b", rest) is not None
-        negated = word == "ifndef" or "!" in rest
-        if word in ("if", "ifdef", "ifndef"):
-            self.branches.append((not negated) if mentions else None)
-        elif word == "else" and self.branches:
-            top = self.branches[-1]
-            self.branches[-1] = None if top is None else not top
-        elif word == "elif" and self.branches:
-            self.branches[-1] = None
-        elif word == "endif" and self.branches:
-            self.branches.pop()
-
-    def directive(self, tok: Tok) -> str:
-        m = re.match(r"([ \t]*#[ \t]*)(\w+)", tok.text)
-        word = m.group(2) if m else ""
-        if word in ("if", "ifdef", "ifndef", "else", "elif", "endif"):
-            self.conditional(word, tok.text)
-            return tok.text
-        if word == "include":
-            inc = re.match(r"[ \t]*#[ \t]*include[ \t]*<([^>]*)>", tok.text)
-            host_only = any(b is False for b in self.branches)
-            if inc and not host_only and not METAL_HEADERS.fullmatch(inc.group(1).strip()):
-                raise TranslateError(
-                    f"{self.path}:{tok.line}: #include <{inc.group(1)}>: MSL has no C++ "
-                    'standard library (only <metal_*> headers and "..." includes)'
-                )
-            return tok.text
-        if word != "define":
-            return tok.text
-        head = re.match(r"[ \t]*#[ \t]*define[ \t]+(\w+)(\([^)]*\))?", tok.text)
-        body = tok.text[head.end() :]
-        if head.group(2) is None and re.search(r"\b(const|constexpr|constant)\b", body):
-            self.constant_macros.add(head.group(1))
-        r = _Rewriter(_tokenize(body, tok.line), self.path, in_directive=True)
-        self.expressions(r)
-        self.statements(r, in_directive=True)
-        return tok.text[: head.end()] + r.render()
+    @staticmethod
+    def directive(tok: Tok) -> str:
+        """A directive of the preprocessed text: line markers and pragmas pass, the marks that
+        the preprocessor's stand-ins for the shim's headers leave become their #include."""
+        m = _INCLUDE_MARK.match(tok.text)
+        return f"#include <{m.group(1)}>" if m else tok.text
 
     # ------------------------------------------------------------------ statements
-    def statements(self, r: _Rewriter, in_directive: bool = False) -> None:
+    def statements(self, r: _Rewriter) -> None:
         scopes: list[str] = []  # "namespace", "class", "block", "init" per open brace
         # Per open brace: whether a `return` directly in it returns by value (and may copy
         # out of another address space, return_copy).
@@ -580,8 +546,6 @@ class _Translator:
                 items = self.attribute_items(r, k, end)
                 names = {name for name, _, _ in items}
                 if "kernel" in names:
-                    if in_directive:
-                        raise r.error(k, "a kernel defined inside a #define is not supported")
                     k = self.kernel(r, k, end)
                     continue
                 elif "function_constant" in names:
@@ -604,7 +568,6 @@ class _Translator:
                 raise r.error(k, "MSL has no function pointers")
             if (
                 start_of_stmt
-                and not in_directive
                 and (at_ns or (scopes and scopes[-1] == "class"))
                 and self.mutable_variable(r, k, member=not at_ns)
             ):
@@ -614,8 +577,6 @@ class _Translator:
                     f"mutable {what} are not MSL (program-scope data is `constant`, or constexpr)",
                 )
             if s == "kernel" and r.t(k + 1) == "void" and at_ns:
-                if in_directive:
-                    raise r.error(k, "a kernel defined inside a #define is not supported")
                 k = self.kernel(r, k, k + 1)
                 continue
             if start_of_stmt and s == "constant" and at_ns:
@@ -637,7 +598,7 @@ class _Translator:
                 self.return_copy(r, k)
             if s == "(" and "block" in scopes:
                 self.argument_copy(r, k)
-            if s == ")" and (at_ns or scopes[-1] == "class") and not in_directive:
+            if s == ")" and (at_ns or scopes[-1] == "class"):
                 self.as_member(r, k)
             if s in ("struct", "class") and r.t(k - 1) != "enum" and "block" not in scopes:
                 self.struct_copy(r, k)
@@ -703,10 +664,7 @@ class _Translator:
             j += 1
         if j >= len(r.sig) or r.t(j) in ("(", "{", ":") or len(words) < 2:
             return False  # a function, a definition with a body, a bit field, an expression
-        if any(
-            w in ("const", "constexpr", "constant", "operator", "~") or w in self.constant_macros
-            for w in words
-        ):
+        if any(w in ("const", "constexpr", "constant", "operator", "~") for w in words):
             return False
         if member and "static" not in words:
             return False
@@ -810,14 +768,10 @@ class _Translator:
         semi = j
         while r.t(semi) != ";":
             if semi >= len(r.sig):
-                if not r.in_directive:
-                    raise r.error(k, "explicit instantiation without ';'")
-                break  # a macro whose uses supply the ';' (or leave it out: the last one)
+                raise r.error(k, "explicit instantiation without ';'")
             semi += 1
         stop = min(semi + 1, len(r.sig))
-        if not is_kernel:
-            if host is not None:
-                raise r.error(k, "[[host_name]] on an instantiation that is not [[kernel]]")
+        if not is_kernel and host is None:
             return stop
         if r.t(j) == "decltype" and r.t(j + 1) == "(":
             close = r.match(j + 1)
@@ -845,11 +799,12 @@ class _Translator:
             args = r.flat(name_end + 1, paren - 1)
         base = qual_parts[-1]
         qual = "".join(qual_parts[:-1])
+        # An instance of a kernel template is a kernel with or without [[kernel]] of its own.
+        if not is_kernel and base not in self.kernel_templates:
+            raise r.error(k, "[[host_name]] on an instantiation that is not [[kernel]]")
         if host is None:
             host = f'"{base}"'
-        params = (
-            f"{qual}__steel_kernel_ ## {base}" if r.in_directive else f"{qual}__steel_kernel_{base}"
-        )
+        params = f"{qual}__steel_kernel_{base}"
         r.sub(
             k,
             stop,
@@ -916,6 +871,8 @@ class _Translator:
             declared.append(r.t(j))
             j += 1
         name = r.t(j - 1)
+        if head is not None:
+            self.kernel_templates.add(name)
         if r.kind(j - 1) != "ident":
             raise r.error(j, "cannot find the kernel's name")
         if declared[-2:-1] != ["void"]:
@@ -1427,7 +1384,7 @@ class _Translator:
             name = r.t(name_at)
             dims = r.flat(dims_k, end)
             tok = r.toks[r.sig[name_at]]
-            decl_id = _decl_id(self.path, tok.line, tok.col)
+            decl_id = _decl_id(tok.path, tok.line, tok.col)
             targs = f"{ctype}{dims}" + (f", {align}" if align else "")
             ref = f"(&{name}){dims}" if dims else f"&{name}"
             out.append(
@@ -1467,18 +1424,144 @@ class _Translator:
             r.add_after(j, f" STEEL_SIM_AS_COPY({name})")
 
     # ------------------------------------------------------------------ driver
-    def run(self, source: str) -> str:
-        toks = _tokenize(source)
+    def run(self, toks: list[Tok]) -> str:
         for i, tok in enumerate(toks):
             if tok.kind == "directive":
-                toks[i] = Tok("directive_done", self.directive(tok), tok.line, tok.col)
-        r = _Rewriter(toks, self.path, in_directive=False)
+                toks[i] = Tok("directive_done", self.directive(tok), tok.line, tok.col, tok.path)
+        r = _Rewriter(toks)
         self.expressions(r)
         self.statements(r)
         return r.render()
 
 
-def translate(source: str, path: str) -> str:
-    """MSL source -> C++ for the simulator's shim, line for line (see the module docstring)."""
+# ---------------------------------------------------------------------------- preprocessing
+# The pre-pass judges what Metal's compiler judges: the preprocessed tokens of a translation
+# unit, macros expanded and #if evaluated with the macros Metal predefines for the language
+# version. clang does the preprocessing (-E); its line markers name the original file and line
+# of every token, and stay in the output, so compiler errors and checker reports point there.
+
+# -std=metal<version> -> __METAL_VERSION__.
+LANGUAGE_VERSIONS = {"metal3.0": 300, "metal3.1": 310, "metal3.2": 320, "metal4.0": 400}
+DEFAULT_LANGUAGE = "metal3.1"
+# Headers that exist from MSL 4 on: a file that includes them is MSL 4 unless told otherwise.
+_MSL4_HEADERS = ("metal_tensor", "MetalPerformancePrimitives/")
+
+_MARKER = re.compile(r'[ \t]*#[ \t]*(?:line[ \t]+)?(\d+)[ \t]+"((?:[^"\\]|\\.)*)"')
+_INCLUDE_MARK = re.compile(r"[ \t]*#[ \t]*pragma[ \t]+steel_sim_include[ \t]+<([^>]*)>")
+_CLANG_ERROR = re.compile(r"^(.*?):(\d+):\d+: (?:fatal )?error: (.*)$", re.M)
+
+
+def _predefined(version: int) -> list[str]:
+    """The macros Metal's compiler predefines for a macOS target at this language version
+    (clang's own x86-64 and Linux macros are dropped with -undef; __cplusplus stays C++17's, the
+    base of MSL 3 and 4)."""
+    macros = {
+        "__METAL_VERSION__": version,
+        "__METAL__": 1,
+        "__METAL_MACOS__": 1,
+        "__clang__": 1,
+        "__HAVE_SIMDGROUP_MATRIX__": 1,
+        "__HAVE_BFLOAT__": 1,
+    }
+    if version >= 400:
+        macros["__HAVE_TENSOR__"] = 1
+    return [f"-D{k}={v}" for k, v in macros.items()]
+
+
+@functools.cache
+def _header_stand_ins(shim: Path) -> Path:
+    """A tree with one stand-in per header of the shim. The preprocessor includes these instead
+    of the shim's C++ (whose macros, `device` among them, must not be expanded in shader code:
+    in Metal they are keywords); each leaves a mark that becomes the #include again."""
+    root = Path(tempfile.mkdtemp(prefix="steel_sim_headers_"))
+    atexit.register(shutil.rmtree, root, True)
+    for f in shim.rglob("*"):
+        rel = f.relative_to(shim)
+        if f.is_file() and rel.parts[0] != "steel_shim" and f.suffix != ".md":
+            stand_in = root / rel
+            stand_in.parent.mkdir(parents=True, exist_ok=True)
+            stand_in.write_text(f"#pragma once\n#pragma steel_sim_include <{rel.as_posix()}>\n")
+    return root
+
+
+def _preprocess_error(stderr: str, path: str) -> TranslateError:
+    m = _CLANG_ERROR.search(stderr)
+    if not m:
+        return TranslateError(f"{path}:1: the preprocessor failed: {stderr.strip()[-2000:]}")
+    where, message = f"{m.group(1)}:{m.group(2)}", m.group(3)
+    missing = re.fullmatch(r"'(.+)' file not found", message)
+    if missing and not METAL_HEADERS.fullmatch(missing.group(1)):
+        return TranslateError(
+            f"{where}: #include <{missing.group(1)}>: MSL has no C++ standard library (only "
+            '<metal_*> headers and "..." includes)'
+        )
+    if missing and missing.group(1).startswith("metal_"):
+        return TranslateError(f"{where}: <{missing.group(1)}> is not in the simulator's shim")
+    return TranslateError(f"{where}: {message}")
+
+
+def _preprocess(source: str, path: str, include_dirs, version: int) -> str:
+    from torch_steel.sim.build import CXX, SHIM
+
     path_lit = path.replace("\\", "\\\\").replace('"', '\\"')
-    return f'#line 1 "{path_lit}"\n' + _Translator(path).run(source)
+    cmd = [
+        CXX,
+        "-E",
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-undef",
+        "-nostdinc",
+        "-nostdinc++",
+        *_predefined(version),
+        "-iquote",
+        str(Path(path).parent),
+        *[f"-I{d}" for d in include_dirs],
+        f"-I{_header_stand_ins(SHIM)}",
+        "-",
+    ]
+    done = subprocess.run(
+        cmd, input=f'#line 1 "{path_lit}"\n' + source, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise _preprocess_error(done.stderr, path)
+    # What comes before the file's own first line is clang's (<built-in>, <command line>).
+    start = done.stdout.find(f'# 1 "{path_lit}"')
+    return done.stdout[start:] if start >= 0 else done.stdout
+
+
+def _located(text: str) -> list[Tok]:
+    """Tokens of preprocessed text, each with the original file and line its line marker gives."""
+    toks = _tokenize(text)
+    path, delta = "", 0
+    for tok in toks:
+        if tok.kind == "directive":
+            m = _MARKER.match(tok.text)
+            if m:
+                # The line after the marker is line m.group(1) of that file.
+                path = m.group(2).encode().decode("unicode_escape")
+                delta = int(m.group(1)) - (tok.line + 1)
+        tok.path = path
+        tok.line += delta
+    return toks
+
+
+def translate(
+    source: str, path: str, include_dirs: tuple | list = (), std: str | None = None
+) -> str:
+    """MSL source -> C++ for the simulator's shim (see the module docstring): the translation
+    unit of the file at `path` (its headers found beside it and in include_dirs), preprocessed
+    as Metal's compiler would with -std=`std` (metal3.1 by default, metal4.0 when the file
+    includes a header only MSL 4 has), then rewritten token for token."""
+    if std is not None and std not in LANGUAGE_VERSIONS:
+        raise TranslateError(
+            f"{path}:1: unknown language version -std={std} (one of {', '.join(LANGUAGE_VERSIONS)})"
+        )
+    version = LANGUAGE_VERSIONS[std or DEFAULT_LANGUAGE]
+    text = _preprocess(source, path, include_dirs, version)
+    if std is None and version < 400:
+        marks = [m.group(1) for m in _INCLUDE_MARK.finditer(text)]
+        if any(m.startswith(_MSL4_HEADERS) for m in marks):
+            version = 400
+            text = _preprocess(source, path, include_dirs, version)
+    return f"#define STEEL_SIM_METAL_VERSION {version}\n" + _Translator().run(_located(text))

@@ -28,7 +28,7 @@ template [[host_name("accepted_template_f32")]] kernel void accepted_template<fl
   template [[host_name("accepted_template_" #T)]] [[kernel]] decltype(accepted_template<T>) accepted_template<T>
 
 INSTANTIATE(half);
-INSTANTIATE(int)
+INSTANTIATE(int);
 
 kernel void accepted_forward(device float* out, uint i);
 
