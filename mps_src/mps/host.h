@@ -282,6 +282,15 @@ std::vector<at::Tensor> run_plan_on(Host& host, const std::string& op,
                 " tensors are on different devices (", *device, " and ", tensor.device(), ")");
     device = tensor.device();
     descs.emplace_back(describe(tensor, i, op));
+    // TensorDesc::storage: 1 + the first tensor of the call on the same storage (one MTLBuffer).
+    descs.back()->storage = static_cast<int64_t>(i) + 1;
+    for (size_t j = 0; j < i; ++j) {
+      if (tensors[j].has_value() && tensors[j]->defined() && tensor.storage().data() != nullptr &&
+          tensors[j]->storage().unsafeGetStorageImpl() == tensor.storage().unsafeGetStorageImpl()) {
+        descs.back()->storage = static_cast<int64_t>(j) + 1;
+        break;
+      }
+    }
   }
   TORCH_CHECK(device.has_value(), "torch-steel: ", op, " got no tensor");
 

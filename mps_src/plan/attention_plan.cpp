@@ -30,12 +30,19 @@ namespace {
 // The (DE, DV) pairs instantiated in attention.metal, in the order they are tried.
 constexpr HeadDims kHeadDims[] = {{32, 32},   {40, 40},   {64, 64},   {72, 72},
                                   {80, 80},   {96, 96},   {128, 128}, {160, 160},
-                                  {192, 128}, {192, 192}, {256, 256}, {512, 512}};
-constexpr int kMaxHeadDim = 512;
+                                  {192, 128}, {192, 192}, {256, 256}, {512, 512},
+                                  {576, 512}, {576, 576}};
+constexpr int kMaxHeadDim = 576;
+// The backward kernels (attention_backward.metal) are instantiated for the pairs up to 512:
+// 576 / 512 is multi-head latent attention's absorbed form, an inference-time rewrite of a
+// layer that trains in its own form (E = 192, Ev = 128, instantiated).
+constexpr int kMaxBackwardHeadDim = 512;
 
-// attention_backward.metal instantiates every pair in every dtype: each has a backward tile.
+// attention_backward.metal instantiates every pair up to kMaxBackwardHeadDim in every dtype:
+// each has a backward tile.
 constexpr bool every_pair_has_a_backward_tile() {
   for (const HeadDims& h : kHeadDims) {
+    if (h.de > kMaxBackwardHeadDim || h.dv > kMaxBackwardHeadDim) continue;
     for (int es : {2, 4}) {
       if (steel_attn_bwd_bk(h.de, h.dv, es) == 0) return false;
     }
@@ -201,6 +208,28 @@ bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t ro
   return ok;
 }
 
+std::string backward_head_dims(const char* op, int64_t E, int64_t Ev) {
+  if (E <= kMaxBackwardHeadDim && Ev <= kMaxBackwardHeadDim) return "";
+  return std::string(op) + ": head dims E = " + std::to_string(E) + ", Ev = " +
+         std::to_string(Ev) + " have no backward kernel (it takes 1 to " +
+         std::to_string(kMaxBackwardHeadDim) + "; above that, to 576, the forward is for " +
+         "inference, as multi-head latent attention's absorbed 576 / 512)";
+}
+
+bool kv_alias(const Common& c, const TensorDesc& k, const TensorDesc& v) {
+  const int64_t nd = k.dim();
+  if (c.tensor_ops || c.kernel.dv > c.kernel.de || c.Ev > c.E || k.storage == 0 ||
+      v.storage != k.storage || v.offset != k.offset || v.dim() != nd || nd == 0 ||
+      k.strides.size() != k.sizes.size() || v.strides.size() != v.sizes.size() ||
+      k.strides.back() != 1 || v.strides.back() != 1) {
+    return false;
+  }
+  for (int64_t d = 0; d + 1 < nd; ++d) {
+    if (k.sizes[d] != v.sizes[d] || k.strides[d] != v.strides[d]) return false;
+  }
+  return true;
+}
+
 int64_t key_tile(const Common& c) {
   if (c.tensor_ops) return STEEL_ATTN_TENSOR_BK;
   return steel_attn_bk(c.kernel.de, c.kernel.dv, elem_bytes(c));
@@ -267,6 +296,7 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
       fc_bool(STEEL_ATTN_FC_VARLEN, l.varlen),
       fc_bool(STEEL_ATTN_FC_VARLEN_BR, l.varlen_br),
       fc_bool(STEEL_ATTN_FC_DROPOUT, c.dropout_p > 0.0),
+      fc_bool(STEEL_ATTN_FC_KV_ALIAS, l.kv_alias),
   };
   // Absent mask or sinks are never read (function constants), but every declared buffer is
   // bound, so q stands in. The cu_seqlens buffers exist only in varlen pipelines.
@@ -701,6 +731,7 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
   l.align_s = S % attn::key_tile(c) == 0;
   l.vec_k = attn::vec_rows(c, k, nd - 3, nd - 2, k_batch.data(), k_batch.size());
   l.vec_v = attn::vec_rows(c, v, nd - 3, nd - 2, v_batch.data(), v_batch.size());
+  l.kv_alias = attn::kv_alias(c, k, v);
   l.mask_kind = mask_kind;
   l.has_batch = !merged.empty();
   l.mask_slot = mask ? kSlotMask : -1;
@@ -742,6 +773,9 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   Options on_tensor = options;  // the same call's forward as it runs (attn::tensor_backward)
   on_tensor.numbers["decode"] = 0.0;
   const Plan tensor_fwd = plan_attention(forward_tensors, on_tensor);
+  const std::string why = attn::backward_head_dims(
+      "sdpa_backward", tensors[1]->sizes.back(), tensors[3]->sizes.back());
+  if (!why.empty()) return Plan::refuse(why);
   const bool mask_grad = options.number("mask_grad", 0.0) != 0.0;
   if (mask_grad && (!tensors[6] || tensors[6]->dtype == DType::Bool)) {
     return Plan::refuse("sdpa_backward: mask_grad needs a float attn_mask");

@@ -99,6 +99,17 @@ AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const
 bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
               const int64_t* more = nullptr, size_t count = 0);
 
+// The refusal of head dims that the backward kernels do not take ("" when they do).
+std::string backward_head_dims(const char* op, int64_t E, int64_t Ev);
+
+// Whether v is a prefix view of k, so that the kernels take their V tile from the K tile
+// (STEEL_ATTN_FC_KV_ALIAS): k and v, as the kernel reads them (after any copy), view one
+// storage (TensorDesc::storage) from the same offset with the same sizes and strides in every
+// dim but the last, both with a last stride of 1, Ev <= E, and the kernel's DV <= DE (the V
+// tile's columns lie within the K tile's rows). The simdgroup kernels only: the matmul2d
+// prefill reads v itself.
+bool kv_alias(const Common& c, const TensorDesc& k, const TensorDesc& v);
+
 // The key tile and the query rows per threadgroup of the kernel that serves `c` (params.h).
 int64_t key_tile(const Common& c);
 int64_t row_block(const Common& c);
@@ -128,6 +139,7 @@ struct Launch {
   int mask_kind = kSteelAttnMaskNone;
   bool has_batch = false;
   bool varlen = false, varlen_br = false;
+  bool kv_alias = false;  // attn::kv_alias
   int32_t mask_slot = -1, sinks_slot = -1;  // -1: absent (q stands in)
   int32_t out_slot = -1, lse_slot = -1;
   int32_t cu_q_slot = -1, cu_k_slot = -1;  // varlen only

@@ -30,11 +30,16 @@ struct TensorDesc {
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
   int64_t offset = 0;
+  // Which storage the view reads: tensors of one call with the same nonzero value view one
+  // storage (the host sets it from the tensors; 0: not known to share one with any other).
+  // What the attention planner's K/V alias (attention_plan.h, kv_alias) is decided from.
+  int64_t storage = 0;
 
   int64_t dim() const { return static_cast<int64_t>(sizes.size()); }
   int64_t numel() const;
   bool is_contiguous() const;
-  // The same shape with row-major contiguous strides and offset 0 (what a copy produces).
+  // The same shape with row-major contiguous strides and offset 0 in a storage of its own (what
+  // a copy produces).
   TensorDesc contiguous() const;
 };
 

@@ -49,6 +49,15 @@ std::string plan_key(const std::string& op, const TensorList& tensors, const Opt
       for (int64_t stride : t->strides) put_int(&key, stride);
     }
     put_int(&key, t->offset % kPlanOffsetAlign);
+    // Shared storage: the first earlier tensor of the call on the same storage, and the exact
+    // distance between their offsets (what a K/V alias is decided from), so that two calls share
+    // a plan only where their tensors share storage alike.
+    int64_t shared = -1;
+    for (size_t j = 0; j < i && t->storage != 0 && shared < 0; ++j) {
+      if (tensors[j] && tensors[j]->storage == t->storage) shared = static_cast<int64_t>(j);
+    }
+    put_int(&key, shared);
+    if (shared >= 0) put_int(&key, t->offset - tensors[shared]->offset);
     put_int(&key, t->strides.size() == t->sizes.size() && extent(*t) > kInt32Max ? 1 : 0);
   }
   put_int(&key, static_cast<int64_t>(options.numbers.size()));

@@ -207,6 +207,7 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
   // Paged rows start at page strides too.
   l.vec_k = attn::vec_rows(c, k, 1, 0, &k_ps, paged ? 1 : 0);
   l.vec_v = attn::vec_rows(c, v, 1, 0, &v_ps, paged ? 1 : 0);
+  l.kv_alias = attn::kv_alias(c, k, v) && k_ps == v_ps;  // pools: their pages too
   l.varlen = true;
   // Without a diagonal the alignment changes nothing: one pipeline serves both.
   l.varlen_br = c.bottom_right && (diag.has_hi || diag.has_lo);
@@ -311,6 +312,9 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   on_tensor.numbers["decode"] = 0.0;
   const Plan tensor_fwd = plan_attention_varlen(
       {tensors[1], tensors[2], tensors[3], tensors[6], tensors[7], tensors[8]}, on_tensor);
+  const std::string why = attn::backward_head_dims(
+      "sdpa_varlen_backward", tensors[1]->sizes.back(), tensors[3]->sizes.back());
+  if (!why.empty()) return Plan::refuse(why);
   Plan plan;
   for (int32_t slot : fwd.contiguous_inputs) plan.contiguous_inputs.push_back(kForwardSlots[slot]);
   TensorDesc q = *tensors[1];

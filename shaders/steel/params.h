@@ -114,6 +114,10 @@ typedef int64_t steel_i64;
 #define STEEL_ATTN_FC_VARLEN 316     // bool: packed sequences, each found from cu_seqlens (tg.z)
 #define STEEL_ATTN_FC_VARLEN_BR 317  // bool: varlen diagonals align bottom-right per sequence
 #define STEEL_ATTN_FC_DROPOUT 318    // bool: attention weights are dropped (dropout.h)
+// bool: v is the first Ev columns of k's rows (the same storage, offset and strides, Ev <= E:
+// multi-head latent attention's cache), so the kernel takes its V tile from the K tile it has
+// loaded and never reads v's buffer. The planner sets it (attn::kv_alias), never the caller.
+#define STEEL_ATTN_FC_KV_ALIAS 319
 
 // Buffer indices of the attention kernels.
 #define STEEL_ATTN_BUF_Q 0

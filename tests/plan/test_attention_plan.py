@@ -26,7 +26,8 @@ BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS = range(8
 PARAMS_SIZE = 312
 LOG2E = 1.4426950408889634
 INSTANTIATED = [(32, 32), (40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (128, 128),
-                (160, 160), (192, 128), (192, 192), (256, 256), (512, 512)]  # fmt: skip
+                (160, 160), (192, 128), (192, 192), (256, 256), (512, 512), (576, 512),
+                (576, 576)]  # fmt: skip
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -83,8 +84,8 @@ def test_every_planned_kernel_is_in_the_library():
     """The plan's kernel table and attention.metal's instantiations name the same kernels."""
     kernels = set(sim.build.shader_library().handle.kernels())
     for dtype in DTYPES:
-        for E in range(8, 513, 8):
-            for Ev in (8, E, 128, 256, 512):
+        for E in range(8, 577, 8):
+            for Ev in (8, E, 128, 256, 512, 576):
                 d = one(plan(t(1, 1, 4, E, dtype=dtype), t(1, 1, 4, E, dtype=dtype),
                              t(1, 1, 4, Ev, dtype=dtype)))  # fmt: skip
                 assert d.kernel in kernels, d.kernel
@@ -93,7 +94,9 @@ def test_every_planned_kernel_is_in_the_library():
 @pytest.mark.parametrize(
     "E,Ev,kernel",
     [(100, 100, "e128_v128"), (8, 8, "e32_v32"), (48, 80, "e80_v80"), (192, 100, "e192_v128"),
-     (64, 256, "e256_v256"), (257, 1, "e512_v512"), (130, 128, "e160_v160")],
+     (64, 256, "e256_v256"), (257, 1, "e512_v512"), (130, 128, "e160_v160"),
+     (520, 520, "e576_v576"), (576, 500, "e576_v512"), (300, 576, "e576_v576"),
+     (513, 8, "e576_v512")],
 )  # fmt: skip
 def test_other_head_dims_take_the_next_instantiation(E, Ev, kernel):
     d = one(plan(t(1, 1, 8, E), t(1, 1, 8, E), t(1, 1, 8, Ev)))
@@ -207,7 +210,7 @@ def test_offsets_past_two_to_the_31_are_64_bit():
                       t(1, 1, 8, 64, dtype=torch.float64)), "float64"),
         (lambda: plan(t(1, 1, 8, 64), t(1, 1, 8, 64, dtype=torch.float32), t(1, 1, 8, 64)),
          "dtype"),
-        (lambda: plan(t(1, 1, 8, 520), t(1, 1, 8, 520), t(1, 1, 8, 520)), "head dims"),
+        (lambda: plan(t(1, 1, 8, 584), t(1, 1, 8, 584), t(1, 1, 8, 584)), "head dims"),
         (lambda: plan(t(1, 3, 8, 64), t(1, 2, 8, 64), t(1, 2, 8, 64)), "do not make"),
         (lambda: plan(t(1, 1, 8, 64), t(1, 1, 8, 64), t(1, 1, 8, 64),
                       t(8, 8, dtype=torch.int32)), "attn_mask of dtype"),
@@ -235,7 +238,7 @@ DMASK_ROWS, DMASK_KEYS, ALIGN_Q = 324, 325, 321
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-@pytest.mark.parametrize("E,Ev", INSTANTIATED)
+@pytest.mark.parametrize("E,Ev", [(E, Ev) for E, Ev in INSTANTIATED if E <= 512])
 def test_every_pair_has_backward_kernels(E, Ev, dtype):
     """The backward refuses no instantiated pair (float32 at 512 has tiles that share one
     buffer), its kernels are the pair's, and ALIGN_Q says whether L = 24 fills its query tiles
@@ -288,3 +291,78 @@ def test_mask_gradient_dispatch_owns_the_mask_elements(mask_shape, grid, combos,
     assert [(tuple(a.sizes), a.dtype, a.is_output) for a in dmask] == [
         (mask_shape, torch.float32, True)
     ]
+
+
+# ---- The K/V alias (STEEL_ATTN_FC_KV_ALIAS): v a prefix view of k, found from the views ----
+
+KV_ALIAS = 319
+
+
+def latent(S=40, dtype=torch.float16, E=576, Ev=512, B=1):
+    """A latent cache [B, 1, S, E] and its first Ev columns as the value (absorbed MLA)."""
+    kv = t(B, 1, S, E, dtype=dtype)
+    return kv, kv[..., :Ev]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("L,decode", [(1, True), (4, True), (40, False)])
+def test_a_prefix_view_of_k_takes_the_alias(dtype, L, decode):
+    kv, v = latent(dtype=dtype)
+    p = plan(t(1, 16, L, 576, dtype=dtype), kv, v, decode=decode)
+    assert p.ok, p.reason
+    assert all(d.constants[KV_ALIAS] for d in p.dispatches if KV_ALIAS in d.constants)
+    assert p.dispatches[0].kernel.endswith("_e576_v512")
+
+
+@pytest.mark.parametrize(
+    "make_v",
+    [
+        lambda kv: kv[..., :512].clone(),  # another storage
+        lambda kv: kv[..., 1:513],  # offset by one column
+        lambda kv: kv[:, :, 1:, :512],  # offset by one row (S differs: a separate shape check)
+        lambda kv: kv.view(-1)[: 40 * 512].view(1, 1, 40, 512),  # same storage, other strides
+        lambda kv: kv[..., :512].contiguous(),
+    ],
+)  # fmt: skip
+def test_views_that_are_not_a_prefix_of_k_do_not(make_v):
+    kv, _ = latent()
+    v = make_v(kv)
+    p = plan(t(1, 16, 1, 576), kv[:, :, : v.shape[2]], v, decode=True)
+    assert p.ok, p.reason
+    assert not any(d.constants.get(KV_ALIAS, False) for d in p.dispatches)
+
+
+def test_alias_needs_the_kernels_dv_within_de():
+    # Ev <= E but the instantiation's DV > DE: (64, 128) runs on e128_v128 (DV = DE) and takes
+    # it; v wider than k can never be a prefix of it.
+    kv = t(1, 1, 40, 128)
+    assert one(plan(t(1, 1, 40, 128), kv, kv[..., :64])).constants[KV_ALIAS]
+    wide = t(1, 1, 40, 256)
+    assert not one(plan(t(1, 1, 40, 64), wide[..., :64], wide)).constants[KV_ALIAS]
+
+
+def test_the_plan_cache_tells_aliased_calls_apart():
+    """Two calls whose tensors differ only in whether v shares k's storage have different plans
+    (the cache key holds the shared storage and the offsets' distance)."""
+    kv, v = latent()
+    q = t(1, 16, 1, 576)
+    shared = sim.plan("sdpa", [q, kv, v, None, None], options(decode=True))
+    other = sim.plan("sdpa", [q, kv, v.clone(), None, None], options(decode=True))
+    same_storage_moved = kv.view(-1)[8:].as_strided(v.shape, v.stride(), v.storage_offset() + 8)
+    moved = sim.plan("sdpa", [q, kv, same_storage_moved, None, None], options(decode=True))
+    assert shared.dispatches[0].constants[KV_ALIAS]
+    assert not other.dispatches[0].constants[KV_ALIAS]
+    assert not moved.dispatches[0].constants[KV_ALIAS]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_backward_refuses_head_dims_above_512_with_the_reason(dtype):
+    q, k, v = (
+        t(1, 2, 24, 576, dtype=dtype),
+        t(1, 2, 40, 576, dtype=dtype),
+        t(1, 2, 40, 512, dtype=dtype),
+    )
+    out = torch.empty(1, 2, 24, 512, dtype=dtype)
+    p = sim.plan("sdpa_backward", [out, q, k, v, out, torch.empty(1, 2, 24), None, None, None],
+                 {"scale": 0.1})  # fmt: skip
+    assert not p.ok and "no backward kernel" in p.reason and "576" in p.reason, p.reason

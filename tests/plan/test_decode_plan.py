@@ -216,8 +216,8 @@ def test_every_planned_decode_kernel_is_in_the_library():
     """The plan's head-dim table and decode.metal's instantiations name the same kernels."""
     kernels = set(sim.build.shader_library().handle.kernels())
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for E in range(8, 513, 8):
-            for Ev in (8, E, 128, 256, 512):
+        for E in range(8, 577, 8):
+            for Ev in (8, E, 128, 256, 512, 576):
                 p = sim.plan("sdpa", [t(1, 1, 1, E, dtype=dtype), t(1, 1, 600, E, dtype=dtype),
                                       t(1, 1, 600, Ev, dtype=dtype), None, None],
                              {"num_splits": 2})  # fmt: skip

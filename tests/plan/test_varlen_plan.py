@@ -136,7 +136,7 @@ def test_params_are_the_attention_params_layout():
         (lambda: plan(t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), cu_k=cu(0, 200)), "one length"),
         (lambda: plan(t(1, 150, 2, 64), t(1, 200, 2, 64), t(1, 200, 2, 64)), "packed [tokens"),
         (lambda: plan(t(150, 3, 64), t(200, 2, 64), t(200, 2, 64)), "do not make"),
-        (lambda: plan(t(150, 2, 520), t(200, 2, 520), t(200, 2, 520)), "head dims"),
+        (lambda: plan(t(150, 2, 584), t(200, 2, 584), t(200, 2, 584)), "head dims"),
         (lambda: plan(t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), sinks=t(3)), "sinks"),
         (lambda: plan(t(150, 2, 64), t(200, 2, 64), t(200, 2, 64), cu_q=cu(0), cu_k=cu(0)),
          "0 sequences"),

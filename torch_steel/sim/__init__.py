@@ -110,6 +110,22 @@ def _desc(t: torch.Tensor | None):
     return (_DTYPES[t.dtype], list(t.shape), list(t.stride()), int(t.storage_offset()))
 
 
+def _storages(tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    """TensorDesc::storage of each tensor (mps_src/plan/plan.h): 1 + the position of the first
+    tensor of the call on the same storage, 0 for None. What the attention planner decides a
+    K/V alias from (v a prefix view of k), as the Metal host does from its tensors."""
+    first: dict[int, int] = {}
+    out = []
+    for i, t in enumerate(tensors):
+        if t is None:
+            out.append(0)
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        # No data (an empty storage) shares nothing.
+        out.append(first.setdefault(ptr, i + 1) if ptr != 0 else i + 1)
+    return out
+
+
 def _options(options: Mapping[str, Any] | None):
     numbers: dict[str, float] = {}
     strings: dict[str, str] = {}
@@ -189,7 +205,7 @@ def plan(
         descs = [_desc(t) for t in tensors]
     except PlanRefused as e:
         return Plan(False, str(e), len(tensors), [], [], [])
-    return _wrap_plan(ext.make_plan(op, descs, numbers, strings))
+    return _wrap_plan(ext.make_plan(op, descs, numbers, strings, storages=_storages(tensors)))
 
 
 def _extent_bytes(t: torch.Tensor) -> int:

@@ -29,12 +29,18 @@ struct PlanHandle {
 using Desc = std::optional<std::tuple<int, std::vector<int64_t>, std::vector<int64_t>, int64_t>>;
 
 // cached: through the process's plan cache (steel::cached_plan), as the Metal host plans; else
-// planned afresh (tests compare the two).
+// planned afresh (tests compare the two). storages: TensorDesc::storage per desc (empty: none
+// known to share storage).
 PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,
                      const std::map<std::string, double>& numbers,
-                     const std::map<std::string, std::string>& strings, bool cached) {
+                     const std::map<std::string, std::string>& strings, bool cached,
+                     const std::vector<int64_t>& storages) {
+  if (!storages.empty() && storages.size() != descs.size()) {
+    throw py::value_error("make_plan: one storage id per desc");
+  }
   steel::TensorList tensors;
-  for (const Desc& d : descs) {
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const Desc& d = descs[i];
     if (!d) {
       tensors.emplace_back(std::nullopt);
       continue;
@@ -44,6 +50,7 @@ PlanHandle make_plan(const std::string& op, const std::vector<Desc>& descs,
     t.sizes = std::get<1>(*d);
     t.strides = std::get<2>(*d);
     t.offset = std::get<3>(*d);
+    t.storage = storages.empty() ? 0 : storages[i];
     tensors.emplace_back(std::move(t));
   }
   steel::Options options;
@@ -256,7 +263,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return LibraryHandle{steel_sim::load_library(paths)};
   });
   m.def("make_plan", &make_plan, py::arg("op"), py::arg("descs"), py::arg("numbers"),
-        py::arg("strings"), py::arg("cached") = true);
+        py::arg("strings"), py::arg("cached") = true,
+        py::arg("storages") = std::vector<int64_t>{});
   m.def("plan_cache_stats", [] {
     const steel::PlanCache::Stats s = steel::plan_cache().stats();
     py::dict d;

@@ -53,7 +53,9 @@ template <typename T, short DE, short DV>
   STEEL_ATTN_KERNEL(tname, T, 192, 128) \
   STEEL_ATTN_KERNEL(tname, T, 192, 192) \
   STEEL_ATTN_KERNEL(tname, T, 256, 256) \
-  STEEL_ATTN_KERNEL(tname, T, 512, 512)
+  STEEL_ATTN_KERNEL(tname, T, 512, 512) \
+  STEEL_ATTN_KERNEL(tname, T, 576, 512) \
+  STEEL_ATTN_KERNEL(tname, T, 576, 576)
 
 STEEL_ATTN_DTYPE(f16, half)
 STEEL_ATTN_DTYPE(bf16, bfloat)

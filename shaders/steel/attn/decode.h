@@ -168,7 +168,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderK::load(Ks, k + k_start, k_rows, valid, short(p.E), whole && attn_align_e,
                      attn_vec_k, thread_index);
-    if (!A::kShared) {
+    if (!A::kShared && !A::alias()) {
       A::LoaderV::load(Vs, v + v_start, v_rows, valid, short(p.Ev), whole && attn_align_ev,
                        attn_vec_v, thread_index);
     }
@@ -184,13 +184,13 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
       o.frag[n].thread_elements()[1] *= factor;
     }
 
-    if (A::kShared) {  // V takes K's place once every simdgroup has its scores
+    if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
       A::LoaderV::load(Vs, v + v_start, v_rows, valid, short(p.Ev), whole && attn_align_ev,
                        attn_vec_v, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    attn_mma_b<T, A::kLdV>(o, s, Vs, lane);
+    A::mma_pv(o, s, Ks, Vs, lane);  // V from the K tile when v is a prefix view of k
   }
 
   if (!row_ok) return;  // no barrier follows

@@ -71,6 +71,8 @@ template <typename T>
   STEEL_DECODE_KERNEL(tname, T, 192, 192)                                           \
   STEEL_DECODE_KERNEL(tname, T, 256, 256)                                           \
   STEEL_DECODE_KERNEL(tname, T, 512, 512)                                           \
+  STEEL_DECODE_KERNEL(tname, T, 576, 512)                                           \
+  STEEL_DECODE_KERNEL(tname, T, 576, 576)                                           \
   template [[host_name("steel_attention_decode_merge_" #tname)]] [[kernel]]         \
   decltype(steel_attention_decode_merge<T>) steel_attention_decode_merge<T>;
 

@@ -18,7 +18,9 @@
 //     blocks past the end of their sequence leave at once. With the constant off, the extent is
 //     AttnParams' and the varlen code compiles away.
 // Barriers: separate K and V tiles take two per key tile (before the loads overwrite the
-// previous tile, after them); when K and V share one buffer (large head dims) four.
+// previous tile, after them); when K and V share one buffer (large head dims) four. When v is
+// a prefix view of k (STEEL_ATTN_FC_KV_ALIAS) V is never loaded: P V reads the K tile, with two
+// barriers per tile whatever the head dims.
 #pragma once
 
 #include <metal_stdlib>
@@ -42,6 +44,7 @@ constant int attn_sinks [[function_constant(STEEL_ATTN_FC_SINKS)]];
 constant bool attn_has_batch [[function_constant(STEEL_ATTN_FC_HAS_BATCH)]];
 constant bool attn_varlen [[function_constant(STEEL_ATTN_FC_VARLEN)]];
 constant bool attn_varlen_br [[function_constant(STEEL_ATTN_FC_VARLEN_BR)]];
+constant bool attn_kv_alias [[function_constant(STEEL_ATTN_FC_KV_ALIAS)]];
 
 namespace steel {
 
@@ -70,6 +73,15 @@ struct AttnForward {
 
   using LoaderK = AttnTileLoader<T, BK, DE, kLdK, kThreads>;
   using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
+
+  // STEEL_ATTN_FC_KV_ALIAS: v is the first Ev columns of k's rows, so the V tile is the K tile
+  // (its first DV columns, rows kLdK apart). Only where those columns lie within the K tile's
+  // rows; the planner sets the constant only then (attn::kv_alias).
+  static constant constexpr bool kCanAlias = DV <= DE;
+  static bool alias() { return kCanAlias && attn_kv_alias; }
+  // O += P V, V from its own tile or from the K tile.
+  static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
+                     const threadgroup T* Ks, const threadgroup T* Vs, ushort lane);
 };
 
 // The element offset of batch entry `zb` in a tensor with these merged batch strides (64-bit:
@@ -134,6 +146,18 @@ inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>
       frag_load(b, tile + (j * 8 + fr) * kLd + n * 8 + fc, short(1));
       simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
     }
+  }
+}
+
+template <typename T, short DE, short DV>
+inline void AttnForward<T, DE, DV>::mma_pv(thread FragTile<1, TV>& o,
+                                           thread const FragTile<1, TK>& s,
+                                           const threadgroup T* Ks, const threadgroup T* Vs,
+                                           ushort lane) {
+  if (alias()) {
+    attn_mma_b<T, kLdK>(o, s, Ks, lane);
+  } else {
+    attn_mma_b<T, kLdV>(o, s, Vs, lane);
   }
 }
 
@@ -284,7 +308,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     A::LoaderK::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
                      attn_vec_k, thread_index);
-    if (!A::kShared) {
+    if (!A::kShared && !A::alias()) {
       A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
                        whole && attn_align_ev, attn_vec_v, thread_index);
     }
@@ -306,7 +330,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
       attn_dropout_tile<A::TK>(s, p, bh, row, key0, fc);
     }
 
-    if (A::kShared) {  // V takes K's place once every simdgroup has its scores
+    if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
       A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
                        whole && attn_align_ev, attn_vec_v, thread_index);
@@ -314,7 +338,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
 
     // O += P V: the probabilities are already in the A-operand layout of a fragment.
-    attn_mma_b<T, A::kLdV>(o, s, Vs, lane);
+    A::mma_pv(o, s, Ks, Vs, lane);
   }
 
   if (!row_ok) return;  // no barrier follows
