@@ -134,6 +134,28 @@ def _cache(name: str, resident) -> dict[str, Any]:
     }
 
 
+# part 24B's sampled run: the first and last waves, the middle wave of each of `waves` strata
+# between, each after `warm` uncounted waves (torch_steel/sim/traffic.py)
+SAMPLE = {"waves": 2, "warm": 1}
+
+
+def _sampling(work: float, budget: float, threadgroups: Sequence[int], residents: Sequence[int]):
+    """None (run whole: within the budget), the sample= argument (sampled, within the budget),
+    or the reason the shape is skipped. A sampled dispatch runs at most
+    (2 + waves) x (1 + warm) of its waves; the dearest dispatch decides."""
+    if work <= budget:
+        return None
+    if not sampling_available():
+        return f"{work:.1e} MACs over --sim-budget; no sampling in this simulator"
+    runs = (2 + SAMPLE["waves"]) * (1 + SAMPLE["warm"])
+    fraction = max(
+        min(1.0, runs / math.ceil(n / r)) for n, r in zip(threadgroups, residents, strict=True)
+    )
+    if work * fraction > budget:
+        return f"{work:.1e} MACs, {work * fraction:.1e} sampled: over --sim-budget"
+    return dict(SAMPLE)
+
+
 # --- steel ---------------------------------------------------------------------------------
 
 
@@ -174,17 +196,15 @@ def steel_records(
         work *= factor
     how = "heads reduced" if use_reduced and factor > 1 else "full"
     kw: dict[str, Any] = {}
+    residents = [_resident(chip_name, d) for d in full.dispatches]
     if cache_model_available():
-        residents = [_resident(chip_name, d) for d in full.dispatches]
         kw["cache"] = _cache(chip_name, residents)
-    if work > budget:
-        if not sampling_available():
-            return {"skipped": f"{work:.1e} MACs over the budget; needs sampling (part 24B)"}
-        kw["sample"] = {"waves": 2}
-        if "cache" not in kw:
-            kw["sample"]["resident_threadgroups"] = [
-                _resident(chip_name, d) for d in full.dispatches
-            ]
+    run_groups = [math.prod(d.grid) // (factor if use_reduced else 1) for d in full.dispatches]
+    sample = _sampling(work, budget, run_groups, residents)
+    if isinstance(sample, str):
+        return {"skipped": sample}
+    if sample is not None:
+        kw["sample"] = sample if "cache" in kw else {**sample, "resident_threadgroups": residents}
     tensors = make("cpu", use_reduced)
     _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False, **kw)
     if any(c.get("sampled", {}).get("extrapolated") for c in counters):
@@ -228,19 +248,20 @@ def pytorch_records(
     geometries = [_pytorch_geometry(x) for x in full_launches]
     infos = [_pytorch_info(x, q.dtype) for x in full_launches]
     how = "heads reduced" if factor > 1 else "full"
+    residents = [_resident(chip_name, g, i) for g, i in zip(geometries, infos, strict=True)]
+    run_groups = [math.prod(tuple(x["grid"])) for x in launches]
+    sample = _sampling(work, budget, run_groups, residents)
+    if isinstance(sample, str):
+        return {"skipped": sample}
     counters = []
     for i, launch in enumerate(launches):
         extra: dict[str, Any] = {}
         if cache_model_available():
-            extra["cache"] = _cache(chip_name, _resident(chip_name, geometries[i], infos[i]))
-        if work > budget:
-            if not sampling_available():
-                return {"skipped": f"{work:.1e} MACs over the budget; needs sampling (part 24B)"}
-            extra["sample"] = {"waves": 2}
+            extra["cache"] = _cache(chip_name, residents[i])
+        if sample is not None:
+            extra["sample"] = sample
             if "cache" not in extra:
-                extra["sample"]["resident_threadgroups"] = _resident(
-                    chip_name, geometries[i], infos[i]
-                )
+                extra["sample"] = {**sample, "resident_threadgroups": residents[i]}
         c = pytorch_mps.run(launch, counters=True, checkers=False, **extra)
         if c.get("sampled", {}).get("extrapolated") and "sampled" not in how:
             how += ", sampled"
