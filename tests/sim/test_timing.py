@@ -181,6 +181,12 @@ def test_steel_register_estimates_count_live_fragments():
     info = timing.steel_kernel_info("steel_gemm_nn_f32_bm32_bn32_bk16_wm2_wn2")
     assert info["registers"] == 2 * 8 + 24
     assert timing.steel_kernel_info("a_pytorch_kernel")["registers"] is None
+    # f16 d128: Q 16 + O 16 + score tile 4 + 1; K and V tiles of 32 rows of 136 halves each.
+    info = timing.steel_kernel_info("steel_attention_f16_e128_v128")
+    assert info["registers"] == 2 * 37 + 24 and info["threadgroup_memory"] == 32 * 136 * 2 * 2
+    # Resident on an M1: 61440 // 17408 = 3 by threadgroup memory (registers allow 4).
+    geometry = {"kernel": "steel_attention_f16_e128_v128", "grid": (9, 9, 1), "threads": (128,)}
+    assert timing.resident_threadgroups(geometry, "M1") == 3 * 8
 
 
 def _sdpa_inputs(L, S, E, dtype=torch.float16):
@@ -194,7 +200,7 @@ def _sdpa_inputs(L, S, E, dtype=torch.float16):
 @requires_clang
 def test_predict_runs_a_steel_attention_call_end_to_end():
     tensors, opts = _sdpa_inputs(33, 47, 64)
-    r = sim.predict("sdpa", tensors, opts, chip="M4 Pro")
+    r = sim.predict("sdpa", tensors, opts, chip="M4 Pro")  # with the cache model
     # The outputs are the op's own: compare with PyTorch's attention in float64.
     q, k, v = (t.double() for t in tensors[:3])
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=opts["scale"])
@@ -213,6 +219,14 @@ def test_predict_runs_a_steel_attention_call_end_to_end():
     assert mma > 0
     assert d["pipes"]["fp"] >= mma * 512 / chip["simdgroup_matrix_fma_float_per_core_cycle"]
     assert d["time_s"] >= chip["dispatch_overhead_s"] and math.isfinite(d["time_s"])
+    # DRAM from the cache model: q, k, v once (the two query blocks of a head re-read k and v
+    # from the caches, not from DRAM), give or take a line per tensor and the params struct.
+    assert d["dram_source"].startswith("cache model")
+    compulsory = sum(t.numel() * t.element_size() for t in tensors[:3])
+    tensor_reads = sum(counters[0]["buffers"][i]["read"] for i in range(3))
+    assert tensor_reads > compulsory  # k and v are read once per query block
+    read = d["dram_bytes"] - (33 * 64 * 2 + 33 * 4) * 2  # minus out and lse written
+    assert compulsory <= read <= compulsory + 3 * 128 + 4096
 
 
 @requires_clang

@@ -463,9 +463,16 @@ def predict(
     *,
     chip: str,
     checkers: bool = False,
+    cache: bool = True,
+    sample: int | Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Predicted time of `op` on `chip` (a name of timing.chips()): runs the op's plan in the
     simulator with counters and applies the timing model (timing.py) to every dispatch.
+
+    cache: replay the device accesses through the cache model with the chip's L2 and
+    system-level cache and waves of timing.resident_threadgroups (DRAM bytes for the model);
+    False keeps the model's fallback (the tensors' device bytes). sample: as for run_op (big
+    dispatches; outputs are then None).
 
     Returns {"chip", "time_s" (the sum over dispatches), "bound" (that of the longest dispatch),
     "dispatches": [timing.predict_dispatch's result per dispatch], "outputs"}. The checkers are
@@ -475,7 +482,17 @@ def predict(
     p = plan(op, tensors, options)
     if not p.ok:
         raise PlanRefused(p.reason)
-    outputs, raw = run_op(op, tensors, options, counters=True, checkers=checkers)
-    result = timing.predict_call(p.dispatches, raw, chip)
+    record = timing.chip(chip)
+    description = None
+    if cache:
+        description = {
+            "l2_bytes": int(record["l2_bytes"]),
+            "slc_bytes": int(record["slc_bytes"]),
+            "resident_threadgroups": lambda d: timing.resident_threadgroups(d, record),
+        }
+    outputs, raw = run_op(
+        op, tensors, options, counters=True, checkers=checkers, cache=description, sample=sample
+    )
+    result = timing.predict_call(p.dispatches, raw, record)
     result["outputs"] = outputs
     return result

@@ -120,16 +120,28 @@ def _attn_ld(d: int, elem: int) -> int:
     return d + 16 // elem
 
 
+def _attn_shared(de: int, dv: int, elem: int) -> bool:
+    """steel_attn_shared_kv: K and V take turns in one buffer."""
+    return 16 * (_attn_ld(de, elem) + _attn_ld(dv, elem)) * elem > _TG_BUDGET
+
+
+def _attn_row_bytes(de: int, dv: int, elem: int) -> int:
+    """Bytes of one key row of the K/V tile(s): both rows, or the wider one when shared."""
+    ldk, ldv = _attn_ld(de, elem), _attn_ld(dv, elem)
+    return (max(ldk, ldv) if _attn_shared(de, dv, elem) else ldk + ldv) * elem
+
+
 def _attn_bk(de: int, dv: int, elem: int) -> int:
     """steel_attn_bk of shaders/steel/params.h: the key tile of the forward."""
-    shared = de > 128 or dv > 128
-    if not shared:
-        separate = 32 * (_attn_ld(de, elem) + _attn_ld(dv, elem)) * elem
-        return 32 if separate <= _TG_BUDGET else 16
-    for bk in (32, 16):
-        if bk * max(_attn_ld(de, elem), _attn_ld(dv, elem)) * elem <= _TG_BUDGET:
-            return bk
-    return 8
+    row = _attn_row_bytes(de, dv, elem)
+    if not _attn_shared(de, dv, elem):
+        return 32 if 32 * row <= _TG_BUDGET else 16
+    return next((bk for bk in (32, 16) if bk * row <= _TG_BUDGET), 8)
+
+
+def _attn_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
+    """steel_attn_threadgroup_bytes of shaders/steel/params.h: the forward's K and V tiles."""
+    return _attn_bk(de, dv, elem) * _attn_row_bytes(de, dv, elem)
 
 
 def steel_kernel_info(kernel: str) -> dict[str, Any]:
@@ -158,11 +170,11 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
         else:
             frags, what = td + tv + tk + 1, "Q and O rows, the score tile and one operand"
         basis = f"{frags} live 8x8 fp32 fragments ({what}) x 2 + {_BASE_REGISTERS} scalars"
-        return {
-            "registers": 2 * frags + _BASE_REGISTERS,
-            "register_basis": basis,
-            "mma_dtype": "float",
-        }
+        info = {"registers": 2 * frags + _BASE_REGISTERS, "register_basis": basis,
+                "mma_dtype": "float"}  # fmt: skip
+        if kind in (None, "decode"):  # the forward's K/V tiles (decode.h uses AttnForward's)
+            info["threadgroup_memory"] = _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])
+        return info
     m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)
     if m:
         bm, bn, wm, wn = (int(m.group(i)) for i in (2, 3, 5, 6))
@@ -192,6 +204,35 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
 
 
 _chip_record = chip
+
+
+def _occupancy(c: Mapping, tg_simdgroups: int, tgmem: int, registers: int | None):
+    """(limits by resource, the limiting one, threadgroups resident per core (at least 1))."""
+    limits = {"threads": int(c["max_threads_per_core"]) // (tg_simdgroups * _LANES)}
+    if tgmem:
+        limits["threadgroup_memory"] = int(c["threadgroup_memory_bytes_per_core"]) // tgmem
+    if registers:
+        limits["registers"] = int(c["register_file_bytes_per_core"]) // (
+            int(registers) * 4 * tg_simdgroups * _LANES
+        )
+    limiter = min(limits, key=limits.get)
+    return limits, limiter, max(1, limits[limiter])
+
+
+def resident_threadgroups(geometry: Any, chip: str | Mapping, kernel_info=None) -> int:
+    """Threadgroups of a dispatch resident on the whole GPU at once (cores x per core), from
+    what is known before it runs: its threads, its threadgroup-memory lengths and, for steel's
+    kernels, the declared threadgroup memory and registers of steel_kernel_info. The wave size
+    for part 24B's cache model (sim.predict passes it)."""
+    c = chip if isinstance(chip, Mapping) else _chip_record(chip)
+    _, threads, tgmem, _ = _geometry(geometry)
+    kernel = getattr(geometry, "kernel", None) or (
+        geometry.get("kernel", "") if isinstance(geometry, Mapping) else ""
+    )
+    info = kernel_info if kernel_info is not None else steel_kernel_info(kernel)
+    tgmem = max(tgmem, int(info.get("threadgroup_memory", 0) or 0))
+    simdgroups = max(1, math.ceil(math.prod(threads) / _LANES))
+    return int(c["gpu_cores"]) * _occupancy(c, simdgroups, tgmem, info.get("registers"))[2]
 
 
 # --- one dispatch ----------------------------------------------------------------------------
@@ -277,17 +318,9 @@ def predict_dispatch(
             "threadgroup memory declared in the kernel unknown: only the dispatch's lengths count"
         )
     registers = info.get("registers")
-    limits = {"threads": int(c["max_threads_per_core"]) // (tg_simdgroups * _LANES)}
-    if tgmem:
-        limits["threadgroup_memory"] = int(c["threadgroup_memory_bytes_per_core"]) // tgmem
-    if registers:
-        limits["registers"] = int(c["register_file_bytes_per_core"]) // (
-            int(registers) * 4 * tg_simdgroups * _LANES
-        )
-    else:
+    limits, limiter, resident = _occupancy(c, tg_simdgroups, tgmem, registers)
+    if not registers:
         notes.append("no register estimate: registers assumed not to limit occupancy")
-    limiter = min(limits, key=limits.get)
-    resident = max(1, limits[limiter])
     if limits[limiter] < 1:
         notes.append(
             f"one threadgroup exceeds a core's {limiter}: the compiler would spill; costed as 1"
