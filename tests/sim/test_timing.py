@@ -105,6 +105,18 @@ def test_instruction_classes_are_costed_at_their_own_pipes():
     assert r["compute_s"] == pytest.approx(n * 512 / 101.7 / (cores * clock), rel=1e-12)
 
 
+def test_memory_instructions_take_issue_slots_and_constant_reads_count_once():
+    chip = timing.chip("M1")
+    cores, clock = chip["gpu_cores"], chip["clock_ghz"] * 1e9
+    n = 4_000_000
+    c = _counters(3 * cores, instructions={"fp32": n}, device_loads=n, threadgroup_stores=n,
+                  constant_read=1000, buffers={0: {"read": 1000, "written": 0}})  # fmt: skip
+    r = timing.predict_dispatch(c, {"grid": (3 * cores,), "threads": (1024,)}, chip, UNKNOWN)
+    # fp32 at 4 per core-cycle, each load and store one issue slot of 4 per core-cycle.
+    assert r["compute_s"] == pytest.approx(3 * n / 4 / (cores * clock), rel=1e-12)
+    assert r["device_bytes"] == 1000  # constant_read is among the buffers' bytes already
+
+
 @pytest.mark.parametrize("name", ["M2", "M5"])
 def test_pure_streaming_dispatch_is_dram_bound(name):
     chip = timing.chip(name)

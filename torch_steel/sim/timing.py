@@ -59,6 +59,8 @@ _MMA_RATES = {
     "bfloat": "simdgroup_matrix_fma_bfloat_per_core_cycle",
     "float": "simdgroup_matrix_fma_float_per_core_cycle",
 }
+# Memory instructions (part 24A's counters): one issue slot each.
+_MEMORY_INSTRUCTIONS = ("device_loads", "device_stores", "threadgroup_loads", "threadgroup_stores")
 # A simd reduction (simd_sum, prefix sums) is costed as log2(32) = 5 shuffle steps.
 _REDUCTION_SHUFFLES = 5
 # 32-bit registers per lane that every kernel holds besides its fragments (indices, pointers,
@@ -268,7 +270,7 @@ def _device_bytes(counters: Mapping, bindings) -> tuple[int, int]:
         total += n
         if int(index) not in inline:
             tensors += n
-    return total + int(counters.get("constant_read", 0)), tensors
+    return total, tensors  # buffers include constant_read (part 24A keeps it in both)
 
 
 def predict_dispatch(
@@ -345,6 +347,9 @@ def predict_dispatch(
             else:
                 field, per_op = _ALU_RATES.get(cls, _ALU_RATES["other"])
                 fp_pipe += n * _LANES * per_op / float(c[field])
+        # Loads and stores take an issue slot each; their bytes are the memory components' cost.
+        memory_ops = sum(counters.get(k, 0) for k in _MEMORY_INSTRUCTIONS)
+        fp_pipe += memory_ops / 4
     else:
         notes.append("no instruction-class counters (part 24A): ALU instructions not costed")
     by_dtype = counters.get("mma_by_dtype")
