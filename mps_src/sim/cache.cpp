@@ -21,7 +21,9 @@
 //   line reaches DRAM once, when it leaves the last level holding it or at the end of the
 //   dispatch; it is counted when it is first written (so a group's writes are its own, sampling
 //   included) and again only if it is written after it left both levels.
-// - Both caches start empty at each dispatch; nothing carries over between dispatches.
+// - Both caches start empty at each dispatch; nothing carries over between dispatches. In a run
+//   of some threadgroups only (LaunchSpec::groups), they are emptied again before a wave that
+//   does not follow the last wave run: the waves skipped would have replaced their contents.
 #include <unordered_map>
 #include <unordered_set>
 
@@ -110,6 +112,9 @@ struct Model {
   uint32_t line_bytes = 128;
   uint32_t resident = 1;
   uintptr_t base = 0;
+  uint64_t l2_lines = 0;
+  uint64_t slc_lines = 0;
+  bool started = false;  // a threadgroup of this attempt started (wave_id is its wave)
   Lru l2;
   Lru slc;
   std::unordered_set<uint32_t> dirty;  // written lines not yet back in DRAM
@@ -197,8 +202,11 @@ void cache_reset(const LaunchSpec& spec) {
   }
   m.resident = c.resident;
   m.base = steel_sim_arenas.dev_lo;
-  m.l2.reset(c.l2_bytes / c.line_bytes);
-  m.slc.reset(c.slc_bytes / c.line_bytes);
+  m.l2_lines = c.l2_bytes / c.line_bytes;
+  m.slc_lines = c.slc_bytes / c.line_bytes;
+  m.l2.reset(m.l2_lines);
+  m.slc.reset(m.slc_lines);
+  m.started = false;
   m.dirty.clear();
   m.wave_n = 0;
   m.trace = nullptr;
@@ -207,6 +215,14 @@ void cache_reset(const LaunchSpec& spec) {
 void cache_start_threadgroup(uint32_t linear_id) {
   const uint64_t w = linear_id / m.resident;
   if (m.wave_n != 0 && w != m.wave_id) replay();
+  if (m.started && w > m.wave_id + 1) {
+    // Waves skipped (a sampled run): they would have replaced the caches' contents, so what
+    // the waves run before them left there is no guide to what the next wave finds. Empty.
+    m.l2.reset(m.l2_lines);
+    m.slc.reset(m.slc_lines);
+    m.dirty.clear();
+  }
+  m.started = true;
   m.wave_id = w;
   if (m.wave.size() <= m.wave_n) m.wave.emplace_back();
   m.trace = &m.wave[m.wave_n++];

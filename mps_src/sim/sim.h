@@ -69,8 +69,8 @@ struct LaunchSpec {
   // Empty: every threadgroup runs and launch_groups returns one Counters. Else only the
   // threadgroups listed (linear ids x + grid[0] * (y + grid[1] * z), ascending across the
   // groups) run, and each group gets its own Counters; the cache model's state carries over from
-  // one group to the next, each group's pending wave being replayed when it ends. The outputs of
-  // such a run are partial.
+  // one group to the next (each group's pending wave replayed when it ends) unless waves are
+  // skipped in between, which empties the caches. The outputs of such a run are partial.
   std::vector<std::vector<uint32_t>> groups;
 };
 

@@ -337,25 +337,34 @@ def run_op(
     lib = build.shader_library()
     ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    sampling = None if sample is None else traffic.Sampling(sample, cache)
-    wave_sizes = traffic.cache_resident(cache) if sampling is None else sampling.resident
-    caches, groups, weights, residents = [], [], [], []
-    for i, d in enumerate(p.dispatches):
-        resident = 1 if wave_sizes is None else traffic.resident_for(wave_sizes, i, d)
-        residents.append(resident)
-        caches.append(traffic.cache_arg(cache, resident))
-        g, w = ([], []) if sampling is None else sampling.plan(_threadgroups(d.grid), resident)
-        groups.append(g)
-        weights.append(w)
-    raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, groups)
+    resident_arg = traffic.cache_resident(cache)
+    residents = [
+        None if resident_arg is None else traffic.resident_for(resident_arg, i, d)
+        for i, d in enumerate(p.dispatches)
+    ]
+    caches = [traffic.cache_arg(cache, r) for r in residents]
     outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
-    if sampling is not None:
-        return None, [
-            traffic.combine(_counters(r), w, _threadgroups(d.grid), n)
-            for r, w, d, n in zip(raw, weights, p.dispatches, residents, strict=True)
-        ]
-    per_dispatch = _counters([r[0] for r in raw])
-    return (outputs, per_dispatch) if counters else outputs
+    if sample is None:
+        raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, [])
+        per_dispatch = _counters([r[0] for r in raw])
+        return (outputs, per_dispatch) if counters else outputs
+    sampling = traffic.Sampling(sample, cache)
+    plans = [
+        traffic.runs(sampling, _threadgroups(d.grid), r)
+        for d, r in zip(p.dispatches, residents, strict=True)
+    ]
+    by_tg = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, [], [x[0] for x in plans])
+    by_wave = [None] * len(plans)
+    if cache is not None:
+        by_wave = _call(
+            lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, [x[2] for x in plans]
+        )
+    return None, [
+        traffic.combine(
+            _counters(t), x[1], None if w is None else _counters(w), x[3], _threadgroups(d.grid), r
+        )
+        for t, w, x, d, r in zip(by_tg, by_wave, plans, p.dispatches, residents, strict=True)
+    ]
 
 
 def _threadgroups(grid: Sequence[int]) -> int:
@@ -422,29 +431,38 @@ def run_kernel(
     lib = build.test_library([Path(s) for s in sources], [Path(d) for d in include_dirs], std)
     ext = build.extension()
     use_checkers = _checkers_default() if checkers is None else checkers
-    sampling = None if sample is None else traffic.Sampling(sample, cache)
-    wave_size = traffic.cache_resident(cache) if sampling is None else sampling.resident
-    resident = 1 if wave_size is None else traffic.resident_for(wave_size, 0, None)
-    groups, weights = [], []
-    if sampling is not None:
-        groups, weights = sampling.plan(_threadgroups(grid3), resident)
-    raw = _call(
-        lib,
-        ext.launch,
-        name,
-        raw_constants,
-        raw_buffers,
-        raw_tgmem,
-        grid3,
-        threads3,
-        use_checkers,
-        traffic.cache_arg(cache, resident),
-        groups,
-    )
-    del keep
-    if sampling is not None:
-        return traffic.combine(_counters(raw), weights, _threadgroups(grid3), resident)
-    return _counters(raw)[0] if counters else None
+    resident_arg = traffic.cache_resident(cache)
+    resident = None if resident_arg is None else traffic.resident_for(resident_arg, 0, None)
+    cache_spec = traffic.cache_arg(cache, resident)
+
+    def launch(with_cache, groups):
+        return _counters(
+            _call(
+                lib,
+                ext.launch,
+                name,
+                raw_constants,
+                raw_buffers,
+                raw_tgmem,
+                grid3,
+                threads3,
+                use_checkers,
+                cache_spec if with_cache else None,
+                groups,
+            )
+        )
+
+    try:
+        if sample is None:
+            return launch(True, [])[0] if counters else None
+        tg, tw, wg, ww = traffic.runs(
+            traffic.Sampling(sample, cache), _threadgroups(grid3), resident
+        )
+        by_tg = launch(False, tg)
+        by_wave = None if wg is None else launch(True, wg)
+        return traffic.combine(by_tg, tw, by_wave, ww, _threadgroups(grid3), resident)
+    finally:
+        del keep
 
 
 def _dim3(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:

@@ -1,16 +1,27 @@
 """The cache model's arguments and the sampled runs of big dispatches (README: The simulator,
-Traffic through the caches; the model itself is mps_src/sim/cache.cpp).
+Traffic through the caches, Sampled runs; the model itself is mps_src/sim/cache.cpp).
 
     cache={"l2_bytes": ..., "slc_bytes": ..., "resident_threadgroups": N, "line_bytes": 128}
-    sample=K  or  sample={"waves": K, "warm": 1, "resident_threadgroups": N}
+    sample=T  or  sample={"threadgroups": T, "waves": K, "warm": 1}
 
-A sampled dispatch runs complete waves of `resident_threadgroups` threadgroups (linear ids in
-dispatch order) only: the first wave and the last (counted once each), and, of the waves between,
-split into K strata of consecutive waves, the middle wave of each stratum, counted as many times
-as its stratum has waves. Each measured wave is preceded by `warm` waves that run to fill the
-caches but are not counted. Every counter of the dispatch is that weighted sum (rounded to an
-integer; `threadgroups` and `lanes` come out exact). A dispatch with too few waves for sampling to
-save anything runs whole.
+A sampled dispatch runs twice, on a few of its threadgroups each time:
+
+- Threadgroups, for every counter but the cache's: the first and the last threadgroup (linear
+  ids, dispatch order), and, of the ids between, split into T strata of consecutive ids, one
+  threadgroup per stratum, counted as many times as its stratum has threadgroups. The first
+  stratum's is its middle one; the others' follow the golden-ratio sequence from there, so that
+  the strata do not all take the same position of a pattern that repeats with their length (the
+  query blocks of each head of a causal attention, a GEMM's swizzled bands). Every counter is
+  that weighted sum, rounded (threadgroups and lanes exact).
+- Waves, with cache=, for DRAM: complete waves of resident_threadgroups, chosen as the
+  threadgroups are (first, last, one of each of K strata), each after `warm` waves that run
+  uncounted to fill the caches (which are emptied before a wave that does not follow the last
+  one run). The cache's counters (DRAM bytes, line hits and misses) are the measured waves'
+  weighted sum. (Scaling the threadgroup estimate of device bytes by the waves' DRAM to device
+  ratio was tried and is worse: in causal attention DRAM bytes do not follow device bytes.)
+
+A dispatch with too few threadgroups for sampling to save anything (both runs together, with
+cache=) runs whole, and its counters are exact.
 """
 
 from __future__ import annotations
@@ -19,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _CACHE_KEYS = {"line_bytes", "l2_bytes", "slc_bytes", "resident_threadgroups"}
-_SAMPLE_KEYS = {"waves", "warm", "resident_threadgroups"}
 
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
@@ -64,47 +74,52 @@ def cache_resident(cache: Mapping[str, Any] | None) -> Any:
     return None if cache is None else cache.get("resident_threadgroups")
 
 
+_SAMPLE_KEYS_ALL = {"threadgroups", "waves", "warm"}
+
+
+def _strata(first: int, last: int, count: int) -> list[tuple[int, float]]:
+    """(unit, weight) for units first..last: both ends with weight 1, one unit of each of
+    `count` strata of the units between, weighted by its stratum's length."""
+    picks = {first: 1.0, last: 1.0}
+    middle = last - first - 1
+    for j in range(count):
+        lo = first + 1 + j * middle // count
+        hi = first + 1 + (j + 1) * middle // count
+        if hi > lo:
+            picks[lo + int(((0.5 + j * 0.6180339887498949) % 1.0) * (hi - lo))] = float(hi - lo)
+    return sorted(picks.items())
+
+
 class Sampling:
     """A validated `sample=` argument."""
 
     def __init__(self, sample: int | Mapping[str, Any], cache: Mapping[str, Any] | None):
         if isinstance(sample, Mapping):
-            unknown = set(sample) - _SAMPLE_KEYS
+            unknown = set(sample) - _SAMPLE_KEYS_ALL
             if unknown:
                 raise ValueError(
-                    f"sample: unknown keys {sorted(unknown)} (known: {sorted(_SAMPLE_KEYS)})"
+                    f"sample: unknown keys {sorted(unknown)} (known: {sorted(_SAMPLE_KEYS_ALL)})"
                 )
-            strata = sample.get("waves")
-            warm = sample.get("warm", 1)
-            resident = sample.get("resident_threadgroups")
         else:
-            strata, warm, resident = sample, 1, None
-        self.strata = _positive_int(strata, "sample waves")
-        self.warm = _positive_int(warm, "sample warm", 0)
-        cache_value = cache_resident(cache)
-        if resident is not None and cache_value is not None:
-            raise ValueError("sample: resident_threadgroups comes from cache= when it is given")
-        self.resident: Any = cache_value if cache_value is not None else resident
-        if self.resident is None:
-            raise ValueError(
-                "sample: the wave size is unknown; give cache={..., 'resident_threadgroups': N} "
-                "or sample={'waves': K, 'resident_threadgroups': N}"
-            )
+            sample = {"threadgroups": sample}
+        self.threadgroups = _positive_int(sample.get("threadgroups", 64), "sample threadgroups")
+        self.waves = _positive_int(sample.get("waves", 2), "sample waves")
+        self.warm = _positive_int(sample.get("warm", 1), "sample warm", 0)
+        self.cache = cache is not None
 
-    def plan(self, threadgroups: int, resident: int) -> tuple[list[list[int]], list[float]]:
-        """The groups (one wave each, ascending) to run and each one's weight (0: warm-up);
-        ([], []) when the dispatch should run whole."""
-        waves = -(-threadgroups // resident)
-        cost = 2 + self.strata + (self.strata + 1) * self.warm
-        if waves <= cost:
+    def threadgroup_plan(self, threadgroups: int) -> tuple[list[list[int]], list[float]]:
+        """Groups (one threadgroup each) and weights; ([], []): run whole."""
+        if threadgroups <= self.threadgroups + 2:
             return [], []
-        weight: dict[int, float] = {0: 1.0, waves - 1: 1.0}
-        middle = waves - 2
-        for j in range(self.strata):
-            lo = 1 + j * middle // self.strata
-            hi = 1 + (j + 1) * middle // self.strata
-            if hi > lo:
-                weight[lo + (hi - lo) // 2] = float(hi - lo)
+        picks = _strata(0, threadgroups - 1, self.threadgroups)
+        return [[i] for i, _ in picks], [w for _, w in picks]
+
+    def wave_plan(self, threadgroups: int, resident: int) -> tuple[list[list[int]], list[float]]:
+        """Groups (one wave each, ascending) and weights (0: warm-up); ([], []): run whole."""
+        waves = -(-threadgroups // resident)
+        if waves <= 2 + self.waves + (self.waves + 1) * self.warm:
+            return [], []
+        weight = dict(_strata(0, waves - 1, self.waves))
         for w in list(weight):
             for back in range(1, min(self.warm, w) + 1):
                 weight.setdefault(w - back, 0.0)
@@ -125,21 +140,60 @@ def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
     return round(sum(w * v for v, w in zip(values, weights, strict=True)))
 
 
-def combine(groups: list[dict], weights: Sequence[float], threadgroups: int, resident: int) -> dict:
-    """A dispatch's counters from its groups (weights from Sampling.plan; none: it ran whole),
+_CACHE_COUNTERS = ("dram_read", "dram_written", "l2_hits", "l2_misses", "slc_hits", "slc_misses")
+
+
+def combine(
+    by_threadgroup: list[dict],
+    tg_weights: Sequence[float],
+    by_wave: list[dict] | None,
+    wave_weights: Sequence[float],
+    threadgroups: int,
+    resident: int | None,
+) -> dict:
+    """A dispatch's counters from its sampled runs (the plans' weights; none: it ran whole),
     with "sampled" saying how they were obtained."""
-    waves = -(-threadgroups // resident)
-    if not weights:
-        (out,) = groups
+    if by_wave is not None and not wave_weights:
+        (out,) = by_wave  # the cache run ran whole: exact
         out = dict(out)
+        extrapolated = False
     else:
-        out = _weighted(groups, weights)
-        out["kernel"] = groups[0]["kernel"]
-    out["sampled"] = {
-        "extrapolated": bool(weights),
-        "waves": waves,
-        "resident_threadgroups": resident,
-        "waves_run": len(groups) if weights else waves,
-        "threadgroups_run": sum(g["threadgroups"] for g in groups),
-    }
+        if tg_weights:
+            out = _weighted(by_threadgroup, tg_weights)
+            out["kernel"] = by_threadgroup[0]["kernel"]
+        else:
+            (out,) = by_threadgroup
+            out = dict(out)
+        extrapolated = bool(tg_weights)
+        if by_wave is not None:
+            extrapolated = True
+            w = _weighted(by_wave, wave_weights)
+            for key in _CACHE_COUNTERS:
+                out[key] = w[key]
+    ran = sum(g["threadgroups"] for g in by_threadgroup + (by_wave or []))
+    info: dict[str, Any] = {"extrapolated": extrapolated, "threadgroups_run": ran}
+    if by_wave is not None:
+        waves = -(-threadgroups // resident)
+        info.update(
+            waves=waves,
+            resident_threadgroups=resident,
+            waves_run=len(by_wave) if wave_weights else waves,
+        )
+    out["sampled"] = info
     return out
+
+
+def runs(
+    sampling: Sampling, threadgroups: int, resident: int | None
+) -> tuple[list[list[int]], list[float], list[list[int]] | None, list[float]]:
+    """The two runs of a sampled dispatch: threadgroup groups and weights (without the cache
+    model), wave groups and weights (with it; None without cache=). A group list [] runs the
+    dispatch whole; [[]] runs nothing (the cache run is exact)."""
+    if not sampling.cache:
+        tg, tw = sampling.threadgroup_plan(threadgroups)
+        return tg, tw, None, []
+    wg, ww = sampling.wave_plan(threadgroups, resident)
+    tg, tw = sampling.threadgroup_plan(threadgroups)
+    if not ww or sum(map(len, tg)) + sum(map(len, wg)) >= threadgroups:
+        return [[]], [], [], []
+    return tg, tw, wg, ww
