@@ -313,8 +313,9 @@ def run_op(
     each dispatch's device accesses through the cache model; each counters dict then has
     dram_read, dram_written (bytes) and l2_hits, l2_misses, slc_hits, slc_misses (lines).
     resident_threadgroups is an int, a list (one per dispatch) or a callable taking the plan's
-    Dispatch. sample: K or {"waves": K, "warm": 1, "resident_threadgroups": N}: run a few waves
-    of each dispatch and extrapolate every counter (torch_steel/sim/traffic.py); the outputs are
+    Dispatch. sample: T or {"threadgroups": T (64), "waves": K (2), "warm": W (1)}: run T
+    strata of threadgroups of each dispatch (and with cache=, K strata of waves, each after W
+    warm-up waves) and extrapolate every counter (torch_steel/sim/traffic.py); the outputs are
     then partial, so None is returned in their place. cache and sample need counters=True.
 
     Raises PlanRefused when the plan refuses, SimulatorError when a kernel faults.

@@ -74,7 +74,9 @@ def cache_resident(cache: Mapping[str, Any] | None) -> Any:
     return None if cache is None else cache.get("resident_threadgroups")
 
 
-_SAMPLE_KEYS_ALL = {"threadgroups", "waves", "warm"}
+# resident_threadgroups: accepted (the first form of sample= took the wave size there) and
+# unused: the waves are those of cache=, and without it only threadgroups are sampled.
+_SAMPLE_KEYS_ALL = {"threadgroups", "waves", "warm", "resident_threadgroups"}
 
 
 def _strata(first: int, last: int, count: int) -> list[tuple[int, float]]:
@@ -130,11 +132,20 @@ class Sampling:
         return groups, weights
 
 
+# Counters that describe one threadgroup, not sums over threadgroups: the largest of the groups'.
+_NOT_SUMS = {"threadgroup_memory_bytes"}
+
+
 def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
     first = values[0]
     if isinstance(first, Mapping):
         keys = {k for v in values for k in v}
-        return {k: _weighted([v.get(k, 0) for v in values], weights) for k in keys}
+        return {
+            k: max(v.get(k, 0) for v in values)
+            if k in _NOT_SUMS
+            else _weighted([v.get(k, 0) for v in values], weights)
+            for k in keys
+        }
     if isinstance(first, bool) or not isinstance(first, (int, float)):
         return first
     return round(sum(w * v for v, w in zip(values, weights, strict=True)))
