@@ -80,9 +80,10 @@ class _nothing:
         return False
 
 
-def steel_attention(chip, B, H, L, S, D, causal, dtype=torch.float16, small=256):
-    """Steel's forward on [B, H, L/S, D]: the big plan's traffic model (exact MMAs and tensor
-    bytes) and its grid, the per-tile work of the same kernel run on L = S = `small`, one head."""
+def steel_attention_counters(chip, B, H, L, S, D, causal, dtype=torch.float16, small=256):
+    """(counters, dispatch, scale factor) of steel's forward on [B, H, L/S, D] without running
+    it: the big plan's traffic model (exact MMAs and tensor bytes) and its grid, the work of the
+    same kernel run on L = S = `small`, one head, scaled per visited key tile."""
     opts = bench_attention.run_options(D, {"is_causal": causal})
     es = torch.finfo(dtype).bits // 8
     with _device(chip):
@@ -107,6 +108,13 @@ def steel_attention(chip, B, H, L, S, D, causal, dtype=torch.float16, small=256)
         assert abs(c["tensor_multiply_adds"] - mma * 512) <= 1e-6 * mma * 512 + 512
     else:
         assert abs(c["mma"] - mma) <= 1e-9 * mma + 1, (c["mma"], mma)
+    return c, d_big, factor
+
+
+def steel_attention(chip, B, H, L, S, D, causal, dtype=torch.float16, small=256):
+    """Steel's forward predicted from steel_attention_counters."""
+    c, d_big, factor = steel_attention_counters(chip, B, H, L, S, D, causal, dtype, small)
+    es = torch.finfo(dtype).bits // 8
     compulsory = (B * H * (L + 2 * S) * D * es, B * H * L * (D * es + 4))
     how = f"steel {d_big.kernel}, per-tile counters of L=S={small}, 1 head x {factor:.0f}"
     return _sum([_both(c, d_big, chip, compulsory)]), how
