@@ -47,6 +47,18 @@ TRAIN = [
 # (name, lengths, Hq, Hkv, D, causal)
 VARLEN = [("varlen 5 docs 100..2048 d128 causal", [512, 1024, 300, 2048, 100], 8, 8, 128, True)]
 
+# --modest: the README's table, every chip in minutes
+MODEST_PREFILL = [
+    ("prefill L1024 d64 causal", 1, 8, 8, 1024, 1024, 64, True),
+    ("prefill L1024 d128 causal", 1, 8, 8, 1024, 1024, 128, True),
+]
+MODEST_DECODE = [
+    ("decode 1 tok S4k 32/8 d128", 1, 32, 8, 1, 4096, 128, False),
+    ("decode 1 tok S16k 32/32 d128", 1, 32, 32, 1, 16384, 128, False),
+]
+MODEST_TRAIN = [("train L1024 d64 causal", 1, 8, 8, 1024, 1024, 64, True)]
+MODEST_VARLEN = [("varlen 100,300,512 d64 causal", [100, 300, 512], 8, 8, 64, True)]
+
 QUICK_PREFILL = [("prefill L80 d64 GQA 2/1 causal", 1, 2, 1, 80, 80, 64, True)]
 QUICK_DECODE = [("decode 1 tok S256 4/1 d64", 1, 4, 1, 1, 256, 64, False)]
 QUICK_TRAIN = [("train L40 d64 causal", 1, 2, 2, 40, 40, 64, True)]
@@ -231,8 +243,9 @@ def varlen_pair(shape, dtype, chip, budget):
     return ours, theirs
 
 
-def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
-    """Print the tables for each chip and save the plots; returns the table lines (for tests)."""
+def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list[str]:
+    """Print the tables for each chip and save the plots; returns the table lines (for tests).
+    quick: one tiny shape of each kind; modest: the README's set."""
     lines: list[str] = []
 
     def say(s=""):
@@ -242,6 +255,8 @@ def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
     prefill, decode, train, varlen = (
         (QUICK_PREFILL, QUICK_DECODE, QUICK_TRAIN, QUICK_VARLEN)
         if quick
+        else (MODEST_PREFILL, MODEST_DECODE, MODEST_TRAIN, MODEST_VARLEN)
+        if modest
         else (PREFILL, DECODE, TRAIN, VARLEN)
     )
     for chip in chips:
@@ -261,8 +276,9 @@ def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
                 flops = fl * B * Hq * visible(L, S, causal) * D
                 ours, theirs = pair(shape, dtype, chip, budget)
                 say(sbs.row(shape[0], flops, ours, theirs))
-                if kind == "prefill" and Hq == shape[3]:
-                    label = f"d{D}{' causal' if causal else ''}"
+                if kind == "prefill":
+                    gqa = f" GQA {Hq}/{shape[3]}" if Hq != shape[3] else ""
+                    label = f"d{D}{' causal' if causal else ''}{gqa}"
                     for side, r in (("steel", ours), ("PyTorch", theirs)):
                         if "time_s" in r:
                             series.setdefault(f"{side} {label}", []).append(

@@ -1026,6 +1026,7 @@ def main() -> int:
                         help="predicted times of steel and PyTorch on CHIP of the timing model's "
                         "table (or 'all'), from simulator counters")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="--predict on a few tiny shapes")
+    parser.add_argument("--modest", action="store_true", help="--predict on the README's shapes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out",
                         help="where --predict saves its plots")  # fmt: skip
     parser.add_argument("--sim-budget", type=float, default=1e9,
@@ -1038,7 +1039,7 @@ def main() -> int:
         import side_by_side  # noqa: PLC0415
 
         chips = side_by_side.chip_names(args.predict)
-        attention_predict.run(chips, dtype, args.quick, args.out, args.sim_budget)
+        attention_predict.run(chips, dtype, args.quick, args.out, args.sim_budget, args.modest)
         return 0
     device = DEVICES[args.device]
     failures = traffic_table(dtype, args.sim_limit, device)

@@ -200,6 +200,7 @@ def main() -> int:
         "(or 'all'), from simulator counters",
     )
     parser.add_argument("--quick", action="store_true", help="--predict on a tiny shape")
+    parser.add_argument("--modest", action="store_true", help="--predict on the README's shapes")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "out", help="--predict's plots"
     )
@@ -217,7 +218,7 @@ def main() -> int:
         import side_by_side  # noqa: PLC0415
 
         chips = side_by_side.chip_names(args.predict)
-        gemm_predict.run(chips, dtype, args.quick, args.out, args.sim_budget)
+        gemm_predict.run(chips, dtype, args.quick, args.out, args.sim_budget, args.modest)
         return 0
     es = torch.finfo(dtype).bits // 8
     run_sim = sim.available()

@@ -28,6 +28,7 @@ SHAPES = [
     ("batched 8x128x128x64", 8, 128, 128, 64),
 ]
 QUICK = [("ragged 33x65x47", 1, 33, 65, 47)]
+MODEST = [("square 512", 1, 512, 512, 512), ("decode 1x4096x4096", 1, 1, 4096, 4096)]
 
 
 def pair(shape, dtype, chip, budget):
@@ -52,7 +53,7 @@ def pair(shape, dtype, chip, budget):
     return ours, theirs
 
 
-def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
+def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list[str]:
     lines: list[str] = []
 
     def say(s=""):
@@ -64,7 +65,7 @@ def run(chips, dtype, quick, out_dir: Path, budget: float) -> list[str]:
             f"(ratio = MPS / steel), {dtype}")  # fmt: skip
         say(sbs.HEADER)
         series: dict[str, list] = {}
-        for shape in QUICK if quick else SHAPES:
+        for shape in QUICK if quick else MODEST if modest else SHAPES:
             _, batch, m, n, k = shape
             flops = 2 * batch * m * n * k
             ours, theirs = pair(shape, dtype, chip, budget)
