@@ -69,6 +69,8 @@ BUF_BWD_PARAMS = 17
 BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = 10, 11, 12, 13
 FC_ALIGN_E, FC_ALIGN_EV, FC_VARLEN, FC_SPLIT, FC_PAGED = 302, 303, 316, 322, 323
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
+FC_KV_ALIAS = 319  # v a prefix view of k: V tiles are the K tiles, v's buffer never read
+MLA_E, MLA_EV = 576, 512  # absorbed multi-head latent attention: 512 latent + 64 rotary columns
 STEEL_FC_GRAD_LSE = 320
 BQ = 32
 THREADS = 128
@@ -172,6 +174,8 @@ def block_model(d, p, heads, es, mask_es, sinks_es):
         BUF_OUT: {"read": 0, "written": heads * p["L"] * p["Ev"] * es},
         BUF_LSE: {"read": 0, "written": heads * p["L"] * 4},
     }
+    if d.constants.get(FC_KV_ALIAS):
+        del buffers[BUF_V]
     if d.constants[FC_MASK]:
         reads = sum(rows * min(bk, p["S"] - k0) for _, rows, t in blocks for k0 in t)
         buffers[BUF_MASK] = {"read": heads * reads * mask_es, "written": 0}
@@ -538,6 +542,15 @@ DECODE_SHAPES = [
     ("sim: 3 tokens, KV 700, GQA 4/1 mask", 2, 4, 1, 3, 700, 64, {"mask": True, "sinks": True},
      None),
     ("sim: paged 64, KV 1..900, GQA 8/2", 3, 8, 2, 2, 900, 64, {"sinks": True}, 64),
+    # Absorbed MLA (DeepSeek-V3: 128 heads on the one latent head; its scale is the model's),
+    # V the latent's first 512 columns (the alias), and a copy of them (the general path).
+    ("MLA 1 token, latent 4k, 128 heads", 1, 128, 1, 1, 4096, MLA_E, {"mla": "alias"}, None),
+    ("same, V a copy", 1, 128, 1, 1, 4096, MLA_E, {"mla": "copy"}, None),
+    ("MLA paged 64, latent 1k..8k, H16", 4, 16, 1, 2, 8192, MLA_E, {"mla": "alias"}, 64),
+    ("sim: MLA 2 tokens, latent 600, H16", 1, 16, 1, 2, 600, MLA_E,
+     {"mla": "alias", "scale": 0.1}, None),
+    ("sim: same, V a copy", 1, 16, 1, 2, 600, MLA_E, {"mla": "copy", "scale": 0.1}, None),
+    ("sim: MLA paged 16, 1..300, H16", 2, 16, 1, 1, 300, MLA_E, {"mla": "alias"}, 16),
 ]  # fmt: skip
 
 
@@ -556,6 +569,7 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
     (chunk) of the grid: adds its traffic with `add`, returns the key tiles it visits."""
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
     paged, split = d.constants[FC_PAGED], d.constants[FC_SPLIT]
+    alias = d.constants.get(FC_KV_ALIAS, False)
     begin, end = 0, S
     if d.constants[FC_HAS_HI]:
         end = min(end, last + shift + p["hi_off"] + 1)
@@ -573,9 +587,10 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
             tiles += len(ts)
             add(BUF_Q, "read", rows * p["E"] * es)
             add(BUF_K, "read", keys * p["E"] * es)
-            add(BUF_V, "read", keys * p["Ev"] * es)
-            if paged:
-                add(BUF_TABLE, "read", keys * (de // vec + dv // vec) * 4)
+            if not alias:
+                add(BUF_V, "read", keys * p["Ev"] * es)
+            if paged:  # one table entry per 16-byte chunk loaded: no V chunks under the alias
+                add(BUF_TABLE, "read", keys * (de // vec + (0 if alias else dv // vec)) * 4)
             if d.constants[FC_MASK]:
                 add(BUF_MASK, "read", rows * keys * mask_es)
             if split:
@@ -652,17 +667,25 @@ def counted_all(counters) -> list[dict[int, dict[str, int]]]:
 def decode_inputs(B, Hq, Hkv, L, S, E, options, page, dtype, device):
     """[q, k, v, mask, sinks] for "sdpa", or the paged "sdpa_varlen" tensors (ragged lengths up
     to S over shuffled pages), with the run options and the (L, S) of each sequence."""
+    options = dict(options)
+    mla = options.pop("mla", None)  # "alias": v = k[..., :512] of a 576-column latent; "copy"
     opts = run_options(E, {k: v for k, v in options.items() if k not in ("mask", "sinks")})
     sinks = torch.randn(Hq, dtype=torch.float32, device=device) if options.get("sinks") else None
+
+    def value(k, v):
+        if mla is None:
+            return v
+        return k[..., :MLA_EV] if mla == "alias" else k[..., :MLA_EV].clone()
+
     if page is None:
         q, k, v, _ = inputs(B, Hq, Hkv, L, S, E, E, None, dtype, device)
         mask = torch.rand(B, 1, L, S, device=device) > 0.2 if options.get("mask") else None
-        return [q, k, v, mask, sinks], opts, [(L, S)] * B
+        return [q, k, value(k, v), mask, sinks], opts, [(L, S)] * B
     used = [max(1, S * (b + 1) // B) for b in range(B)]
     need = [-(-n // page) for n in used]
     pool = sum(need)
     k = torch.randn(pool, page, Hkv, E, dtype=dtype, device=device)
-    v = torch.randn(pool, page, Hkv, E, dtype=dtype, device=device)
+    v = value(k, torch.randn(pool, page, Hkv, E, dtype=dtype, device=device))
     order = torch.randperm(pool, generator=torch.Generator().manual_seed(0))
     table = torch.zeros(B, max(need), dtype=torch.int32)
     at = 0
@@ -696,7 +719,8 @@ def decode_table(dtype, sim_limit) -> int:
         mask_es = 1
         sinks_es = 4
         models = decode_model(p, seqs, es, mask_es, sinks_es)
-        cache = sum(2 * Hkv * n * E * es for _, n in seqs)
+        # The cache: K and V rows, or (MLA) the latent rows alone, whose prefix is V.
+        cache = sum((1 if "mla" in options else 2) * Hkv * n * E * es for _, n in seqs)
         kv = sum(models[0][0].get(i, {"read": 0})["read"] for i in (BUF_K, BUF_V))
         moved = sum(total(b) for b, _ in models)
         scratch = sum(math.prod(a.sizes) * 4 for a in p.allocations if not a.is_output)

@@ -231,3 +231,79 @@ def test_alias_reads_the_latent_once_per_block():
     assert counters[0]["threadgroups"] == 4
     assert counters[0]["buffers"][1]["read"] == 4 * cache
     assert counters[0]["buffers"][2]["read"] == 0
+
+
+def absorbed_deepseek_layer():
+    """One DeepSeek-V2 attention layer of a tiny config built in code (random weights, float64,
+    YaRN rope so that its scale carries the mscale factor), a 37-token input, the layer's own
+    attention output per head (the input of o_proj, [1, T, H, v_head_dim]), and what steel
+    needs to compute it absorbed: the query [1, H, T, 576], the latent cache [1, 1, T, 576],
+    W_UV [H, v_head_dim, 512] and the layer's scale."""
+    ds = pytest.importorskip("transformers.models.deepseek_v2.modeling_deepseek_v2")
+    from transformers import DeepseekV2Config
+
+    H, nope, rope, v_dim, rank, T = 16, 32, 64, 24, 512, 37
+    config = DeepseekV2Config(
+        hidden_size=64, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None,
+        kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v_dim,
+        num_hidden_layers=1, intermediate_size=64, moe_intermediate_size=16, vocab_size=32,
+        max_position_embeddings=256, attn_implementation="sdpa",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0,
+                         "mscale": 1.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = ds.DeepseekV2Attention(config, layer_idx=0).double().eval()
+    x = torch.randn(1, T, config.hidden_size, dtype=torch.float64)
+    freqs = ds.DeepseekV2RotaryEmbedding(config)(x, torch.arange(T)[None])
+    seen = {}
+    hook = layer.o_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("o", a[0]))
+    with torch.no_grad():
+        layer(x, attention_mask=None, position_embeddings=freqs)  # causal (sdpa, no mask)
+        hook.remove()
+        # The absorbed form from the layer's weights: q_nope W_UK against the normalised latent
+        # c, q_pe against the shared rotary key, and the value c itself (W_UV after).
+        q = layer.q_proj(x).view(1, T, H, nope + rope).transpose(1, 2)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        c, k_pe = layer.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        c = layer.kv_a_layernorm(c).view(1, 1, T, rank)
+        q_pe, k_pe = ds.apply_rotary_emb(q_pe, k_pe.view(1, 1, T, rope), freqs)
+        w = layer.kv_b_proj.weight.view(H, nope + v_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]
+        query = torch.cat([q_nope @ w_uk, q_pe], dim=-1)
+        cache = torch.cat([c, k_pe], dim=-1)
+    return seen["o"].view(1, T, H, v_dim), query, cache, w_uv, layer.scaling
+
+
+@pytest.mark.parametrize("backend", ["reference", "sim"])
+def test_deepseek_v2_layer_absorbed(backend):
+    """The worked example (README, Attention): absorbed MLA through steel equals a transformers
+    DeepSeek-V2 layer's own (non-absorbed) attention, for the whole causal prompt (prefill
+    kernel) and for its last 3 tokens as a decode step over the latent cache (bottom-right).
+    Tolerances: the reference backend runs in float64 (a few ulps of float64 after the
+    reassociation: 1e-12 relative to max |out|); the simulator in float32, where rounding the
+    inputs and 576-term scores to fp32 (2^-24 relative, times sqrt(576) for the dot products
+    and the softmax's sensitivity of a few units) stays below 1e-5 relative (seen: 1e-7)."""
+    ref, query, cache, w_uv, scale = absorbed_deepseek_layer()
+    assert abs(scale - 576**-0.5) > 0.05  # the model's scale, not the absorbed head dim's
+    dtype, rel = (torch.float64, 1e-12) if backend == "reference" else (torch.float32, 1e-5)
+    q, kv = query.to(dtype), cache.to(dtype)
+    with strict(), torch_steel.backend(backend):
+        prompt = torch_steel.sdpa(q, kv, kv[..., :512], is_causal=True, scale=scale,
+                                  enable_gqa=True)  # fmt: skip
+        step = torch_steel.sdpa(q[:, :, -3:], kv, kv[..., :512], is_causal=True, scale=scale,
+                                causal_align="bottom_right", enable_gqa=True)  # fmt: skip
+    bound = rel * float(ref.abs().max())
+    for out, want in [(prompt, ref), (step, ref[:, -3:])]:
+        heads = (out.double() @ w_uv.transpose(-1, -2)).transpose(1, 2)  # [1, T, H, v_head_dim]
+        assert float((heads - want).abs().max()) <= bound
+    if backend == "sim":
+        inputs, attn = _inputs(
+            q[:, :, -3:],
+            kv,
+            kv[..., :512],
+            dict(scale=scale, is_causal=True, causal_align="bottom_right"),
+        )
+        p = sim.plan("sdpa", [*inputs[:4], attn.sinks], attn.run_options())
+        assert p.dispatches[0].kernel.startswith("steel_attention_decode_f32_e576_v512")
+        assert p.dispatches[0].constants[KV_ALIAS]

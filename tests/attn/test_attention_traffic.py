@@ -106,6 +106,11 @@ def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
         (3, 8, 2, 2, 400, 64, {"sinks": True}, 16, 0),
         (2, 4, 4, 1, 200, 128, {}, 64, 1),
         (2, 4, 2, 40, 300, 64, {"is_causal": True}, 16, 2),  # paged chunked prefill: 2 row blocks
+        # Absorbed MLA, 576/512: V the latent's prefix (alias: V's buffer never read, the
+        # latent read once), or a copy of it (read again).
+        (1, 16, 1, 2, 300, 576, {"mla": "alias", "scale": 0.1}, None, 1),
+        (1, 16, 1, 1, 200, 576, {"mla": "copy", "sinks": True}, None, 2),
+        (2, 16, 1, 1, 150, 576, {"mla": "alias", "is_causal": True, "bottom_right": True}, 16, 2),
     ],
 )  # fmt: skip
 def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, page, num_splits):
@@ -125,7 +130,10 @@ def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, pag
     assert [c["mma"] for c in counters] == [m for _, m in models]
     kv = counters[0]["buffers"][bench_attention.BUF_K]["read"]
     kv += counters[0]["buffers"][bench_attention.BUF_V]["read"]
-    cache = sum(2 * Hkv * n * E * 2 for _, n in seqs)
+    # K and V rows; under the alias the latent rows alone (V is their prefix); a copied V adds
+    # its 512 columns.
+    columns = {None: 2 * E, "alias": E, "copy": E + bench_attention.MLA_EV}[options.get("mla")]
+    cache = sum(Hkv * n * columns * 2 for _, n in seqs)
     if L <= 8 and "window_left" not in options:  # one block of rows that see every key
         assert kv == cache
 

@@ -117,12 +117,9 @@ def _storages(tensors: Sequence[torch.Tensor | None]) -> list[int]:
     first: dict[int, int] = {}
     out = []
     for i, t in enumerate(tensors):
-        if t is None:
-            out.append(0)
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        # No data (an empty storage) shares nothing.
-        out.append(first.setdefault(ptr, i + 1) if ptr != 0 else i + 1)
+        # The storage object itself (_cdata), not its data pointer: meta tensors (the bench's
+        # plans) have none, and empty storages may share one.
+        out.append(0 if t is None else first.setdefault(t.untyped_storage()._cdata, i + 1))
     return out
 
 
