@@ -123,3 +123,39 @@ def test_params_struct_passed_returned_and_assigned_by_value_across_address_spac
             threads=(4,),
             buffers={0: constant, 1: dev[:16].clone(), 2: out},
         )
+
+
+def test_members_qualified_with_every_address_space():
+    """Issue 26 findings 1 to 3: constructors, conversions (to a vector, to any scalar by a
+    template), operators, member templates, variadic templates with unnamed parameters, a
+    destructor and static members, qualified with thread, threadgroup, device or constant,
+    each called on an object in its space; the result is the variant Metal picks."""
+    SRC2 = [KERNELS / "lang_member_spaces.metal"]
+    n = 32
+    pairs = torch.stack([torch.arange(n) * 0.25 + 1.0, torch.arange(n) * 0.5 - 3.0], 1)
+    p = pairs.clone().contiguous()
+    out = torch.zeros(n * 12)
+    sim.run_kernel("member_spaces", sources=SRC2, grid=(1,), threads=(n,), buffers={0: p, 1: out})
+    out = out.view(n, 12).double()
+    lo, hi = pairs[:, 0].double(), pairs[:, 1].double()
+    i = torch.arange(n).double()
+    expected = torch.stack(
+        [
+            lo - hi,  # device conversion
+            lo + hi,  # threadgroup conversion (of a copy made from the device vector)
+            torch.full((n,), 12.0, dtype=torch.float64),  # constant: 3 * 4
+            i,  # thread: lo
+            4.0 + lo,
+            hi + 2.0,  # device operator+ (no +100)
+            torch.full((n,), 104.0, dtype=torch.float64),  # thread operator+
+            hi,  # threadgroup operator[]
+            lo**3 + 2.0,
+            2.0 * i,
+            i + 1.0,
+            (lo - hi) * 0.5,  # after the device operator*=
+        ],
+        1,
+    )
+    # Exact: every value is a small multiple of 1/4 (float holds them exactly).
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(p.double(), torch.stack([lo, hi], 1) * 0.5, rtol=0, atol=0)

@@ -113,6 +113,8 @@ POSITION_ATTRIBUTES = {
     "thread_execution_width": "kThreadsPerSimdgroup",
 }
 
+_ACCESS = ("public", "private", "protected")
+
 # Attributes C++ knows; everything else in [[...]] is MSL's and is removed.
 CXX_ATTRIBUTES = frozenset(
     {
@@ -274,6 +276,15 @@ class _Rewriter:
             if start <= i < end or i <= start < self.replace[i][0]:
                 raise self.error(a, "overlapping rewrites (unsupported construct)")
         self.replace[start] = (end, text)
+
+    def drop(self, a: int, b: int) -> None:
+        """Removes significant tokens a..b-1 with the rewrites inside them."""
+        start, end = self.sig[a], self.sig[b - 1] + 1
+        for i in [i for i in self.replace if start <= i < end]:
+            del self.replace[i]
+        for i in [i for i in self.append if start <= i < end]:
+            del self.append[i]
+        self.sub(a, b, "")
 
     def add_after(self, k: int, text: str) -> None:
         self.append.setdefault(self.sig[k], []).append(text)
@@ -1004,6 +1015,20 @@ class _Translator:
         words = [r.t(j) for j in range(k, semi)]
         if "constexpr" in words or "(" in words[:3]:
             return None
+        init = next((j for j in range(k + 2, semi) if r.t(j) in ("(", "{")), None)
+        if init is not None and "=" not in words and r.kind(init - 1) == "ident":
+            # `constant T x(args);`: an object of class type constructed in constant memory.
+            # C++ constructs it in generic memory; x is that object seen in the constant space,
+            # so that members qualified `constant` are the ones called on it.
+            name, ctype = r.t(init - 1), r.flat(k + 1, init - 1)
+            value = f"__steel_constant_value_{name}"
+            r.sub(
+                k,
+                semi + 1,
+                f"static const {ctype} {value}{r.flat(init, semi)}; "
+                f"constant {ctype}& {name} = *(constant {ctype}*)&{value};",
+            )
+            return semi + 1
         for j in range(k, semi):
             if r.t(j) == "[" and r.t(j + 1) == "[":
                 end = self.attribute_end(r, j)
@@ -1047,80 +1072,248 @@ class _Translator:
         return semi + 1
 
     # ---- float f() const device { ... }: a member function for objects in an address space
+    _SPACES = ("device", "constant", "threadgroup", "thread")
+
     def as_member(self, r: _Rewriter, close: int) -> None:
         """C++ has no address-space-qualified member functions. `thread` (MSL's default) is
-        removed; for another space the function is renamed (an overload for thread objects may
+        removed. A constructor or destructor in another space constructs (destroys) the same
+        value: it loses the qualifier, or goes when a variant of the same signature for thread
+        objects (or an earlier one) is in the class. Any other member function (operators,
+        conversions, templates) in another space is renamed (an overload for thread objects may
         sit beside it) and, after its body, an explicit-object template of the original name
         for objects in that space calls it on the object seen as generic memory (the checkers
         see accesses by address, whatever the space)."""
         j = close + 1
         spaces = []
-        while r.t(j) in ("const", "volatile", "device", "constant", "threadgroup", "thread"):
-            if r.t(j) in ("device", "constant", "threadgroup", "thread"):
+        while r.t(j) in ("const", "volatile", *self._SPACES):
+            if r.t(j) in self._SPACES:
                 spaces.append(j)
             j += 1
-        if not spaces or r.t(j) not in ("{", ";"):
+        if not spaces or r.t(j) not in ("{", ";", ":", "="):
             return
         is_const = any(r.t(x) == "const" for x in range(close + 1, j))
-        depth, open_ = 0, close
+        open_, depth = close, 0
         while open_ >= 0:
             depth += r.t(open_) == ")"
             depth -= r.t(open_) == "("
             if depth == 0:
                 break
             open_ -= 1
-        if r.kind(open_ - 1) != "ident":
+        kind, name_at = self.member_kind(r, open_)
+        if kind is None:
             raise r.error(close, "unsupported address-space-qualified member function")
-        conversion = r.t(open_ - 2) == "operator"
-        name = ("operator " if conversion else "") + r.t(open_ - 1)
-        # A definition outside its class (`float S::f() const device { ... }`) renames the
-        # function as its declaration in the class does; the wrapper is the declaration's.
-        outside = r.t(open_ - (3 if conversion else 2)) == "::"
-        if outside and r.t(j) != "{":
-            return
-        params = r.flat(open_ + 1, close)
-        names = []
-        depth, last = 0, None
-        for x in range(open_ + 1, close + 1):
-            t = r.t(x)
-            if t in ("(", "[", "<"):
-                depth += 1
-            elif t in (")", "]", ">") and x != close:
-                depth -= 1
-            if depth == 0 and (t == "," or x == close) and last is not None:
-                names.append(last)
-                last = None
-            elif depth == 0 and t == "=":
-                depth = -100  # a default argument: skip to the next parameter
-            elif depth < -50 and t == "," and x != close:
-                depth = 0
-            elif depth == 0 and r.kind(x) == "ident":
-                last = t
-        body_end = r.match(j) if r.t(j) == "{" else j
+        name = r.flat(name_at, open_)
+        if kind == "operator":  # `operator*=` is tokens `*` and `=`
+            name = "operator" + "".join(r.t(x) for x in range(name_at + 1, open_))
+        outside = r.t(name_at - 1) == "::"
+        body_end = self.member_end(r, j)
         space = r.t(spaces[0])
         for x in spaces:
             r.sub(x, x + 1, "")
-        if space == "thread":
+        if kind == "special":  # a constructor or a destructor
+            if space != "thread" and self.has_twin(r, name_at, open_, close, outside):
+                r.drop(self.declaration_start(r, name_at) + 1, body_end + 1)
             return
-        renamed = f"__steel_{space}_" + (f"to_{r.t(open_ - 1)}" if conversion else name)
-        if conversion:
-            r.sub(open_ - 2, open_, f"{r.t(open_ - 1)} {renamed}")
+        if space == "thread" or r.t(j) in (":", "="):
+            return
+        first = self.declaration_start(r, name_at) + 1
+        head = None
+        if r.t(first) == "template" and r.t(first + 1) == "<":
+            head = re.sub(r"\. \. \.", "...", r.flat(first + 2, r.match(first + 1)))
+        if kind == "conversion":
+            target_type = r.flat(name_at + 1, open_)
+            renamed = f"__steel_{space}_to_{re.sub(r'[^A-Za-z0-9_]', '_', target_type)}"
+            r.sub(name_at, open_, f"{target_type} {renamed}")
         else:
-            r.sub(open_ - 1, open_, renamed)
+            tag = name if kind == "function" else f"operator_{zlib.crc32(name.encode()):08x}"
+            renamed = f"__steel_{space}_{tag}"
+            r.sub(name_at, open_, renamed)
         if outside:
             return
+        params, args = self.forwarded_parameters(r, open_, close)
         c = "const " if is_const else ""
         self_param = f"this {c}{space} __SteelSelf& __steel_self"
-        target = f"(({c}__SteelSelf&)__steel_self).{renamed}({', '.join(names)})"
-        if conversion:
-            wrapper = f" template <class __SteelSelf> {name}({self_param}) {{ return {target}; }}"
-        else:
-            extra = f", {params}" if params else ""
-            wrapper = (
-                f" template <class __SteelSelf> decltype(auto) {name}({self_param}{extra})"
-                f" {{ return {target}; }}"
-            )
-        r.add_after(body_end, wrapper)
+        targs = self.template_arguments(head)
+        call = f".template {renamed}<{targs}>" if targs else f".{renamed}"
+        target = f"(({c}__SteelSelf&)__steel_self){call}({', '.join(args)})"
+        tparams = f"{head}, class __SteelSelf" if head else "class __SteelSelf"
+        extra = f", {params}" if params else ""
+        returns = "" if kind == "conversion" else "decltype(auto) "
+        r.add_after(
+            body_end,
+            f" template <{tparams}> {returns}{name}({self_param}{extra}) {{ return {target}; }}",
+        )
+
+    @staticmethod
+    def member_kind(r: _Rewriter, open_: int) -> tuple[str | None, int]:
+        """What the member function whose parameter list opens at open_ is ("special" for a
+        constructor or destructor, "conversion", "operator", "function"), and where its name
+        starts."""
+        start = _Translator.declaration_start(r, open_)
+        j = next((x for x in range(open_ - 1, start, -1) if r.t(x) == "operator"), start)
+        if r.t(j) == "operator":
+            symbol = r.kind(j + 1) == "punct" or r.t(j + 1) in ("new", "delete")
+            return ("operator" if symbol else "conversion"), j
+        if r.kind(open_ - 1) != "ident":
+            return None, open_
+        name_at = open_ - 1
+        if r.t(name_at - 1) == "~":
+            return "special", name_at - 1
+        owner = (
+            r.t(name_at - 2)
+            if r.t(name_at - 1) == "::"
+            else _Translator.enclosing_class(r, name_at)
+        )
+        return ("special" if owner == r.t(name_at) else "function"), name_at
+
+    @staticmethod
+    def enclosing_class(r: _Rewriter, k: int) -> str | None:
+        """The name of the class whose body holds token k (None outside one)."""
+        depth = 0
+        j = k - 1
+        while j >= 0:
+            depth += r.t(j) == "}"
+            depth -= r.t(j) == "{"
+            if depth < 0:
+                break
+            j -= 1
+        x = j - 1
+        while x >= 0 and r.t(x) not in (";", "{", "}"):
+            if r.t(x) in ("struct", "class", "union"):
+                y = x + 1
+                while r.t(y) == "[" or r.t(y) == "alignas":
+                    y = (r.match(y + 1) if r.t(y) == "alignas" else r.match(y)) + 1
+                return r.t(y)
+            x -= 1
+        return None
+
+    @staticmethod
+    def declaration_start(r: _Rewriter, k: int) -> int:
+        """The token before the declaration holding token k (a `;`, brace or access label)."""
+        j = k - 1
+        depth = 0
+        while j >= 0:
+            t = r.t(j)
+            depth += t in (")", "]")
+            depth -= t in ("(", "[")
+            if depth == 0 and (t in (";", "{", "}") or (t == ":" and r.t(j - 1) in _ACCESS)):
+                return j
+            j -= 1
+        return -1
+
+    @staticmethod
+    def member_end(r: _Rewriter, j: int) -> int:
+        """The last token of a member function whose qualifiers end before token j: its `;`, or
+        its body's `}` (after a constructor's initializers)."""
+        if r.t(j) == ";":
+            return j
+        if r.t(j) == "=":
+            while r.t(j) != ";":
+                j += 1
+            return j
+        if r.t(j) == ":":
+            j += 1
+            while True:
+                while r.t(j) not in ("(", "{"):
+                    j += 1 if r.t(j) != "<" else 0
+                    if r.t(j) == "<":
+                        j = r.match(j) + 1
+                j = r.match(j) + 1
+                if r.t(j) == "...":
+                    j += 1
+                if r.t(j) != ",":
+                    break
+                j += 1
+        return r.match(j)
+
+    def has_twin(self, r: _Rewriter, name_at: int, open_: int, close: int, outside: bool) -> bool:
+        """Whether the class declares this constructor (destructor) for thread objects, or in
+        an earlier address space: the same template head, name and parameters."""
+        if outside:
+            return True  # the declaration in the class decided
+        start = self.declaration_start(r, name_at)
+        mine = r.flat(start + 1, close + 1)
+        depth = 0
+        lo = start
+        while lo >= 0:
+            depth += r.t(lo) == "}"
+            depth -= r.t(lo) == "{"
+            if depth < 0:
+                break
+            lo -= 1
+        hi = r.match(lo)
+        for x in range(lo + 1, hi):
+            if (
+                x == name_at
+                or r.t(x) != r.t(name_at)
+                or r.t(x + 1 if r.t(x) != "~" else x + 2) != "("
+            ):
+                continue
+            paren = x + 1 if r.t(x) != "~" else x + 2
+            end = r.match(paren)
+            other = r.flat(self.declaration_start(r, x) + 1, end + 1)
+            if other != mine:
+                continue
+            quals = {r.t(y) for y in range(end + 1, end + 4)}
+            if x < name_at or not quals & {"device", "constant", "threadgroup"}:
+                return True
+        return False
+
+    @staticmethod
+    def forwarded_parameters(r: _Rewriter, open_: int, close: int) -> tuple[str, list[str]]:
+        """The parameter list of a wrapper (unnamed parameters get names) and the arguments
+        that pass them on."""
+        params, args = [], []
+        depth, a = 0, open_ + 1
+        for x in range(open_ + 1, close + 1):
+            t = r.t(x)
+            if t in ("(", "[", "<", "{"):
+                depth += 1
+            elif t in (")", "]", ">", "}") and x != close:
+                depth -= 1
+            if x == close or (t == "," and depth == 0):
+                if x > a:
+                    toks = [r.t(y) for y in range(a, x)]
+                    if "=" in toks:
+                        toks = toks[: toks.index("=")]  # the wrapper's caller gives it
+                    toks = " ".join(toks).replace(". . .", "...").split()
+                    pack = "..." in toks
+                    last = toks[-1]
+                    named = (
+                        len(toks) > 1
+                        and re.fullmatch(r"[A-Za-z_]\w*", last)
+                        and last not in SCALAR_TYPES
+                        and last not in ("char", "signed", "unsigned", "short", "long")
+                        and toks[-2] not in ("::",)
+                    )
+                    if not named:
+                        last = f"__steel_arg{len(args)}"
+                        toks.append(last)
+                    params.append(" ".join(toks))
+                    args.append(f"{last}..." if pack else last)
+                a = x + 1
+        return ", ".join(params), args
+
+    @staticmethod
+    def template_arguments(head: str | None) -> str:
+        """The named template parameters of a template head, as arguments (packs expanded)."""
+        if not head:
+            return ""
+        out, depth, part = [], 0, []
+        for ch in head + ",":
+            if ch in "<([":
+                depth += 1
+            elif ch in ">)]":
+                depth -= 1
+            if ch == "," and depth == 0:
+                words = "".join(part).split("=")[0].split()
+                if len(words) > 1 and re.fullmatch(r"\.*[A-Za-z_]\w*", words[-1]):
+                    pack = "..." in "".join(part).split("=")[0]
+                    out.append(words[-1].lstrip(".") + ("..." if pack else ""))
+                part = []
+            else:
+                part.append(ch)
+        return ", ".join(out)
 
     # ---- Params p = *params;: a local variable initialized from another address space
     _NOT_CLASS = (

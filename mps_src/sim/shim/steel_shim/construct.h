@@ -60,6 +60,10 @@ inline V vmake(A... a) {
   static_assert(vinfo<V>::is_vector, "vmake builds vector types only");
   if constexpr (sizeof...(A) == 0) {
     return V(E(0));
+  } else if constexpr (sizeof...(A) == 1 && (__is_class(A) && ...)) {
+    // `float2(obj)` of a class type is its conversion to float2 (of the copy made here: the
+    // variant for thread objects), not a broadcast of a scalar conversion.
+    return (static_cast<V>(a), ...);
   } else if constexpr (sizeof...(A) == 1 && (!vinfo<A>::is_vector && ...)) {
     return V(E(a...));
   } else if constexpr (sizeof...(A) == 1) {
