@@ -39,7 +39,7 @@ def by_line(out: str, path: str = "k.metal") -> list[str]:
         if m:
             where, n = m.group(2), int(m.group(1))
             continue
-        if where == path and text:
+        if where == path and text.strip():
             lines.setdefault(n, []).append(text)
         n += 1
     last = max(lines, default=0)

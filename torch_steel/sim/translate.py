@@ -1016,7 +1016,7 @@ class _Translator:
         if "constexpr" in words or "(" in words[:3]:
             return None
         init = next((j for j in range(k + 2, semi) if r.t(j) in ("(", "{")), None)
-        if init is not None and "=" not in words and r.kind(init - 1) == "ident":
+        if init is not None and not {"=", "["} & set(words) and r.kind(init - 1) == "ident":
             # `constant T x(args);`: an object of class type constructed in constant memory.
             # C++ constructs it in generic memory; x is that object seen in the constant space,
             # so that members qualified `constant` are the ones called on it.
