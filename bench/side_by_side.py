@@ -134,22 +134,24 @@ def _cache(name: str, resident) -> dict[str, Any]:
     }
 
 
-# part 24B's sampled run: the first and last waves, the middle wave of each of `waves` strata
-# between, each after `warm` uncounted waves (torch_steel/sim/traffic.py)
-SAMPLE = {"waves": 2, "warm": 1}
+# part 24B's sampled run (torch_steel/sim/traffic.py): the work counters from `threadgroups`
+# strata of single threadgroups, and with the cache model the DRAM bytes from `waves` strata of
+# whole waves besides the first and last, each after `warm` uncounted waves
+SAMPLE = {"threadgroups": 64, "waves": 2, "warm": 1}
 
 
 def _sampling(work: float, budget: float, threadgroups: Sequence[int], residents: Sequence[int]):
     """None (run whole: within the budget), the sample= argument (sampled, within the budget),
-    or the reason the shape is skipped. A sampled dispatch runs at most
-    (2 + waves) x (1 + warm) of its waves; the dearest dispatch decides."""
+    or the reason the shape is skipped. A sampled dispatch runs at most threadgroups + 2
+    threadgroups and (2 + waves) x (1 + warm) waves; the dearest dispatch decides."""
     if work <= budget:
         return None
     if not sampling_available():
         return f"{work:.1e} MACs over --sim-budget; no sampling in this simulator"
-    runs = (2 + SAMPLE["waves"]) * (1 + SAMPLE["warm"])
+    waves = (2 + SAMPLE["waves"]) * (1 + SAMPLE["warm"])
     fraction = max(
-        min(1.0, runs / math.ceil(n / r)) for n, r in zip(threadgroups, residents, strict=True)
+        min(1.0, (SAMPLE["threadgroups"] + 2 + waves * r) / n)
+        for n, r in zip(threadgroups, residents, strict=True)
     )
     if work * fraction > budget:
         return f"{work:.1e} MACs, {work * fraction:.1e} sampled: over --sim-budget"
@@ -204,7 +206,7 @@ def steel_records(
     if isinstance(sample, str):
         return {"skipped": sample}
     if sample is not None:
-        kw["sample"] = sample if "cache" in kw else {**sample, "resident_threadgroups": residents}
+        kw["sample"] = sample
     tensors = make("cpu", use_reduced)
     _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False, **kw)
     if any(c.get("sampled", {}).get("extrapolated") for c in counters):
@@ -260,8 +262,6 @@ def pytorch_records(
             extra["cache"] = _cache(chip_name, residents[i])
         if sample is not None:
             extra["sample"] = sample
-            if "cache" not in extra:
-                extra["sample"] = {**sample, "resident_threadgroups": residents[i]}
         c = pytorch_mps.run(launch, counters=True, checkers=False, **extra)
         if c.get("sampled", {}).get("extrapolated") and "sampled" not in how:
             how += ", sampled"
