@@ -230,8 +230,8 @@ def sdpa_backward(grad_out, grad_lse, q, k, v, lse, attn_mask, dropout_p, is_cau
     dsinks = None
     if sinks is not None:
         d = -delta if grad_lse is None else grad_lse.to(ct).unsqueeze(-1) - delta
-        per_head = (p_sink * d).sum(-1)  # [*batch, H, L]
-        per_head = per_head.reshape(-1, per_head.shape[-2], per_head.shape[-1]).sum((0, 2))
+        per_head = (p_sink * d).sum((-1, -2))  # [*batch, H]; H >= 1, so -1 below is defined
+        per_head = per_head.reshape(-1, per_head.shape[-1]).sum(0)  # (even with L or B = 0)
         dsinks = per_head.reshape(sinks.shape).to(sinks.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dmask
 

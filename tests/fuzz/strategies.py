@@ -131,8 +131,9 @@ def _layouts(draw, ndim, *, orders=(), expandable=None, plain=0.4):
     permutation is also drawn now and then; expandable: dims that may be stride 0 (default all);
     plain: the probability of the contiguous layout.
     """
-    if draw(_PLAIN) < plain:
-        return Layout.contiguous(ndim)
+    if draw(_PLAIN) < plain:  # contiguous, now and then at a storage offset
+        c = Layout.contiguous(ndim)
+        return Layout(c.order, c.step, c.pad, draw(_OFFSET), c.expand)
     identity = tuple(range(ndim))
     order = draw(
         st.one_of(
@@ -445,7 +446,11 @@ class MaskSpec:
 
     fill: "random" (bool: keep with probability `keep`; additive: N(0, 2^2)), "rows" (some rows
     hide every key: False, -inf, or finfo.min), "cols" (padded keys, Hugging Face style: False,
-    -inf or finfo.min on trailing keys), "neg_inf" (additive: scattered -inf entries).
+    -inf or finfo.min on trailing keys), "neg_inf" (additive: scattered -inf entries), "all"
+    (every row hides every key).
+    hide: "-inf", "min" (finfo(mask dtype).min), or "min:<dtype>" (finfo(dtype).min stored in the
+    mask's dtype: a float32 mask built for a float16 or bfloat16 model, -inf where the mask's
+    dtype cannot hold it).
     """
 
     dtype: torch.dtype
@@ -453,7 +458,7 @@ class MaskSpec:
     layout: Layout
     fill: str
     keep: float
-    hide: str  # what hides a key in an additive mask: "-inf" or "min" (finfo(dtype).min)
+    hide: str  # what hides a key in an additive mask (see above)
 
 
 @dataclass(frozen=True)
@@ -517,11 +522,36 @@ class SdpaCall:
             guards.append(g)
             t["attn_mask"] = g.tensor
         if self.sinks is not None:
-            dtype, layout = self.sinks
-            g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
+            g = sink_values(self.sinks, self.Hq, gen)
             guards.append(g)
             t["sinks"] = g.tensor
         return t, guards
+
+
+# Sinks: N(0, 2^2), or near +30 (the sink takes nearly all the weight, out is tiny, lse ~ 30),
+# -30 (it takes none), or +-30 by head.
+_SINK_FILL = {"+30": lambda x: 30 + x / 4, "-30": lambda x: x / 4 - 30,
+              "pm30": lambda x: torch.where(x >= 0, 30.0, -30.0)}  # fmt: skip
+
+
+def sink_values(sinks, Hq, gen):
+    """The Guarded sinks [Hq] of a drawn (dtype, layout[, level]): level None (N(0, 2^2)),
+    "+30", "-30" or "pm30"."""
+    dtype, layout, *level = sinks
+    fill = _SINK_FILL[level[0]] if level and level[0] else None
+    return guarded("sinks", (Hq,), dtype, layout, gen, scale=2.0, fill=fill)
+
+
+@functools.cache
+def _sink_spec(dtype):
+    """(dtype, layout, level) of sinks for calls of `dtype`, or None (three times in four)."""
+    levels = st.sampled_from([None, None, None, "+30", "-30", "pm30"])
+    spec = st.tuples(st.sampled_from([dtype, torch.float32]), layouts(1), levels)
+    return st.one_of(st.none(), st.none(), st.none(), spec)
+
+
+_HIDE = {"-inf": float("-inf"), "min:float16": torch.finfo(torch.float16).min,
+         "min:bfloat16": torch.finfo(torch.bfloat16).min}  # fmt: skip
 
 
 def _mask_fill(m, gen):
@@ -534,7 +564,7 @@ def _mask_fill(m, gen):
             keep = torch.rand(shape, generator=gen) < m.keep
         else:
             vals = torch.randn(shape, generator=gen, dtype=torch.float64) * 2.0
-            hide = float("-inf") if m.hide == "-inf" else torch.finfo(m.dtype).min
+            hide = _HIDE[m.hide] if m.hide in _HIDE else torch.finfo(m.dtype).min
         if m.fill == "rows":
             rows = torch.rand(shape[-2], generator=gen) < 0.3
             sel = rows[:, None].expand(shape)
@@ -543,6 +573,8 @@ def _mask_fill(m, gen):
             sel = (torch.arange(shape[-1]) >= cut).expand(shape)
         elif m.fill == "neg_inf":
             sel = torch.rand(shape, generator=gen) < 0.2
+        elif m.fill == "all":
+            sel = torch.ones(shape, dtype=torch.bool)
         else:
             sel = torch.zeros(shape, dtype=torch.bool)
         if boolean:
@@ -564,10 +596,10 @@ def _mask_specs(draw, dtype, batch, Hq, L, S):
     nd = len(shape)
     transposed = (*range(nd - 2), nd - 1, nd - 2)
     layout = draw(layouts(nd, orders=[transposed]))
-    fill = draw(st.sampled_from(["random", "random", "rows", "cols"]
+    fill = draw(st.sampled_from(["random", "random", "rows", "cols", "all"]
                                 + ([] if kind == "bool" else ["neg_inf"])))  # fmt: skip
     keep = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]))
-    hide = draw(st.sampled_from(["-inf", "min"]))
+    hide = draw(st.sampled_from(["-inf", "min", "min", "min:float16", "min:bfloat16"]))
     return MaskSpec(mdtype, shape, layout, fill, keep, hide)
 
 
@@ -579,8 +611,9 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     Ev = draw(st.one_of(st.just(E), st.just(E), head_dims(), st.just(128 if E > 160 else E)))
     if draw(st.integers(0, 9)) == 0:
         E, Ev = 192, 128  # the MLA-style instantiation
-    L = draw(sizes((ATTN_BQ,), max_L))
-    S = draw(sizes(ATTN_BK, max_S))
+    # now and then no query rows (an empty result), or no keys (every row sees nothing)
+    L = 0 if draw(st.integers(0, 15)) == 0 else draw(sizes((ATTN_BQ,), max_L))
+    S = 0 if draw(st.integers(0, 15)) == 0 else draw(sizes(ATTN_BK, max_S))
     Hkv = draw(st.sampled_from([1, 1, 2, 3]))
     group = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
     batch = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.sampled_from([0, 1, 1, 2]))))
@@ -616,10 +649,8 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
     side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))
     window = draw(st.one_of(st.none(), st.tuples(side, side)))
-    sinks = None
-    if draw(st.integers(0, 3)) == 0:
-        sinks = (draw(st.sampled_from([dtype, torch.float32])), draw(layouts(1)))
-    softcap = draw(st.sampled_from([None, None, None, 0.0, 1.0, 5.0, 30.0, 50.0]))
+    sinks = draw(_sink_spec(dtype))
+    softcap = draw(st.sampled_from([None, None, None, 0.0, 1.0, 1.0, 5.0, 30.0, 50.0]))
     scale = draw(st.sampled_from([None, None, None, 0.125, 1.0, 0.02, -0.3, 0.0, 2.0]))
     seed = draw(st.integers(0, 2**31 - 1))
     return SdpaCall(dtype, batch, kv_batch, Hq, Hkv, L, S, E, Ev, q_layout, k_layout, v_layout,
@@ -732,6 +763,8 @@ class VarlenCall:
     page_size: int = 0
     spare_pages: int = 0
     num_splits: int | None = None
+    shared_pages: int = 0  # sequences b > 0 start with up to this many of sequence 0's pages
+    index_offset: int = 0  # storage offset of the block table and seqused_k (guarded views)
 
     def cu_seqlens(self):
         def offsets(lengths):
@@ -771,10 +804,17 @@ class VarlenCall:
             for b, n in enumerate(pages):
                 table[b, :n] = order[start : start + n]
                 start += n
+                shared = min(self.shared_pages, n, pages[0]) if b else 0
+                table[b, :shared] = table[0, :shared]  # a shared prefix (prefix caching)
             used = torch.tensor(self.lk, dtype=torch.int32)
+            c = Layout.contiguous(2)
+            at = Layout(c.order, c.step, c.pad, self.index_offset, c.expand)
+            gt = Guarded("block_table", table, at, tuple(table.shape))
+            gu = Guarded("seqused_k", used, Layout((0,), (1,), (0,), self.index_offset, (False,)),
+                         tuple(used.shape))  # fmt: skip
             t = {"q": gq.tensor, "k": gk.tensor, "v": gv.tensor, "sinks": None,
-                 "block_table": table, "seqused_k": used}  # fmt: skip
-            guards = [gq, gk, gv]
+                 "block_table": gt.tensor, "seqused_k": gu.tensor}  # fmt: skip
+            guards = [gq, gk, gv, gt, gu]
             self._sinks(t, guards, gen)
             return t, guards
         if self.packed:
@@ -793,8 +833,7 @@ class VarlenCall:
 
     def _sinks(self, t, guards, gen):
         if self.sinks is not None:
-            dtype, layout = self.sinks
-            g = guarded("sinks", (self.Hq,), dtype, layout, gen, scale=2.0)
+            g = sink_values(self.sinks, self.Hq, gen)
             guards.append(g)
             t["sinks"] = g.tensor
 
@@ -842,10 +881,8 @@ def varlen_calls(draw, dtypes=DTYPES, max_len=300):
     causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
     side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))
     window = draw(st.one_of(st.none(), st.tuples(side, side)))
-    sinks = None
-    if draw(st.integers(0, 3)) == 0:
-        sinks = (draw(st.sampled_from([dtype, torch.float32])), draw(layouts(1)))
-    softcap = draw(st.sampled_from([None, None, None, 1.0, 5.0, 30.0]))
+    sinks = draw(_sink_spec(dtype))
+    softcap = draw(st.sampled_from([None, None, None, 1.0, 1.0, 5.0, 30.0]))
     scale = draw(st.sampled_from([None, None, None, 0.125, 1.0, -0.3, 0.0, 2.0]))
     dropout_p = draw(st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.5]))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -884,6 +921,8 @@ def paged_calls(draw, dtypes=DTYPES, max_kv=2000):
         dropout_p=0.0, page_size=page_size,
         spare_pages=max(draw(st.sampled_from([0, 1, 5])), int(sum(lk) == 0)),  # a pool not empty
         num_splits=draw(st.sampled_from([None, None, 1, 2, 3, 32])),
+        shared_pages=draw(st.sampled_from([0, 0, 0, 1, 2, 1000])),
+        index_offset=draw(_OFFSET),
         q_layout=call.q_layout if not call.packed else Layout.contiguous(3),
     )  # fmt: skip
 

@@ -49,7 +49,7 @@ def row_score_error(call, t, ref_scores):
         err += 8 * EPS32 * call.softcap
     err = torch.full(ref_scores.shape[:-1], err, dtype=torch.float64)
     m = t["attn_mask"]
-    if m is not None and m.dtype != torch.bool:
+    if m is not None and m.dtype != torch.bool and ref_scores.shape[-1]:
         row_max = ref_scores.amax(-1, keepdim=True)
         near = ref_scores >= row_max - 80
         size = (ref_scores.abs() + m.double().abs()).nan_to_num(0.0, 0.0, 0.0)
@@ -93,7 +93,7 @@ def check_sdpa(call, weight_rounding=0.0):
     ref_out, ref_lse = oracle(t["q"], t["k"], t["v"], t["attn_mask"], sinks=t["sinks"], **kwargs)
     assert out.dtype == call.dtype and out.shape == ref_out.shape, (out.shape, ref_out.shape)
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
-    v_max = float(t["v"].double().abs().max())
+    v_max = float(t["v"].double().abs().max()) if t["v"].numel() else 0.0
     err = row_score_error(call, t, reference_scores(call, t))
     assert bool((out.isnan() == ref_out.isnan()).all()), "out: NaN where the reference differs"
     diff = (out.double() - ref_out).abs()

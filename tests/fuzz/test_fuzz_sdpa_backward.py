@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from attn_helpers import OUT_ROUNDING, score_error
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
@@ -90,9 +91,8 @@ def assert_gradients_close(
     and exp(sink - lse) through lse's error (the score error, 4 * err) relative to that term."""
     err = score_error(q, k, scale) + (8 * 2.0**-24 * softcap if softcap else 0)
     scale = abs(scale) if scale is not None else E**-0.5
-    d_err = OUT_ROUNDING[q.dtype] * float(
-        (g.abs() * out.detach().abs().nan_to_num(0.0)).sum(-1).max()
-    )
+    rowsums = (g.abs() * out.detach().abs().nan_to_num(0.0)).sum(-1)
+    d_err = OUT_ROUNDING[q.dtype] * float(rowsums.max()) if rowsums.numel() else 0.0
     q_max = float(q.double().abs().max()) if q.numel() else 0.0
     k_max = float(k.double().abs().max()) if k.numel() else 0.0
     sum_err = ((rows + 3) * 2.0**-24 + 4 * err) * sinks_sum
@@ -201,3 +201,22 @@ def test_dsinks_of_rows_that_see_no_key():
     assert set(got) == {"dq", "dk", "dv", "dsinks"}
     for name, x in got.items():
         assert bool((x == 0).all()), f"{name}: {x.abs().max()}"
+
+
+@pytest.mark.parametrize("L,S,packed", [(0, 0, True), (0, 5, False), (5, 0, False)])
+def test_sinks_gradient_without_rows_or_keys(L, S, packed):
+    """Found by widening sdpa_calls() to L = 0 and S = 0 (issue 31): the float64 reference's
+    backward (torch_steel.reference.sdpa_backward) could not reshape the sinks' per-head sum
+    of a call without query rows. Now kernel and reference agree: no rows give dsinks 0, no
+    keys give every row its sink alone (O = 0)."""
+    c, q = Layout.contiguous(3), Layout.contiguous(4 if packed else 3)
+    sinks = (torch.float32, Layout.contiguous(1), "+30")
+    call = SdpaCall(torch.float16, (), (), 2, 1, L, S, 64, 64, q, c, c, None, False, "top_left",
+                    None, sinks, None, None, 0, packed)  # fmt: skip
+    assert backward_serves(call, 0.0)
+    compare_backward(call, 0.0, False)
+    t, _ = call.build()
+    with strict_sim():
+        got = gradients(t, call.kwargs(), 0.0, "sim", torch.float16)[2]
+    if L == 0:
+        assert bool((got["dsinks"] == 0).all())
