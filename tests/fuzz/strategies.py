@@ -686,7 +686,7 @@ def sdpa_refusals(draw):
     elif what == "rank2":
         q, k, v = q[0, 0], k[0, 0], v[0, 0]
     elif what == "head_dim":
-        E = draw(st.integers(513, 600))
+        E = draw(st.integers(577, 640))  # above kMaxHeadDim (576, MLA), attention_plan.cpp
         q, k, v = (values((1, 1, 3, E), dtype, gen) for _ in range(3))
     elif what == "e_mismatch":
         k = values((B, H, S, E + 1), dtype, gen)
@@ -954,7 +954,7 @@ def varlen_refusals(draw):
         q = values((T, 5, E), dtype, gen)
         k, v = values((T, 2, E), dtype, gen), values((T, 2, E), dtype, gen)
     elif what == "head_dim":
-        E = draw(st.integers(513, 600))
+        E = draw(st.integers(577, 640))  # above kMaxHeadDim (576, MLA), attention_plan.cpp
         q, k, v = (values((T, 1, E), dtype, gen) for _ in range(3))
     elif what == "cu_dtype":
         cu_k = cu_k.to(torch.int64)
