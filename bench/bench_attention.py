@@ -745,6 +745,27 @@ def decode_table(dtype, sim_limit) -> int:
     return failures
 
 
+# (name, B, Hq, L, latent rows) of an absorbed-MLA decode call the timing model predicts
+MLA_PREDICT_SHAPES = [("MLA 2 tokens, latent 4k, 16 heads", 1, 16, 2, 4096)]
+
+
+def mla_predict_table(chips, dtype) -> None:
+    """The timing model (sim.predict) on absorbed-MLA decode with V the latent's prefix (the
+    alias) and with V a copy (the general path): DRAM bytes and predicted time per chip."""
+    print(f"\nabsorbed MLA decode, {dtype}: the timing model, V aliased vs copied")
+    print(f"{'shape':36} {'chip':10} {'V':6} {'device MB':>9} {'time us':>9} {'bound':>8}")
+    for name, B, Hq, L, S in MLA_PREDICT_SHAPES:
+        for mla in ("alias", "copy"):
+            tensors, opts, _ = decode_inputs(B, Hq, 1, L, S, MLA_E, {"mla": mla}, None, dtype,
+                                             "cpu")  # fmt: skip
+            _, counters = sim.run_op("sdpa", tensors, opts, counters=True, checkers=False)
+            moved = sum(total(g) for g in counted_all(counters))
+            for chip in chips:
+                r = sim.predict("sdpa", tensors, opts, chip=chip)
+                print(f"{name:36} {chip:10} {mla:6} {moved / 1e6:9.3f} "
+                      f"{r['time_s'] * 1e6:9.1f} {r['bound']:>8}")  # fmt: skip
+
+
 def decode_mps_table(dtype, iters) -> None:
     """Decode on MPS: one new token per sequence against KV 1k..32k, steel against F.sdpa
     (enable_gqa for GQA 4), time per call and tokens per second, as a table and a plot."""
@@ -1064,6 +1085,7 @@ def main() -> int:
 
         chips = side_by_side.chip_names(args.predict)
         attention_predict.run(chips, dtype, args.quick, args.out, args.sim_budget, args.modest)
+        mla_predict_table(chips, dtype)
         return 0
     device = DEVICES[args.device]
     failures = traffic_table(dtype, args.sim_limit, device)
