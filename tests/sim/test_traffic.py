@@ -233,3 +233,30 @@ def test_sampled_run_matches_the_full_run(name):
 @pytest.mark.parametrize("name", ["prefill", "decode"])
 def test_sampled_run_matches_the_full_run_slow(name):
     _check_sampling(name)
+
+
+def test_sampled_waves_start_from_empty_caches():
+    # 64 threadgroups cycling over 8 chunks of 1 KiB, waves of 1, an L2 of two waves' lines: in
+    # the full run every read misses (each chunk comes back 8 waves later). The sampled run
+    # measures wave 16 (chunk 0) after warming with wave 15, and ran wave 0 (chunk 0 too) just
+    # before: kept, the caches would give wave 16 hits that the 14 waves skipped had evicted.
+    x = torch.randn(8 * 256)
+    cache = {"l2_bytes": 4 * KIB, "slc_bytes": 0, "resident_threadgroups": 1}
+    sample = {"threadgroups": 8, "waves": 2}
+    counters = [
+        sim.run_kernel(
+            "exec_chunk_cycle",
+            sources=SRC,
+            grid=(64,),
+            threads=(256,),
+            buffers={0: x, 1: torch.zeros(64 * 256)},
+            counters=True,
+            cache=cache,
+            sample=s,
+        )  # fmt: skip
+        for s in (None, sample)
+    ]
+    full, part = counters
+    assert full["dram_read"] == 64 * KIB
+    assert part["sampled"]["waves_run"] == 7
+    assert part["dram_read"] == full["dram_read"]

@@ -35,3 +35,15 @@ kernel void exec_read_twice(device const float* in [[buffer(0)]],
   float second = in[(lid + 1) % n];
   out[tg * n + lid] = first + second;
 }
+
+// Threadgroup t reads chunk t % (threadgroups / 8) of `in` (one float per thread): each chunk is
+// read again every threadgroups / 8 threadgroups.
+kernel void exec_chunk_cycle(device const float* in [[buffer(0)]],
+                             device float* out [[buffer(1)]],
+                             uint tg [[threadgroup_position_in_grid]],
+                             uint tgs [[threadgroups_per_grid]],
+                             uint lid [[thread_position_in_threadgroup]],
+                             uint n [[threads_per_threadgroup]],
+                             uint gid [[thread_position_in_grid]]) {
+  out[gid] = in[(tg % (tgs / 8)) * n + lid];
+}
