@@ -237,9 +237,10 @@ def _add(buffers, index, read=0, written=0):
         entry["written"] += written
 
 
-def _query_tiles(p, key0, bk, has_hi, has_lo):
-    """[(first row, valid rows)] of the query tiles the dK/dV block at key0 visits."""
-    last_key = min(key0 + 32, p["S"]) - 1
+def _query_tiles(p, key0, bk, has_hi, has_lo, block=32):
+    """[(first row, valid rows)] of the query tiles the dK/dV block of `block` keys at key0
+    visits."""
+    last_key = min(key0 + block, p["S"]) - 1
     begin, end = 0, p["L"]
     if has_hi:
         begin = max(0, key0 - p["shift"] - p["hi_off"])
@@ -266,6 +267,9 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
         dm_hs, dm_rs, dm_cs = struct.unpack_from("3q", raw, 448)
         (dm_combos,) = struct.unpack_from("i", raw, 472)
         kind = d.kernel.split("_")[3]
+        tensor = kind == "tensor"  # the matmul2d dK/dV and dQ (backward_tensor.h)
+        if tensor:
+            kind = d.kernel.split("_")[4]
         hi, lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
         varlen = d.constants[FC_VARLEN]
         mask_read = mask_es if d.constants[FC_MASK] else 0
@@ -286,6 +290,41 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                 _add(buffers, BUF_FWD_LSE, rows * 32 * 4)
                 _add(buffers, BUF_GRAD_LSE, rows * 4 if d.constants[STEEL_FC_GRAD_LSE] else 0)
                 _add(buffers, BUF_DELTA, written=rows * 8)
+            elif tensor and kind == "dkdv":
+                # 64-key blocks: K, V loaded once into cooperative tensors; each query tile's
+                # Q and dO read by two operations each (S^T and dK, dP^T and dV), its rows'
+                # statistics staged once; four BQ x BK x D operations a tile.
+                pairs = count * Hq // group
+                for key0 in range(0, S, TENSOR_BQ):
+                    vk = min(TENSOR_BQ, S - key0)
+                    _add(buffers, BUF_K, pairs * vk * E * es)
+                    _add(buffers, BUF_V, pairs * vk * Ev * es)
+                    _add(buffers, BUF_DK, written=pairs * vk * E * es)
+                    _add(buffers, BUF_DV, written=pairs * vk * Ev * es)
+                    for _, vr in _query_tiles(x, key0, TENSOR_BK, hi, lo, TENSOR_BQ):
+                        n = pairs * group
+                        _add(buffers, BUF_Q, 2 * n * vr * E * es)
+                        _add(buffers, BUF_GRAD_OUT, 2 * n * vr * Ev * es)
+                        _add(buffers, BUF_FWD_LSE, n * vr * 4)
+                        _add(buffers, BUF_DELTA, n * vr * 8)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
+                        mma += n * 4 * TENSOR_BQ * TENSOR_BK * de // 512
+            elif tensor and kind == "dq":
+                # The forward's blocks and key tiles: Q, dO and the rows' statistics once a
+                # block, K read by two operations (S and dQ), V by one (dP); three a tile.
+                n = count * Hq
+                for _, vr, tiles in visited_tiles(x, TENSOR_BK, hi, lo, TENSOR_BQ):
+                    _add(buffers, BUF_Q, n * vr * E * es)
+                    _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                    _add(buffers, BUF_FWD_LSE, n * vr * 4)
+                    _add(buffers, BUF_DELTA, n * vr * 8)
+                    _add(buffers, BUF_DQ, written=n * vr * E * es)
+                    for key0 in tiles:
+                        vk = min(TENSOR_BK, S - key0)
+                        _add(buffers, BUF_K, 2 * n * vk * E * es)
+                        _add(buffers, BUF_V, n * vk * Ev * es)
+                        _add(buffers, BUF_MASK, n * vr * vk * mask_read)
+                        mma += n * 3 * TENSOR_BQ * TENSOR_BK * de // 512
             elif kind == "dkdv":
                 pairs = count * Hq // group
                 for key0 in range(0, S, 32):

@@ -33,6 +33,7 @@ from test_attention_backward import SLACK, grads
 from test_varlen import packed
 from test_varlen_backward import dense_grads, varlen_grads
 
+import torch_steel
 from torch_steel import sim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -325,6 +326,56 @@ def test_results_do_not_depend_on_the_layout_or_the_run(monkeypatch):
             assert torch.equal(a, b), layout_seed
 
 
+LAYOUT_KERNELS = Path(__file__).parent / "kernels" / "attention_bwd_tensor_layout_msl4.metal"
+
+
+def run_dq_test_kernel(name, q, k, v, mask, grad_out, out, lse, **options):
+    """dq of a test build of the matmul2d dQ kernel (LAYOUT_KERNELS), launched as the M5 plan
+    of this backward launches the shipped one (grid, threads, constants, bindings), with delta
+    = rowsum(dO * O) in fp32 and the normaliser 1 (no |lse| is huge here) in place of the
+    pre-pass."""
+    import bench_attention
+
+    tensors = [grad_out, q, k, v, out, lse, mask, None, None]
+    opts = {**bench_attention.run_options(q.shape[-1], options), **M5}
+    p = sim.plan("sdpa_backward", tensors, opts)
+    (d,) = [d for d in p.dispatches if d.kernel == "steel_attention_bwd_tensor_dq_f16_e64_v64"]
+    slots = tensors + [torch.zeros(a.sizes, dtype=a.dtype) for a in p.allocations]
+    delta = slots[len(tensors) + [a.name for a in p.allocations].index("delta")]
+    delta[0] = (grad_out.float() * out.float()).sum(-1).flatten()
+    delta[1] = 1.0
+    buffers = {b.index: slots[b.slot] if b.kind == "tensor" else b.bytes for b in d.bindings}
+    sim.run_kernel(name, sources=[LAYOUT_KERNELS], grid=d.grid, threads=d.threads,
+                   buffers=buffers, constants=d.constants, checkers=True)  # fmt: skip
+    return slots[len(tensors)]
+
+
+@requires_simulator
+def test_a_dq_that_assumes_a_layout_fails(monkeypatch):
+    """The dQ kernel with its index as shipped (the index API) agrees with float64 autograd
+    under every seed; with one that assumes where a thread's elements lie it is wrong under
+    every seed."""
+    q, k, v = qkv(1, 2, 100, 70, 64, dtype=torch.float16)
+    mask = torch.rand(100, 70, generator=torch.Generator().manual_seed(4)) > 0.2
+    grad_out = torch.randn(1, 2, 100, 64, generator=torch.Generator().manual_seed(6)).half()
+    with sim.device({**M5, "decode": 0}):
+        out, lse = sim.run_op("sdpa", [q, k, v, mask, None], {"is_causal": True})
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    with torch_steel.backend("reference"):
+        ref = torch_steel.sdpa(*leaves, mask, is_causal=True)
+    (want,) = torch.autograd.grad((ref * grad_out.double()).sum(), leaves[:1])
+    bound = OUT_ROUNDING[torch.float16] * want.abs() + TENSOR_SLACK[torch.float16] * float(
+        want.abs().max()
+    )
+    for layout_seed in SEEDS + [5]:
+        monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
+        args = (q, k, v, mask, grad_out, out, lse)
+        dq = run_dq_test_kernel("attention_bwd_tensor_dq_index_api", *args, is_causal=True)
+        assert bool(((dq.double() - want).abs() <= bound).all()), layout_seed
+        dq = run_dq_test_kernel("attention_bwd_tensor_dq_layout_assumed", *args, is_causal=True)
+        assert not bool(((dq.double() - want).abs() <= bound).all()), layout_seed
+
+
 # ---- wider sweeps ----------------------------------------------------------------------------
 
 
@@ -347,3 +398,65 @@ def test_every_option_every_head_dim(E, dtype, monkeypatch):
     check(monkeypatch, E, q, k, v, attn_mask=torch.rand(100, 130) > 0.3, softcap=20.0,
           sinks=torch.randn(4), window=(60, 10), enable_gqa=True, dropout_p=0.1,
           seed=5)  # fmt: skip
+
+
+# ---- the bench's model of the kernels against the simulator's counters ------------------------
+
+
+@requires_simulator
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S,E,options,mask_shape,sinks,dtype",
+    [
+        (1, 2, 2, 97, 129, 64, {}, None, False, torch.float16),
+        (2, 4, 2, 70, 100, 128, {"is_causal": True}, (70, 100), True, torch.bfloat16),
+        (1, 2, 1, 50, 33, 96, {"is_causal": True, "bottom_right": True}, (1, 2, 1, 33), False,
+         torch.float16),
+        (1, 1, 1, 130, 70, 256, {"window_left": 20, "window_right": 5}, None, True,
+         torch.bfloat16),
+        (1, 2, 2, 33, 47, 100, {}, None, False, torch.float16),  # the 128 kernels, padded
+    ],
+)  # fmt: skip
+def test_traffic_and_multiply_adds_match_the_bench_model(B, Hq, Hkv, L, S, E, options,
+                                                         mask_shape, sinks, dtype):  # fmt: skip
+    """bench_attention.backward_model of every dispatch (the matmul2d dK/dV: K, V once per
+    64-key block, each visited query tile's Q and dO twice, its rows' statistics once, four
+    64 x 32 x D operations; the matmul2d dQ: Q, dO, statistics once per 64-row block, each
+    visited key tile's K twice and V once, three operations) equals the simulator's counters,
+    and the matmul2d kernels run no simdgroup MMA."""
+    import bench_attention
+
+    es = torch.finfo(dtype).bits // 8
+    q, k, v, _ = bench_attention.inputs(B, Hq, Hkv, L, S, E, E, None, dtype, "cpu")
+    mask = None if mask_shape is None else torch.randn(mask_shape, dtype=dtype)
+    s = torch.randn(Hq, dtype=torch.float32) if sinks else None
+    opts = {**bench_attention.run_options(E, options), **M5, "decode": 0}
+    out, lse = sim.run_op("sdpa", [q, k, v, mask, s], opts)
+    tensors = [torch.randn_like(out), q, k, v, out, lse, mask, s, torch.randn_like(lse)]
+    p = sim.plan("sdpa_backward", tensors, opts)
+    assert sum("_tensor_" in d.kernel for d in p.dispatches) == 2
+    predicted = bench_attention.backward_model(p, [(L, S, B)], es, es, 4)
+    _, counters = sim.run_op("sdpa_backward", tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
+    assert [bench_attention.counted_mma([c]) for c in counters] == [m for _, m in predicted]
+    for c, d in zip(counters, p.dispatches, strict=True):
+        assert "_tensor_" not in d.kernel or c["mma"] == 0
+
+
+@requires_simulator
+def test_varlen_traffic_matches_the_bench_model():
+    import bench_attention
+
+    lq, lk = [40, 0, 70, 1], [100, 5, 30, 64]
+    tensors = bench_attention.varlen_inputs(lq, lk, 4, 2, 64, torch.float16, "cpu")
+    tensors[-1] = torch.randn(4, dtype=torch.float32)  # sinks
+    opts = {**bench_attention.run_options(64, {"is_causal": True, "bottom_right": True}),
+            "max_seqlen_q": max(lq), "max_seqlen_k": max(lk), **M5, "decode": 0}  # fmt: skip
+    out, lse = sim.run_op("sdpa_varlen", tensors, opts)
+    q, k, v, cu_q, cu_k, sinks = tensors
+    args = [torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, sinks, None]
+    p = sim.plan("sdpa_varlen_backward", args, opts)
+    assert sum("_tensor_" in d.kernel for d in p.dispatches) == 2
+    predicted = bench_attention.backward_model(p, list(zip(lq, lk, [1] * len(lq))), 2, 0, 4)
+    _, counters = sim.run_op("sdpa_varlen_backward", args, opts, counters=True, checkers=False)
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
+    assert [bench_attention.counted_mma([c]) for c in counters] == [m for _, m in predicted]

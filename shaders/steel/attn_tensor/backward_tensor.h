@@ -41,9 +41,19 @@ namespace steel {
 template <typename T>
 using attn_tensor_out = tensor<device T, dextents<int32_t, 2>, tensor_inline>;
 
+// Where slot i of a cooperative tensor lies ([0] column, [1] row): the index API. A parameter of
+// the blocks so that a test can show that an index assuming a layout fails
+// (tests/attn/kernels/attention_bwd_tensor_layout_msl4.metal).
+struct AttnTensorIndex {
+  template <typename Coop>
+  static array<int, 2> at(thread const Coop& c, ushort i, ushort) {
+    return c.get_multidimensional_index(i);
+  }
+};
+
 // The dK/dV block: keys key0 .. key0 + BQ of KV head tg.y of (batch entry | sequence) tg.z.
 // `p_mem` and `ds_mem` hold BQ x BK elements each, `stats` 3 * BK floats.
-template <typename T, short D>
+template <typename T, short D, typename Index = AttnTensorIndex>
 inline void attention_bwd_tensor_dkdv_block(
     const device T* q, const device T* k, const device T* v, const device uchar* mask,
     const device T* grad_out, const device float* lse, const device float* delta, device T* dk,
@@ -147,7 +157,7 @@ inline void attention_bwd_tensor_dkdv_block(
       // P^T, (P o Z)^T into st, dS^T into dp: S^T's column is the tile's query row.
       for (ushort i = 0; i < st.get_capacity(); ++i) {
         if (!st.is_valid_element(i)) continue;
-        const auto at = st.get_multidimensional_index(i);
+        const auto at = Index::at(st, i, thread_index);
         const int r = at[0];
         const int row = row0 + r;
         const int key = key0 + at[1];
@@ -191,7 +201,7 @@ inline void attention_bwd_tensor_dkdv_block(
 
 // The dQ block: query rows row0 .. row0 + BQ of head tg.y of (batch entry | sequence) tg.z.
 // `ds_mem` holds BQ x BK elements, `stats` 3 * BQ floats.
-template <typename T, short D>
+template <typename T, short D, typename Index = AttnTensorIndex>
 inline void attention_bwd_tensor_dq_block(const device T* q, const device T* k, const device T* v,
                                           const device uchar* mask, const device T* grad_out,
                                           const device float* lse, const device float* delta,
@@ -271,7 +281,7 @@ inline void attention_bwd_tensor_dq_block(const device T* q, const device T* k, 
     }
     for (ushort i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
-      const auto at = s.get_multidimensional_index(i);
+      const auto at = Index::at(s, i, thread_index);
       const int r = at[1];
       const int row = row0 + r;
       const int key = key0 + at[0];
