@@ -452,7 +452,8 @@ def run_kernel(
 
     try:
         if sample is None:
-            return launch(True, [])[0] if counters else None
+            result = launch(True, [])[0]  # launched either way: the buffers are the output
+            return result if counters else None
         tg, tw, wg, ww = traffic.runs(
             traffic.Sampling(sample, cache), _threadgroups(grid3), resident
         )
