@@ -7,9 +7,10 @@ torch.nn.attention.activate_flash_attention_impl("steel") or torch_steel.patch()
 torch_steel.varlen).
 """
 
-from . import ops, varlen
+from . import kv, ops, varlen
 from .backends import BACKENDS, FallbackWarning, backend, current_backend
 from .errors import PlanRefused, SimulatorError
+from .kv import QuantizedKV
 from .ops import gemm, linear, sdpa, sdpa_varlen
 from .patching import is_patched, patch, unpatch
 
@@ -19,11 +20,13 @@ __all__ = [
     "BACKENDS",
     "FallbackWarning",
     "PlanRefused",
+    "QuantizedKV",
     "SimulatorError",
     "backend",
     "current_backend",
     "gemm",
     "is_patched",
+    "kv",
     "linear",
     "ops",
     "patch",
