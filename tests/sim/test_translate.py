@@ -411,6 +411,13 @@ BROKEN = {
     # simd_* functions take no bool, long or ulong operands (MSL 6.9.2).
     "simd_sum_long": "out[i] = float(simd_sum(long(i)));",
     "simd_shuffle_bool": "out[i] = simd_shuffle(i > 3, ushort(0)) ? 1 : 0;",
+    # MSL 3.1's atomic_float has no min/max (issue 26 finding 6).
+    "atomic_float_max": (
+        "atomic_fetch_max_explicit((device atomic_float*)out, 1.0f, memory_order_relaxed);"
+    ),
+    "atomic_float_min": (
+        "atomic_fetch_min_explicit((device atomic_float*)out, 1.0f, memory_order_relaxed);"
+    ),
 }
 
 

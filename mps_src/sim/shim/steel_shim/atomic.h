@@ -35,7 +35,9 @@ namespace steel_shim {
 
 // What MSL allows on each atomic type (compile-time refusals, as in the Metal compiler): bool
 // only loads, stores and exchanges; 64-bit atomics only atomic_fetch_min/max_explicit on ulong;
-// float only in device memory.
+// float only in device memory, and no min/max on it (MSL 3.1's atomic_float has load, store,
+// exchange, compare_exchange, fetch_add and fetch_sub; production code such as MLX's
+// atomic.h builds a float max from compare_exchange for that reason).
 template <typename T, int kAS>
 constexpr bool atomic_space_ok = !(__is_same(T, float) && kAS == 3);
 template <typename T>
@@ -62,6 +64,9 @@ namespace metal {
   static_assert(steel_shim::atomic_space_ok<T, metal::remove_address_space<AS int>::value>,  \
                 "atomic_float is supported in device memory only (MSL)");                    \
   static_assert(!__is_same(T, bool), "atomic_bool has no fetch operations (MSL)");           \
+  static_assert(!(kMinMax && __is_same(T, float)),                                           \
+                "atomic_float has no atomic_fetch_min/max_explicit in MSL 3.1 (only load, "  \
+                "store, exchange, compare_exchange, fetch_add and fetch_sub)");              \
   static_assert(sizeof(T) != 8 || (kMinMax && __is_same(T, ulong)),                          \
                 "64-bit atomics support only atomic_fetch_min/max_explicit on ulong (MSL)")
 #define STEEL_SHIM_ATOMICS(AS)                                                                   \
