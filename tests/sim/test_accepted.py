@@ -159,3 +159,19 @@ def test_members_qualified_with_every_address_space():
     # Exact: every value is a small multiple of 1/4 (float holds them exactly).
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(p.double(), torch.stack([lo, hi], 1) * 0.5, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("std", "version"), [("metal3.1", 310), ("metal3.2", 320)])
+def test_logging_with_metal_logging_and_its_fallback(std, version):
+    """Issue 26 finding 2: MSL 3.2's <metal_logging> (metal::os_log) and the empty fallback
+    that headers carry for older versions, each under the -std that selects it."""
+    out = torch.zeros(8, dtype=torch.int32)
+    sim.run_kernel(
+        "logging",
+        sources=[KERNELS / "lang_logging.metal"],
+        grid=(1,),
+        threads=(8,),
+        buffers={0: out},
+        std=std,
+    )
+    assert out.tolist() == [version + i for i in range(8)]
