@@ -1113,7 +1113,7 @@ def main() -> int:
     parser.add_argument("--modest", action="store_true", help="--predict on the README's shapes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out",
                         help="where --predict saves its plots")  # fmt: skip
-    parser.add_argument("--sim-budget", type=float, default=1e9,
+    parser.add_argument("--sim-budget", type=float, default=3e8,
                         help="--predict: simulate whole a shape whose reduced run has at most "
                         "this many multiply-adds; sample or skip the others")  # fmt: skip
     args = parser.parse_args()
