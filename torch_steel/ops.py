@@ -17,6 +17,10 @@ Internal ops, what the Metal kernels implement; autograd connects forward to bac
   steel::sdpa_paged_forward(q, k_pool, v_pool, cu_seqlens_q, block_table, seqused_k,
       max_seqlen_q, max_seqlen_k, <attention options>) -> (out, lse): varlen against a paged KV
       cache (inference: no autograd).
+  steel::sdpa_quantized_forward(q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+      v_format, attn_mask, <attention options>), steel::sdpa_varlen_quantized_forward(q, <the
+      same six tensors and two formats>, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+      max_seqlen_q, max_seqlen_k, <options>): quantized K/V (torch_steel.kv), inference only.
   <attention options> = dropout_p, is_causal, scale, sinks, softcap, window_left, window_right,
       bottom_right, seed, offset, num_splits (all resolved: see Attn and torch_steel.reference).
   steel::sdpa_forward_prechecked, steel::gemm_prechecked: sdpa_forward and gemm without the
@@ -43,6 +47,10 @@ out of any other layout into it):
       option numbers are doubles), num_splits (decode key partitions, 0 = the plan's choice);
       varlen adds max_seqlen_q, max_seqlen_k.
       lse is float32 [*batch, Hq, L] ([Hq, total_q] for varlen; float64 for float64 inputs).
+  "sdpa_quantized"        [q, k, k_scales, k_mins, v, v_scales, v_mins, attn_mask, sinks]
+                          -> [out, lse]; options of "sdpa" plus k_format, v_format
+  "sdpa_varlen_quantized" [q, k, k_scales, k_mins, v, v_scales, v_mins, cu_seqlens_q,
+                          cu_seqlens_k, sinks, block_table, seqused_k] -> [out, lse]
   "gemm"                  [a, b, bias, c] -> [out]; options alpha, beta, activation.
 """
 
@@ -58,9 +66,11 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.nn import Parameter
 
 from . import inductor
+from . import kv as qkv
 from . import reference as ref
 from . import validation as check
 from .backends import backend, current_backend, run
+from .kv import QuantizedKV
 
 _LIB = torch.library.Library("steel", "FRAGMENT")  # holds the composite ops defined below
 
@@ -249,7 +259,8 @@ def _graph_call(op, impl):
     return call
 
 
-def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None):
+def _define(name, schema, impl, fake, tensors, setup=None, backward=None, prechecked=None,
+            why=None):  # fmt: skip
     """Defines steel::<name> with torch.library.Library: `impl` on every device, `fake` for
     tracing, and an Autograd kernel (`tensors`: the positions of the tensor arguments).
 
@@ -265,7 +276,8 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
     (the op below autograd, `setup` as its setup_context, `backward` for the gradients). Without
     them the op has no gradient (the backward ops, the paged KV cache's inference-only forward):
     a call that wants one is an error, raised before any work (inside a torch.func transform,
-    which differentiates with create_graph, when the gradient's own gradient is asked for).
+    which differentiates with create_graph, when the gradient's own gradient is asked for);
+    `why` says why there is none.
 
     What torch.library.custom_op registers, without its Python layers around every call
     (about 15 us of host time per call, more than the whole call costs otherwise: issue 16).
@@ -287,8 +299,8 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
 
     def no_gradient(*_):
         raise RuntimeError(
-            f"steel::{name} has no gradient: call it on tensors that do not require grad "
-            "(or under torch.no_grad())"
+            f"steel::{name} has no gradient{f' ({why})' if why else ''}: call it on tensors "
+            "that do not require grad (or under torch.no_grad())"
         )
 
     def function(forward, how, setup, backward):
@@ -362,7 +374,7 @@ def _define(name, schema, impl, fake, tensors, setup=None, backward=None, preche
         # Without defaults, so that a compiled graph passes every argument positionally (by
         # keyword, about 4 us more per call).
         plain = re.sub(r"\s*=\s*(\"[^\"]*\"|[^,)]+)", "", schema)
-        _define(name + "_prechecked", plain, prechecked, fake, tensors, setup, backward)
+        _define(name + "_prechecked", plain, prechecked, fake, tensors, setup, backward, why=why)
 
 
 # ----------------------------------------------------------------------------- sdpa
@@ -688,6 +700,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             query, key, value, attn_mask, 0.0, bool(is_causal), float(scale)
         )
         return (out, lse) if return_lse else out
+    if type(key) is QuantizedKV or type(value) is QuantizedKV:
+        return _sdpa_quantized(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, sinks, softcap, window, causal_align, seed, offset,
+                               return_lse)  # fmt: skip
     if attn_mask is not None and type(attn_mask) is not Tensor:
         attn_mask, is_causal, causal_align = _causal_bias(
             attn_mask, is_causal, causal_align, query, key
@@ -895,6 +911,11 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         check.fail("sdpa_varlen", f"num_splits must be an int >= 0 (0: the plan's choice), "
                    f"got {num_splits!r}")  # fmt: skip
     splits = 0 if num_splits is None else num_splits
+    if type(key) is QuantizedKV or type(value) is QuantizedKV:
+        return _varlen_quantized(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, dropout_p, is_causal, scale, sinks, softcap,
+                                 window, causal_align, seed, offset, return_lse, block_table,
+                                 seqused_k, splits)  # fmt: skip
     if block_table is not None or seqused_k is not None:
         if block_table is None or seqused_k is None or cu_seqlens_k is not None:
             check.fail("sdpa_varlen", "a paged KV cache takes block_table and seqused_k, and "
@@ -914,6 +935,191 @@ def sdpa_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     # q, k, v, cu_seqlens, sinks: see gemm
     how = 0 if torch.compiler.is_compiling() else _undispatched(*inputs[:5], inputs[10])
     out, lse = _SDPA_VARLEN_FORWARD_CALLS[how](*inputs)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- quantized KV
+#
+# torch_steel.sdpa and sdpa_varlen take a QuantizedKV (torch_steel.kv) as key and value. The ops
+# take its tensors and format string: data, scales, mins (None for int8) and the format, of the
+# key and then of the value, in place of k and v.
+
+_QKV = (
+    "Tensor k, Tensor k_scales, Tensor? k_mins, Tensor v, Tensor v_scales, Tensor? v_mins, "
+    "str k_format, str v_format"
+)
+_QKV_INFERENCE = (
+    "quantized K/V are inference only: K and V are dequantized as they are loaded and the "
+    "integer codes have no gradient"
+)
+
+
+def _quantized(op, q, k, k_scales, k_mins, v, v_scales, v_mins, k_format, v_format):
+    """The op's key and value as QuantizedKV (validated, naming op), and stand-ins of their
+    logical shapes in q's dtype (one element, zero strides) for the shape checks."""
+    pair = []
+    for name, parts in (("key", (k, k_scales, k_mins, k_format)),
+                        ("value", (v, v_scales, v_mins, v_format))):  # fmt: skip
+        x = QuantizedKV.__new__(QuantizedKV)
+        x.data, x.scales, x.mins, x.format = parts
+        qkv.validate(x, f"steel.{op}: {name}")
+        if x.device != q.device:
+            check.fail(op, f"{name} is on {x.device} but query on {q.device}")
+        pair.append(x)
+    stand_ins = [q.new_empty(()).expand(x.shape) for x in pair]
+    return pair, stand_ins
+
+
+def _dequantized(q, pair):
+    return [x.dequantize(q.dtype) for x in pair]
+
+
+def _sdpa_quantized_forward(q, k, k_scales, k_mins, v, v_scales, v_mins, k_format, v_format,
+                            attn_mask, *options):  # fmt: skip
+    attn = Attn(*options)
+    pair, (ks, vs) = _quantized("sdpa", q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                                v_format)  # fmt: skip
+    check.check_sdpa(q, ks, vs, attn_mask, True, attn.sinks)
+    out, lse = run(
+        "sdpa_quantized",
+        [q, k, k_scales, k_mins, v, v_scales, v_mins, attn_mask, attn.sinks],
+        attn.run_options(k_format=k_format, v_format=v_format),
+        lambda: ref.sdpa_forward(q, *_dequantized(q, pair), attn_mask, *attn.math()),
+    )
+    return out, lse
+
+
+def _sdpa_quantized_forward_fake(q, k, k_scales, k_mins, v, v_scales, v_mins, k_format, v_format,
+                                 attn_mask, *options):  # fmt: skip
+    _, (ks, vs) = _quantized("sdpa", q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                             v_format)  # fmt: skip
+    return _sdpa_forward_fake(q, ks, vs, attn_mask, *options)
+
+
+_define(
+    "sdpa_quantized_forward",
+    f"(Tensor q, {_QKV}, Tensor? attn_mask, {_OPTIONS_DEFAULTS}) -> (Tensor, Tensor)",
+    _sdpa_quantized_forward,
+    _sdpa_quantized_forward_fake,
+    (0, 2, 3, 5, 6, 9, 13),  # q, the scales and mins, attn_mask, sinks: inference only
+    why=_QKV_INFERENCE,
+)
+
+
+def _refuse_gradient(op, *tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"steel.{op}: {_QKV_INFERENCE}; call it under torch.no_grad() (or on tensors that "
+            "do not require grad)"
+        )
+
+
+def _quantized_pair(op, key, value):
+    if not (isinstance(key, QuantizedKV) and isinstance(value, QuantizedKV)):
+        raise TypeError(
+            f"steel.{op}: key and value must both be QuantizedKV or both be tensors, got "
+            f"{type(key).__name__} and {type(value).__name__}"
+        )
+    return (*key.tensors(), *value.tensors(), key.format, value.format)
+
+
+def _sdpa_quantized(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
+                    softcap, window, causal_align, seed, offset, return_lse):  # fmt: skip
+    """torch_steel.sdpa with QuantizedKV key and value: no broadcasting (one rank, one batch
+    shape), key and value of one head count."""
+    tensors = _quantized_pair("sdpa", key, value)
+    if not torch.is_tensor(query):
+        raise TypeError(f"steel.sdpa: query must be a Tensor, got {type(query).__name__}")
+    _refuse_gradient("sdpa", query, attn_mask, sinks, *tensors[:6])
+    if attn_mask is not None and type(attn_mask) is not Tensor:
+        attn_mask, is_causal, causal_align = _causal_bias(
+            attn_mask, is_causal, causal_align, query, key
+        )
+    if not query.dim() == key.dim() == value.dim():
+        ranks = f"{query.dim()}, {key.dim()}, {value.dim()}"
+        check.fail("sdpa", "a quantized key and value take no broadcasting: query, key and "
+                   f"value must have one rank, got {ranks}")  # fmt: skip
+    if key.dim() >= 3 and key.shape[-3] != value.shape[-3]:
+        check.fail("sdpa", f"a quantized key and value must have one head count, got "
+                   f"{key.shape[-3]} and {value.shape[-3]}")  # fmt: skip
+    stand_ins = [query.new_empty(()).expand(x.shape) for x in (key, value)]
+    check.check_sdpa(query, *stand_ins, attn_mask, enable_gqa, sinks)
+    attn = _resolve("sdpa", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap, window,
+                    causal_align, seed, offset)  # fmt: skip
+    out, lse = torch.ops.steel.sdpa_quantized_forward(query, *tensors, attn_mask, *attn)
+    return (out, lse) if return_lse else out
+
+
+def _sdpa_varlen_quantized_forward(q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                                   v_format, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                                   max_seqlen_q, max_seqlen_k, *options):  # fmt: skip
+    attn = Attn(*options)
+    op = "sdpa_varlen"
+    pair, (ks, vs) = _quantized(op, q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                                v_format)  # fmt: skip
+    paged = block_table is not None
+    if paged:
+        check.check_paged(op, q, ks, vs, attn.sinks, cu_seqlens_q, block_table, seqused_k,
+                          max_seqlen_q, max_seqlen_k)  # fmt: skip
+        cache = (block_table, seqused_k)
+    else:
+        check.check_varlen(q, ks, vs, attn.sinks)
+        check.check_cu_seqlens(op, cu_seqlens_q, cu_seqlens_k, q.shape[0], ks.shape[0],
+                               max_seqlen_q, max_seqlen_k, q.device)  # fmt: skip
+        cache = (cu_seqlens_k,)
+
+    def reference():
+        kd, vd = _dequantized(q, pair)
+        if paged:
+            return ref.sdpa_paged_forward(q, kd, vd, cu_seqlens_q, *cache, *attn.math())
+        return ref.sdpa_varlen_forward(q, kd, vd, cu_seqlens_q, *cache, *attn.math())
+
+    out, lse = run(
+        "sdpa_varlen_quantized",
+        [q, k, k_scales, k_mins, v, v_scales, v_mins, cu_seqlens_q, cu_seqlens_k, attn.sinks,
+         block_table, seqused_k],
+        attn.run_options(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         k_format=k_format, v_format=v_format),
+        reference,
+    )  # fmt: skip
+    return out, lse
+
+
+def _sdpa_varlen_quantized_forward_fake(q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                                        v_format, *rest):  # fmt: skip
+    _, (_, vs) = _quantized("sdpa_varlen", q, k, k_scales, k_mins, v, v_scales, v_mins, k_format,
+                            v_format)  # fmt: skip
+    return _varlen_outputs_fake(q, vs)
+
+
+_define(
+    "sdpa_varlen_quantized_forward",
+    f"(Tensor q, {_QKV}, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? block_table, "
+    f"Tensor? seqused_k, int max_seqlen_q, int max_seqlen_k, {_OPTIONS}) -> (Tensor, Tensor)",
+    _sdpa_varlen_quantized_forward,
+    _sdpa_varlen_quantized_forward_fake,
+    (0, 2, 3, 5, 6, 18),  # q, the scales and mins, sinks: inference only
+    why=_QKV_INFERENCE,
+)
+
+
+def _varlen_quantized(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, is_causal, scale, sinks, softcap, window, causal_align, seed,
+                      offset, return_lse, block_table, seqused_k, splits):  # fmt: skip
+    """sdpa_varlen with QuantizedKV key and value: packed [total_k, H, E] or paged pools."""
+    tensors = _quantized_pair("sdpa_varlen", key, value)
+    _refuse_gradient("sdpa_varlen", query, sinks, *tensors[:6])
+    if (block_table is None) != (seqused_k is None) or (
+        block_table is not None and cu_seqlens_k is not None
+    ):
+        check.fail("sdpa_varlen", "a paged KV cache takes block_table and seqused_k, and "
+                   "cu_seqlens_k=None")  # fmt: skip
+    attn = _resolve("sdpa_varlen", query.shape[-1], dropout_p, is_causal, scale, sinks, softcap,
+                    window, causal_align, seed, offset)._replace(num_splits=splits)  # fmt: skip
+    out, lse = torch.ops.steel.sdpa_varlen_quantized_forward(
+        query, *tensors, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,
+        max_seqlen_k, *attn
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
