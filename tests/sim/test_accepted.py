@@ -175,3 +175,19 @@ def test_logging_with_metal_logging_and_its_fallback(std, version):
         std=std,
     )
     assert out.tolist() == [version + i for i in range(8)]
+
+
+def test_function_pointer_parameters_resolved_when_inlined():
+    """Issue 26 finding 5: a `T (*op)(T, T)` parameter called with a function's name (PyTorch's
+    c10/metal/atomic.h form); other function pointers stay refused (test_refusals)."""
+    out = torch.zeros(16)
+    sim.run_kernel(
+        "function_pointer_parameter",
+        sources=[KERNELS / "lang_member_spaces.metal"],
+        grid=(1,),
+        threads=(8,),
+        buffers={0: out},
+    )
+    i = torch.arange(8, dtype=torch.float64)
+    expected = torch.stack([i + 2.0, torch.clamp(i, min=2.0)], 1).flatten()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=0)  # small integers: exact

@@ -575,8 +575,20 @@ class _Translator:
                 raise r.error(k, "MSL is based on C++17: no explicit object parameters")
             if s == "auto" and r.t(k - 1) in ("(", ",") and self.in_function_parameters(r, k):
                 raise r.error(k, "MSL is based on C++17: no `auto` function parameters")
-            if s == "(" and r.t(k + 1) == "*" and self.is_function_pointer(r, k):
-                raise r.error(k, "MSL has no function pointers")
+            if (
+                s == "("
+                and r.t(k + 1) == "*"
+                and self.is_function_pointer(r, k)
+                and not self.in_function_parameters(r, k)
+            ):
+                # A function-pointer parameter is resolved when the call is inlined, as Apple's
+                # compiler does for PyTorch's c10/metal/atomic.h; any other function pointer
+                # needs [[visible]] functions and a visible_function_table, not modelled here.
+                raise r.error(
+                    k,
+                    "MSL has no function pointers here (only parameters of inlined functions; "
+                    "[[visible]] functions and visible function tables are not simulated)",
+                )
             if (
                 start_of_stmt
                 and (at_ns or (scopes and scopes[-1] == "class"))

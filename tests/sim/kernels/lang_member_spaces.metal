@@ -108,3 +108,17 @@ kernel void member_spaces(device Pair<float>* p [[buffer(0)]],
   p[i] *= 0.5f;                                          // device operator*=
   out[i * 12 + 11] = float(d);
 }
+
+// A function-pointer parameter, resolved when the call is inlined (issue 26 finding 5).
+inline float add_op(float a, float b) { return a + b; }
+inline float max_op(float a, float b) { return a > b ? a : b; }
+template <typename T>
+inline T combine(T a, T b, T (*op)(T, T)) {
+  return op(a, b);
+}
+
+kernel void function_pointer_parameter(device float* out [[buffer(0)]],
+                                       uint i [[thread_position_in_grid]]) {
+  out[i * 2 + 0] = combine(float(i), 2.0f, add_op);
+  out[i * 2 + 1] = combine(float(i), 2.0f, max_op);
+}
