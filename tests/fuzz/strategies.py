@@ -420,6 +420,8 @@ def gemm_refusals(draw):
 # ----------------------------------------------------------------------------- sdpa
 
 # attention.metal's (E, Ev) instantiations; attention_plan.cpp picks the cheapest that holds.
+# Not drawn yet (issue 31): the MLA pairs (576, 512) and (576, 576), and quantized KV formats;
+# head_dims() and the refusals' head dims (above 576) are where they go.
 ATTN_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 128, 160, 192, 256, 512)
 ATTN_BQ = 32  # query rows per threadgroup
 ATTN_BK = (8, 16, 32)  # key tile: steel_attn_bk(head dims, dtype), params.h
