@@ -5,8 +5,10 @@
 Workloads: the steel GEMM through torch_steel.sim.run_op("gemm", ...) (f16, size^3; the target
 is 512^3 in under 5 s on one core), and the attention-shaped test kernel
 tests/sim/kernels/exec_attention.metal (flash-attention forward, head dim 64). Each runs with the
-checkers on (the default) and off. The first call (the build) is not timed. This is a
-benchmark, not a test: it prints figures and asserts nothing.
+checkers on (the default) and off, with the counters off (the default; the MMA and switch
+figures come from one more, untimed run with them) and, with the checkers on, once more with the
+counters on (which adds the instruction counters: README, Counters). The first call (the build)
+is not timed. This is a benchmark, not a test: it prints figures and asserts nothing.
 """
 
 from __future__ import annotations
@@ -47,35 +49,41 @@ def report(name: str, seconds: float, counters: list[dict], extra: str = "") -> 
     )
 
 
-def bench_gemm(size: int, repeat: int, checkers: bool) -> None:
+def bench_gemm(size: int, repeat: int, checkers: bool, counting: bool) -> None:
     a = torch.randn(size, size).half()
     b = torch.randn(size, size).half()
     sim.run_op("gemm", [a[:32, :32], b[:32, :32], None, None], {})  # build, not timed
-    seconds, (outs, counters) = best_of(
-        repeat, lambda: sim.run_op("gemm", [a, b, None, None], {}, counters=True, checkers=checkers)
+    seconds, outs = best_of(
+        repeat,
+        lambda: sim.run_op("gemm", [a, b, None, None], {}, counters=counting, checkers=checkers),
     )
+    if counting:
+        outs, counters = outs
+    else:
+        _, counters = sim.run_op("gemm", [a, b, None, None], {}, counters=True, checkers=checkers)
     err = (outs[0].double() - a.double() @ b.double()).abs().max().item()
     kernels = ",".join(sorted({c["kernel"] for c in counters}))
     report(
-        f"gemm f16 {size}^3 checkers={'on' if checkers else 'off'}",
+        f"gemm f16 {size}^3 checkers={'on' if checkers else 'off'}"
+        + (" counters=on" if counting else ""),
         seconds,
         counters,
         f"  max|err| {err:.3g}  [{kernels}]",
     )
 
 
-def bench_attention(queries: int, keys: int, repeat: int, checkers: bool) -> None:
+def bench_attention(queries: int, keys: int, repeat: int, checkers: bool, counting: bool) -> None:
     dim = 64
     q, k, v = (torch.randn(n, dim) for n in (queries, keys, keys))
     o = torch.zeros(queries, dim)
 
-    def run():
+    def run(counters: bool = counting):
         return sim.run_kernel(
             "exec_attention_d64",
             sources=[ATTENTION],
             grid=(queries // 8,),
             threads=(32,),
-            counters=True,
+            counters=counters,
             checkers=checkers,
             buffers={
                 0: q,
@@ -90,9 +98,10 @@ def bench_attention(queries: int, keys: int, repeat: int, checkers: bool) -> Non
     run()  # build, not timed
     seconds, counters = best_of(repeat, run)
     report(
-        f"attention d64 {queries}x{keys} checkers={'on' if checkers else 'off'}",
+        f"attention d64 {queries}x{keys} checkers={'on' if checkers else 'off'}"
+        + (" counters=on" if counting else ""),
         seconds,
-        [counters],
+        [counters if counting else run(True)],
     )
 
 
@@ -106,10 +115,10 @@ def main() -> None:
     if not sim.available():
         sys.exit(f"the simulator is not available ({sim.build.INSTALL_HINT})")
     torch.manual_seed(0)
-    for checkers in (True, False):
-        bench_gemm(args.size, args.repeat, checkers)
-    for checkers in (True, False):
-        bench_attention(args.queries, args.keys, args.repeat, checkers)
+    for checkers, counting in ((True, False), (False, False), (True, True)):
+        bench_gemm(args.size, args.repeat, checkers, counting)
+    for checkers, counting in ((True, False), (False, False), (True, True)):
+        bench_attention(args.queries, args.keys, args.repeat, checkers, counting)
 
 
 if __name__ == "__main__":

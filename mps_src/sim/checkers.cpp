@@ -589,6 +589,10 @@ Counters take_counters() {
   }
   c.lanes = c.threadgroups * g.nlanes;
   c.threadgroup_memory_bytes = g.tg_used;  // arrays stay placed for the whole launch
+  c.instruction_counts = steel_sim_counting != 0;
+  for (const auto& [index, b] : c.buffers) {
+    if (g.constant_buffers & (1u << index)) c.constant_read += b.read;
+  }
   g.counters = Counters();
   g.counters.kernel = c.kernel;
   g.counters.cache = c.cache;

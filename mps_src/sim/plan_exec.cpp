@@ -13,8 +13,14 @@ class SimEncoder {
  public:
   SimEncoder(const Library* library, const std::vector<SlotArg>& slots, bool checkers,
              const std::vector<CacheSpec>& caches,
-             const std::vector<std::vector<std::vector<uint32_t>>>& groups)
-      : library_(library), slots_(slots), checkers_(checkers), caches_(caches), groups_(groups) {}
+             const std::vector<std::vector<std::vector<uint32_t>>>& groups,
+             bool count_instructions)
+      : library_(library),
+        slots_(slots),
+        checkers_(checkers),
+        caches_(caches),
+        groups_(groups),
+        count_instructions_(count_instructions) {}
 
   void set_pipeline(const steel::Dispatch& d) {
     spec_ = LaunchSpec();
@@ -22,6 +28,7 @@ class SimEncoder {
     spec_.kernel = d.kernel;
     spec_.constants = d.constants;
     spec_.checkers = checkers_;
+    spec_.count_instructions = count_instructions_;
   }
 
   void set_tensor(uint32_t index, int32_t slot) {
@@ -67,6 +74,7 @@ class SimEncoder {
   bool checkers_;
   const std::vector<CacheSpec>& caches_;
   const std::vector<std::vector<std::vector<uint32_t>>>& groups_;
+  bool count_instructions_;
   LaunchSpec spec_;
   std::vector<std::vector<Counters>> counters_;
 };
@@ -76,14 +84,14 @@ class SimEncoder {
 std::vector<std::vector<Counters>> run_plan_groups(
     const Library* library, const steel::Plan& plan, const std::vector<SlotArg>& slots,
     bool checkers, const std::vector<CacheSpec>& caches,
-    const std::vector<std::vector<std::vector<uint32_t>>>& groups) {
+    const std::vector<std::vector<std::vector<uint32_t>>>& groups, bool count_instructions) {
   if (!plan.ok) throw SimError("cannot run a refused plan: " + plan.reason);
   size_t expected = static_cast<size_t>(plan.inputs) + plan.allocations.size();
   if (slots.size() != expected) {
     throw SimError("the plan has " + std::to_string(expected) + " slots, got " +
                    std::to_string(slots.size()) + " tensors");
   }
-  SimEncoder encoder(library, slots, checkers, caches, groups);
+  SimEncoder encoder(library, slots, checkers, caches, groups, count_instructions);
   steel::encode_plan(encoder, plan);
   return encoder.take_counters();
 }

@@ -126,6 +126,27 @@ std::string lane_list(uint32_t mask, uint32_t first) {
 
 // ---------------------------------------------------------------------------- lane switching
 
+// Instruction counters: a simdgroup issues a basic block once for all its lanes that run it.
+// Lanes run as fibers on their own between rendezvous, so the issue count of a block between
+// two rendezvous of the simdgroup is the largest number of times one of its lanes ran it: a
+// divergent if/else issues both paths, a loop whose trip count differs per lane issues the
+// longest. (Two lanes running one block at different times in that span, as in a loop whose
+// branch alternates between lanes, count as one: an undercount.)
+void fold_block_runs(SimdGroup& sg) {
+  for (const SimdGroup::BlockRuns& r : sg.runs) {
+    uint32_t most = 0;
+    for (uint32_t n : r.lanes) most = std::max(most, n);
+    for (int k = 0; k < 16; ++k) g.counters.issued[k] += uint64_t{most} * r.histogram[k];
+  }
+  sg.runs.clear();
+  sg.run_index.clear();
+}
+
+void fold_all_block_runs() {
+  if (steel_sim_counting == 0) return;
+  for (SimdGroup& sg : g.groups) fold_block_runs(sg);
+}
+
 // g.ready has a power-of-two size of at least the lane count: each lane is queued at most once.
 void push_ready(Lane* lane) {
   lane->wait = Wait::Ready;
@@ -177,6 +198,7 @@ void complete_simd_lanes(SimdGroup& sg, uint32_t mask) {
     }
   }
   const void* result = sg.buf[1];
+  if (steel_sim_counting != 0) fold_block_runs(sg);
   ++g.counters.simd_ops;
   if (exchange) {
     switch (lead.exchange_kind) {
@@ -256,6 +278,7 @@ constexpr const char* kThreadgroupBarrier = "threadgroup_barrier";
 
 void complete_barrier() {
   if (g.barrier_what == kThreadgroupBarrier) ++g.counters.barriers;
+  fold_all_block_runs();
   g.barrier_live = g.live;
   g.at_barrier = 0;
   for (SimdGroup& sg : g.groups) sg.at_barrier = 0;
@@ -318,6 +341,8 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     sg.wait = SimdWait::None;
     sg.epoch = ++g.simd_epochs;
     sg.dev_epoch = ++g.simd_epochs;
+    sg.runs.clear();  // a threadgroup abandoned for a restart leaves some
+    sg.run_index.clear();
   }
   const uint32_t* t = g.threads;
   for (uint32_t i = 0; i < g.nlanes; ++i) {
@@ -377,6 +402,7 @@ void run_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
       throw SimError(g.error);
     }
   }
+  fold_all_block_runs();
   if (g.live != 0) {
     throw SimError(format("kernel '%s' threadgroup (%u,%u,%u): lanes wait forever:",
                           g.kernel.c_str(), x, y, z) +
@@ -619,6 +645,10 @@ void* buffer(uint32_t index) {
 }
 
 void* disabled_buffer(uint32_t index) { return bind_disabled(index, false); }
+
+void constant_buffer(uint32_t index) {
+  if (index <= kMaxBufferIndex) g.constant_buffers |= 1u << index;
+}
 
 void* threadgroup_buffer(uint32_t index) {
   auto it = g.tg_args.find(index);
@@ -1104,6 +1134,7 @@ std::vector<Counters> launch_groups(const LaunchSpec& spec) {
   for (const steel::FunctionConstant& c : spec.constants) g.constants[c.index] = c;
   g.counters = Counters();
   g.counters.kernel = spec.kernel;
+  g.constant_buffers = 0;
   g.failed = false;
   g.restart = false;
   g.track_reads = 0;
@@ -1129,6 +1160,11 @@ std::vector<Counters> launch_groups(const LaunchSpec& spec) {
   FaultHandlers handlers;
   InterruptHandler interrupt;
   Watchdog watchdog;
+  // Reset on every way out of the launch (block hooks of later launches stay one compare).
+  struct Counting {
+    explicit Counting(bool on) { steel_sim_counting = on ? 1 : 0; }
+    ~Counting() { steel_sim_counting = 0; }
+  } counting(spec.count_instructions);
   try {
     run_grid(spec);
     if (g.disabled_reads != 0 && g.checkers) {
@@ -1165,3 +1201,20 @@ std::vector<Counters> launch_groups(const LaunchSpec& spec) {
 }
 
 }  // namespace steel_sim
+
+extern "C" {
+__attribute__((visibility("default"))) uint32_t steel_sim_counting = 0;
+
+// A counted basic block ran in the running lane (shader/callbacks.cpp: steel_sim_block).
+__attribute__((visibility("default"))) void steel_sim_count_block(const uint32_t* histogram) {
+  using namespace steel_sim::detail;
+  Lane* lane = g.cur;
+  if (lane == nullptr) return;
+  SimdGroup& sg = g.groups[lane->sg];
+  auto [it, fresh] = sg.run_index.try_emplace(histogram, static_cast<uint32_t>(sg.runs.size()));
+  if (fresh) {
+    sg.runs.push_back(SimdGroup::BlockRuns{histogram, {}});
+  }
+  ++sg.runs[it->second].lanes[lane->index % kSimdWidth];
+}
+}

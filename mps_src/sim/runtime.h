@@ -38,6 +38,9 @@ void* buffer(uint32_t index);
 // is an error; reads are noted, and launch() runs the dispatch again with other poison bytes: if
 // the results differ, the value of a disabled buffer was used, which is an error too.
 void* disabled_buffer(uint32_t index);
+// Called by each lane for every [[buffer(index)]] parameter in the constant address space: the
+// bytes read from it count as Counters::constant_read too.
+void constant_buffer(uint32_t index);
 // [[threadgroup(index)]]: memory sized by the dispatch's threadgroup_memory entry.
 void* threadgroup_buffer(uint32_t index);
 // A `threadgroup T name[N];` declared in a kernel body. decl_id is unique per declaration in the

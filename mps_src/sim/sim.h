@@ -72,6 +72,8 @@ struct LaunchSpec {
   // one group to the next (each group's pending wave replayed when it ends) unless waves are
   // skipped in between, which empties the caches. The outputs of such a run are partial.
   std::vector<std::vector<uint32_t>> groups;
+  // Count the instructions simdgroups issue (Counters::issued; a call per basic block when off).
+  bool count_instructions = false;
 };
 
 struct BufferCounters {
@@ -113,6 +115,13 @@ struct Counters {
   uint64_t l2_misses = 0;
   uint64_t slc_hits = 0;
   uint64_t slc_misses = 0;
+  // With LaunchSpec::count_instructions: what the simdgroups issued, in the order of
+  // torch_steel/sim/ir.py's FIELDS (instruction classes, MMAs by dtype, threadgroup and device
+  // load and store instructions), per simdgroup and basic block as runtime.cpp folds them.
+  bool instruction_counts = false;
+  uint64_t issued[16] = {};
+  // Bytes read through [[buffer(n)]] parameters in the constant address space (also in buffers).
+  uint64_t constant_read = 0;
 };
 
 // Runs one dispatch to completion. Throws SimError on any fault; buffers are then not written
@@ -137,6 +146,7 @@ std::vector<Counters> run_plan(const Library* library, const steel::Plan& plan,
 std::vector<std::vector<Counters>> run_plan_groups(
     const Library* library, const steel::Plan& plan, const std::vector<SlotArg>& slots,
     bool checkers, const std::vector<CacheSpec>& caches,
-    const std::vector<std::vector<std::vector<uint32_t>>>& groups);
+    const std::vector<std::vector<std::vector<uint32_t>>>& groups,
+    bool count_instructions = false);
 
 }  // namespace steel_sim

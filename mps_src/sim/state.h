@@ -93,6 +93,14 @@ struct SimdGroup {
   uint32_t epoch = 0;
   uint32_t dev_epoch = 0;
   uint8_t* buf[2] = {nullptr, nullptr};
+  // Instruction counters (runtime.cpp: count_block): since the simdgroup's last rendezvous,
+  // how often each of its lanes ran each counted basic block (by the block's histogram).
+  struct BlockRuns {
+    const uint32_t* histogram;
+    uint32_t lanes[kSimdWidth];
+  };
+  std::vector<BlockRuns> runs;
+  std::unordered_map<const uint32_t*, uint32_t> run_index;  // histogram -> index in runs
 };
 
 struct DeviceBuffer {
@@ -239,6 +247,10 @@ struct Sim {
   bool restart = false;
   uint32_t track_reads = 0;
   std::string error;
+
+  // [[buffer(n)]] parameters in the constant address space (bit per index): runtime.h,
+  // constant_buffer.
+  uint32_t constant_buffers = 0;
 
   Counters counters;
   // The counters of each finished group (sim.h: LaunchSpec::groups) of the running attempt.

@@ -150,3 +150,249 @@ def test_threadgroup_bytes_and_simd_kinds():
     assert c["reductions"] == 2 * simdgroups
     assert c["ballots"] == simdgroups
     assert c["simd_ops"] == 4 * simdgroups
+
+
+# ------------------------------------------------------------------ instruction counters
+#
+# Counts per simdgroup, derived by hand from each kernel (exec_counters.metal) as clang compiles
+# it: `i` is a uint thread position, so each device access costs a zext to 64 bits (once per
+# kernel, reused) and a getelementptr with that variable index (both "int").
+
+CLASSES = ("fp32", "half", "transcendental", "convert", "int", "compare_select", "branch", "other")
+
+
+def mix(**counts):
+    return {k: counts.get(k, 0) for k in CLASSES}
+
+
+def run_mix(name, simdgroups=1, **kw):
+    c = run(name, grid=(1,), threads=(32 * simdgroups,), **kw)
+    memory = {
+        k: c[k]
+        for k in (
+            "device_loads",
+            "device_stores",
+            "threadgroup_loads",
+            "threadgroup_stores",
+            "constant_read",
+        )
+    }
+    return c, memory
+
+
+def memory(device_loads=0, device_stores=0, threadgroup_loads=0, threadgroup_stores=0, const=0):
+    return {
+        "device_loads": device_loads,
+        "device_stores": device_stores,
+        "threadgroup_loads": threadgroup_loads,
+        "threadgroup_stores": threadgroup_stores,
+        "constant_read": const,
+    }
+
+
+@pytest.mark.parametrize("simdgroups", [1, 3])
+def test_instructions_fp32(simdgroups):
+    x = torch.randn(32 * simdgroups)
+    want = x * 3 + 1
+    c, mem = run_mix("exec_mix_fp32", simdgroups, buffers={0: x})
+    assert torch.equal(x, want)
+    # x * 3, + 1; the zext of i and one address; one load, one store.
+    assert c["instructions"] == mix(fp32=2 * simdgroups, int=2 * simdgroups)
+    assert mem == memory(device_loads=simdgroups, device_stores=simdgroups)
+    assert c["mma_by_dtype"] == {"half": 0, "bfloat": 0, "float": 0}
+
+
+def test_instructions_vector_ops_count_per_element():
+    x = torch.randn(32 * 4)
+    c, mem = run_mix("exec_mix_float4", buffers={0: x})
+    # A float4 multiply and add: 4 + 4; one 16-byte load and store.
+    assert c["instructions"] == mix(fp32=8, int=2)
+    assert mem == memory(device_loads=1, device_stores=1)
+
+
+def test_instructions_half_math_is_one_instruction_of_its_class():
+    x = torch.rand(32).half()
+    want = torch.exp(x.float() * 3).half()
+    c, _ = run_mix("exec_mix_half", buffers={0: x})
+    # half exp is within 1 ulp of half in Metal (the shim: binary32, rounded once).
+    assert torch.allclose(x.float(), want.float(), rtol=2e-3, atol=0)
+    # The half multiply, then exp: one transcendental; the shim's binary32 detour (two
+    # conversions, a libm call) is not counted.
+    assert c["instructions"] == mix(half=1, transcendental=1, int=2)
+
+
+def test_instructions_conversions_compare_select():
+    h = torch.randn(32).half()
+    f = torch.randn(32, 4) * 100
+    out = torch.zeros(32)
+    iout = torch.zeros(32, 4, dtype=torch.int32)
+    c, mem = run_mix("exec_mix_convert", buffers={0: h, 1: f, 2: out, 3: iout})
+    assert torch.equal(out, torch.where(h.float() > 0.5, h.float(), torch.tensor(2.0)))
+    assert torch.equal(iout, f.trunc().to(torch.int32))
+    # float(h): 1 conversion; int4(f): 4 (the shim's range checks before them do not count);
+    # a > 0.5f ? a : 2: a compare and a select; the zext and four addresses.
+    assert c["instructions"] == mix(convert=5, compare_select=2, int=5)
+    assert mem == memory(device_loads=2, device_stores=2)
+
+
+def test_instructions_transcendentals():
+    x = torch.rand(32) + 1
+    v = torch.rand(32, 4) + 1
+    want_x = torch.exp2(x) * 2 + torch.rsqrt(x) / x
+    want_v = torch.log(v)
+    c, _ = run_mix("exec_mix_transcendental", buffers={0: x, 1: v})
+    assert torch.allclose(x, want_x, rtol=1e-6)  # each correctly rounded or within a few ulp
+    assert torch.allclose(v, want_v, rtol=1e-6, atol=1e-7)
+    # exp2, fast::exp2, rsqrt, the divide, log of a float4 (4): 8; two adds; the zext and two
+    # addresses.
+    assert c["instructions"] == mix(transcendental=8, fp32=2, int=3)
+
+
+@pytest.mark.parametrize(
+    ("mask", "exp2_path", "multiply_path"),
+    [(0xFFFFFFFF, 1, 0), (0, 0, 1), (0x55555555, 1, 1), (1 << 31, 1, 1)],
+)
+def test_instructions_divergent_paths_both_count(mask, exp2_path, multiply_path):
+    x = torch.randn(32)
+    y = torch.randn(32)
+    lanes = torch.arange(32)
+    taken = ((mask >> lanes) & 1).bool()
+    want_x = torch.where(taken, torch.exp2(x), x)
+    want_y = torch.where(taken, y, y * 3)
+    c, mem = run_mix("exec_mix_divergent", buffers={0: x, 1: y, 2: struct.pack("<I", mask)})
+    assert torch.allclose(x, want_x, rtol=1e-6) and torch.equal(y, want_y)
+    # Both paths: the test (mask >> lane, & 1, the zext of i: 3 int, a compare, a branch), the
+    # mask read from constant memory (4 bytes a lane); each path taken by any lane once: exp2,
+    # its address, load and store; or the multiply, its address, load and store.
+    paths = exp2_path + multiply_path
+    assert c["instructions"] == mix(
+        transcendental=exp2_path,
+        fp32=multiply_path,
+        int=3 + paths,
+        compare_select=1,
+        branch=1,
+    )
+    assert mem == memory(device_loads=1 + paths, device_stores=paths, const=32 * 4)
+    assert c["buffers"][2]["read"] == 32 * 4  # buffers keep counting constant reads too
+
+
+@pytest.mark.parametrize(
+    "trips",
+    [
+        [0] * 32,
+        [5] * 32,
+        list(range(32)),  # the max (31) issues, not the sum (496)
+        [0] * 31 + [7],  # one lane alone
+    ],
+)
+def test_instructions_loop_counts_the_longest_lane(trips):
+    x = torch.randn(32)
+    want = x.clone()
+    for lane, n in enumerate(trips):
+        for _ in range(n):
+            want[lane] = want[lane] * 1.5 + 1  # float32 throughout, as the kernel
+    c, mem = run_mix("exec_mix_loop", buffers={0: x, 1: torch.tensor(trips, dtype=torch.int32)})
+    assert torch.equal(x, want)
+    most = max(trips)
+    # Before the loop: the zext and two addresses, trips == 0 (compare, branch); each trip of the
+    # (not unrolled) body: multiply, add, k + 1, k == n, branch back.
+    assert c["instructions"] == mix(
+        fp32=2 * most, int=3 + most, compare_select=1 + most, branch=1 + most
+    )
+    assert mem == memory(device_loads=2, device_stores=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("float", torch.float32), ("half", torch.float16), ("bfloat", torch.bfloat16)],
+)
+def test_mma_by_dtype(name, dtype):
+    a = torch.eye(8).flatten().to(dtype)
+    c_out = torch.zeros(2 * 64)
+    c, mem = run_mix(f"exec_mma_types_{name}", 2, buffers={0: a, 1: c_out})
+    assert torch.equal(c_out.view(2, 8, 8), torch.eye(8).expand(2, 8, 8))
+    want = {"half": 0, "bfloat": 0, "float": 0}
+    want[name] = 2  # one per simdgroup
+    assert c["mma_by_dtype"] == want
+    assert sum(c["mma_by_dtype"].values()) == c["mma"]
+    # simdgroup_load and simdgroup_store: one device access each per simdgroup.
+    assert mem == memory(device_loads=2, device_stores=2)
+
+
+def test_threadgroup_and_constant_accesses():
+    c = sim.run_kernel(
+        "exec_tg_and_simd_traffic",
+        sources=SRC,
+        grid=(3,),
+        threads=(128,),
+        buffers={0: torch.zeros(128)},
+        counters=True,
+        checkers=False,
+    )
+    simdgroups = 3 * 4
+    # Per simdgroup one threadgroup store, one threadgroup load, one device store.
+    assert c["threadgroup_stores"] == simdgroups
+    assert c["threadgroup_loads"] == simdgroups
+    assert c["device_stores"] == simdgroups
+    assert c["device_loads"] == 0
+    assert c["constant_read"] == 0
+    # The simd operations are counted as such, not as instructions.
+    assert c["instructions"]["other"] == 0
+
+
+def test_constant_read_is_the_constant_parameters_bytes():
+    x = torch.randn(128)
+    out = torch.zeros(128)
+    c = run(
+        "exec_copy_float",
+        grid=(4,),
+        threads=(32,),
+        buffers={0: x, 1: out, 2: struct.pack("<I", 100)},
+    )
+    assert c["constant_read"] == c["buffers"][2]["read"] == 128 * 4
+    # Per simdgroup: count (constant) and in[gid] (in the if) loaded, out[gid] stored.
+    assert c["device_loads"] == 4 * 2
+    assert c["device_stores"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_attention_forward_transcendentals(dtype, causal):
+    """Steel's prefill forward (shaders/steel/attn/forward.h, softmax.h): exactly one exp2 per
+    score of each key tile a simdgroup visits plus one per row for the correction factor, and one
+    divide (1 / l) and one log (the lse) per simdgroup that holds a query row."""
+    B, H, L, S, D = 1, 2, 39, 33, 64  # L % 32 == 7, S % 32 == 1
+    q, k, v = (torch.randn(B, H, n, D).to(dtype) for n in (L, S, S))
+    options = {"is_causal": True} if causal else {}
+    (out, _), counters = sim.run_op("sdpa", [q, k, v, None, None], options, counters=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal
+    )
+    # fp16 inputs and output (about 1e-3 relative), fp32 accumulation.
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
+    (c,) = counters
+    # The kernel's tiles (shaders/steel/params.h): BQ = 32 query rows = 4 simdgroups of 8 rows;
+    # d64 takes BK = 32 keys in f32 and f16 (K and V tiles fit the 20 KiB budget separately).
+    bq, simdgroups, bk = 32, 4, 32
+    assert c["threadgroups"] == H * -(-L // bq)
+    expected = 0
+    for block in range(-(-L // bq)):
+        row0 = block * bq
+        last_row = min(row0 + bq, L) - 1
+        key_end = min(S, last_row + 1) if causal else S  # forward.h, attn_key_tiles
+        tiles = -(-key_end // bk)
+        # OnlineSoftmax::update per tile: each lane's 2 * BK / 8 scores and the row's factor
+        # (the four lanes of a row issue it together): 2 * BK / 8 + 1 issues per simdgroup, which
+        # over its 32 lanes is one exp2 per score of the 8 x BK tile plus one per row.
+        per_tile = 2 * (bk // 8) + 1
+        expected += simdgroups * tiles * per_tile
+        # inverse_sum (1 / l) and lse (log l), by simdgroups with a row < L.
+        expected += 2 * -(-(last_row + 1 - row0) // 8)
+    assert c["instructions"]["transcendental"] == H * expected
+    # Steel's fragments are simdgroup_matrix<float> whatever the input type (fragment.h): the
+    # MMAs are float ones, half inputs converted on their way into the fragments.
+    assert c["mma_by_dtype"] == {"half": 0, "bfloat": 0, "float": c["mma"]}
+    assert c["mma"] > 0
+    # The params struct (setBytes, [[buffer(7)]]) is the one constant-space parameter.
+    assert c["constant_read"] == c["buffers"][7]["read"] > 0

@@ -343,7 +343,7 @@ def run_op(
     caches = [traffic.cache_arg(cache, r) for r in residents]
     outputs = [slots[p.inputs + i] for i, a in enumerate(p.allocations) if a.is_output]
     if sample is None:
-        raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, [])
+        raw = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, [], counters)
         per_dispatch = _counters([r[0] for r in raw])
         return (outputs, per_dispatch) if counters else outputs
     sampling = traffic.Sampling(sample, cache)
@@ -351,11 +351,20 @@ def run_op(
         traffic.runs(sampling, _threadgroups(d.grid), r)
         for d, r in zip(p.dispatches, residents, strict=True)
     ]
-    by_tg = _call(lib, ext.run_plan, p.handle, raw_slots, use_checkers, [], [x[0] for x in plans])
+    by_tg = _call(
+        lib, ext.run_plan, p.handle, raw_slots, use_checkers, [], [x[0] for x in plans], counters
+    )
     by_wave = [None] * len(plans)
     if cache is not None:
         by_wave = _call(
-            lib, ext.run_plan, p.handle, raw_slots, use_checkers, caches, [x[2] for x in plans]
+            lib,
+            ext.run_plan,
+            p.handle,
+            raw_slots,
+            use_checkers,
+            caches,
+            [x[2] for x in plans],
+            counters,
         )
     return None, [
         traffic.combine(
@@ -447,6 +456,7 @@ def run_kernel(
                 use_checkers,
                 cache_spec if with_cache else None,
                 groups,
+                counters,
             )
         )
 

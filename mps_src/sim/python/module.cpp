@@ -155,6 +155,24 @@ py::dict counters_dict(const steel_sim::Counters& c) {
     d["slc_hits"] = c.slc_hits;
     d["slc_misses"] = c.slc_misses;
   }
+  if (c.instruction_counts) {
+    // The order of torch_steel/sim/ir.py's FIELDS (Counters::issued).
+    static const char* const kClasses[] = {"fp32", "half", "transcendental", "convert",
+                                           "int", "compare_select", "branch", "other"};
+    py::dict instructions;
+    for (int k = 0; k < 8; ++k) instructions[kClasses[k]] = c.issued[k];
+    d["instructions"] = instructions;
+    py::dict mma;
+    mma["half"] = c.issued[8];
+    mma["bfloat"] = c.issued[9];
+    mma["float"] = c.issued[10];
+    d["mma_by_dtype"] = mma;
+    d["threadgroup_loads"] = c.issued[11];
+    d["threadgroup_stores"] = c.issued[12];
+    d["device_loads"] = c.issued[13];
+    d["device_stores"] = c.issued[14];
+    d["constant_read"] = c.constant_read;
+  }
   return d;
 }
 
@@ -179,7 +197,7 @@ py::list launch(const LibraryHandle& lib, const std::string& kernel,
                 const std::vector<std::tuple<uint32_t, uintptr_t, size_t, bool>>& buffers,
                 const std::vector<std::tuple<uint32_t, uint32_t>>& threadgroup_memory,
                 const Dim3& grid, const Dim3& threads, bool checkers, const CacheArg& cache,
-                const Groups& groups) {
+                const Groups& groups, bool count_instructions) {
   steel_sim::LaunchSpec spec;
   spec.library = lib.library;
   spec.kernel = kernel;
@@ -203,6 +221,7 @@ py::list launch(const LibraryHandle& lib, const std::string& kernel,
   spec.checkers = checkers;
   spec.cache = cache_spec(cache);
   spec.groups = groups;
+  spec.count_instructions = count_instructions;
   std::vector<steel_sim::Counters> counters;
   try {
     py::gil_scoped_release release;
@@ -221,7 +240,7 @@ py::list launch(const LibraryHandle& lib, const std::string& kernel,
 py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
                   const std::vector<std::optional<std::tuple<uintptr_t, size_t>>>& slots,
                   bool checkers, const std::vector<CacheArg>& caches,
-                  const std::vector<Groups>& groups) {
+                  const std::vector<Groups>& groups, bool count_instructions) {
   std::vector<steel_sim::SlotArg> args;
   for (const auto& s : slots) {
     steel_sim::SlotArg a;
@@ -237,7 +256,8 @@ py::list run_plan(const LibraryHandle& lib, const PlanHandle& plan,
   std::vector<std::vector<steel_sim::Counters>> counters;
   try {
     py::gil_scoped_release release;
-    counters = steel_sim::run_plan_groups(lib.library, *plan.plan, args, checkers, specs, groups);
+    counters = steel_sim::run_plan_groups(lib.library, *plan.plan, args, checkers, specs, groups,
+                                          count_instructions);
   } catch (const steel_sim::Interrupted&) {
     PyErr_SetNone(PyExc_KeyboardInterrupt);
     throw py::error_already_set();
@@ -277,6 +297,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_cache_reset", [](size_t capacity) { steel::plan_cache().reset(capacity); },
         py::arg("capacity") = steel::kPlanCacheCapacity,
         "Empties the plan cache and sets its capacity (0: no caching).");
-  m.def("launch", &launch);
-  m.def("run_plan", &run_plan);
+  m.def("launch", &launch, py::arg("library"), py::arg("kernel"), py::arg("constants"),
+        py::arg("buffers"), py::arg("threadgroup_memory"), py::arg("grid"), py::arg("threads"),
+        py::arg("checkers"), py::arg("count_instructions") = false);
+  m.def("run_plan", &run_plan, py::arg("library"), py::arg("plan"), py::arg("slots"),
+        py::arg("checkers"), py::arg("count_instructions") = false);
 }

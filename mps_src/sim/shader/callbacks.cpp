@@ -43,6 +43,12 @@ __attribute__((visibility("hidden"))) void steel_sim_memop(void* dst, const void
   range(dst, n, true, pc);
 }
 
+// The hook at the entry of each counted basic block (torch_steel/sim/ir.py): one call and one
+// compare when the launch does not count instructions.
+__attribute__((visibility("hidden"))) void steel_sim_block(const uint32_t* histogram) {
+  if (steel_sim_counting != 0) steel_sim_count_block(histogram);
+}
+
 #define STEEL_SIM_CALLBACKS(n)                                                     \
   __attribute__((visibility("hidden"))) void __sanitizer_cov_load##n(void* p) {  \
     check(p, n, false, __builtin_return_address(0));                             \

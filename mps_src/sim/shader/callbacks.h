@@ -23,4 +23,9 @@ extern SteelSimArenas steel_sim_arenas;
 void steel_sim_access(const void* p, size_t n, bool write, const void* pc);
 // The same for the bytes of a memcpy/memset (no alignment rule: it moves bytes).
 void steel_sim_access_range(const void* p, size_t n, bool write, const void* pc);
+
+// Instruction counters (torch_steel/sim/ir.py, count_blocks): nonzero while a launch counts;
+// then every basic block of shader code with a histogram reports it when it runs.
+extern uint32_t steel_sim_counting;
+void steel_sim_count_block(const uint32_t* histogram);
 }

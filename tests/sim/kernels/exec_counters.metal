@@ -51,3 +51,89 @@ kernel void exec_tg_and_simd_traffic(device float* out [[buffer(0)]],
   v = simd_sum(v) + simd_max(v);
   out[tid] = v + (ulong(simd_ballot(v > 0.0f)) != 0 ? 1.0f : 0.0f);
 }
+
+// The instruction counters (test_counters.py, test_instructions_*): small kernels whose
+// simdgroup-issued instructions per class are known by hand. Each simdgroup issues each of its
+// basic blocks once per run of the block by any of its lanes (the most runs of one lane).
+
+// fp32 arithmetic: y = x * 3 + 1 per lane (a multiply and an add: no fma, contraction is off).
+kernel void exec_mix_fp32(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] = x[i] * 3.0f + 1.0f;
+}
+
+// The same on float4: one vector load and store, each arithmetic operation four times.
+kernel void exec_mix_float4(device float4* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] = x[i] * 3.0f + 1.0f;
+}
+
+// half arithmetic, and a half transcendental, which Metal issues as one instruction of its own
+// (the shim computes it in binary32 with two conversions: not counted).
+kernel void exec_mix_half(device half* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] = exp(x[i] * 3.0h);
+}
+
+// Conversions: half -> float (one), float4 -> int4 (four: the shim's range checks of a vector
+// conversion are not counted), and a compare and a select.
+kernel void exec_mix_convert(device const half* h [[buffer(0)]],
+                             device const float4* f [[buffer(1)]],
+                             device float* out [[buffer(2)]],
+                             device int4* iout [[buffer(3)]],
+                             uint i [[thread_position_in_grid]]) {
+  const float a = float(h[i]);
+  out[i] = a > 0.5f ? a : 2.0f;
+  iout[i] = int4(f[i]);
+}
+
+// Transcendentals and division: exp2, fast::exp2, rsqrt, log of a float4 (four) and a divide.
+kernel void exec_mix_transcendental(device float* x [[buffer(0)]],
+                                    device float4* v [[buffer(1)]],
+                                    uint i [[thread_position_in_grid]]) {
+  const float a = x[i];
+  x[i] = exp2(a) + fast::exp2(a) + rsqrt(a) / a;
+  v[i] = log(v[i]);
+}
+
+// Divergence: lanes whose bit of `mask` is set take one path (an exp2 stored to x), the others
+// the other (a multiply stored to y). A simdgroup issues each path once if any lane takes it.
+kernel void exec_mix_divergent(device float* x [[buffer(0)]],
+                               device float* y [[buffer(1)]],
+                               constant uint& mask [[buffer(2)]],
+                               uint i [[thread_position_in_grid]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  if ((mask >> lane) & 1u) {
+    x[i] = exp2(x[i]);
+  } else {
+    y[i] = y[i] * 3.0f;
+  }
+}
+
+// A loop whose trip count differs per lane: the simdgroup issues its body as often as the lane
+// with the most trips runs it.
+kernel void exec_mix_loop(device float* x [[buffer(0)]],
+                          device const uint* trips [[buffer(1)]],
+                          uint i [[thread_position_in_grid]]) {
+  float acc = x[i];
+  const uint n = trips[i];
+  // Not unrolled, so that each trip is one run of the body's block.
+#pragma clang loop unroll(disable)
+  for (uint k = 0; k < n; ++k) acc = acc * 1.5f + 1.0f;
+  x[i] = acc;
+}
+
+// One simdgroup multiply-accumulate of each operand type, per simdgroup.
+template <typename T>
+kernel void exec_mma_types(device const T* a [[buffer(0)]],
+                           device float* c [[buffer(1)]],
+                           uint sg [[simdgroup_index_in_threadgroup]]) {
+  simdgroup_matrix<T, 8, 8> A;
+  simdgroup_float8x8 C = simdgroup_float8x8(0);
+  simdgroup_load(A, a, 8);
+  simdgroup_multiply_accumulate(C, A, A, C);
+  simdgroup_store(C, c + sg * 64, 8);
+}
+template [[host_name("exec_mma_types_float")]] [[kernel]] decltype(exec_mma_types<float>)
+    exec_mma_types<float>;
+template [[host_name("exec_mma_types_half")]] [[kernel]] decltype(exec_mma_types<half>)
+    exec_mma_types<half>;
+template [[host_name("exec_mma_types_bfloat")]] [[kernel]] decltype(exec_mma_types<bfloat>)
+    exec_mma_types<bfloat>;

@@ -61,6 +61,7 @@ struct buffer {
     static_assert(pointee_space<Arg> == 1 || pointee_space<Arg> == 2,
                   "a [[buffer(n)]] parameter points to device or constant memory");
     void* p = steel_sim::buffer(I);
+    if constexpr (pointee_space<Arg> == 2) steel_sim::constant_buffer(I);
     if constexpr (__is_reference(Arg)) {
       return *(__remove_reference_t(Arg)*)p;
     } else {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "construct.h"
+#include "count.h"
 
 // The math constants of MSL (tables 6.5 to 6.7): float, half and bfloat constant expressions.
 #define MAXFLOAT 0x1.fffffep127f
@@ -278,12 +279,14 @@ namespace metal {
 #define STEEL_SHIM_UNARY(name, expr)                                   \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>           \
   inline T name(T x) {                                                 \
+    STEEL_SHIM_OP(#name, T);                                           \
     return steel_shim::map1(x, [](float v) -> float { return expr; }); \
   }
 // A function whose half-precision result may be 1 ulp off (steel_shim::worst_half).
 #define STEEL_SHIM_UNARY_INEXACT(name, expr)                                                 \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                 \
   inline T name(T x) {                                                                       \
+    STEEL_SHIM_OP(#name, T);                                                                 \
     return steel_shim::map1_inexact(x, steel_shim::Fn::name,                                 \
                                     [](float v) -> float { return expr; });                  \
   }
@@ -330,6 +333,7 @@ STEEL_SHIM_UNARY(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == v ? v : 0.0f)
 // rounding to half or bfloat, or fract(half(-1e-4)) would round 0.9999 up to 1.0.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fract(T x) {
+  STEEL_SHIM_OP("fract", T);
   using E = steel_shim::elem_t<T>;
   const E below_one = __is_same(E, float) ? E(0x1.fffffep-1f)
                       : __is_same(E, half) ? E(0x1.ffcp-1f)
@@ -351,6 +355,7 @@ inline T fract(T x) {
 #define STEEL_SHIM_BINARY(name, expr)                                                           \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
   inline T name(T x, T y) {                                                                     \
+    STEEL_SHIM_OP(#name, T);                                                                    \
     return steel_shim::map2(x, y, [](float a, float b) -> float { return expr; });              \
   }                                                                                             \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
@@ -361,6 +366,7 @@ inline T fract(T x) {
 #define STEEL_SHIM_BINARY_INEXACT(name, expr)                                                   \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                                    \
   inline T name(T x, T y) {                                                                     \
+    STEEL_SHIM_OP(#name, T);                                                                    \
     return steel_shim::map2_inexact(x, y, steel_shim::Fn::name,                                 \
                                     [](float a, float b) -> float { return expr; });            \
   }                                                                                             \
@@ -385,6 +391,7 @@ STEEL_SHIM_BINARY(fdim, a != a || b != b ? a + b : (a > b ? a - b : 0.0f))
 // The next value of x's type after x towards y (in half or bfloat, a step of that type).
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T nextafter(T x, T y) {
+  STEEL_SHIM_OP("nextafter", T);
   using E = steel_shim::elem_t<T>;
   using U = metal::conditional_t<sizeof(E) == 4, uint32_t, uint16_t>;
   auto one = [](E a, E b) -> E {
@@ -408,6 +415,7 @@ inline T nextafter(T x, T y) {
 // x = m 2^e with |m| in [0.5, 1) (x's type; exact, as the tables' 0 ulp says).
 template <typename T, typename I, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T frexp(T x, thread I& exponent) {
+  STEEL_SHIM_OP("frexp", T);
   if constexpr (steel_shim::vinfo<T>::is_vector) {
     T r;
     for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) {
@@ -427,6 +435,7 @@ inline T frexp(T x, thread I& exponent) {
 // x 2^k, correctly rounded to x's type.
 template <typename T, typename I, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T ldexp(T x, I k) {
+  STEEL_SHIM_OP("ldexp", T);
   if constexpr (steel_shim::vinfo<T>::is_vector) {
     T r;
     for (int i = 0; i < steel_shim::vinfo<T>::size; ++i) {
@@ -479,6 +488,7 @@ namespace metal {
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fma(T a, T b, T c) {
+  STEEL_SHIM_OP("fma", T);
   return steel_shim::map3(a, b, c, [](float x, float y, float z) {
     return steel_shim::fma_rounding_once_to<steel_shim::elem_t<T>>(x, y, z);
   });
@@ -486,16 +496,19 @@ inline T fma(T a, T b, T c) {
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T mix(T x, T y, T a) {
+  STEEL_SHIM_OP("mix", T);
   return x + (y - x) * a;
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
 inline T mix(T x, T y, steel_shim::elem_t<T> a) {
+  STEEL_SHIM_OP("mix", T);
   return x + (y - x) * a;
 }
 
 // min / max: IEEE minNum / maxNum for floating point (a NaN operand yields the other one).
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T max(T x, T y) {
+  STEEL_SHIM_OP("max", T);
   if constexpr (steel_shim::is_fp<T>) {
     return fmax(x, y);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -506,6 +519,7 @@ inline T max(T x, T y) {
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T min(T x, T y) {
+  STEEL_SHIM_OP("min", T);
   if constexpr (steel_shim::is_fp<T>) {
     return fmin(x, y);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -526,6 +540,7 @@ inline T min(T x, steel_shim::elem_t<T> y) {
 // n == 0): an error here.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T clamp(T x, T lo, T hi) {
+  STEEL_SHIM_OP("clamp", T);
   if (steel_shim::range_empty(lo, hi)) {
     steel_sim::fail("clamp with minval > maxval: undefined in Metal");
   }
@@ -538,6 +553,7 @@ inline T clamp(T x, steel_shim::elem_t<T> lo, steel_shim::elem_t<T> hi) {
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T abs(T x) {
+  STEEL_SHIM_OP("abs", T);
   if constexpr (steel_shim::is_fp<T>) {
     return fabs(x);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -549,14 +565,17 @@ inline T abs(T x) {
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline steel_shim::bool_of<T> isnan(T x) {
+  STEEL_SHIM_OP("isnan", T);
   return steel_shim::test1(x, [](float v) { return v != v; });
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline steel_shim::bool_of<T> isinf(T x) {
+  STEEL_SHIM_OP("isinf", T);
   return steel_shim::test1(x, [](float v) { return __builtin_isinf(v) != 0; });
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline steel_shim::bool_of<T> isfinite(T x) {
+  STEEL_SHIM_OP("isfinite", T);
   return steel_shim::test1(x, [](float v) { return __builtin_isfinite(v) != 0; });
 }
 
@@ -589,6 +608,7 @@ inline steel_shim::bool_of<T> signbit(T x) {
 // select(a, b, c): c ? b : a per component. c is bool, boolN, or a comparison's integer mask.
 template <typename T, typename C>
 inline T select(T a, T b, C c) {
+  STEEL_SHIM_OP("select", T);
   if constexpr (steel_shim::vinfo<T>::is_vector && steel_shim::vinfo<C>::is_vector) {
     T r;
     for (int k = 0; k < steel_shim::vinfo<T>::size; ++k) r[k] = c[k] ? b[k] : a[k];
@@ -624,12 +644,14 @@ inline bool any(C c) {
 // dot: products summed in index order in T's precision.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
 inline steel_shim::elem_t<T> dot(T x, T y) {
+  STEEL_SHIM_OP("dot", T);
   steel_shim::elem_t<T> s = x[0] * y[0];
   for (int k = 1; k < steel_shim::vinfo<T>::size; ++k) s = s + x[k] * y[k];
   return s;
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)>
 inline steel_shim::elem_t<T> length(T x) {
+  STEEL_SHIM_OP("length", T);
   return sqrt(dot(x, x));
 }
 
@@ -658,26 +680,32 @@ inline T mulhi(T x, T y) {
 // number type.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fmax3(T x, T y, T z) {
+  STEEL_SHIM_OP("fmax3", T);
   return metal::fmax(metal::fmax(x, y), z);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fmin3(T x, T y, T z) {
+  STEEL_SHIM_OP("fmin3", T);
   return metal::fmin(metal::fmin(x, y), z);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T fmedian3(T x, T y, T z) {
+  STEEL_SHIM_OP("fmedian3", T);
   return metal::fmax(metal::fmin(x, y), metal::fmin(metal::fmax(x, y), z));
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T max3(T x, T y, T z) {
+  STEEL_SHIM_OP("max3", T);
   return metal::max(metal::max(x, y), z);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T min3(T x, T y, T z) {
+  STEEL_SHIM_OP("min3", T);
   return metal::min(metal::min(x, y), z);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T median3(T x, T y, T z) {
+  STEEL_SHIM_OP("median3", T);
   return metal::max(metal::min(x, y), metal::min(metal::max(x, y), z));
 }
 
@@ -712,6 +740,7 @@ using metal::abs, metal::ceil, metal::copysign, metal::erf, metal::fabs, metal::
 #define STEEL_SHIM_FAST_INEXACT(name, exact, ulps, abs_err)                                  \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                               \
   inline T name(T x) {                                                                     \
+    STEEL_SHIM_OP(#name, T);                                                               \
     if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                              \
       return metal::name(x);                                                               \
     } else if constexpr (steel_shim::vinfo<T>::is_vector) {                                \
@@ -756,6 +785,7 @@ STEEL_SHIM_FAST_INEXACT(rsqrt, 1.0 / __builtin_sqrt(x), 2, 0.0)
 // divide: <= 2.5 ulp for y in [2^-126, 2^126] (Table 8.2's x / y).
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T divide(T x, T y) {
+  STEEL_SHIM_OP("divide", T);
   if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
     return metal::divide(x, y);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -792,6 +822,7 @@ inline float recip(float x) {
 #define STEEL_SHIM_FAST_COMPOSED_IF(name, defined, composed)                              \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                            \
   inline T name(T x) {                                                                  \
+    STEEL_SHIM_OP(#name, T);                                                            \
     if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                           \
       return metal::name(x);                                                            \
     } else if constexpr (steel_shim::vinfo<T>::is_vector) {                             \
@@ -819,6 +850,7 @@ STEEL_SHIM_FAST_COMPOSED_IF(sqrt, x > 0.0f && __builtin_isfinite(x), x * fast::r
 // tanh: (t - 1.0) / (t + 1.0) with t = exp(2.0 * x), where t is finite.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T tanh(T x) {
+  STEEL_SHIM_OP("tanh", T);
   if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
     return metal::tanh(x);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -839,6 +871,7 @@ inline T tanh(T x) {
 #define STEEL_SHIM_FAST_LOG_OF(name, defined, arg)                                         \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                             \
   inline T name(T x) {                                                                   \
+    STEEL_SHIM_OP(#name, T);                                                             \
     if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                            \
       return metal::name(x);                                                             \
     } else if constexpr (steel_shim::vinfo<T>::is_vector) {                              \
@@ -857,6 +890,7 @@ STEEL_SHIM_FAST_LOG_OF(acosh, x >= 1.0f && __builtin_isfinite(x * x),
 #undef STEEL_SHIM_FAST_LOG_OF
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T atanh(T x) {
+  STEEL_SHIM_OP("atanh", T);
   if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
     return metal::atanh(x);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -873,6 +907,7 @@ inline T atanh(T x) {
 // x = 0 or y = 0, where the exact result stays.
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T atan2(T y, T x) {
+  STEEL_SHIM_OP("atan2", T);
   if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {
     return metal::atan2(y, x);
   } else if constexpr (steel_shim::vinfo<T>::is_vector) {
@@ -899,6 +934,7 @@ inline T atan2(T y, steel_shim::elem_t<T> x) {
 #define STEEL_SHIM_FAST_POW(name)                                                           \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>                              \
   inline T name(T x, T y) {                                                               \
+    STEEL_SHIM_OP(#name, T);                                                              \
     if constexpr (!__is_same(steel_shim::elem_t<T>, float)) {                             \
       return metal::name(x, y);                                                           \
     } else if constexpr (steel_shim::vinfo<T>::is_vector) {                               \
@@ -934,6 +970,7 @@ inline void refuse_nan(const char* what, T x) {
 #define STEEL_SHIM_FAST2(name)                                                              \
   template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>                               \
   inline T name(T x, T y) {                                                                 \
+    STEEL_SHIM_OP(#name, T);                                                                \
     steel_fast::refuse_nan("fast::" #name " with a NaN operand: undefined in Metal", x);    \
     steel_fast::refuse_nan("fast::" #name " with a NaN operand: undefined in Metal", y);    \
     return metal::name(x, y);                                                               \
@@ -951,6 +988,7 @@ STEEL_SHIM_FAST2(fmin)
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T clamp(T x, T lo, T hi) {
+  STEEL_SHIM_OP("clamp", T);
   steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", x);
   steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", lo);
   steel_fast::refuse_nan("fast::clamp with a NaN operand: undefined in Metal", hi);
@@ -962,6 +1000,7 @@ inline T clamp(T x, steel_shim::elem_t<T> lo, steel_shim::elem_t<T> hi) {
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
 inline T saturate(T x) {
+  STEEL_SHIM_OP("saturate", T);
   steel_fast::refuse_nan("fast::saturate with a NaN operand: undefined in Metal", x);
   return metal::saturate(x);
 }

@@ -9,6 +9,7 @@
 // round to D's type.
 #pragma once
 
+#include "count.h"
 #include "simd.h"
 
 namespace steel_shim {
@@ -191,17 +192,32 @@ STEEL_CONVERGENT inline void matrix_mma(metal::simdgroup_matrix<TD, 8, 8>& d,
 
 namespace metal {
 
+// An 8x8x8 multiply-accumulate counts by its operands' type (counters: mma_by_dtype): float if
+// either is float, else bfloat if either is, else half.
+#define STEEL_SHIM_MMA(TA, TB)                                              \
+  do {                                                                      \
+    if constexpr (__is_same(TA, float) || __is_same(TB, float)) {           \
+      STEEL_SHIM_OP("mma", float);                                          \
+    } else if constexpr (__is_same(TA, bfloat) || __is_same(TB, bfloat)) {  \
+      STEEL_SHIM_OP("mma", bfloat);                                         \
+    } else {                                                                \
+      STEEL_SHIM_OP("mma", half);                                           \
+    }                                                                       \
+  } while (0)
+
 #define STEEL_SHIM_MATRIX_IO(AS)                                                         \
   template <typename T>                                                                  \
   STEEL_CONVERGENT inline void simdgroup_load(                                           \
       thread simdgroup_matrix<T, 8, 8>& d, const AS T* src, ulong elements_per_row = 8,  \
       ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {                 \
+    STEEL_SHIM_OP("simdgroup_load_" #AS, T);                                             \
     steel_shim::matrix_load(d, src, elements_per_row, matrix_origin, transpose_matrix);  \
   }                                                                                      \
   template <typename T>                                                                  \
   STEEL_CONVERGENT inline void simdgroup_store(                                          \
       const thread simdgroup_matrix<T, 8, 8>& a, AS T* dst, ulong elements_per_row = 8,  \
       ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {                 \
+    STEEL_SHIM_OP("simdgroup_store_" #AS, T);                                            \
     steel_shim::matrix_store(a, dst, elements_per_row, matrix_origin, transpose_matrix); \
   }
 STEEL_SHIM_MATRIX_IO(device)
@@ -213,6 +229,7 @@ STEEL_CONVERGENT inline void simdgroup_multiply_accumulate(thread simdgroup_matr
                                           const thread simdgroup_matrix<TA, 8, 8>& a,
                                           const thread simdgroup_matrix<TB, 8, 8>& b,
                                           const thread simdgroup_matrix<TC, 8, 8>& c) {
+  STEEL_SHIM_MMA(TA, TB);
   steel_shim::matrix_mma<TD, TA, TB, TC, true>(d, a, b, &c);
 }
 
@@ -220,6 +237,7 @@ template <typename TD, typename TA, typename TB>
 STEEL_CONVERGENT inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d,
                                const thread simdgroup_matrix<TA, 8, 8>& a,
                                const thread simdgroup_matrix<TB, 8, 8>& b) {
+  STEEL_SHIM_MMA(TA, TB);
   steel_shim::matrix_mma<TD, TA, TB, TD, false>(d, a, b, nullptr);
 }
 
