@@ -297,9 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_cache_reset", [](size_t capacity) { steel::plan_cache().reset(capacity); },
         py::arg("capacity") = steel::kPlanCacheCapacity,
         "Empties the plan cache and sets its capacity (0: no caching).");
-  m.def("launch", &launch, py::arg("library"), py::arg("kernel"), py::arg("constants"),
-        py::arg("buffers"), py::arg("threadgroup_memory"), py::arg("grid"), py::arg("threads"),
-        py::arg("checkers"), py::arg("count_instructions") = false);
-  m.def("run_plan", &run_plan, py::arg("library"), py::arg("plan"), py::arg("slots"),
-        py::arg("checkers"), py::arg("count_instructions") = false);
+  m.def("launch", &launch);
+  m.def("run_plan", &run_plan);
 }
