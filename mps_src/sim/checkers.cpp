@@ -26,13 +26,15 @@
 //
 // Race rule. Two accesses to the same threadgroup-memory byte by different lanes, at least one a
 // write, race unless a threadgroup_barrier with mem_threadgroup completed between them, or the
-// lanes belong to the same simdgroup and a rendezvous of that simdgroup (any simd_* function,
-// simdgroup-matrix operation, simdgroup_barrier, or a threadgroup_barrier without
-// mem_threadgroup) completed between them: lanes of a simdgroup execute in lockstep on the GPU,
-// so once all of them have passed a simd operation, each has finished what it did before it.
-// The shadow keeps per byte the last write and the latest reads with their threadgroup and simd
-// epochs, which decides this exactly for the last writer and conservatively (never missing a
-// race, never inventing one across a barrier) for many readers.
+// lanes belong to the same simdgroup and a simdgroup_barrier with mem_threadgroup completed
+// between them (MSL: nothing else makes a write visible, not lockstep execution nor a simd
+// operation). One more order, for reads: the reads a lane made before a collective that combined
+// lanes' values (runtime.cpp: combines_lanes) in which it took part are ordered before the later
+// accesses of that collective's lanes, since those depend on the reads through it
+// (collective_orders). The shadow keeps per byte the last write and the latest reads with their
+// threadgroup and simd epochs, which decides this exactly for the last writer and conservatively
+// for many readers (never inventing a race across a barrier; reporting one that only a
+// collective of part of the simdgroup would order).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -74,7 +76,17 @@ constexpr int kOrdered = -1;
 constexpr int kManyReaders = -2;
 // (A read by lane l that conflicts is returned as -100 - l.)
 
-inline int order(Shadow& sh, uint32_t lane, uint32_t sg, uint32_t s, uint32_t e, bool write) {
+// Whether a collective that combined values across lanes ordered the recorded reads of a byte
+// (all in `me`'s simdgroup) before `me`'s access: every lane of the simdgroup took part in one
+// after the latest read, or, with a single recorded reader, that reader and `me` did.
+inline bool collective_orders(const Shadow& sh, const Lane& me) {
+  if (g.groups[me.sg].all_met > sh.r_xstamp) return true;
+  return !(sh.r_flags & kReadersManyLanes) && me.met[sh.r_lane % kSimdWidth] > sh.r_xstamp;
+}
+
+inline int order(Shadow& sh, const Lane& me, uint32_t s, uint32_t e, bool write) {
+  const uint32_t lane = me.index;
+  const uint32_t sg = me.sg;
   // The last write conflicts unless it is ours or ordered by a barrier.
   if (sh.w_epoch == e && sh.w_lane != lane &&
       (sh.w_lane / kSimdWidth != sg || sh.w_sepoch == s)) {
@@ -83,7 +95,9 @@ inline int order(Shadow& sh, uint32_t lane, uint32_t sg, uint32_t s, uint32_t e,
   if (write) {
     if (sh.r_epoch == e) {
       bool other_sg = (sh.r_flags & kReadersManySimdgroups) || sh.r_lane / kSimdWidth != sg;
-      bool same_step = sh.r_sepoch == s && (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes));
+      bool same_step = sh.r_sepoch == s &&
+                       (sh.r_lane != lane || (sh.r_flags & kReadersManyLanes)) &&
+                       !collective_orders(sh, me);
       if (other_sg || same_step) return sh.r_lane == lane ? kManyReaders : -100 - int(sh.r_lane);
     }
     sh.w_epoch = e;
@@ -105,6 +119,7 @@ inline int order(Shadow& sh, uint32_t lane, uint32_t sg, uint32_t s, uint32_t e,
   } else if (sh.r_lane != lane) {
     sh.r_flags |= kReadersManyLanes;
   }
+  if (!write) sh.r_xstamp = g.simd_epochs;
   return kOrdered;
 }
 
@@ -255,7 +270,7 @@ void check_device_race(const DeviceBuffer& b, uintptr_t a, size_t n, bool write)
       }
     }
     if (write) tg[i] = g.tg_id;
-    int r = order(in_tg[i], me->index, me->sg, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
+    int r = order(in_tg[i], *me, g.groups[me->sg].dev_epoch, g.dev_epoch, write);
     if (r != kOrdered) device_race(b, a + i, write, r);
   }
 }
@@ -387,7 +402,7 @@ void tg_access(uintptr_t a, size_t n, bool write) {
   const uint32_t s = g.groups[me->sg].epoch;
   auto offset = static_cast<uint32_t>(a - base);
   for (uint32_t i = offset; i < offset + n; ++i) {
-    int r = order(g.shadow[i], me->index, me->sg, s, g.epoch, write);
+    int r = order(g.shadow[i], *me, s, g.epoch, write);
     if (r != kOrdered) {
       int other;
       bool wrote;

@@ -184,6 +184,32 @@ void block() {
   switch_from(g.cur);
 }
 
+// Collectives whose result on a lane depends on other lanes' values: shuffles, reductions,
+// ballots and simdgroup-matrix multiplies (a simdgroup-matrix load or store moves each lane's
+// own elements; a simdgroup_barrier exchanges nothing).
+bool combines_lanes(SimdKind kind) {
+  return kind == SimdKind::Shuffle || kind == SimdKind::Reduce || kind == SimdKind::Ballot ||
+         kind == SimdKind::MatrixMma;
+}
+
+// Records that the lanes in `mask` of simdgroup `sg` (lane 0 of which is `first`) took part in
+// one collective, for the race checker's rule on reads before a collective (checkers.cpp:
+// collective_orders). The common case, every lane, is one store.
+void met_in_collective(SimdGroup& sg, uint32_t first, uint32_t mask) {
+  const uint32_t id = ++g.simd_epochs;
+  if (mask == sg.members) {
+    sg.all_met = id;
+    return;
+  }
+  for (uint32_t i = 0; i < kSimdWidth; ++i) {
+    if (!(mask & (1u << i))) continue;
+    Lane& lane = g.lanes[first + i];
+    for (uint32_t j = 0; j < kSimdWidth; ++j) {
+      if (mask & (1u << j)) lane.met[j] = id;
+    }
+  }
+}
+
 // One completed simd operation of the lanes in `mask` (all of the simdgroup's waiting lanes, or
 // those that reached one call site in divergent control flow).
 void complete_simd_lanes(SimdGroup& sg, uint32_t mask) {
@@ -218,6 +244,7 @@ void complete_simd_lanes(SimdGroup& sg, uint32_t mask) {
         break;
     }
   }
+  if (exchange && combines_lanes(lead.exchange_kind)) met_in_collective(sg, first, mask);
   for (uint32_t i = 0; i < kSimdWidth; ++i) {
     if (!(mask & (1u << i))) continue;
     Lane& lane = g.lanes[first + i];
@@ -336,6 +363,7 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     SimdGroup& sg = g.groups[s];
     uint32_t n = std::min(kSimdWidth, g.nlanes - s * kSimdWidth);
     sg.live = n == 32 ? ~0u : (1u << n) - 1;
+    sg.members = sg.live;
     sg.arrived = 0;
     sg.at_barrier = 0;
     sg.wait = SimdWait::None;

@@ -68,6 +68,11 @@ struct Lane {
   size_t exchange_bytes = 0;
   SimdKind exchange_kind = SimdKind::Shuffle;
   CallChain site;
+  // met[j]: the id (from Sim::simd_epochs) of the last collective of its simdgroup that combined
+  // values across lanes (runtime.cpp: combines_lanes) in which this lane and lane j both took
+  // part, when not all lanes of the simdgroup did (SimdGroup::all_met covers that case). The race
+  // checker orders a read of lane j before this lane's accesses after such a collective.
+  uint32_t met[kSimdWidth] = {};
 };
 
 struct SimdGroup {
@@ -92,6 +97,10 @@ struct SimdGroup {
   // Other simd operations do not order memory in MSL.
   uint32_t epoch = 0;
   uint32_t dev_epoch = 0;
+  // The id of the last collective that combined values across lanes in which every lane of the
+  // simdgroup (`members`, at the threadgroup's start) took part (see Lane::met).
+  uint32_t all_met = 0;
+  uint32_t members = 0;
   uint8_t* buf[2] = {nullptr, nullptr};
   // Instruction counters (runtime.cpp: count_block): since the simdgroup's last rendezvous,
   // how often each of its lanes ran each counted basic block (by the block's histogram).
@@ -132,6 +141,9 @@ struct Shadow {
   uint32_t w_sepoch = 0;
   uint32_t r_epoch = 0;
   uint32_t r_sepoch = 0;
+  // Sim::simd_epochs at the latest read: a collective with a higher id came after every
+  // recorded read (checkers.cpp: collective_orders).
+  uint32_t r_xstamp = 0;
   uint16_t w_lane = 0;
   uint16_t r_lane = 0;
   uint8_t r_flags = 0;  // kReadersManySimdgroups | kReadersManyLanes

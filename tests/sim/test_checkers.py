@@ -599,3 +599,41 @@ def test_thread_private_array_out_of_bounds_is_reported():
     assert torch.equal(out, torch.arange(32.0) * 7)
     with pytest.raises(SimulatorError, match=r"exec_private_array.*index 8 out of bounds"):
         run("exec_private_array", grid=(1,), threads=(32,), buffers={0: out, 1: u32(8)})
+
+
+def test_reads_before_a_shuffle_are_ordered_before_the_lanes_later_writes():
+    # A row maximum in threadgroup memory read by every lane, combined through simd_shuffle_xor
+    # and written by lane 0: the write depends on each read through the shuffles, so no GPU runs
+    # it first (kernel exec_running_max, two simdgroups).
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    out = torch.zeros(64)
+    run("exec_running_max", grid=(1,), threads=(64,), buffers={0: out, 1: x, 2: u32(0)})
+    # max is exact in float32: equality.
+    assert torch.equal(out, x.view(2, 32).amax(1).repeat_interleave(32))
+    # One reader that took part in a shuffle of lanes 0-15 with the writer.
+    run("exec_running_max", grid=(1,), threads=(64,), buffers={0: out, 1: x, 2: u32(4)})
+    assert torch.equal(out, x.view(2, 32)[:, :16].amax(1).repeat_interleave(32))
+
+
+@pytest.mark.parametrize(
+    "mode, match",
+    [
+        # Write, shuffle, read by another lane: a collective does not make a write visible.
+        (1, r"thread \d+ \(simdgroup 0\) reads it after thread 0 \(simdgroup 0\) wrote it"),
+        # Two lanes writing after the shuffle.
+        (2, r"thread 1 \(simdgroup 0\) writes it after thread 0 \(simdgroup 0\) wrote it"),
+        # Lanes 16-31 read, then took part in no collective with the writer.
+        (3, r"thread 0 \(simdgroup 0\) writes it after another thread read it"),
+    ],
+)
+def test_a_shuffle_does_not_order_writes_or_lanes_outside_it(mode, match):
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        SimulatorError, match=r"exec_running_max.*data race on threadgroup.*" + match
+    ):
+        run(
+            "exec_running_max",
+            grid=(1,),
+            threads=(64,),
+            buffers={0: torch.zeros(64), 1: x, 2: u32(mode)},
+        )

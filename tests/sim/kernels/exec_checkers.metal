@@ -340,3 +340,33 @@ kernel void exec_unbound(device float* out [[buffer(0)]],
 }
 template [[host_name("exec_unbound_unused")]] [[kernel]] decltype(exec_unbound<false>) exec_unbound<false>;
 template [[host_name("exec_unbound_read")]] [[kernel]] decltype(exec_unbound<true>) exec_unbound<true>;
+
+// A running maximum per simdgroup kept in threadgroup memory, as attention kernels keep a row's:
+// lanes read it, combine it with their values through simd_shuffle_xor, and one lane writes the
+// result. `mode` 0: that pattern (the write depends on every lane's read through the shuffles);
+// 1: lane 0 writes before the shuffles (and not after: a later store would make that one dead)
+// and the others read after them (a collective does not make a write visible); 2: lanes 0 and 1 both write after the shuffles; 3: every lane reads,
+// only lanes 0-15 shuffle, lane 0 writes (lanes 16-31 took part in no collective with it); 4:
+// only lane 5 reads, lanes 0-15 shuffle, lane 0 writes.
+kernel void exec_running_max(device float* out [[buffer(0)]],
+                             device const float* x [[buffer(1)]],
+                             constant uint& mode [[buffer(2)]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float row_max[32];
+  if (lane == 0) row_max[sg] = -INFINITY;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float v = x[tid];
+  if (mode == 1 && lane == 0) row_max[sg] = v;
+  if (mode != 1 && (mode != 4 || lane == 5)) v = max(v, row_max[sg]);
+  if (mode < 3) {
+    for (ushort offset = 16; offset > 0; offset /= 2) v = max(v, simd_shuffle_xor(v, offset));
+  } else if (lane < 16) {
+    for (ushort offset = 8; offset > 0; offset /= 2) v = max(v, simd_shuffle_xor(v, offset));
+  }
+  if (mode == 1 && lane != 0) v = max(v, row_max[sg]);
+  if (mode != 1 && (lane == 0 || (mode == 2 && lane == 1))) row_max[sg] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = mode == 1 ? v : row_max[sg];  // (mode 1: so that its reads are not dead)
+}
