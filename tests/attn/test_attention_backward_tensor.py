@@ -386,8 +386,11 @@ def test_a_dq_that_assumes_a_layout_fails(monkeypatch):
 @pytest.mark.parametrize("E,dtype", CORE + [(64, torch.bfloat16), (256, torch.float16)], ids=str)
 def test_lengths_every_seed_and_head_dim(E, dtype, L, S, layout_seed, monkeypatch):
     q, k, v = qkv(1, 2, L, S, E, dtype=dtype, gen=torch.Generator().manual_seed(L * 1000 + S))
+    # No sinks here: dsinks is the simdgroup kernel's, a sum whose terms cancel, which
+    # test_fuzz_sdpa_backward bounds as such; test_softcap_scale_sinks_gqa and test_varlen
+    # cover the matmul2d kernels with sinks.
     check(monkeypatch, layout_seed, q, k, v, is_causal=L <= S, causal_align="bottom_right",
-          sinks=torch.randn(2), softcap=20.0)  # fmt: skip
+          softcap=20.0)  # fmt: skip
 
 
 @pytest.mark.slow
