@@ -390,24 +390,33 @@ def _sdpa_forward(q, k, v, attn_mask, *options):
 _COMMON_RUN_OPTIONS = {}
 
 
-def _sdpa_run_options(options):
+def _sdpa_run_options(options, lse=True):
     """Attn(*options).run_options(), kept for the common case (not for a scale of +-0.0, which
-    compare equal: plans tell them apart)."""
+    compare equal: plans tell them apart); without lse, with the run option "lse" = 0 (the
+    kernels do not store it)."""
     if len(options) != 3 or options[2] == 0.0:
-        return Attn(*options).run_options()
-    found = _COMMON_RUN_OPTIONS.get(options)
+        return Attn(*options).run_options(**({} if lse else {"lse": 0}))
+    key = options if lse else (*options, "no lse")
+    found = _COMMON_RUN_OPTIONS.get(key)
     if found is None:
         if len(_COMMON_RUN_OPTIONS) >= 256:  # a bound for scales that change every call
             _COMMON_RUN_OPTIONS.clear()
-        found = _COMMON_RUN_OPTIONS[options] = Attn(*options).run_options()
+        found = Attn(*options).run_options(**({} if lse else {"lse": 0}))
+        _COMMON_RUN_OPTIONS[key] = found
     return found
 
 
 def _sdpa_forward_prechecked(q, k, v, attn_mask, *options):
+    return _sdpa_forward_run(q, k, v, attn_mask, options, True)
+
+
+def _sdpa_forward_run(q, k, v, attn_mask, options, want_lse):
+    """sdpa_forward's (out, lse) once the inputs are checked; with want_lse False, the lse
+    returned is not written (the kernels skip it) and must not escape."""
     out, lse = run(
         "sdpa",
         [q, k, v, attn_mask, options[3] if len(options) > 3 else None],
-        _sdpa_run_options(options),
+        _sdpa_run_options(options, want_lse),
         lambda: ref.sdpa_forward(q, k, v, attn_mask, *Attn(*options).math()),
     )
     if out.stride() != q.stride() or out.shape[-1] != q.shape[-1]:  # else it has q's layout
@@ -530,6 +539,20 @@ def _call_sdpa_forward(*args):
     return _SDPA_FORWARD_CALLS[how](*args)
 
 
+def _call_sdpa_out(*args):
+    """_call_sdpa_forward(*args)'s out, for a caller that drops lse: when the call would go
+    straight to the implementation (_undispatched: no gradient recorded, so no backward will
+    read lse, and nothing else sees the op), the kernels skip lse's store."""
+    if torch.compiler.is_compiling():
+        return _call_sdpa_forward(*args)[0]
+    q, k, v, attn_mask, *options = args
+    sinks = options[3] if len(options) > 3 else None
+    if _undispatched(q, k, v, attn_mask, sinks) != _IMPL:
+        return _call_sdpa_forward(*args)[0]
+    check.check_sdpa(q, k, v, attn_mask, True, sinks)
+    return _sdpa_forward_run(q, k, v, attn_mask, tuple(options), False)[0]
+
+
 def _broadcast_qkv(q, k, v, enable_gqa):
     """Expands query, key, value to one rank (at least 3) and one batch shape.
 
@@ -626,7 +649,7 @@ def _sdpa_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out = _call_sdpa_forward(*inputs)[0]
+    out = _call_sdpa_out(*inputs)
     return out.squeeze(0) if squeeze else out
 
 
@@ -696,10 +719,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         if scale is None:
             e = query.shape[-1]
             scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
-        out, lse = _call_sdpa_forward(
-            query, key, value, attn_mask, 0.0, bool(is_causal), float(scale)
-        )
-        return (out, lse) if return_lse else out
+        args = (query, key, value, attn_mask, 0.0, bool(is_causal), float(scale))
+        return _call_sdpa_forward(*args) if return_lse else _call_sdpa_out(*args)
     if type(key) is QuantizedKV or type(value) is QuantizedKV:
         return _sdpa_quantized(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, sinks, softcap, window, causal_align, seed, offset,
@@ -711,9 +732,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     inputs, squeeze = _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, sinks, softcap, window, causal_align, seed,
                                    offset)  # fmt: skip
-    out, lse = _call_sdpa_forward(*inputs)
     if return_lse:
+        out, lse = _call_sdpa_forward(*inputs)
         return (out.squeeze(0), lse.squeeze(0)) if squeeze else (out, lse)
+    out = _call_sdpa_out(*inputs)
     return out.squeeze(0) if squeeze else out
 
 

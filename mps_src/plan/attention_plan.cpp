@@ -117,6 +117,7 @@ std::string common(const char* op, DType dtype, int64_t Hq, int64_t Hkv, int64_t
   c->Hkv = Hkv;
   c->is_causal = options.number("is_causal", 0.0) != 0.0;
   c->bottom_right = options.number("bottom_right", 0.0) != 0.0;
+  c->lse = options.number("lse", 1.0) != 0.0;
   c->scale = options.number("scale", 1.0 / std::sqrt(static_cast<double>(E)));
   c->softcap = options.number("softcap", 0.0);
   c->window_left = static_cast<int64_t>(options.number("window_left", -1));
@@ -297,6 +298,7 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
       fc_bool(STEEL_ATTN_FC_VARLEN_BR, l.varlen_br),
       fc_bool(STEEL_ATTN_FC_DROPOUT, c.dropout_p > 0.0),
       fc_bool(STEEL_ATTN_FC_KV_ALIAS, l.kv_alias),
+      fc_bool(STEEL_ATTN_FC_LSE, c.lse),
   };
   // Absent mask or sinks are never read (function constants), but every declared buffer is
   // bound, so q stands in. The cu_seqlens buffers exist only in varlen pipelines.

@@ -61,6 +61,9 @@ struct Common {
   // The prefill runs on the matmul2d kernel (shaders/steel/attn_tensor/): set by the planners
   // from tensor_serves, after the decode kernels declined.
   bool tensor_ops = false;
+  // The forward stores lse (STEEL_ATTN_FC_LSE): the run option "lse" (default 1) = 0 turns it
+  // off when nothing will read it.
+  bool lse = true;
 };
 
 // The refusal of q, k, v dtypes that the kernels do not take ("" when they do).

@@ -118,6 +118,10 @@ typedef int64_t steel_i64;
 // multi-head latent attention's cache), so the kernel takes its V tile from the K tile it has
 // loaded and never reads v's buffer. The planner sets it (attn::kv_alias), never the caller.
 #define STEEL_ATTN_FC_KV_ALIAS 319
+// bool: the forward stores lse (out's log-sum-exp per row). Off when nothing reads it (no
+// backward will, return_lse is off): the op's run option "lse" = 0. The split decode's partial
+// maxima and sums, which the merge needs, are stored either way.
+#define STEEL_ATTN_FC_LSE 326
 
 // Buffer indices of the attention kernels.
 #define STEEL_ATTN_BUF_Q 0

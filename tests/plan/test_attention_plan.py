@@ -366,3 +366,41 @@ def test_backward_refuses_head_dims_above_512_with_the_reason(dtype):
     p = sim.plan("sdpa_backward", [out, q, k, v, out, torch.empty(1, 2, 24), None, None, None],
                  {"scale": 0.1})  # fmt: skip
     assert not p.ok and "no backward kernel" in p.reason and "576" in p.reason, p.reason
+
+
+# ---- The lse store (STEEL_ATTN_FC_LSE): off only when the run option "lse" is 0 ----
+
+LSE = 326
+
+
+@pytest.mark.parametrize(
+    "L,S,decode,splits",
+    [(100, 100, False, 0), (1, 4096, True, 1), (1, 4096, True, 4), (3, 512, True, 0)],
+)
+@pytest.mark.parametrize("lse", [None, 1, 0])
+def test_the_lse_constant_follows_the_option(L, S, decode, splits, lse):
+    extra = {} if lse is None else {"lse": lse}
+    p = plan(t(2, 32, L, 128), t(2, 8, S, 128), t(2, 8, S, 128), decode=decode,
+             num_splits=splits, **extra)  # fmt: skip
+    assert p.ok, p.reason
+    assert p.dispatches[0].kernel.startswith(
+        "steel_attention_decode_" if decode else "steel_attention_f16"
+    )
+    if splits > 1:  # the merge stores lse; the split kernel stores its partials either way
+        assert [d.kernel.split("_f16")[0] for d in p.dispatches] == [
+            "steel_attention_decode", "steel_attention_decode_merge"
+        ]  # fmt: skip
+    for d in p.dispatches:
+        assert d.constants[LSE] == (lse != 0), d.kernel
+
+
+def test_the_lse_constant_on_the_matmul2d_prefill_and_the_plan_cache():
+    from gemm_helpers import M5
+
+    q, k = t(1, 4, 100, 64), t(1, 4, 100, 64)
+    with sim.device(M5):
+        stored, skipped = plan(q, k, k), plan(q, k, k, lse=0)
+    assert one(stored).kernel.startswith("steel_attention_tensor_")
+    assert one(stored).constants[LSE] and not one(skipped).constants[LSE]
+    again = plan(q, k, k)  # the cache keeps the option in its key
+    assert one(again).constants[LSE] and not one(plan(q, k, k, lse=0)).constants[LSE]

@@ -206,7 +206,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   } else {
     attn_store_row_frags<T, A::TV>(out + xq.o_off + h * p.o_hs + i * p.o_rs, o, p.Ev,
                                    attn_align_ev, sm.inverse_sum(), lane);
-    if ((lane & 9) == 0) lse[xq.lse_off + h * xq.lse_hs + i] = sm.lse();
+    if (attn_lse && (lane & 9) == 0) lse[xq.lse_off + h * xq.lse_hs + i] = sm.lse();
   }
 }
 
@@ -249,7 +249,7 @@ inline void attention_decode_merge(const device uchar* sinks, device T* out, dev
     }
     if (col < p.Ev) o[col] = T(acc * inv);
   }
-  if (lane == 0) lse[xq.lse_off + h * xq.lse_hs + i] = z == 0.0f ? -INFINITY : shift + log(z);
+  if (attn_lse && lane == 0) lse[xq.lse_off + h * xq.lse_hs + i] = z == 0.0f ? -INFINITY : shift + log(z);
 }
 
 }  // namespace steel

@@ -45,6 +45,7 @@ constant bool attn_has_batch [[function_constant(STEEL_ATTN_FC_HAS_BATCH)]];
 constant bool attn_varlen [[function_constant(STEEL_ATTN_FC_VARLEN)]];
 constant bool attn_varlen_br [[function_constant(STEEL_ATTN_FC_VARLEN_BR)]];
 constant bool attn_kv_alias [[function_constant(STEEL_ATTN_FC_KV_ALIAS)]];
+constant bool attn_lse [[function_constant(STEEL_ATTN_FC_LSE)]];
 
 namespace steel {
 
@@ -346,7 +347,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   attn_store_row_frags<T, A::TV>(out + span.o + h * p.o_hs + row * p.o_rs, o, p.Ev, attn_align_ev,
                                  inv, lane);
   // One lane of the four that share a row writes its log-sum-exp.
-  if ((lane & 9) == 0) lse[span.lse + row] = sm.lse();
+  if (attn_lse && (lane & 9) == 0) lse[span.lse + row] = sm.lse();
 }
 
 }  // namespace steel

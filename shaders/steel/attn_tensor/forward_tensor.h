@@ -233,6 +233,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
       array<int32_t, 2>({1, int32_t(p.o_rs)})));
 
   // The log-sum-exp in nats: -inf for a row that saw nothing.
+  if (!attn_lse) return;
   for (ushort i = 0; i < factor.get_capacity(); ++i) {
     if (!factor.is_valid_element(i)) continue;
     factor[i] = sm.l[i] == 0.0f ? -INFINITY : sm.m[i] * attn_unit_nats + log(sm.l[i]);
