@@ -13,67 +13,26 @@ reason.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from attn_helpers import OUT_ROUNDING, check, oracle, qkv, score_error
-from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
+from attn_helpers import OUT_ROUNDING, check, oracle, qkv
+from fuzz_helpers import (
+    assert_refused,
+    fixed,
+    fuzz,
+    fuzz_mark,
+    reference_scores,
+    requires_simulator,
+    row_score_error,
+    strict_sim,
+)
 from hypothesis import given
 from strategies import sdpa_calls, sdpa_refusals
 
 import torch_steel
 from torch_steel import sim
-from torch_steel.reference import visible
 
 pytestmark = requires_simulator
-
-EPS32 = 2.0**-24
-
-
-def row_score_error(call, t, ref_scores):
-    """Per query row, a bound on the fp32 error of the scores that matter.
-
-    - the dot products: attn_helpers.score_error (4 sqrt(E) ulps of scale * max sum |q_d k_d|);
-    - softcap: tanh in fp32 within a few ulps, times the cap: 8 * eps32 * softcap;
-    - an additive mask is added in fp32 to scores of that size: one rounding of |s + m|, and
-      the row max subtracted from it another, 2 * eps32 * (|s| + |m|) over the keys within 80
-      nats of the row's max (the others weigh less than e^-80). A row of finfo.min
-      (Hugging Face's padding) is then held only to not being NaN where the reference is not:
-      in bfloat16 / float32 the mask swamps the scores altogether (see
-      tests/attn/test_attention.py::test_finfo_min_padding_rows, which checks that row).
-    ref_scores: the float64 scores after scale, softcap and mask, -inf where hidden.
-    """
-    err = score_error(t["q"], t["k"], call.scale)
-    if call.softcap:
-        err += 8 * EPS32 * call.softcap
-    err = torch.full(ref_scores.shape[:-1], err, dtype=torch.float64)
-    m = t["attn_mask"]
-    if m is not None and m.dtype != torch.bool and ref_scores.shape[-1]:
-        row_max = ref_scores.amax(-1, keepdim=True)
-        near = ref_scores >= row_max - 80
-        size = (ref_scores.abs() + m.double().abs()).nan_to_num(0.0, 0.0, 0.0)
-        size = torch.where(near & torch.isfinite(ref_scores), size, torch.zeros_like(size))
-        err = err + 2 * EPS32 * size.amax(-1)
-    return err.unsqueeze(-1)
-
-
-def reference_scores(call, t):
-    """float64 scores as the reference forms them (after scale, softcap, additive mask; -inf
-    for keys hidden by the bool mask, causal or the window), [*batch, Hq, L, S]."""
-    q, k = t["q"].double(), t["k"].double()
-    k = k.expand(*q.shape[:-3], *k.shape[-3:]).repeat_interleave(call.Hq // call.Hkv, -3)
-    scale = 1.0 / math.sqrt(call.E) if call.scale is None else call.scale
-    s = (q @ k.mT) * scale
-    if call.softcap:
-        s = call.softcap * torch.tanh(s / call.softcap)
-    m = t["attn_mask"]
-    if m is not None:
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
-    left, right = call.window or (-1, -1)
-    bottom_right = call.causal_align == "bottom_right"
-    seen = visible(call.L, call.S, call.is_causal, left, right, bottom_right, s.device)
-    return s if seen is None else s.masked_fill(~seen, float("-inf"))
 
 
 def check_sdpa(call, weight_rounding=0.0):

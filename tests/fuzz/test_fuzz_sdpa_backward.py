@@ -13,7 +13,15 @@ import math
 import pytest
 import torch
 from attn_helpers import OUT_ROUNDING, score_error
-from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
+from fuzz_helpers import (
+    fixed,
+    fuzz,
+    fuzz_mark,
+    reference_scores,
+    requires_simulator,
+    row_score_error,
+    strict_sim,
+)
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from strategies import Layout, MaskSpec, SdpaCall, sdpa_calls
@@ -69,7 +77,8 @@ def sink_terms(out, g, lse, w, sinks):
 
 
 def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L,
-                           dmask_terms=None, sinks_sum=0.0, rounding=0.0):  # fmt: skip
+                           dmask_terms=None, sinks_sum=0.0, rounding=0.0,
+                           score_err=None):  # fmt: skip
     """dq, dk, dv (dsinks, dmask) of the kernels within the bound of float64's: the dtype's
     rounding, SLACK and the score error relative to the largest element, and delta's error.
 
@@ -89,8 +98,14 @@ def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L,
     sinks_sum (the sum of |terms|, sink_terms), plus each term's own error: a few roundings
     and exp(sink - lse) through lse's error (the score error, 4 * err) relative to that term.
     `rounding`: a further relative slack of the largest element (a kernel that rounds operands
-    to a storage dtype, test_fuzz_sdpa_backward_tensor)."""
+    to a storage dtype, test_fuzz_sdpa_backward_tensor).
+
+    `score_err`: the scores' fp32 error where the caller knows more than q, k and softcap (the
+    additive mask's rounding, fuzz_helpers.row_score_error: the kernel rebuilds P from
+    s + m - lse in fp32, so a mask near 65504 moves each score by up to 2^-8)."""
     err = score_error(q, k, scale) + (8 * 2.0**-24 * softcap if softcap else 0)
+    if score_err is not None:
+        err = max(err, score_err)
     scale = abs(scale) if scale is not None else E**-0.5
     rowsums = (g.abs() * out.detach().abs().nan_to_num(0.0)).sum(-1)
     d_err = OUT_ROUNDING[q.dtype] * float(rowsums.max()) if rowsums.numel() else 0.0
@@ -145,6 +160,9 @@ def compare_backward(call, dropout, mask_grad, rounding=0.0):
         _, _, got, _ = gradients(t, kwargs, dropout, "sim", q.dtype, mask_grad)
     out, g, want, (lse, w) = gradients(t, kwargs, dropout, "reference", torch.float64, mask_grad)
     sinks_sum = 0.0 if t["sinks"] is None else sink_terms(out, g, lse, w, t["sinks"])
+    score_err = None  # what an additive mask adds to the scores' error (row_score_error)
+    if t["attn_mask"] is not None and t["attn_mask"].dtype != torch.bool and qe.numel():
+        score_err = float(row_score_error(call, t, reference_scores(call, t)).max())
     terms = None
     if "dmask" in want:  # each dmask element sums dS over what the mask broadcasts along
         mask = t["attn_mask"]
@@ -157,7 +175,7 @@ def compare_backward(call, dropout, mask_grad, rounding=0.0):
         )
     assert_gradients_close(got, want, q, k, out, g, call.scale, call.E, call.softcap,
                            math.prod(call.batch) * call.L, call.L, terms, sinks_sum,
-                           rounding)  # fmt: skip
+                           rounding, score_err)  # fmt: skip
     for guard in guards:
         guard.check()
 
@@ -222,3 +240,17 @@ def test_sinks_gradient_without_rows_or_keys(L, S, packed):
         got = gradients(t, call.kwargs(), 0.0, "sim", torch.float16)[2]
     if L == 0:
         assert bool((got["dsinks"] == 0).all())
+
+
+def test_gradients_under_a_float16_min_mask_in_float32():
+    """Found by the first fuzz campaign (issue 31): float32, L = S = 2, E = 128, a float32 mask
+    [1, 1] holding finfo(float16).min (a mask built for a half model, every key hidden by it).
+    The kernel rebuilds P from s + m - lse in fp32, where a score near 65504 is held to 2^-8,
+    so dq moved by 5e-4 of 1.88: the forward's bound always had that rounding
+    (row_score_error), the backward's now has it too."""
+    c = Layout.contiguous(3)
+    mask = MaskSpec(torch.float32, (1, 1), Layout.contiguous(2), "cols", 0.0, "min:float16")
+    call = SdpaCall(torch.float32, (), (), 1, 1, 2, 2, 128, 128, Layout.contiguous(4), c, c,
+                    mask, False, "top_left", None, None, None, None, 43, True)  # fmt: skip
+    assert backward_serves(call, 0.0)
+    compare_backward(call, 0.0, False)
