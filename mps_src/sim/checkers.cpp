@@ -602,7 +602,6 @@ Counters take_counters() {
     b.written += d.counters.written;
     d.counters = BufferCounters();
   }
-  c.lanes = c.threadgroups * g.nlanes;
   c.threadgroup_memory_bytes = g.tg_used;  // arrays stay placed for the whole launch
   c.instruction_counts = steel_sim_counting != 0;
   for (const auto& [index, b] : c.buffers) {

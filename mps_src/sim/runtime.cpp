@@ -352,6 +352,18 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
   g.tg_pos[1] = y;
   g.tg_pos[2] = z;
   g.tg_id = 1 + x + g.grid[0] * (y + g.grid[1] * z);
+  // dispatchThreads: the last threadgroup in a dimension holds what is left of the grid there.
+  // Metal gives it threads_per_threadgroup of that size and forms its simdgroups from its own
+  // linear thread indices, as for a threadgroup dispatched at that size; positions in the grid
+  // still step by the dispatch's threadgroup size (dispatch_threads_per_threadgroup).
+  uint32_t t[3];
+  for (int d = 0; d < 3; ++d) {
+    t[d] = g.threads_grid[0] == 0
+               ? g.threads[d]
+               : std::min(g.threads[d], g.threads_grid[d] - g.tg_pos[d] * g.threads[d]);
+  }
+  g.nlanes = t[0] * t[1] * t[2];
+  g.nsimd = (g.nlanes + kSimdWidth - 1) / kSimdWidth;
   ++g.epoch;
   ++g.dev_epoch;
   g.live = g.nlanes;
@@ -372,7 +384,6 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
     sg.runs.clear();  // a threadgroup abandoned for a restart leaves some
     sg.run_index.clear();
   }
-  const uint32_t* t = g.threads;
   for (uint32_t i = 0; i < g.nlanes; ++i) {
     Lane& lane = g.lanes[i];
     LaneInfo& info = lane.info;
@@ -381,9 +392,11 @@ void start_threadgroup(uint32_t x, uint32_t y, uint32_t z) {
       info.thread_position_in_threadgroup[d] = local[d];
       info.threadgroup_position_in_grid[d] = g.tg_pos[d];
       info.threads_per_threadgroup[d] = t[d];
+      info.dispatch_threads_per_threadgroup[d] = g.threads[d];
       info.threadgroups_per_grid[d] = g.grid[d];
-      info.threads_per_grid[d] = g.grid[d] * t[d];
-      info.thread_position_in_grid[d] = g.tg_pos[d] * t[d] + local[d];
+      info.threads_per_grid[d] =
+          g.threads_grid[0] == 0 ? g.grid[d] * g.threads[d] : g.threads_grid[d];
+      info.thread_position_in_grid[d] = g.tg_pos[d] * g.threads[d] + local[d];
     }
     info.thread_index_in_threadgroup = i;
     info.simdgroup_index_in_threadgroup = i / kSimdWidth;
@@ -1061,6 +1074,19 @@ void validate(const LaunchSpec& spec) {
   }
   uint64_t lanes = uint64_t{spec.threads[0]} * spec.threads[1] * spec.threads[2];
   if (lanes == 0) throw SimError(k + "threads per threadgroup must be positive in every dimension");
+  const uint32_t* tg = spec.threads_grid;
+  const uint32_t* t = spec.threads;
+  if (tg[0] != 0 || tg[1] != 0 || tg[2] != 0) {
+    for (int d = 0; d < 3; ++d) {
+      if (tg[d] == 0 || spec.grid[d] != (tg[d] + t[d] - 1) / t[d]) {
+        throw SimError(k + format("a grid of %ux%ux%u threads needs a positive size in every "
+                                  "dimension and ceil(threads / %ux%ux%u) threadgroups (got "
+                                  "%ux%ux%u)",
+                                  tg[0], tg[1], tg[2], t[0], t[1], t[2], spec.grid[0],
+                                  spec.grid[1], spec.grid[2]));
+      }
+    }
+  }
   if (lanes > kMaxLanes) {
     throw SimError(k + format("%llu threads per threadgroup (%ux%ux%u) exceed Metal's limit of %u",
                               static_cast<unsigned long long>(lanes), spec.threads[0],
@@ -1086,6 +1112,7 @@ void run_grid_once(const LaunchSpec& spec) {
           if (g_interrupted) throw Interrupted("kernel '" + spec.kernel + "' interrupted");
           run_threadgroup(x, y, z);
           ++g.counters.threadgroups;
+          g.counters.lanes += g.nlanes;
         }
       }
     }
@@ -1099,6 +1126,7 @@ void run_grid_once(const LaunchSpec& spec) {
       run_threadgroup(id % spec.grid[0], id / spec.grid[0] % spec.grid[1],
                       id / spec.grid[0] / spec.grid[1]);
       ++g.counters.threadgroups;
+      g.counters.lanes += g.nlanes;
     }
     cache_end_group();
     g.group_counters.push_back(take_counters());
@@ -1156,6 +1184,8 @@ std::vector<Counters> launch_groups(const LaunchSpec& spec) {
   read_precision_mode();
   std::copy(spec.grid, spec.grid + 3, g.grid);
   std::copy(spec.threads, spec.threads + 3, g.threads);
+  std::copy(spec.threads_grid, spec.threads_grid + 3, g.threads_grid);
+  // The full threadgroup's (start_threadgroup sets a partial one's).
   g.nlanes = spec.threads[0] * spec.threads[1] * spec.threads[2];
   g.nsimd = (g.nlanes + kSimdWidth - 1) / kSimdWidth;
   g.constants.clear();

@@ -18,7 +18,8 @@ struct LaneInfo {
   uint32_t thread_position_in_grid[3];
   uint32_t threadgroup_position_in_grid[3];
   uint32_t thread_position_in_threadgroup[3];
-  uint32_t threads_per_threadgroup[3];
+  uint32_t threads_per_threadgroup[3];  // a partial threadgroup's own size (dispatchThreads)
+  uint32_t dispatch_threads_per_threadgroup[3];  // the dispatch's threadgroup size
   uint32_t threadgroups_per_grid[3];
   uint32_t threads_per_grid[3];
   uint32_t thread_index_in_threadgroup;

@@ -64,6 +64,10 @@ struct LaunchSpec {
   std::vector<steel::ThreadgroupMemory> threadgroup_memory;
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
+  // All non-zero: a dispatchThreads launch of this many threads, `grid` then being the rounded-up
+  // threadgroup count; the last threadgroup in each dimension is partial (runtime.cpp:
+  // start_threadgroup). All zero: dispatchThreadgroups, every threadgroup full.
+  uint32_t threads_grid[3] = {0, 0, 0};
   bool checkers = true;
   CacheSpec cache;
   // Empty: every threadgroup runs and launch_groups returns one Counters. Else only the

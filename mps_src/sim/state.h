@@ -183,6 +183,7 @@ struct Sim {
   uint64_t precision_seed = 0;
   uint32_t grid[3] = {1, 1, 1};
   uint32_t threads[3] = {1, 1, 1};
+  uint32_t threads_grid[3] = {0, 0, 0};  // LaunchSpec::threads_grid
   uint32_t tg_pos[3] = {0, 0, 0};
   uint32_t tg_id = 0;  // linear index of the running threadgroup + 1
   uint32_t nlanes = 0;

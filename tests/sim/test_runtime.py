@@ -40,6 +40,48 @@ def test_thread_position_attributes():
                 assert row == expected, (pos, row, expected)
 
 
+@pytest.mark.parametrize(
+    "threads_grid, threads", [((37, 5, 3), (16, 4, 2)), ((70, 1, 1), (64, 1, 1)), ((5,), (8,))]
+)
+def test_dispatch_threads_partial_threadgroups(threads_grid, threads):
+    # dispatchThreads: ceil(grid / threads) threadgroups, the last one in each dimension holding
+    # what is left (Metal: threads_per_threadgroup is that size, dispatch_threads_per_threadgroup
+    # the dispatch's, positions step by the dispatch's size, and simdgroups are formed from the
+    # partial threadgroup's own linear indices).
+    grid3 = (*threads_grid, 1, 1)[:3]
+    threads3 = (*threads, 1, 1)[:3]
+    groups = tuple(-(-n // t) for n, t in zip(grid3, threads3, strict=True))
+    count = grid3[0] * grid3[1] * grid3[2]
+    out = torch.full((count, 24), -1, dtype=torch.int32)
+    counters = run(
+        "exec_grid_ids", threads_grid=threads_grid, threads=threads, buffers={0: out}, counters=True
+    )
+    assert counters["threadgroups"] == groups[0] * groups[1] * groups[2]
+    assert counters["lanes"] == count
+    for gz in range(grid3[2]):
+        for gy in range(grid3[1]):
+            for gx in range(grid3[0]):
+                pos = (gx, gy, gz)
+                tg = tuple(p // t for p, t in zip(pos, threads3, strict=True))
+                local = tuple(p % t for p, t in zip(pos, threads3, strict=True))
+                size = tuple(min(t, n - g * t) for t, n, g in zip(threads3, grid3, tg, strict=True))
+                index = local[0] + size[0] * (local[1] + size[1] * local[2])
+                lanes = size[0] * size[1] * size[2]
+                simdgroups = -(-lanes // 32)
+                in_simdgroup = min(32, lanes - index // 32 * 32)
+                expected = [
+                    *pos, *tg, *local, *size, *threads3, *groups, *grid3, index,
+                    index // 32 * 1000 + index % 32, simdgroups * 1000 + in_simdgroup,
+                ]  # fmt: skip
+                row = out[gx + grid3[0] * (gy + grid3[1] * gz)].tolist()
+                assert row == expected, (pos, row, expected)
+
+
+def test_dispatch_threads_refuses_both_grids():
+    with pytest.raises(ValueError, match="not both"):
+        run("exec_grid_ids", grid=(1,), threads_grid=(5,), threads=(8,), buffers={0: b""})
+
+
 def test_tree_sum_with_barriers_in_a_loop():
     # Small integers: every partial sum is exact in float32, so the tree order does not matter.
     x = torch.randint(0, 100, (3, 256)).float()

@@ -382,9 +382,10 @@ def run_kernel(
     name: str,
     *,
     sources: Sequence[str | os.PathLike],
-    grid: Sequence[int],
+    grid: Sequence[int] | None = None,
     threads: Sequence[int],
     buffers: Mapping[int, torch.Tensor | bytes],
+    threads_grid: Sequence[int] | None = None,
     constants: Mapping[int, bool | int | float] | None = None,
     threadgroup_memory: Mapping[int, int] | None = None,
     counters: bool = False,
@@ -401,6 +402,9 @@ def run_kernel(
     -std=` takes it ("metal3.1", "metal4.0"; by default chosen from what each source uses, as
     the package's own build does: *_msl4.metal files are metal4.0).
 
+    grid: threadgroups per grid (dispatchThreadgroups). threads_grid instead: threads per grid
+    (dispatchThreads), in ceil(threads_grid / threads) threadgroups, the last one in each
+    dimension partial (its threads_per_threadgroup and simdgroups are those of its own size).
     buffers: {index: CPU Tensor (bound at its storage offset, written back in place) or bytes}.
     constants: {function_constant index: value}; threadgroup_memory: {index: bytes}.
     Returns the dispatch's counters dict when counters=True, else None.
@@ -409,8 +413,17 @@ def run_kernel(
     """
     if (cache is not None or sample is not None) and not counters:
         raise ValueError("cache= and sample= give counters: pass counters=True")
-    grid3 = _dim3(grid, "grid")
+    if (grid is None) == (threads_grid is None):
+        raise ValueError("pass grid= (threadgroups) or threads_grid= (threads), not both")
     threads3 = _dim3(threads, "threads")
+    threads_grid3 = (0, 0, 0)
+    if threads_grid is not None:
+        threads_grid3 = _dim3(threads_grid, "threads_grid")
+        if 0 in threads3:
+            raise ValueError(f"threads: expected positive sizes, got {threads3}")
+        grid3 = tuple(-(-n // t) for n, t in zip(threads_grid3, threads3, strict=True))
+    else:
+        grid3 = _dim3(grid, "grid")
     raw_buffers = []
     keep = []
     for index, b in sorted(buffers.items()):
@@ -457,6 +470,7 @@ def run_kernel(
                 cache_spec if with_cache else None,
                 groups,
                 counters,
+                threads_grid3,
             )
         )
 

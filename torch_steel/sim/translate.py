@@ -100,7 +100,7 @@ POSITION_ATTRIBUTES = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
     "thread_position_in_threadgroup": "kThreadPositionInThreadgroup",
     "threads_per_threadgroup": "kThreadsPerThreadgroup",
-    "dispatch_threads_per_threadgroup": "kThreadsPerThreadgroup",
+    "dispatch_threads_per_threadgroup": "kDispatchThreadsPerThreadgroup",
     "threadgroups_per_grid": "kThreadgroupsPerGrid",
     "threads_per_grid": "kThreadsPerGrid",
     "dispatch_threads_per_grid": "kThreadsPerGrid",

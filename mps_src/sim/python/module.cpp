@@ -197,7 +197,7 @@ py::list launch(const LibraryHandle& lib, const std::string& kernel,
                 const std::vector<std::tuple<uint32_t, uintptr_t, size_t, bool>>& buffers,
                 const std::vector<std::tuple<uint32_t, uint32_t>>& threadgroup_memory,
                 const Dim3& grid, const Dim3& threads, bool checkers, const CacheArg& cache,
-                const Groups& groups, bool count_instructions) {
+                const Groups& groups, bool count_instructions, const Dim3& threads_grid) {
   steel_sim::LaunchSpec spec;
   spec.library = lib.library;
   spec.kernel = kernel;
@@ -218,6 +218,7 @@ py::list launch(const LibraryHandle& lib, const std::string& kernel,
   }
   std::tie(spec.grid[0], spec.grid[1], spec.grid[2]) = grid;
   std::tie(spec.threads[0], spec.threads[1], spec.threads[2]) = threads;
+  std::tie(spec.threads_grid[0], spec.threads_grid[1], spec.threads_grid[2]) = threads_grid;
   spec.checkers = checkers;
   spec.cache = cache_spec(cache);
   spec.groups = groups;

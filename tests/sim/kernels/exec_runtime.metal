@@ -21,6 +21,32 @@ kernel void exec_lane_ids(device uint* out [[buffer(0)]],
   o[12] = index; o[13] = sg; o[14] = lane; o[15] = 1;
 }
 
+// The grid-shape attributes of every thread, 24 uints per thread (for dispatchThreads grids,
+// whose last threadgroups are partial): positions, sizes, and the lanes of its simdgroup.
+kernel void exec_grid_ids(device uint* out [[buffer(0)]],
+                          uint3 gid [[thread_position_in_grid]],
+                          uint3 tgid [[threadgroup_position_in_grid]],
+                          uint3 tid [[thread_position_in_threadgroup]],
+                          uint3 tpg [[threads_per_threadgroup]],
+                          uint3 dtpg [[dispatch_threads_per_threadgroup]],
+                          uint3 groups [[threadgroups_per_grid]],
+                          uint3 grid_threads [[threads_per_grid]],
+                          uint index [[thread_index_in_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]],
+                          uint sgs [[simdgroups_per_threadgroup]]) {
+  uint flat = gid.x + grid_threads.x * (gid.y + grid_threads.y * gid.z);
+  device uint* o = out + flat * 24;
+  o[0] = gid.x; o[1] = gid.y; o[2] = gid.z;
+  o[3] = tgid.x; o[4] = tgid.y; o[5] = tgid.z;
+  o[6] = tid.x; o[7] = tid.y; o[8] = tid.z;
+  o[9] = tpg.x; o[10] = tpg.y; o[11] = tpg.z;
+  o[12] = dtpg.x; o[13] = dtpg.y; o[14] = dtpg.z;
+  o[15] = groups.x; o[16] = groups.y; o[17] = groups.z;
+  o[18] = grid_threads.x; o[19] = grid_threads.y; o[20] = grid_threads.z;
+  o[21] = index; o[22] = sg * 1000 + lane; o[23] = sgs * 1000 + simd_sum(1u);
+}
+
 // Tree sum of one threadgroup's values in threadgroup memory: log2(n) barriers in a loop.
 kernel void exec_tree_sum(device const float* in [[buffer(0)]],
                           device float* out [[buffer(1)]],

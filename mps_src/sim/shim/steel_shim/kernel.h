@@ -24,6 +24,7 @@ enum Attr : int {
   kThreadIndexInSimdgroup,
   kSimdgroupsPerThreadgroup,
   kThreadsPerSimdgroup,
+  kDispatchThreadsPerThreadgroup,
 };
 
 template <int kAttr>
@@ -39,10 +40,11 @@ inline const uint32_t* attr_value(const steel_sim::LaneInfo& l) {
   if constexpr (kAttr == kThreadIndexInSimdgroup) return &l.thread_index_in_simdgroup;
   if constexpr (kAttr == kSimdgroupsPerThreadgroup) return &l.simdgroups_per_threadgroup;
   if constexpr (kAttr == kThreadsPerSimdgroup) return &l.threads_per_simdgroup;
+  if constexpr (kAttr == kDispatchThreadsPerThreadgroup) return l.dispatch_threads_per_threadgroup;
 }
 
 template <int kAttr>
-constexpr int attr_dims = kAttr <= kThreadsPerGrid ? 3 : 1;
+constexpr int attr_dims = kAttr <= kThreadsPerGrid || kAttr == kDispatchThreadsPerThreadgroup ? 3 : 1;
 
 // The address space (types.h: 1 device, 2 constant, 3 threadgroup) of what a pointer or
 // reference parameter refers to.
