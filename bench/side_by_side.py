@@ -245,7 +245,8 @@ def pytorch_records(
     import pytorch_mps  # noqa: PLC0415 (bench/ is on the path of the scripts that use this)
 
     q, k, v, kw = make(True)
-    _, full_launches = pytorch_mps.launches(*make(False)[:3], **make(False)[3])
+    *full_qkv, full_kw = make(False)
+    _, full_launches = pytorch_mps.launches(*full_qkv, **full_kw)
     _, launches = pytorch_mps.launches(q, k, v, **kw)
     geometries = [_pytorch_geometry(x) for x in full_launches]
     infos = [_pytorch_info(x, q.dtype) for x in full_launches]
