@@ -218,20 +218,6 @@ def test_relaxed_precision_rounds_float_operands_to_11_bits():
     torch.testing.assert_close(relaxed.double(), ar @ br, atol=1e-5, rtol=1e-5)
 
 
-def test_dynamic_k_mismatch_is_an_error():
-    message = "dynamic k: the left operand has K = 16, the right 17"
-    with pytest.raises(SimulatorError, match=message):
-        run(
-            "tensor_mm_k_mismatch",
-            {
-                0: torch.zeros(16, 16).half(),
-                1: torch.zeros(17, 16).half(),
-                2: torch.zeros(16, 16),
-                3: args(16, 16, 16, 16, 16, 16),
-            },
-        )
-
-
 SCOPE_FAULTS = {
     1: "16 of the threadgroup's 64 threads|32 of the threadgroup's 64 threads",  # others exit
     2: "missing|exited",
@@ -336,3 +322,25 @@ def test_compile_time_rules(rule, tmp_path):
     )
     with pytest.raises(SimulatorError, match=message):
         sim.run_kernel("refused", sources=[src], grid=(1,), threads=(32,), buffers={}, std=std)
+
+
+@pytest.mark.parametrize("kl, kr", [(48, 12), (12, 48), (31, 31)])
+def test_dynamic_k_with_differing_operand_extents(kl, kr):
+    # P x V on a ragged last tile: the left's K extent is the tile's, the right's the rows left
+    # (or the other way). K is the larger extent and each operand reads zeros past its own, so
+    # the product is over the smaller one.
+    M, N = 32, 32
+    g = torch.Generator().manual_seed(kl * 100 + kr)
+    a = torch.randn(M, kl, generator=g).half()
+    b = torch.randn(kr, N, generator=g).half()
+    d = torch.full((M, N), -7.0)
+    c = run(
+        "tensor_mm_ragged_k",
+        {0: a, 1: b, 2: d, 3: struct.pack("4i", M, N, kl, kr)},
+        counters=True,
+    )
+    k = min(kl, kr)
+    ref = a[:, :k].double() @ b[:k].double()
+    # half operands, products and sums in binary32 over at most 48 terms of size ~1: 1e-4.
+    torch.testing.assert_close(d.double(), ref, atol=1e-4, rtol=1e-4)
+    assert c["tensor_multiply_adds"] == M * N * max(kl, kr)

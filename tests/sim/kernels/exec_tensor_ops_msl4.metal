@@ -227,18 +227,6 @@ template <bool kRelaxed>
 template [[host_name("tensor_mm_f32_exact")]] [[kernel]] decltype(tensor_mm_f32<false>) tensor_mm_f32<false>;
 template [[host_name("tensor_mm_f32_relaxed")]] [[kernel]] decltype(tensor_mm_f32<true>) tensor_mm_f32<true>;
 
-// Dynamic K from operands that disagree (left K = p.K, right K = p.K + 1): an error.
-[[kernel]] void tensor_mm_k_mismatch(const device half* a [[buffer(0)]],
-                                     const device half* b [[buffer(1)]],
-                                     device float* d [[buffer(2)]],
-                                     constant TensorArgs& p [[buffer(3)]]) {
-  tensor<const device half, dextents<int32_t, 2>, tensor_inline> ta(a, dextents<int32_t, 2>(p.K, 16));
-  tensor<const device half, dextents<int32_t, 2>, tensor_inline> tb(b, dextents<int32_t, 2>(16, p.K + 1));
-  tensor<device float, dextents<int32_t, 2>, tensor_inline> td(d, dextents<int32_t, 2>(16, 16));
-  matmul2d<matmul2d_descriptor(16, 16), execution_simdgroup> op;
-  op.run(ta, tb, td);
-}
-
 // Scope errors: p.K selects the fault. 1: only lanes < 16 call run (divergent); 2: lanes >= 16
 // return first (missing threads); 3: simdgroup 0 and the others call run at different sites;
 // 4: the threads pass different tensors. Otherwise every thread calls run once.
@@ -281,5 +269,29 @@ template [[host_name("tensor_mm_f32_relaxed")]] [[kernel]] decltype(tensor_mm_f3
   tensor<const device half, dextents<int32_t, 2>, tensor_inline> tb(a, dextents<int32_t, 2>(16, 16));
   tensor<device float, dextents<int32_t, 2>, tensor_inline> td(d, dextents<int32_t, 2>(16, 16));
   matmul2d<matmul2d_descriptor(16, 16), execution_simdgroup> op;
+  op.run(ta, tb, td);
+}
+
+// Dynamic K whose operands' K extents differ, as on the ragged last tile of P x V: the left is
+// M x KL (its dims (KL, M)), the right KR x N (dims (N, KR)), both row-major device tensors.
+struct RaggedKArgs {
+  int M;
+  int N;
+  int KL;
+  int KR;
+};
+
+[[kernel]] void tensor_mm_ragged_k(const device half* a [[buffer(0)]],
+                                   const device half* b [[buffer(1)]],
+                                   device float* d [[buffer(2)]],
+                                   constant RaggedKArgs& p [[buffer(3)]]) {
+  tensor<const device half, dextents<int32_t, 2>, tensor_inline> ta(
+      a, dextents<int32_t, 2>(p.KL, p.M), array<int32_t, 2>({1, p.KL}));
+  tensor<const device half, dextents<int32_t, 2>, tensor_inline> tb(
+      b, dextents<int32_t, 2>(p.N, p.KR), array<int32_t, 2>({1, p.N}));
+  tensor<device float, dextents<int32_t, 2>, tensor_inline> td(
+      d, dextents<int32_t, 2>(p.N, p.M), array<int32_t, 2>({1, p.N}));
+  constexpr auto desc = matmul2d_descriptor(32, 32, dynamic_extent);
+  matmul2d<desc, execution_simdgroups<1>> op;
   op.run(ta, tb, td);
 }
