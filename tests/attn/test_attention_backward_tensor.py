@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from attn_helpers import OUT_ROUNDING, qkv, rand, requires_planner, requires_simulator
 from gemm_helpers import M5, NOT_M5
 from test_attention_backward import SLACK, grads
+from test_attention_tensor import m5_kernels
 from test_varlen import packed
 from test_varlen_backward import dense_grads, varlen_grads
 
@@ -48,21 +49,10 @@ TENSOR_SLACK = {dt: SLACK[dt] + 2 * UNIT[dt] for dt in HALF_TYPES}
 def on_m5(monkeypatch, layout_seed, keys=True):
     """Runs the block as on an M5 with the cooperative-tensor layouts of `layout_seed` and
     checks that its backward ran the matmul2d dQ kernel (and dK/dV one, when there are `keys`),
-    and no simdgroup dK/dV or dQ kernel. Decode is off (as in test_attention_tensor) so that
-    short calls test the prefill forward on matmul2d too."""
-    monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
-    kernels = []
-    run_op = sim.run_op
-
-    def recording(op, tensors, options=None, **kwargs):
-        p = sim.plan(op, tensors, options)
-        kernels.extend(d.kernel for d in p.dispatches)
-        return run_op(op, tensors, options, **kwargs)
-
-    monkeypatch.setattr(sim, "run_op", recording)
-    with sim.device({**M5, "decode": 0}):
+    and no simdgroup dK/dV or dQ kernel. Decode is off (test_attention_tensor.m5_kernels) so
+    that short calls test the prefill forward on matmul2d too."""
+    with m5_kernels(monkeypatch, layout_seed) as kernels:
         yield kernels
-    monkeypatch.setattr(sim, "run_op", run_op)
     tensor = [k for k in kernels if k.startswith("steel_attention_bwd_tensor_")]
     assert any("_dq_" in k for k in tensor), kernels
     assert not keys or any("_dkdv_" in k for k in tensor), kernels

@@ -40,11 +40,11 @@ WEIGHT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 @contextlib.contextmanager
-def on_m5(monkeypatch, layout_seed):
-    """Runs the block as on an M5 with the cooperative-tensor layouts of `layout_seed`, and
-    checks that every attention launch in it ran the matmul2d kernel. Calls of at most 8 query
-    rows would go to the decode kernels: the plan option "decode" = 0 (what the backward's
-    plans pass) keeps them on the prefill, so that L = 1 and 7 test this kernel."""
+def m5_kernels(monkeypatch, layout_seed):
+    """Runs the block as on an M5 with the cooperative-tensor layouts of `layout_seed`; yields
+    the list of the kernels of every plan the block runs (filled as it runs). Calls of at most
+    8 query rows would go to the decode kernels: the plan option "decode" = 0 (what the
+    backward's plans pass) keeps them on the prefill, so that L = 1 and 7 test this kernel."""
     monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
     kernels = []
     run_op = sim.run_op
@@ -56,8 +56,15 @@ def on_m5(monkeypatch, layout_seed):
 
     monkeypatch.setattr(sim, "run_op", recording)
     with sim.device({**M5, "decode": 0}):
-        yield
+        yield kernels
     monkeypatch.setattr(sim, "run_op", run_op)
+
+
+@contextlib.contextmanager
+def on_m5(monkeypatch, layout_seed):
+    """m5_kernels, checking that every attention launch in the block ran the matmul2d kernel."""
+    with m5_kernels(monkeypatch, layout_seed) as kernels:
+        yield
     assert kernels and all(k.startswith("steel_attention_tensor_") for k in kernels), kernels
 
 
