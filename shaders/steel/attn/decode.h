@@ -154,6 +154,10 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = m_off + h * p.m_hs + i * p.m_rs;
 
+  // The loop's fields of p, read once into registers: each use of the constant buffer inside
+  // the loop would read its bytes again per lane and per key tile.
+  const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
+  const short E = short(p.E), Ev = short(p.Ev);
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
@@ -162,14 +166,14 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     k_rows.key0 = key0;
     v_rows.key0 = key0;
     // Paged rows are found from the table; dense ones start key0 rows in.
-    const steel_i64 k_start = attn_paged ? 0 : key0 * p.k_rs;
-    const steel_i64 v_start = attn_paged ? 0 : key0 * p.v_rs;
+    const steel_i64 k_start = attn_paged ? 0 : key0 * k_rs;
+    const steel_i64 v_start = attn_paged ? 0 : key0 * v_rs;
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderK::load(Ks, k + k_start, k_rows, valid, short(p.E), whole && attn_align_e,
+    A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e,
                      attn_vec_k, thread_index);
     if (!A::kShared && !A::alias()) {
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, short(p.Ev), whole && attn_align_ev,
+      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
                        attn_vec_v, thread_index);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -186,7 +190,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, short(p.Ev), whole && attn_align_ev,
+      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
                        attn_vec_v, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }

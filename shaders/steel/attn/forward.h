@@ -300,6 +300,10 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = span.m + h * p.m_hs + row * p.m_rs;
 
+  // The loop's fields of p, read once into registers: each use of the constant buffer inside
+  // the loop would read its bytes again per lane and per key tile.
+  const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
+  const short E = short(p.E), Ev = short(p.Ev);
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
@@ -307,10 +311,10 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderK::load(Ks, k + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
+    A::LoaderK::load(Ks, k + key0 * k_rs, k_rs, valid, E, whole && attn_align_e,
                      attn_vec_k, thread_index);
     if (!A::kShared && !A::alias()) {
-      A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+      A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev,
                        whole && attn_align_ev, attn_vec_v, thread_index);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -333,7 +337,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      A::LoaderV::load(Vs, v + key0 * p.v_rs, p.v_rs, valid, short(p.Ev),
+      A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev,
                        whole && attn_align_ev, attn_vec_v, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }

@@ -87,6 +87,8 @@ inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams
                                   const device uchar* mask, steel_i64 mask_row, bool edge,
                                   ushort lane) {
   const short fc = frag_col(lane);
+  // Read once, and only with a mask: per element it would be a params read per score.
+  const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
 #pragma clang loop unroll(full)
   for (short j = 0; j < TK; ++j) {
 #pragma clang loop unroll(full)
@@ -95,7 +97,7 @@ inline void attn_transform_scores(thread FragTile<1, TK>& s, constant AttnParams
       float t = 0.0f;
       s.frag[j].thread_elements()[e] =
           attn_score<T>(s.frag[j].thread_elements()[e], p, ext, row, key, row_ok, mask,
-                        mask_row + key * p.m_cs, edge, t);
+                        mask_row + key * m_cs, edge, t);
     }
   }
 }
