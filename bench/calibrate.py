@@ -33,8 +33,12 @@ from torch_steel.sim import timing  # noqa: E402
 
 M5_DEVICE = {"device_apple_family": 10, "device_metal4": True, "device_tensor_ops": True}
 WORK = ("mma", "shuffles", "reductions", "ballots", "threadgroup_read", "threadgroup_written",
-        "tensor_ops", "tensor_multiply_adds", "barriers", "simd_ops")  # fmt: skip
+        "tensor_ops", "tensor_multiply_adds", "barriers", "simd_ops", "threadgroup_loads",
+        "threadgroup_stores", "device_loads", "device_stores")  # fmt: skip
 NESTED_WORK = ("instructions", "mma_by_dtype")
+# Counted once per block (query rows' setup, Q load, O store) as well as per key tile: fitted
+# from two small runs rather than scaled per tile.
+PER_BLOCK = ("threadgroup_loads", "threadgroup_stores", "device_loads", "device_stores")
 OFF = 0.25
 
 
@@ -83,25 +87,50 @@ class _nothing:
 def steel_attention_counters(chip, B, H, L, S, D, causal, dtype=torch.float16, small=256):
     """(counters, dispatch, scale factor) of steel's forward on [B, H, L/S, D] without running
     it: the big plan's traffic model (exact MMAs and tensor bytes) and its grid, the work of the
-    same kernel run on L = S = `small`, one head, scaled per visited key tile."""
+    same kernel run on L = S = `small`, one head, scaled per visited key tile. The instruction
+    classes and memory instruction counts, which a block also spends outside its key loop, are
+    a * blocks + b * tiles fitted from the runs on `small` and 2 * `small`."""
     opts = bench_attention.run_options(D, {"is_causal": causal})
     es = torch.finfo(dtype).bits // 8
     with _device(chip):
         big_in = bench_attention.inputs(B, H, H, L, S, D, D, None, dtype, "meta")[:3]
         big = sim.plan("sdpa", [*big_in, None, None], opts)
-        small_in = bench_attention.inputs(1, 1, 1, small, small, D, D, None, dtype, "cpu")[:3]
-        little = sim.plan("sdpa", [*small_in, None, None], opts)
-        assert big.ok and little.ok, (big.reason, little.reason)
-        (d_big,), (d_small,) = big.dispatches, little.dispatches
-        assert d_big.kernel == d_small.kernel and d_big.constants == d_small.constants, (
-            "the small run must be the same kernel with the same constants"
-        )
-        _, (c_small,) = sim.run_op("sdpa", [*small_in, None, None], opts, counters=True,
+        (d_big,) = big.dispatches
+        runs = []  # (counters, blocks, tiles) of the small runs
+        for n in (small, 2 * small):
+            small_in = bench_attention.inputs(1, 1, 1, n, n, D, D, None, dtype, "cpu")[:3]
+            little = sim.plan("sdpa", [*small_in, None, None], opts)
+            assert big.ok and little.ok, (big.reason, little.reason)
+            (d_small,) = little.dispatches
+            assert d_big.kernel == d_small.kernel and d_big.constants == d_small.constants, (
+                "the small runs must be the same kernel with the same constants"
+            )
+            _, (c_n,) = sim.run_op("sdpa", [*small_in, None, None], opts, counters=True,
                                    checkers=False)  # fmt: skip
+            runs.append(
+                (c_n, math.prod(d_small.grid), bench_attention.model(little, 1, es, 1, es)[2])
+            )
     buffers, mma, tiles, _ = bench_attention.model(big, B, es, 1, es)
-    _, _, tiles_small, _ = bench_attention.model(little, 1, es, 1, es)
+    (c_small, blocks1, tiles_small), (c_two, blocks2, tiles2) = runs
     factor = tiles * B * H / tiles_small  # the model's tile count is per (batch entry, head)
     c = _scaled(c_small, factor)
+    big_blocks, big_tiles, det = (
+        math.prod(d_big.grid),
+        tiles * B * H,
+        blocks1 * tiles2 - blocks2 * tiles_small,
+    )
+
+    def fit(x1, x2):
+        per_block = (x1 * tiles2 - x2 * tiles_small) / det
+        per_tile = (blocks1 * x2 - blocks2 * x1) / det
+        return per_block * big_blocks + per_tile * big_tiles
+
+    for key in PER_BLOCK:
+        if key in c_small:
+            c[key] = fit(c_small[key], c_two[key])
+    c["instructions"] = {
+        k: fit(v, c_two["instructions"][k]) for k, v in c_small["instructions"].items()
+    }
     c["buffers"] = buffers
     c["threadgroups"] = math.prod(d_big.grid)
     if c.get("tensor_multiply_adds"):

@@ -21,8 +21,9 @@ pytestmark = requires_clang
 @pytest.mark.parametrize("causal", [False, True])
 def test_scaled_attention_counters_equal_a_whole_run(causal):
     B, H, N, D = 1, 2, 512, 64
+    # Fitted from N = 128 and 256, so that the blocks-and-tiles fit is checked at a third size.
     scaled, dispatch, _ = calibrate.steel_attention_counters("M1", B, H, N, N, D, causal,
-                                                             small=256)  # fmt: skip
+                                                             small=128)  # fmt: skip
     q, k, v, _ = bench_attention.inputs(B, H, H, N, N, D, D, None, torch.float16, "cpu")
     opts = bench_attention.run_options(D, {"is_causal": causal})
     _, (whole,) = sim.run_op("sdpa", [q, k, v, None, None], opts, counters=True, checkers=False)
@@ -35,3 +36,9 @@ def test_scaled_attention_counters_equal_a_whole_run(causal):
     # The tensors' bytes come from the traffic model, equal to the count.
     for index, b in scaled["buffers"].items():
         assert b == whole["buffers"][index], index
+    # Instruction classes and memory instructions also have a per-block part (setup, Q load, O
+    # store): a * blocks + b * tiles is exact for both, up to float rounding of the fit.
+    for key in calibrate.PER_BLOCK:
+        assert scaled[key] == pytest.approx(whole[key], rel=1e-9), key
+    for cls, n in whole["instructions"].items():
+        assert scaled["instructions"][cls] == pytest.approx(n, rel=1e-9, abs=1e-6), cls
