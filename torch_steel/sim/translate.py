@@ -259,6 +259,17 @@ class _Rewriter:
                 break
         raise self.error(k, f"unbalanced '{open_}'")
 
+    def open_brace(self, k: int) -> int:
+        """Index of the innermost `{` still open at token k, k included (-1 at file scope)."""
+        depth = 0
+        while k >= 0:
+            depth += self.t(k) == "}"
+            depth -= self.t(k) == "{"
+            if depth < 0:
+                break
+            k -= 1
+        return k
+
     def flat(self, a: int, b: int) -> str:
         """Significant tokens a..b-1 joined on one line."""
         return " ".join(self.t(k) for k in range(a, b))
@@ -1181,15 +1192,7 @@ class _Translator:
     @staticmethod
     def enclosing_class(r: _Rewriter, k: int) -> str | None:
         """The name of the class whose body holds token k (None outside one)."""
-        depth = 0
-        j = k - 1
-        while j >= 0:
-            depth += r.t(j) == "}"
-            depth -= r.t(j) == "{"
-            if depth < 0:
-                break
-            j -= 1
-        x = j - 1
+        x = r.open_brace(k - 1) - 1
         while x >= 0 and r.t(x) not in (";", "{", "}"):
             if r.t(x) in ("struct", "class", "union"):
                 y = x + 1
@@ -1245,14 +1248,7 @@ class _Translator:
             return True  # the declaration in the class decided
         start = self.declaration_start(r, name_at)
         mine = r.flat(start + 1, close + 1)
-        depth = 0
-        lo = start
-        while lo >= 0:
-            depth += r.t(lo) == "}"
-            depth -= r.t(lo) == "{"
-            if depth < 0:
-                break
-            lo -= 1
+        lo = r.open_brace(start)
         hi = r.match(lo)
         for x in range(lo + 1, hi):
             if (
