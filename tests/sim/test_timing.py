@@ -201,6 +201,27 @@ def test_steel_register_estimates_count_live_fragments():
     assert timing.resident_threadgroups(geometry, "M1") == 3 * 8
 
 
+# (dtype, E, Ev, L): K and V tiles apart at BK 32 (f16 d64, bf16 192/128), shared at BK 32
+# (f32 d256), 16 (f16 576/512) and 8 (f32 576/512); L = 1 is the decode kernel.
+DECLARED_TILES = [(torch.float16, 64, 64, 40), (torch.bfloat16, 192, 128, 40),
+                  (torch.float32, 256, 256, 40), (torch.float16, 576, 512, 40),
+                  (torch.float16, 128, 128, 1), (torch.float32, 576, 512, 1)]  # fmt: skip
+
+
+@requires_clang
+@pytest.mark.parametrize("dtype,E,Ev,L", DECLARED_TILES)
+def test_declared_threadgroup_memory_is_the_kernels(dtype, E, Ev, L):
+    """steel_kernel_info restates params.h's steel_attn_threadgroup_bytes (resident_threadgroups
+    needs it before the kernel runs): it must equal the threadgroup memory the compiled kernel
+    holds (the simulator's counter), so a change of the tiles or the budget shows here."""
+    q = torch.zeros(1, 1, L, E, dtype=dtype)
+    k, v = torch.zeros(1, 1, 33, E, dtype=dtype), torch.zeros(1, 1, 33, Ev, dtype=dtype)
+    _, counters = sim.run_op("sdpa", [q, k, v, None, None], {"scale": 0.1}, counters=True)
+    for c in counters:
+        info = timing.steel_kernel_info(c["kernel"])
+        assert info["threadgroup_memory"] == c["threadgroup_memory_bytes"], c["kernel"]
+
+
 def _sdpa_inputs(L, S, E, dtype=torch.float16):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, E, generator=g).to(dtype) for n in (L, S, S))
