@@ -91,4 +91,79 @@ struct AttnTileLoader {
   }
 };
 
+// Quantized K/V (torch_steel.kv): int8 codes (x = q * s) or two 4-bit codes per byte, element
+// 2j in byte j's low nibble (x = q * s + m), with a scale (and a min) per group of `group`
+// values along the row, in half or float. Row addresses (AttnKvRows) are in bytes for the codes
+// and in scale elements for the scales and mins, which lie at the same rows of their own tensors.
+struct AttnQuantFormat {
+  short bits;      // 8 or 4
+  short group;     // values per scale: 32, 64, 128, or the head dim (one scale per row)
+  bool scale_f32;  // scales and mins are float, else half
+};
+
+inline float attn_read_scale(const device uchar* p, bool f32, steel_i64 i) {
+  return f32 ? ((const device float*)p)[i] : float(((const device half*)p)[i]);
+}
+
+// Byte j (0 .. 15) of a 16-byte chunk read as four words (Apple GPUs are little-endian).
+inline uint attn_chunk_byte(uint4 w, short j) { return (w[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
+
+// AttnTileLoader's tile, dequantized on the way in: the tile in threadgroup memory holds the
+// compute dtype T, so everything after the load is the unquantized path's. A thread takes one
+// 16-byte chunk of codes (16 int8 or 32 4-bit values), which lies in one scale group (groups
+// are multiples of a chunk's values, or the whole row), and reads its scale (and min) once.
+// Columns past `valid_cols` and rows past `valid_rows` are zeros, as in AttnTileLoader.
+template <typename T, short kRows, short kCols, short kLd, short kThreads>
+struct AttnQuantTileLoader {
+  static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
+
+  // `vec`: every code row start is 16-byte aligned, so a whole chunk is one access.
+  static void load(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+                   const device uchar* scales, const device uchar* mins, AttnKvRows scale_rows,
+                   short valid_rows, short valid_cols, AttnQuantFormat f, bool vec,
+                   ushort thread_index) {
+    const short per_chunk = f.bits == 8 ? 16 : 32;
+    const short chunks_per_row = (kCols + per_chunk - 1) / per_chunk;
+    for (short c = short(thread_index); c < kRows * chunks_per_row; c += kThreads) {
+      const short r = c / chunks_per_row;
+      const short col = (c - r * chunks_per_row) * per_chunk;
+      threadgroup T* d = dst + r * kLd + col;
+      const short n = min(per_chunk, short(kCols - col));  // the tile's columns in this chunk
+      const short valid = r < valid_rows ? max(short(0), min(n, short(valid_cols - col))) : 0;
+      if (valid == 0) {
+        for (short j = 0; j < n; ++j) d[j] = T(0);
+        continue;
+      }
+      const device uchar* s = src + rows.at(r) + (f.bits == 8 ? col : col / 2);
+      const steel_i64 g = scale_rows.at(r) + col / f.group;
+      const float scale = attn_read_scale(scales, f.scale_f32, g);
+      const float low = f.bits == 4 ? attn_read_scale(mins, f.scale_f32, g) : 0.0f;
+      uint4 w = uint4(0);
+      if (vec && valid == per_chunk) {
+        w = *((const device uint4*)s);
+      } else {
+        const short bytes = f.bits == 8 ? valid : (valid + 1) / 2;
+        for (short j = 0; j < bytes; ++j) w[j >> 2] |= uint(s[j]) << (8 * (j & 3));
+      }
+      if (f.bits == 8) {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < 16; ++j) {
+          const int code = int(attn_chunk_byte(w, j));
+          const float x = float(code >= 128 ? code - 256 : code) * scale;
+          if (j < n) d[j] = j < valid ? T(x) : T(0);
+        }
+      } else {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < 16; ++j) {
+          const uint b = attn_chunk_byte(w, j);
+          const float x0 = float(b & 0xFu) * scale + low;
+          const float x1 = float(b >> 4) * scale + low;
+          if (2 * j < n) d[2 * j] = 2 * j < valid ? T(x0) : T(0);
+          if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? T(x1) : T(0);
+        }
+      }
+    }
+  }
+};
+
 }  // namespace steel
