@@ -18,7 +18,7 @@ from fuzz_helpers import ROOT
 
 TOY = f"""
 import sys
-sys.path[:0] = [{str(ROOT / "tests" / "fuzz")!r}, {str(ROOT / "tests" / "gemm")!r}]
+sys.path[:0] = {[str(ROOT / "tests" / d) for d in ("fuzz", "gemm", "attn")]!r}
 from fuzz_helpers import fuzz, fuzz_mark
 from hypothesis import given, strategies as st
 
