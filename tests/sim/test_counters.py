@@ -133,8 +133,9 @@ def test_attention_shaped_kernel_numerics_and_counters():
     assert c["buffers"][3] == {"read": 0, "written": o.numel() * 4}
 
 
-def test_threadgroup_bytes_and_simd_kinds():
-    c = sim.run_kernel(
+def tg_and_simd_traffic():
+    """Counters of exec_tg_and_simd_traffic on 3 threadgroups of 128 threads."""
+    return sim.run_kernel(
         "exec_tg_and_simd_traffic",
         sources=SRC,
         grid=(3,),
@@ -143,6 +144,10 @@ def test_threadgroup_bytes_and_simd_kinds():
         counters=True,
         checkers=False,  # the three threadgroups write the same output: not what is measured
     )
+
+
+def test_threadgroup_bytes_and_simd_kinds():
+    c = tg_and_simd_traffic()
     assert c["threadgroup_written"] == 3 * 128 * 4
     assert c["threadgroup_read"] == 3 * 128 * 4
     simdgroups = 3 * 4
@@ -320,15 +325,7 @@ def test_mma_by_dtype(name, dtype):
 
 
 def test_threadgroup_and_constant_accesses():
-    c = sim.run_kernel(
-        "exec_tg_and_simd_traffic",
-        sources=SRC,
-        grid=(3,),
-        threads=(128,),
-        buffers={0: torch.zeros(128)},
-        counters=True,
-        checkers=False,
-    )
+    c = tg_and_simd_traffic()
     simdgroups = 3 * 4
     # Per simdgroup one threadgroup store, one threadgroup load, one device store.
     assert c["threadgroup_stores"] == simdgroups
