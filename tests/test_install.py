@@ -282,7 +282,7 @@ def test_the_sdist_carries_the_native_sources(clone, sdist):
     wanted = [
         name
         for name in _tracked_files()
-        if name.split("/")[0] in ("shaders", "mps_src", "torch_steel", "tests", "bench")
+        if name.split("/")[0] in ("shaders", "mps_src", "torch_steel", "tests", "bench", "docs")
         or name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in")
     ]
     missing = [name for name in wanted if name not in members]

@@ -1,6 +1,6 @@
-""".github/workflows/macos.yml is a transcription of the README's Mac section: every command in
-that section's code blocks is run by the workflow (nothing there can run here; this keeps the
-two from drifting apart)."""
+""".github/workflows/macos.yml is a transcription of docs/mac.md: every command in that page's
+code blocks, and in the README's "Report a Mac problem", is run by the workflow (nothing there
+can run here; this keeps them from drifting apart)."""
 
 import re
 from pathlib import Path
@@ -17,8 +17,9 @@ def _normalized(text: str) -> str:
 
 def _mac_section_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## On a Mac") :]
-    section = section[: section.index("\n## ", 4)] if "\n## " in section[4:] else section
+    report = readme[readme.index("## Report a Mac problem") :]
+    report = report[: report.index("\n## ")]
+    section = (ROOT / "docs" / "mac.md").read_text() + report
     commands = []
     for block in re.findall(r"^```\n(.*?)^```", section, re.M | re.S):
         for line in block.splitlines():

@@ -1,9 +1,9 @@
-"""The README's table of what steel serves and what stays PyTorch's, row by row, measured.
+"""The docs' table of what steel serves and what stays PyTorch's, row by row, measured.
 
-Each row of the table under `<!-- served-table -->` in README.md has a scenario here, run on
-CPU tensors with the CPU keys intercepted and the "reference" backend (the stand-in for MPS
-that the other integration tests use); a scenario says who served the call. The table and the
-scenarios must list the same rows and agree."""
+Each row of the table under `<!-- served-table -->` in docs/integration.md has a scenario here,
+run on CPU tensors with the CPU keys intercepted and the "reference" backend (the stand-in for
+MPS that the other integration tests use); a scenario says who served the call. The table and
+the scenarios must list the same rows and agree."""
 
 import re
 from pathlib import Path
@@ -18,12 +18,12 @@ import torch_steel
 from torch_steel import patching
 from torch_steel.errors import PlanRefused
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
 CPU = ("mps", "cpu")
 
 
 def _table():
-    text = README.read_text()
+    text = DOC.read_text()
     start = text.index("<!-- served-table -->")
     rows = {}
     for line in text[start:].splitlines()[1:]:
