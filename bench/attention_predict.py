@@ -8,10 +8,9 @@ Tables:
 - decode (1 and 4 tokens, S 1k..32k, GQA 32/8 and MHA 32/32): steel's decode kernels against
   PyTorch's one-pass or two-pass vector kernels (DecodeAttention.h), as its host picks them;
 - training step (forward + backward): steel's forward and backward kernels against F.sdpa with
-  grad on MPS, which runs the composite math (PyTorch's _scaled_dot_product_attention_math:
-  q and k scaled by sqrt(scale), K/V repeated for GQA, the causal mask built as an L x S float
-  tensor, Q K^T, + mask, _safe_softmax, dropout, P V; autograd's backward of each), modelled op
-  by op at the roofline;
+  grad on MPS, which runs the composite math (PyTorch's _scaled_dot_product_attention_math),
+  its kernels traced from torch itself (pytorch_composite.py) and modelled op by op at the
+  roofline;
 - varlen: one packed batch through steel's sdpa_varlen against PyTorch's kernels called once per
   sequence (PyTorch has no varlen attention on MPS);
 FLOPs count the visible (row, key) pairs: 4 D per pair forward, 10 D backward.
@@ -23,6 +22,7 @@ import itertools
 import math
 from pathlib import Path
 
+import pytorch_composite
 import side_by_side as sbs
 import torch
 
@@ -164,46 +164,10 @@ def training_pair(shape, dtype, chip, budget):
 
 
 def composite_training_ops(B, Hq, Hkv, L, S, D, causal, dropout_p, dtype):
-    """The ops of F.sdpa's math path with grad (forward, then autograd's backward), each with
-    its FLOPs and bytes (read + written) from the shapes; L x S tensors in the query's dtype."""
-    es = sbs._ES[dtype]
-    op = sbs.op
-    n = B * Hq
-    ls = n * L * S * es  # one L x S tensor of every head
-    qb, kb = n * L * D * es, n * S * D * es
-    ops = []
-    if Hkv != Hq:
-        kv = B * Hkv * S * D * es
-        ops += [op("repeat_interleave k", read=kv, written=kb),
-                op("repeat_interleave v", read=kv, written=kb)]  # fmt: skip
-    ops += [op("q * sqrt(scale)", n * L * D, qb, qb), op("k * sqrt(scale)", n * S * D, kb, kb)]
-    if causal:
-        ops += [op("ones(L, S) bool", written=L * S), op("tril", read=L * S, written=L * S),
-                op("bool mask to float (-inf)", read=L * S, written=2 * L * S * es)]  # fmt: skip
-    ops += [op("Q K^T", 2 * n * L * S * D, qb + kb, ls, matmul=True)]
-    if causal:
-        ops += [op("+ mask", n * L * S, ls + L * S * es, ls)]
-    # _safe_softmax: the softmax, then rows that saw no key set to 0 (a second pass).
-    ops += [op("softmax", 5 * n * L * S, ls, ls), op("safe-softmax fix-up", n * L * S, ls, ls)]
-    if dropout_p > 0:
-        ops += [op("dropout", 2 * n * L * S, ls, ls + n * L * S)]
-    ops += [op("P V", 2 * n * L * S * D, ls + kb, qb, matmul=True)]
-    # backward
-    ops += [op("dP = dO V^T", 2 * n * L * S * D, qb + kb, ls, matmul=True),
-            op("dV = P^T dO", 2 * n * L * S * D, ls + qb, kb, matmul=True)]  # fmt: skip
-    if dropout_p > 0:
-        ops += [op("dropout backward", n * L * S, ls + n * L * S, ls)]
-    ops += [op("safe-softmax fix-up backward", n * L * S, ls, ls),
-            op("softmax backward", 3 * n * L * S, 2 * ls, ls),
-            op("dQ = dS K", 2 * n * L * S * D, ls + kb, qb, matmul=True),
-            op("dK = dS^T Q", 2 * n * L * S * D, ls + qb, kb, matmul=True),
-            op("dq * sqrt(scale)", n * L * D, qb, qb),
-            op("dk * sqrt(scale)", n * S * D, kb, kb)]  # fmt: skip
-    if Hkv != Hq:
-        kv = B * Hkv * S * D * es
-        ops += [op("sum dK over the group", n * S * D, kb, kv),
-                op("sum dV over the group", n * S * D, kb, kv)]  # fmt: skip
-    return ops
+    """The kernels of F.sdpa's math path with grad (forward, then autograd's backward), each with
+    its FLOPs and bytes, traced from torch's own _scaled_dot_product_attention_math on meta
+    tensors (pytorch_composite.py says how and what counts)."""
+    return pytorch_composite.sdpa_training_ops(B, Hq, Hkv, L, S, D, causal, dropout_p, dtype)
 
 
 def varlen_pair(shape, dtype, chip, budget):
