@@ -1110,7 +1110,7 @@ def main() -> int:
                         help="predicted times of steel and PyTorch on CHIP of the timing model's "
                         "table (or 'all'), from simulator counters")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="--predict on a few tiny shapes")
-    parser.add_argument("--modest", action="store_true", help="--predict on the README's shapes")
+    parser.add_argument("--modest", action="store_true", help="--predict on the docs' shapes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out",
                         help="where --predict saves its plots")  # fmt: skip
     parser.add_argument("--sim-budget", type=float, default=3e8,

@@ -200,7 +200,7 @@ def main() -> int:
         "(or 'all'), from simulator counters",
     )
     parser.add_argument("--quick", action="store_true", help="--predict on a tiny shape")
-    parser.add_argument("--modest", action="store_true", help="--predict on the README's shapes")
+    parser.add_argument("--modest", action="store_true", help="--predict on the docs' shapes")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "out", help="--predict's plots"
     )

@@ -7,7 +7,7 @@ is 512^3 in under 5 s on one core), and the attention-shaped test kernel
 tests/sim/kernels/exec_attention.metal (flash-attention forward, head dim 64). Each runs with the
 checkers on (the default) and off, with the counters off (the default; the MMA and switch
 figures come from one more, untimed run with them) and, with the checkers on, once more with the
-counters on (which adds the instruction counters: README, Counters). The first call (the build)
+counters on (which adds the instruction counters: docs/simulator.md). The first call (the build)
 is not timed. This is a benchmark, not a test: it prints figures and asserts nothing.
 """
 
