@@ -6,8 +6,8 @@ result between Python and C++ twice more to reach the op's Python implementation
 the op's Autograd kernel, which a graph (autograd is outside it) does not need. That pass costs
 more per call than the whole eager call (issue 16). Here each steel op writes, in its place, a
 call of `steel_graph_calls.<name>(...)`: this module's function of that name (`add`), the op's
-implementation itself when the dispatcher would call nothing else (ops._undispatched, as for
-an eager call), else the overload, so that the call means what it meant.
+implementation itself when the dispatcher would call nothing else (ops.registry._undispatched, as
+for an eager call), else the overload, so that the call means what it meant.
 
 The hook is inductor's registry of codegen per extern kernel (CUSTOM_EXTERN_KERNEL_CODEGEN, by
 the kernel's Python name). Where inductor has none (another torch), writes C++ (AOTInductor) or

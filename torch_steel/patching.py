@@ -47,6 +47,7 @@ from torch.nn import attention as _attention
 from . import ops, reference, validation
 from .backends import current_backend, refusals_raise, strict
 from .errors import PlanRefused
+from .ops import attention_ops, varlen_ops
 
 NAME = "steel"
 DEVICES = ("mps", "cpu")
@@ -115,8 +116,8 @@ def _serves(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
     try:
         # A CausalBias reaches the op itself only when called as the aten op (F.sdpa leaves it
         # to the bias object's __torch_function__); steel::sdpa takes it as PyTorch means it.
-        mask, _, _ = ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
-        q, k, v = ops._broadcast_qkv(query, key, value, enable_gqa)
+        mask, _, _ = attention_ops._causal_bias(attn_mask, is_causal, "top_left", query, key)
+        q, k, v = attention_ops._broadcast_qkv(query, key, value, enable_gqa)
         validation.check_sdpa(q, k, v, mask, enable_gqa, None)
     except (ValueError, TypeError):
         return False  # PyTorch reports its own error for this call
@@ -161,9 +162,9 @@ def _varlen_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causa
         return varlen.varlen_attn_kernel(*args)
     # PyTorch has no varlen kernel for MPS: a refused Metal plan falls back to reference math
     # with steel's one-time warning (TORCH_STEEL_STRICT=1 makes it an error).
-    inputs = ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
-                                bool(is_causal), scale, None, None, (left, right), "bottom_right",
-                                None, 0)  # fmt: skip
+    inputs = varlen_ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                       0.0, bool(is_causal), scale, None, None, (left, right),
+                                       "bottom_right", None, 0)  # fmt: skip
     out, lse = torch.ops.steel.sdpa_varlen_forward(*inputs)
     return out, lse.float(), torch.zeros(2, dtype=torch.uint64, device=query.device)
 
@@ -178,9 +179,9 @@ def _varlen_backward_kernel(grad_out, query, key, value, out, lse, cu_seq_q, cu_
             rng_state, scale, window_size,
         )  # fmt: skip
     left, right = window_size if window_size is not None else (-1, -1)
-    inputs = ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
-                                bool(is_causal), scale, None, None, (left, right), "bottom_right",
-                                None, 0)  # fmt: skip
+    inputs = varlen_ops._varlen_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                       0.0, bool(is_causal), scale, None, None, (left, right),
+                                       "bottom_right", None, 0)  # fmt: skip
     lse = lse.to(reference.compute_dtype(query.dtype))
     dq, dk, dv, _ = torch.ops.steel.sdpa_varlen_backward(grad_out, None, *inputs[:3], out, lse,
                                                          *inputs[3:])  # fmt: skip

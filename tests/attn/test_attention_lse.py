@@ -87,13 +87,13 @@ def test_matmul2d_prefill_without_lse(dtype):
 def spied(monkeypatch):
     """The run options of every sdpa call torch_steel makes (through backends.run)."""
     seen = []
-    real = ops.run
+    real = ops.attention_ops.run
 
     def spy(op, tensors, options, reference):
         seen.append(dict(options))
         return real(op, tensors, options, reference)
 
-    monkeypatch.setattr(ops, "run", spy)
+    monkeypatch.setattr(ops.attention_ops, "run", spy)
     return seen
 
 

@@ -43,7 +43,7 @@ def latent(B, S, dtype, gen):
 
 def _inputs(q, k, v, kwargs):
     """sdpa_forward's inputs and options for torch_steel.sdpa's keywords (test_decode.py's)."""
-    inputs, _ = ops._sdpa_inputs(q, k, v, None, 0.0, kwargs.pop("is_causal", False),
+    inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, kwargs.pop("is_causal", False),
                                  kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
                                  kwargs.pop("softcap", None), kwargs.pop("window", None),
                                  kwargs.pop("causal_align", "top_left"), None, 0)  # fmt: skip

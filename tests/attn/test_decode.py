@@ -31,7 +31,7 @@ pytestmark = requires_simulator
 
 
 def _inputs(q, k, v, mask, kwargs):
-    inputs, _ = ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
+    inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
                                  kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
                                  kwargs.pop("softcap", None), kwargs.pop("window", None),
                                  kwargs.pop("causal_align", "top_left"), None, 0)  # fmt: skip

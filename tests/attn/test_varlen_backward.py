@@ -66,7 +66,7 @@ def sequence(qs, ks, vs, sinks, b, kwargs):
     from torch_steel import ops
     from torch_steel import reference as ref
 
-    attn = ops._resolve("sdpa", qs.shape[-1], kwargs.get("dropout_p", 0.0),
+    attn = ops.attention_ops._resolve("sdpa", qs.shape[-1], kwargs.get("dropout_p", 0.0),
                         kwargs.get("is_causal", False), kwargs.get("scale"), sinks,
                         kwargs.get("softcap"), kwargs.get("window"),
                         kwargs.get("causal_align", "top_left"), kwargs.get("seed"),

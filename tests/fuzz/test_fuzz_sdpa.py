@@ -118,7 +118,9 @@ def families(call):
     """The kernel families the plan dispatches for a drawn call ("forward" for the prefill;
     none when refused), as the fuzz campaign counts them."""
     t, _ = call.build()
-    q, k, v = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+    q, k, v = torch_steel.ops.attention_ops._broadcast_qkv(
+        t["q"], t["k"], t["v"], call.Hq != call.Hkv
+    )
     p = sim.plan("sdpa", [q, k, v, t["attn_mask"], t["sinks"]], {"scale": 0.1})
     names = {"prefill": "forward", "decode": "decode", "merge": "merge"}
     return {names[family(d.kernel)] for d in p.dispatches} if p.ok else set()

@@ -138,7 +138,9 @@ def assert_gradients_close(got, want, q, k, out, g, scale, E, softcap, rows, L,
 def backward_serves(call, dropout):
     """Whether the backward's plan serves the call (the forward's calls it refuses are skipped)."""
     t, _ = call.build()
-    qe, ke, ve = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+    qe, ke, ve = torch_steel.ops.attention_ops._broadcast_qkv(
+        t["q"], t["k"], t["v"], call.Hq != call.Hkv
+    )
     probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=call.dtype)
     lse = torch.empty(qe.shape[:-1])
     p = sim.plan("sdpa_backward", [probe, qe, ke, ve, probe, lse, t["attn_mask"], t["sinks"], lse],
@@ -155,7 +157,7 @@ def compare_backward(call, dropout, mask_grad, rounding=0.0):
     t, guards = call.build()
     kwargs = call.kwargs()
     q, k = t["q"], t["k"]
-    qe, ke, _ = torch_steel.ops._broadcast_qkv(q, k, t["v"], kwargs["enable_gqa"])
+    qe, ke, _ = torch_steel.ops.attention_ops._broadcast_qkv(q, k, t["v"], kwargs["enable_gqa"])
     with strict_sim():
         _, _, got, _ = gradients(t, kwargs, dropout, "sim", q.dtype, mask_grad)
     out, g, want, (lse, w) = gradients(t, kwargs, dropout, "reference", torch.float64, mask_grad)

@@ -37,7 +37,9 @@ def served(call, dropout):
     """The M5 backward plan of the call runs the matmul2d kernels (a head-dim pair padding to
     64, 96, 128 or 256: the plan decides; the others would test the simdgroup kernels again)."""
     t, _ = call.build()
-    qe, ke, ve = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+    qe, ke, ve = torch_steel.ops.attention_ops._broadcast_qkv(
+        t["q"], t["k"], t["v"], call.Hq != call.Hkv
+    )
     probe = torch.empty(*qe.shape[:-1], ve.shape[-1], dtype=call.dtype)
     lse = torch.empty(qe.shape[:-1])
     p = sim.plan("sdpa_backward", [probe, qe, ke, ve, probe, lse, t["attn_mask"], t["sinks"], lse],

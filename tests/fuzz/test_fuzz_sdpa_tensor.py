@@ -34,7 +34,9 @@ WEIGHT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 def kernels(call):
     """The kernels the M5 plan of `call` dispatches."""
     t, _ = call.build()
-    q, k, v = torch_steel.ops._broadcast_qkv(t["q"], t["k"], t["v"], call.Hq != call.Hkv)
+    q, k, v = torch_steel.ops.attention_ops._broadcast_qkv(
+        t["q"], t["k"], t["v"], call.Hq != call.Hkv
+    )
     p = sim.plan("sdpa", [q, k, v, t["attn_mask"], t["sinks"]], {"scale": 0.1, **M5})
     return [d.kernel for d in p.dispatches] if p.ok else []
 

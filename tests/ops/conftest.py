@@ -22,7 +22,7 @@ def steel_calls(monkeypatch):
     "varlen_backward"), whichever backend served them (reference math, the simulated kernels,
     or a refused plan's fallback): every steel attention call goes through
     torch_steel.backends.run once, PyTorch's own attention never does."""
-    from torch_steel import ops
+    from torch_steel.ops import attention_ops, varlen_ops
 
     labels = {
         "sdpa": "forward",
@@ -31,12 +31,13 @@ def steel_calls(monkeypatch):
         "sdpa_varlen_backward": "varlen_backward",
     }
     seen = []
-    real = ops.run
+    real = attention_ops.run  # backends.run, which both families call
 
     def spy(op, *args, **kwargs):
         if op in labels:
             seen.append(labels[op])
         return real(op, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "run", spy)
+    monkeypatch.setattr(attention_ops, "run", spy)
+    monkeypatch.setattr(varlen_ops, "run", spy)
     return seen

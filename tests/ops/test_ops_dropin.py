@@ -204,7 +204,7 @@ def test_fake_output_has_the_querys_layout():
 
 
 def _attn_options(head_dim):
-    from torch_steel.ops import _resolve
+    from torch_steel.ops.attention_ops import _resolve
 
     return _resolve("sdpa", head_dim, 0.0, False, None, None, 0.0, None, "top_left", None, 0)
 
@@ -233,13 +233,13 @@ def test_layout_strides():
 def test_layout_of_a_backend_output_is_enforced(monkeypatch):
     """sdpa_forward keeps the layout contract whatever a backend returns (a contiguous out is
     copied into the query's layout)."""
-    from torch_steel import ops
+    from torch_steel.ops import attention_ops
 
     def contiguous_run(op, tensors, options, reference):
         out, lse = reference()
         return [out.contiguous(), lse]
 
-    monkeypatch.setattr(ops, "run", contiguous_run)
+    monkeypatch.setattr(attention_ops, "run", contiguous_run)
     q = _blhd(2, 5, 3, 8)
     out = torch_steel.sdpa(q, q, q)
     assert _order(out) == [0, 2, 1, 3]

@@ -331,11 +331,12 @@ def test_the_dispatcher_is_skipped_only_where_it_would_do_nothing_else(hook, op,
 
     wrap, run, through_dispatcher = _HOOKS[hook]
     entered = []
-    name = {"sdpa": "_SDPA_FORWARD_CALLS", "sdpa_varlen": "_SDPA_VARLEN_FORWARD_CALLS",
-            "gemm": "_GEMM_CALLS"}[op]  # fmt: skip
-    entry, *undispatched = getattr(ops, name)  # the first: through the dispatcher
+    module, name = {"sdpa": (ops.attention_ops, "_SDPA_FORWARD_CALLS"),
+                    "sdpa_varlen": (ops.varlen_ops, "_SDPA_VARLEN_FORWARD_CALLS"),
+                    "gemm": (ops.gemm_ops, "_GEMM_CALLS")}[op]  # fmt: skip
+    entry, *undispatched = getattr(module, name)  # the first: through the dispatcher
     counted = (lambda *args: entered.append(1) or entry(*args), *undispatched)
-    monkeypatch.setattr(ops, name, counted)
+    monkeypatch.setattr(module, name, counted)
     g = torch.Generator().manual_seed(0)
     if op == "sdpa":
         inputs = [torch.randn(1, 2, 3, 8, generator=g) for _ in range(3)]
