@@ -201,8 +201,9 @@ def test_instructions_fp32(simdgroups):
     want = x * 3 + 1
     c, mem = run_mix("exec_mix_fp32", simdgroups, buffers={0: x})
     assert torch.equal(x, want)
-    # x * 3, + 1; the zext of i and one address; one load, one store.
-    assert c["instructions"] == mix(fp32=2 * simdgroups, int=2 * simdgroups)
+    # x * 3 + 1: one FMA (the multiply's one use is the add: contracted); the zext of i and one
+    # address; one load, one store.
+    assert c["instructions"] == mix(fp32=simdgroups, int=2 * simdgroups)
     assert mem == memory(device_loads=simdgroups, device_stores=simdgroups)
     assert c["mma_by_dtype"] == {"half": 0, "bfloat": 0, "float": 0}
 
@@ -210,8 +211,8 @@ def test_instructions_fp32(simdgroups):
 def test_instructions_vector_ops_count_per_element():
     x = torch.randn(32 * 4)
     c, mem = run_mix("exec_mix_float4", buffers={0: x})
-    # A float4 multiply and add: 4 + 4; one 16-byte load and store.
-    assert c["instructions"] == mix(fp32=8, int=2)
+    # A float4 multiply and add: 4 FMAs; one 16-byte load and store.
+    assert c["instructions"] == mix(fp32=4, int=2)
     assert mem == memory(device_loads=1, device_stores=1)
 
 
@@ -251,6 +252,40 @@ def test_instructions_transcendentals():
     # exp2, fast::exp2, rsqrt, the divide, log of a float4 (4): 8; two adds; the zext and two
     # addresses.
     assert c["instructions"] == mix(transcendental=8, fp32=2, int=3)
+
+
+@pytest.mark.parametrize("trips", [[0] * 32, [3] * 32, [0] * 31 + [5]])
+def test_instructions_fma_contraction(trips):
+    """Metal contracts a multiply into the add or subtract that is its one use (fast math); the
+    simulator's build does not (-ffp-contract=off), and the counters count as Metal issues."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 8, generator=g)
+    h = torch.randn(32, 4, generator=g).half()
+    a, b, c_, d = x[:, 0].clone(), x[:, 1].clone(), x[:, 2].clone(), x[:, 3].clone()
+    want_h = h[:, 0] * h[:, 1] + h[:, 2]  # each op rounded to half, as the kernel's
+    trips_t = torch.tensor(trips, dtype=torch.int32)
+    c, mem = run_mix("exec_mix_contract", buffers={0: x, 1: h, 2: trips_t})
+    # float32 with one rounding per operation, as the simulator computes (no contraction).
+    want = [a * b + c_, a * c_ - d, d - b * c_, a * d + b * b, c_ * d + a, c_ * d * b]
+    for k, w in enumerate(want):
+        assert torch.equal(x[:, k], w), k
+    acc = torch.zeros(32)
+    for lane, n in enumerate(trips):
+        for _ in range(n):
+            acc[lane] += a[lane] * a[lane]
+    assert torch.equal(x[:, 6], acc)
+    assert torch.equal(h[:, 3], want_h)
+    most = max(trips)
+    # By hand: a*b + c, a*c - d, d - b*c: one FMA each; a*d + b*b: an FMA and a multiply (an add
+    # takes one); p = c*d used twice: multiply, add, multiply; q = a*a before the loop, its add
+    # in the loop's block: a multiply, then one add per trip of the lane with the most. Half:
+    # one FMA. Without contraction the float32 count would be 13 + most, half 2.
+    assert c["instructions"]["fp32"] == 1 + 1 + 1 + 2 + 3 + 1 + most
+    assert c["instructions"]["half"] == 1
+    # The loop: trips == 0 once, then k + 1 == n and the branch back per trip.
+    assert c["instructions"]["compare_select"] == 1 + most
+    assert c["instructions"]["branch"] == 1 + most
+    assert c["instructions"]["transcendental"] == c["instructions"]["convert"] == 0
 
 
 @pytest.mark.parametrize(
@@ -300,9 +335,9 @@ def test_instructions_loop_counts_the_longest_lane(trips):
     assert torch.equal(x, want)
     most = max(trips)
     # Before the loop: the zext and two addresses, trips == 0 (compare, branch); each trip of the
-    # (not unrolled) body: multiply, add, k + 1, k == n, branch back.
+    # (not unrolled) body: multiply and add (one FMA), k + 1, k == n, branch back.
     assert c["instructions"] == mix(
-        fp32=2 * most, int=3 + most, compare_select=1 + most, branch=1 + most
+        fp32=most, int=3 + most, compare_select=1 + most, branch=1 + most
     )
     assert mem == memory(device_loads=2, device_stores=1)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 
 _CALL = re.compile(r"@llvm\.(memcpy|memmove|memset)(\.inline)?((?:\.p\d+)+)\.(i32|i64)\(")
 _KIND = {"memcpy": 1, "memmove": 1, "memset": 0}
@@ -120,6 +121,12 @@ def rewrite(ir: str) -> str:
 #   code, which is only how the simulator computes them: a shim function that stands for a Metal
 #   operation says which with a marker (steel_shim/count.h, STEEL_SHIM_OP(name, T)), counted as
 #   `_OPS[name]` once per element; markers of shim functions it calls do not count.
+# - FMA contraction: the simulator compiles with -ffp-contract=off, so that its results round
+#   as the source says, but Metal compiles with fast math, whose contraction fuses a multiply
+#   into the add that uses it. An fmul whose one use is an fadd or fsub of the same type in the
+#   same basic block (the unit LLVM's instruction selection contracts in) is counted with that
+#   add as one instruction (the add's: one FMA); an add takes one multiply at most. llvm.fma /
+#   llvm.fmuladd calls and the shim's fma() count as one instruction anyway.
 # - Not counted: what Metal's compiler folds or has no instruction for (values computed only from
 #   function constants and branches on them, phis, bitcasts, vector element moves, constant
 #   address offsets, calls of shader functions, which Metal inlines), thread-private memory
@@ -561,6 +568,21 @@ def _function_hists(
                 ):
                     check_branches.add(i)
                     exclude_slice(cond)
+
+    def counted(i: int) -> bool:
+        """Whether line i is shader code that counts (markers aside, which count apart)."""
+        line = lines[i]
+        if "!nosanitize" in line or i in check_branches:
+            return False
+        a = _ASSIGN.match(line)
+        if a and (a.group(1) in excluded or a.group(1) in folded):
+            return False
+        d = _DBG.search(line)
+        if d is not None:
+            return not debug.in_shim(debug.frames(d.group(1)))
+        return not fn_shim
+
+    contracted = _contracted(lines, blocks, counted)
     out = []
     for lo, hi in blocks:
         hist = [0] * _SLOTS
@@ -601,19 +623,54 @@ def _function_hists(
                 else:
                     hist[_F[cls]] += n if cls in FIELDS[:8] else 1
                 continue
-            if "!nosanitize" in line or i in check_branches:
-                continue
-            if a and (a.group(1) in excluded or a.group(1) in folded):
-                continue
-            d = _DBG.search(line)
-            if d is not None:
-                if debug.in_shim(debug.frames(d.group(1))):
-                    continue
-            elif fn_shim:
+            if not counted(i) or i in contracted:
                 continue
             _classify(body.split(", !")[0], hist, defined)
         out.append((hook, hist))
     return out
+
+
+def _contracted(
+    lines: list[str], blocks: list[list[int]], counted: Callable[[int], bool]
+) -> set[int]:
+    """Lines of the fmuls that Metal's compiler contracts into an FMA (see "FMA contraction"
+    above)."""
+    users: dict[str, list[int]] = {}  # value -> the lines that use it
+    for i in range(1, len(lines) - 1):
+        a = _ASSIGN.match(lines[i])
+        body = a.group(2) if a else lines[i]
+        for v in _LOCAL.findall(body.split(", !")[0]):
+            users.setdefault(v, []).append(i)
+    out: set[int] = set()
+    absorbed: set[int] = set()  # the fadds / fsubs that already took one fmul
+    for lo, hi in blocks:
+        for i in range(lo, hi):
+            mul = _fp_op(lines[i])
+            if mul is None or mul[1] != "fmul" or not counted(i):
+                continue
+            use = users.get(mul[0], [])
+            if len(use) != 1 or not lo <= use[0] < hi or use[0] in absorbed:
+                continue
+            add = _fp_op(lines[use[0]])
+            if add is None or add[1] not in ("fadd", "fsub") or add[2] != mul[2]:
+                continue
+            if counted(use[0]):
+                out.add(i)
+                absorbed.add(use[0])
+    return out
+
+
+def _fp_op(line: str) -> tuple[str, str, str] | None:
+    """(value, opcode, type) of an fp arithmetic instruction; None for any other line."""
+    a = _ASSIGN.match(line)
+    if not a:
+        return None
+    words = a.group(2).split()
+    if not words or words[0] not in _FP_OPS:
+        return None
+    i = _after_flags(words, 1)
+    rest = a.group(2).split(None, i)[i] if i < len(words) else ""
+    return a.group(1), words[0], _type_at(rest)
 
 
 def count_blocks(ir: str) -> str:

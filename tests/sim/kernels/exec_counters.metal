@@ -56,12 +56,13 @@ kernel void exec_tg_and_simd_traffic(device float* out [[buffer(0)]],
 // simdgroup-issued instructions per class are known by hand. Each simdgroup issues each of its
 // basic blocks once per run of the block by any of its lanes (the most runs of one lane).
 
-// fp32 arithmetic: y = x * 3 + 1 per lane (a multiply and an add: no fma, contraction is off).
+// fp32 arithmetic: y = x * 3 + 1 per lane: a multiply and the add that uses it, one FMA as Metal
+// compiles it (fast math contracts; the counters count so, torch_steel/sim/ir.py).
 kernel void exec_mix_fp32(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   x[i] = x[i] * 3.0f + 1.0f;
 }
 
-// The same on float4: one vector load and store, each arithmetic operation four times.
+// The same on float4: one vector load and store, each FMA four times.
 kernel void exec_mix_float4(device float4* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   x[i] = x[i] * 3.0f + 1.0f;
 }
@@ -70,6 +71,31 @@ kernel void exec_mix_float4(device float4* x [[buffer(0)]], uint i [[thread_posi
 // (the shim computes it in binary32 with two conversions: not counted).
 kernel void exec_mix_half(device half* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   x[i] = exp(x[i] * 3.0h);
+}
+
+// FMA contraction (ir.py): which multiplies fuse into the add or subtract that uses them. Each
+// lane reads a, b, c, d at x[8 i ..] and writes x[8 i .. 8 i + 6]; h holds half a, b, c.
+kernel void exec_mix_contract(device float* x [[buffer(0)]],
+                              device half* h [[buffer(1)]],
+                              device const uint* trips [[buffer(2)]],
+                              uint i [[thread_position_in_grid]]) {
+  device float* v = x + 8 * i;
+  const float a = v[0], b = v[1], c = v[2], d = v[3];
+  v[0] = a * b + c;  // one FMA
+  v[1] = a * c - d;  // one FMA (a negated addend)
+  v[2] = d - b * c;  // one FMA (a negated product)
+  v[3] = a * d + b * b;  // an add takes one multiply: an FMA and a multiply
+  const float p = c * d;  // two uses: a multiply, an add, a multiply
+  v[4] = p + a;
+  v[5] = p * b;
+  // The product is made before the loop, its add in the body (another block): not fused.
+  const float q = a * a;
+  float acc = 0.0f;
+#pragma clang loop unroll(disable)
+  for (uint k = 0; k < trips[i]; ++k) acc += q;
+  v[6] = acc;
+  device half* w = h + 4 * i;
+  w[3] = w[0] * w[1] + w[2];  // one half FMA
 }
 
 // Conversions: half -> float (one), float4 -> int4 (four: the shim's range checks of a vector
