@@ -1,7 +1,9 @@
 // Launch planning for the attention forward (shaders/steel/attn/attention.metal): the dense
 // planner, registered as "sdpa" (attention_plan.cpp), and the packed variable-length one,
 // registered as "sdpa_varlen" (varlen_plan.cpp). Both plan the same kernel; the pieces they
-// decide the same way are the steel::attn helpers below.
+// decide the same way are the steel::attn helpers below. Both hand few query rows to the decode
+// kernels (decode_plan.cpp); their backwards are attention_backward_plan.cpp's and
+// varlen_plan.cpp's.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +41,9 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options);
 Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& options);
 
 namespace attn {
+
+// Threads per threadgroup of the simdgroup kernels: the forward, decode and backward ones.
+constexpr int64_t kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
 
 // A (DE, DV) head-dim pair instantiated in attention.metal.
 struct HeadDims {
@@ -160,7 +165,7 @@ struct Launch {
 Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l);
 
 
-// ---- Decode (shaders/steel/attn/decode.metal) ----
+// ---- Decode (shaders/steel/attn/decode.metal; decode_plan.cpp) ----
 //
 // At most STEEL_ATTN_DECODE_MAX_L query rows per (batch entry, head), no dropout: the decode
 // kernels serve the call (a paged cache: any number of rows, in blocks of 32). The query heads

@@ -1,4 +1,4 @@
-"""The decode launch plan (attn::add_decode in mps_src/plan/attention_plan.cpp, reached from the
+"""The decode launch plan (attn::add_decode in mps_src/plan/decode_plan.cpp, reached from the
 "sdpa" and "sdpa_varlen" planners) through torch_steel.sim.plan: when decode serves, GQA packing,
 the partition count (one pass vs split-K) from S, the (batch, KV head) threadgroups and the core
 count, the partials' scratch, the paged cache's bindings and params, and each refusal."""

@@ -1,0 +1,264 @@
+// Launch planning for the decode kernels (shaders/steel/attn/decode.metal), which the "sdpa"
+// (attention_plan.cpp) and "sdpa_varlen" (varlen_plan.cpp) planners hand a call of few query
+// rows, or a paged KV cache: GQA packing, the key split and its merge, and the decode plan's
+// key-length class for the plan cache (plan_cache.cpp). attention_plan.h states the rules.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "attention_plan.h"
+
+namespace steel {
+namespace attn {
+
+bool decode_serves(const Common& c, int64_t rows, const Options& options) {
+  return rows <= STEEL_ATTN_DECODE_MAX_L && c.dropout_p == 0.0 &&
+         options.number("decode", 1.0) != 0.0;
+}
+
+namespace {
+
+// Query rows per threadgroup block: all of them up to STEEL_ATTN_BQ (decode), else BQ.
+int64_t decode_row_block(int64_t rows) {
+  return std::min<int64_t>(std::max<int64_t>(rows, 1), STEEL_ATTN_BQ);
+}
+
+// The largest divisor of the group whose heads' row blocks fit one threadgroup's BQ rows.
+int64_t decode_heads_per_tg(int64_t group, int64_t rows) {
+  int64_t best = 1;
+  for (int64_t d = 1; d <= group; ++d) {
+    if (group % d == 0 && d * decode_row_block(rows) <= STEEL_ATTN_BQ) best = d;
+  }
+  return best;
+}
+
+}  // namespace
+
+void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
+                  int64_t* split_keys) {
+  const int64_t bk = key_tile(c);
+  const int64_t keys = std::max<int64_t>(dec.keys, 1);
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
+  const int64_t threadgroups =
+      dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
+  int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
+  if (n <= 0) {
+    const int64_t cores = std::max<int64_t>(
+        1, static_cast<int64_t>(options.number("gpu_cores", kDecodeDefaultCores)));
+    const int64_t target = cores * kDecodeTgPerCore;
+    n = threadgroups >= target
+            ? 1
+            : std::min(ceil_div(target, std::max<int64_t>(threadgroups, 1)),
+                       ceil_div(keys, kDecodeMinSplitKeys));
+  }
+  n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
+  *split_keys = ceil_div(ceil_div(keys, n), bk) * bk;
+  *splits = ceil_div(keys, *split_keys);  // rounding up the partitions may leave fewer
+}
+
+void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
+                const Decode& dec, const Options& options, Plan* plan) {
+  int64_t splits = 1, split_keys = 0;
+  decode_split(c, dec, options, &splits, &split_keys);
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
+  AttnDecodeParams dp;
+  std::memset(&dp, 0, sizeof(dp));
+  dp.fwd = p;
+  dp.splits = static_cast<int32_t>(splits);
+  dp.split_keys = static_cast<int32_t>(split_keys);
+  dp.heads_per_tg = static_cast<int32_t>(per_tg);
+  dp.rows = static_cast<int32_t>(dec.rows);
+  dp.row_block = static_cast<int32_t>(decode_row_block(dec.rows));
+  if (dec.paged) {
+    dp.page_size = static_cast<int32_t>(dec.page_size);
+    dp.pages = static_cast<int32_t>(dec.pages);
+    dp.max_pages = static_cast<int32_t>(dec.max_pages);
+    dp.table_stride = static_cast<int32_t>(dec.table_stride);
+    dp.k_ps = dec.k_ps;
+    dp.v_ps = dec.v_ps;
+  }
+  const bool split = splits > 1;
+  // The forward's specialization (its constants are the decode kernel's too), then decode's own.
+  const Dispatch fwd = dispatch(c, d, p, l);
+  std::vector<FunctionConstant> constants = fwd.constants;
+  constants.push_back(fc_bool(STEEL_ATTN_FC_SPLIT, split));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_PAGED, dec.paged));
+  const Binding params = bytes_binding(STEEL_ATTN_BUF_PARAMS, &dp, sizeof(dp));
+  const int32_t q_slot = 0;
+  const Binding sinks = tensor_binding(STEEL_ATTN_BUF_SINKS, l.sinks_slot >= 0 ? l.sinks_slot
+                                                                              : q_slot);
+  const int32_t part_o_slot = plan->inputs + static_cast<int32_t>(plan->allocations.size());
+  if (split) {
+    const int64_t partial_rows = dec.count * c.Hq * dec.rows * splits;
+    Allocation o;
+    o.name = "partial_out";
+    o.dtype = DType::Float32;
+    o.sizes = {partial_rows, c.Ev};
+    Allocation ml = o;
+    ml.name = "partial_max_sum";
+    ml.sizes = {partial_rows, 2};
+    plan->allocations.push_back(o);
+    plan->allocations.push_back(ml);
+  }
+
+  Dispatch k;
+  k.kernel = std::string("steel_attention_decode_") + dtype_tag(c.dtype) + "_e" +
+             std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
+  k.constants = constants;
+  for (const Binding& b : fwd.bindings) {
+    if (b.index == STEEL_ATTN_BUF_PARAMS) {
+      k.bindings.push_back(params);
+    } else if (b.index == STEEL_ATTN_BUF_CU_K && dec.paged) {
+      // Declared by every varlen pipeline, never read by a paged one: cu_seqlens_q stands in.
+      k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_K, l.cu_q_slot));
+    } else {
+      k.bindings.push_back(b);  // q .. lse, cu_seqlens
+    }
+  }
+  if (dec.paged) {
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_TABLE, dec.table_slot));
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_SEQUSED, dec.seqused_slot));
+  }
+  if (split) {
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_O, part_o_slot));
+    k.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_ML, part_o_slot + 1));
+  }
+  k.grid[0] = static_cast<uint32_t>(splits * ceil_div(std::max<int64_t>(dec.rows, 1),
+                                                       decode_row_block(dec.rows)));
+  k.grid[1] = static_cast<uint32_t>(c.Hkv * (group / per_tg));
+  k.grid[2] = static_cast<uint32_t>(dec.count);
+  k.threads[0] = static_cast<uint32_t>(kThreads);
+  plan->dispatches.push_back(k);
+  if (!split) return;
+
+  Dispatch m;
+  m.kernel = std::string("steel_attention_decode_merge_") + dtype_tag(c.dtype);
+  m.constants = constants;
+  m.bindings = {sinks, tensor_binding(STEEL_ATTN_BUF_OUT, l.out_slot),
+                tensor_binding(STEEL_ATTN_BUF_LSE, l.lse_slot), params};
+  if (l.varlen) m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_CU_Q, l.cu_q_slot));
+  m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_O, part_o_slot));
+  m.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_PART_ML, part_o_slot + 1));
+  m.grid[0] = static_cast<uint32_t>(dec.rows);
+  m.grid[1] = static_cast<uint32_t>(c.Hq);
+  m.grid[2] = static_cast<uint32_t>(dec.count);
+  m.threads[0] = 32;
+  plan->dispatches.push_back(m);
+}
+
+bool decode_length_class(const TensorList& tensors, const Options& options, std::string* cls,
+                         int64_t* S) {
+  if (tensors.size() != 5 || !tensors[0] || !tensors[1] || !tensors[2]) return false;
+  const TensorDesc& q = *tensors[0];
+  const TensorDesc& k = *tensors[1];
+  const TensorDesc& v = *tensors[2];
+  const int64_t nd = q.dim();
+  if (nd < 3 || k.dim() != nd || v.dim() != nd || q.strides.size() != q.sizes.size() ||
+      k.strides.size() != k.sizes.size() || v.strides.size() != v.sizes.size()) {
+    return false;
+  }
+  const int64_t keys = k.sizes[nd - 2];
+  if (v.sizes[nd - 2] != keys || keys < 1 || keys > kInt32Max / 2 ||
+      !check_dtypes("sdpa", q, k, v).empty()) {
+    return false;
+  }
+  for (const TensorDesc* t : {&k, &v}) {  // read in place (read_in_place copies the others)
+    if (t->sizes.back() != 1 && t->strides.back() != 1) return false;
+  }
+  const int64_t Hkv = k.sizes[nd - 3];
+  if (Hkv == 0 || q.sizes[nd - 3] % Hkv != 0 || v.sizes[nd - 3] != Hkv ||
+      k.sizes[nd - 1] != q.sizes[nd - 1] || q.sizes[nd - 2] > kInt32Max / 2) {
+    return false;
+  }
+  for (int64_t d = 0; d < nd - 3; ++d) {
+    if (k.sizes[d] != q.sizes[d] || v.sizes[d] != q.sizes[d]) return false;
+  }
+  const std::optional<TensorDesc>& mask = tensors[3];
+  if (mask && (mask->dim() == 0 || mask->strides.size() != mask->sizes.size() ||
+               (mask->sizes.back() != keys && mask->sizes.back() != 1))) {
+    return false;  // no mask of every length: the planner refuses it, for this call only
+  }
+  Common c;
+  Plan scratch;
+  if (!common("sdpa", q.dtype, q.sizes[nd - 3], Hkv, q.sizes[nd - 1], v.sizes[nd - 1],
+              tensors[4], 4, options, &c, &scratch)
+           .empty()) {
+    return false;
+  }
+  const int64_t L = q.sizes[nd - 2];
+  int64_t count = 1;
+  for (int64_t d = 0; d < nd - 3; ++d) count *= q.sizes[d];
+  if (L == 0 || count == 0 || c.Hq == 0 || !decode_serves(c, L, options)) return false;
+  Decode dec;
+  dec.rows = L;
+  dec.keys = keys;
+  dec.count = count;
+  int64_t splits = 1, split_keys = 0;
+  decode_split(c, dec, options, &splits, &split_keys);
+  const Diagonals diag = diagonals(c, L + keys);
+  const bool grown = row_major(k) && row_major(v);
+  // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a
+  // last dim of 1 (at S = 1 too) broadcasts, with a key stride of 0 at every S.
+  const int64_t mask_class = !mask ? 0 : mask->sizes.back() == 1 ? 1 : row_major(*mask) ? 2 : 3;
+  const int64_t fields[] = {
+      splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo, grown, mask_class};
+  // Row-major key and value strides above the key dim hold S, but their alignment (what the
+  // planner reads of them: vectorized loads) is their row stride's, which does not.
+  cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
+  *S = keys;
+  return true;
+}
+
+namespace {
+
+// A row-major key's, value's or mask's stride above the key dim, made for `from` keys, for `to`
+// keys: a product of dims that include the key dim (so a multiple of `from`), or 0 where
+// broadcast.
+steel_i64 rescaled(steel_i64 stride, int64_t from, int64_t to) { return stride / from * to; }
+
+}  // namespace
+
+void set_decode_length(Plan* plan, const TensorList& tensors, const Options& options) {
+  const TensorDesc& k = *tensors[1];
+  const int64_t S = k.sizes[k.dim() - 2];
+  const bool grown = row_major(k) && row_major(*tensors[2]);  // by torch.cat: see the header
+  const std::optional<TensorDesc>& mask = tensors[3];
+  const bool mask_grown = mask && mask->sizes.back() != 1 && row_major(*mask);
+  const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
+  for (Dispatch& d : plan->dispatches) {
+    for (Binding& b : d.bindings) {
+      if (b.kind != Binding::Kind::Bytes || b.index != STEEL_ATTN_BUF_PARAMS ||
+          b.bytes.size() != sizeof(AttnDecodeParams)) {
+        continue;
+      }
+      AttnDecodeParams dp;
+      std::memcpy(&dp, b.bytes.data(), sizeof dp);
+      if (grown) {
+        const int64_t from = dp.fwd.S;
+        for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
+          dp.fwd.k_bs[i] = rescaled(dp.fwd.k_bs[i], from, S);
+          dp.fwd.v_bs[i] = rescaled(dp.fwd.v_bs[i], from, S);
+        }
+        dp.fwd.k_hs = rescaled(dp.fwd.k_hs, from, S);
+        dp.fwd.v_hs = rescaled(dp.fwd.v_hs, from, S);
+      }
+      if (mask_grown) {  // its strides above the key dim are multiples of S, or 0
+        const int64_t from = dp.fwd.S;
+        for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
+          dp.fwd.m_bs[i] = rescaled(dp.fwd.m_bs[i], from, S);
+        }
+        dp.fwd.m_hs = rescaled(dp.fwd.m_hs, from, S);
+        dp.fwd.m_rs = rescaled(dp.fwd.m_rs, from, S);
+      }
+      dp.fwd.S = static_cast<int32_t>(S);
+      dp.fwd.shift = static_cast<int32_t>(bottom_right ? S - dp.fwd.L : 0);
+      std::memcpy(b.bytes.data(), &dp, sizeof dp);
+    }
+  }
+}
+
+}  // namespace attn
+}  // namespace steel
