@@ -60,10 +60,11 @@ The ops are defined, by concern, in:
                  the attention options Attn;
   varlen_ops     packed variable-length and paged attention (sdpa_varlen*, sdpa_paged_forward,
                  sdpa_varlen_quantized_forward);
+  nested_ops     torch_steel.sdpa on jagged nested tensors, through varlen_ops;
   gemm_ops       gemm, linear.
 """
 
-from . import attention_ops, gemm_ops, registry, varlen_ops
+from . import attention_ops, gemm_ops, nested_ops, registry, varlen_ops
 from .attention_ops import Attn, sdpa
 from .gemm_ops import gemm, linear
 from .varlen_ops import sdpa_varlen
@@ -76,6 +77,7 @@ __all__ = [
     "gemm",
     "gemm_ops",
     "linear",
+    "nested_ops",
     "registry",
     "sdpa",
     "sdpa_varlen",

@@ -15,6 +15,7 @@ from .. import reference as ref
 from .. import validation as check
 from ..backends import backend, current_backend, run
 from ..kv import QuantizedKV
+from . import nested_ops
 from .registry import _FUNCTIONS, _IMPL, _LIB, _define, _undispatched
 
 _OPTIONS = (
@@ -325,7 +326,10 @@ def _plain_qkv(q, k, v, enable_gqa):
     broadcast, the op's own checks say everything else."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return False
-    qs, ks, vs = q.shape, k.shape, v.shape
+    try:
+        qs, ks, vs = q.shape, k.shape, v.shape
+    except RuntimeError:  # a nested tensor of layout torch.strided has no shape: see _sdpa_inputs
+        return False
     n = len(qs)
     return (
         n >= 3
@@ -351,6 +355,8 @@ def _sdpa_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                 raise ValueError(
                     f"steel.sdpa: {name} must be a tensor of rank >= 2 ([..., seq, dim])"
                 )
+            if t.is_nested:  # torch.strided (sdpa gives jagged ones to nested_ops): refused
+                nested_ops.check_layout(name, t)
         squeeze = max(query.dim(), key.dim(), value.dim()) == 2
         query, key, value = _broadcast_qkv(query, key, value, enable_gqa)
         check.check_sdpa(query, key, value, attn_mask, enable_gqa, sinks)
@@ -429,7 +435,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                     torch's default generator, so torch.manual_seed makes runs repeatable.
       return_lse:   also return the log-sum-exp of each row, float32 [*batch, heads, L]
                     (float64 for float64 inputs); differentiable.
+    Jagged nested tensors (torch.nested, layout=torch.jagged) [B, H, j, E] as query, key and
+    value are served by the varlen kernels and give a jagged result (see nested_ops).
     """
+    if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
+        if nested_ops.is_nested(query, key, value):  # else a Parameter, QuantizedKV, ...
+            return nested_ops.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, sinks, softcap, window, causal_align, seed,
+                                   offset, return_lse)  # fmt: skip
     if (
         (attn_mask is None or type(attn_mask) is Tensor)  # CausalBias is a subclass
         and dropout_p == 0.0
