@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_gemm import DEVICES, time_ms  # noqa: E402
 
 from torch_steel import sim  # noqa: E402
+from torch_steel.sim import timing  # noqa: E402
 
 BUF_Q, BUF_K, BUF_V, BUF_MASK, BUF_SINKS, BUF_OUT, BUF_LSE, BUF_PARAMS, BUF_CU_Q, BUF_CU_K = range(
     10
@@ -291,24 +292,26 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                 _add(buffers, BUF_GRAD_LSE, rows * 4 if d.constants[STEEL_FC_GRAD_LSE] else 0)
                 _add(buffers, BUF_DELTA, written=rows * 8)
             elif tensor and kind == "dkdv":
-                # 64-key blocks: K, V loaded once into cooperative tensors; each query tile's
-                # Q and dO read by two operations each (S^T and dK, dP^T and dV), its rows'
-                # statistics staged once; four BQ x BK x D operations a tile.
+                # Blocks of kb keys (64; 32 above head dim 128): K, V loaded once into
+                # cooperative tensors; each query tile's Q and dO read by two operations each
+                # (S^T and dK, dP^T and dV), its rows' statistics staged once; four
+                # kb x BK x D operations a tile.
+                kb = timing.attn_tensor_bwd_keys(de)
                 pairs = count * Hq // group
-                for key0 in range(0, S, TENSOR_BQ):
-                    vk = min(TENSOR_BQ, S - key0)
+                for key0 in range(0, S, kb):
+                    vk = min(kb, S - key0)
                     _add(buffers, BUF_K, pairs * vk * E * es)
                     _add(buffers, BUF_V, pairs * vk * Ev * es)
                     _add(buffers, BUF_DK, written=pairs * vk * E * es)
                     _add(buffers, BUF_DV, written=pairs * vk * Ev * es)
-                    for _, vr in _query_tiles(x, key0, TENSOR_BK, hi, lo, TENSOR_BQ):
+                    for _, vr in _query_tiles(x, key0, TENSOR_BK, hi, lo, kb):
                         n = pairs * group
                         _add(buffers, BUF_Q, 2 * n * vr * E * es)
                         _add(buffers, BUF_GRAD_OUT, 2 * n * vr * Ev * es)
                         _add(buffers, BUF_FWD_LSE, n * vr * 4)
                         _add(buffers, BUF_DELTA, n * vr * 8)
                         _add(buffers, BUF_MASK, n * vr * vk * mask_read)
-                        mma += n * 4 * TENSOR_BQ * TENSOR_BK * de // 512
+                        mma += n * 4 * kb * TENSOR_BK * de // 512
             elif tensor and kind == "dq":
                 # The forward's blocks and key tiles: Q, dO and the rows' statistics once a
                 # block, K read by two operations (S and dQ), V by one (dP); three a tile.
@@ -325,6 +328,32 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                         _add(buffers, BUF_V, n * vk * Ev * es)
                         _add(buffers, BUF_MASK, n * vr * vk * mask_read)
                         mma += n * 3 * TENSOR_BQ * TENSOR_BK * de // 512
+            elif tensor and kind == "dmask":
+                # The dQ kernel's blocks and key tiles, those of the threadgroup's own tile
+                # (or row blocks / key tiles where the mask broadcasts): Q, dO and the rows'
+                # statistics once per block that sees one of its tiles, K and V once per visited
+                # tile (two operations a tile), the mask once an element; dmask written once.
+                n = count * Hq
+                owned = [(0, S)] if d.constants[FC_DMASK_KEYS] else [
+                    (t, min(t + TENSOR_BK, S)) for t in range(0, S, TENSOR_BK)]  # fmt: skip
+                for _, vr, tiles in visited_tiles(x, TENSOR_BK, hi, lo, TENSOR_BQ):
+                    for lo_key, hi_key in owned:
+                        mine = [t for t in tiles if lo_key <= t < hi_key]
+                        if not mine:
+                            continue
+                        _add(buffers, BUF_Q, n * vr * E * es)
+                        _add(buffers, BUF_GRAD_OUT, n * vr * Ev * es)
+                        _add(buffers, BUF_FWD_LSE, n * vr * 4)
+                        _add(buffers, BUF_DELTA, n * vr * 8)
+                        for key0 in mine:
+                            vk = min(TENSOR_BK, S - key0)
+                            _add(buffers, BUF_K, n * vk * E * es)
+                            _add(buffers, BUF_V, n * vk * Ev * es)
+                            _add(buffers, BUF_MASK, n * vr * vk * mask_es)
+                            mma += n * 2 * TENSOR_BQ * TENSOR_BK * de // 512
+                rows = 1 if dm_rs == 0 else L
+                keys = 1 if dm_cs == 0 else S
+                _add(buffers, BUF_DMASK, written=count * Hq // dm_combos * rows * keys * mask_es)
             elif kind == "dkdv":
                 pairs = count * Hq // group
                 for key0 in range(0, S, 32):

@@ -211,13 +211,19 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   pre.threads[0] = 32 * STEEL_ATTN_DELTA_ROWS;
   plan.dispatches.push_back(pre);
 
-  // dK/dV and dQ on matmul2d where the forward runs there (attn::tensor_backward): BQ = 64
-  // keys (dK/dV) or query rows (dQ) per threadgroup of STEEL_ATTN_TENSOR_SIMDGROUPS.
+  // dK/dV, dQ and dmask on matmul2d where the forward runs there (attn::tensor_backward), in
+  // threadgroups of STEEL_ATTN_TENSOR_SIMDGROUPS: dQ and dmask blocks of 64 query rows, dK/dV
+  // blocks of params.h's steel_attn_tensor_bwd_keys keys, 64 up to head dim 128 and 32 above:
+  // by the timing model's register estimate (timing.steel_kernel_info) 64 keys' K, V, dK, dV
+  // cooperative tensors at D = 256 take 440 registers a thread, more than a core's register
+  // file holds for one threadgroup (tests/attn/test_attention_backward_tensor.py checks it).
   const bool tensor = attn::tensor_backward(tensor_fwd, bp.g_rs, Ev);
   const std::string family = tensor ? "steel_attention_bwd_tensor_" : "steel_attention_bwd_";
   const std::vector<FunctionConstant> kernel_constants =
       tensor ? attn::tensor_backward_constants(tensor_fwd, constants) : constants;
-  const int64_t kv_block = tensor ? STEEL_ATTN_TENSOR_BQ : 8 * STEEL_ATTN_SIMDGROUPS;
+  const int64_t kv_block =
+      tensor ? steel_attn_tensor_bwd_keys(std::stoi(tag.substr(tag.find("_e") + 2)))
+             : 8 * STEEL_ATTN_SIMDGROUPS;
   const int64_t q_block = tensor ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
   const uint32_t kernel_threads = static_cast<uint32_t>(
       tensor ? 32 * STEEL_ATTN_TENSOR_SIMDGROUPS : attn::kThreads);
@@ -269,18 +275,21 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
 
   if (mask_grad && S > 0) {
     const bool rows = bp.dm_rs == 0, keys = bp.dm_cs == 0;
+    // The matmul2d dmask's tiles are its dQ's: 64 rows by 32 keys.
+    const int64_t dm_rows = tensor ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
+    const int64_t dm_keys = tensor ? STEEL_ATTN_TENSOR_BK : bk;
     Dispatch dm;
-    dm.kernel = "steel_attention_bwd_dmask_" + tag;
-    dm.constants = constants;
+    dm.kernel = family + "dmask_" + tag;
+    dm.constants = kernel_constants;
     dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_ROWS, rows));
     dm.constants.push_back(fc_bool(STEEL_ATTN_FC_DMASK_KEYS, keys));
     dm.bindings = inputs;
     dm.bindings.push_back(tensor_binding(STEEL_ATTN_BUF_DMASK, kSlotDmask));
     dm.bindings.push_back(params);
-    dm.grid[0] = static_cast<uint32_t>(rows ? 1 : ceil_div(L, STEEL_ATTN_BQ));
-    dm.grid[1] = static_cast<uint32_t>(keys ? 1 : ceil_div(S, bk));
+    dm.grid[0] = static_cast<uint32_t>(rows ? 1 : ceil_div(L, dm_rows));
+    dm.grid[1] = static_cast<uint32_t>(keys ? 1 : ceil_div(S, dm_keys));
     dm.grid[2] = static_cast<uint32_t>(dm_entries);
-    dm.threads[0] = static_cast<uint32_t>(attn::kThreads);
+    dm.threads[0] = kernel_threads;
     plan.dispatches.push_back(dm);
   }  // without keys the mask has no elements, or broadcasts over S = 0 keys: dmask = 0
   return plan;

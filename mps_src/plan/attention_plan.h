@@ -131,11 +131,11 @@ int64_t row_block(const Common& c);
 bool tensor_serves(const Common& c, const AttnParams& p, const Options& options);
 
 // The backward on matmul2d (shaders/steel/attn_tensor/attention_backward_tensor_msl4.metal):
-// its dK/dV and dQ kernels serve a backward exactly where the same call's forward runs on
-// matmul2d, i.e. where `fwd` (the forward planned with the backward's options, decode off)
+// its dK/dV, dQ and dmask kernels serve a backward exactly where the same call's forward runs
+// on matmul2d, i.e. where `fwd` (the forward planned with the backward's options, decode off)
 // dispatches the matmul2d kernel, and grad_out's rows (`g_rs` apart, Ev wide) keep its views'
-// int32 offsets. The delta pre-pass, dsinks and dmask kernels stay the simdgroup ones (no
-// matmul2d dmask kernel is written yet). tensor_backward_constants rewrites the backward's
+// int32 offsets. The delta pre-pass and dsinks kernels stay the simdgroup ones (their work is
+// per row, no product to put on matmul2d). tensor_backward_constants rewrites the backward's
 // constants with the tile alignments of that forward (its tiles are the matmul2d kernel's).
 bool tensor_backward(const Plan& fwd, int64_t g_rs, int64_t Ev);
 std::vector<FunctionConstant> tensor_backward_constants(const Plan& fwd,

@@ -422,7 +422,11 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   const bool tensor = attn::tensor_backward(tensor_fwd, bp.g_rs, tensors[3]->sizes[2]);
   const std::string family = tensor ? "steel_attention_bwd_tensor_" : "steel_attention_bwd_";
   const int64_t threads = 32 * (tensor ? STEEL_ATTN_TENSOR_SIMDGROUPS : STEEL_ATTN_SIMDGROUPS);
-  const int64_t kv_block = tensor ? STEEL_ATTN_TENSOR_BQ : 8 * STEEL_ATTN_SIMDGROUPS;
+  // The matmul2d dK/dV block's keys: params.h's steel_attn_tensor_bwd_keys (32 above head dim
+  // 128, where 64 keys' cooperative tensors would not fit a core's register file).
+  const int64_t kv_block =
+      tensor ? steel_attn_tensor_bwd_keys(std::stoi(tag.substr(tag.find("_e") + 2)))
+             : 8 * STEEL_ATTN_SIMDGROUPS;
   const int64_t q_block = tensor ? STEEL_ATTN_TENSOR_BQ : STEEL_ATTN_BQ;
   const size_t simdgroup_dispatches = plan.dispatches.size();
   if (max_k > 0) {

@@ -188,6 +188,13 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
 #define STEEL_ATTN_TENSOR_SIMDGROUPS 4
 #define STEEL_ATTN_TENSOR_BQ 64
 #define STEEL_ATTN_TENSOR_BK 32
+// The backward's matmul2d dK/dV block (attention_backward_tensor_msl4.metal) holds K and V in
+// left-input cooperative tensors and dK, dV in fp32 destination ones, 1.5 * D 32-bit registers
+// per thread for every 64 keys of the block (timing.steel_kernel_info's estimate): with 64 keys
+// at D = 256 one threadgroup needs 440 registers per thread, more than a core's register file
+// holds (212992 bytes, chips.json) for 128 threads; 32 keys need 232 and fit. The dQ and dmask
+// blocks stay at STEEL_ATTN_TENSOR_BQ rows (312 registers at D = 256: one threadgroup fits).
+constexpr int steel_attn_tensor_bwd_keys(int d) { return d > 128 ? 32 : STEEL_ATTN_TENSOR_BQ; }
 
 // The backward kernels' streamed tiles: Q and dO rows in the dK/dV kernel, K and V rows in the
 // dQ and dmask kernels. The dK/dV kernel also stages the tile's rows' lse, delta and

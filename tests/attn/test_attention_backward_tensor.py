@@ -1,15 +1,15 @@
 """The attention backward on Metal 4's matmul2d (shaders/steel/attn_tensor/backward_tensor.h):
-its dK/dV and dQ kernels, planned by mps_src/plan/attention_plan.cpp and varlen_plan.cpp
-(attn::tensor_backward) exactly where the same call's forward runs on matmul2d
+its dK/dV, dQ and dmask kernels, planned by mps_src/plan/attention_backward_plan.cpp and
+varlen_plan.cpp (attn::tensor_backward) exactly where the same call's forward runs on matmul2d
 (attn::tensor_serves: an M5-generation device, float16 / bfloat16, head-dim pairs padding to
 64, 96, 128, 256). Run in the simulator emulating such a device (torch_steel.sim.device),
 checkers on, strict, under several cooperative-tensor layout seeds: gradients of q, k, v (and
 sinks) against float64 autograd through the reference and through F.sdpa.
 
-Every run asserts that the matmul2d dK/dV and dQ kernels served it (and that no simdgroup
-dK/dV or dQ kernel ran), so a plan that quietly kept the simdgroup backward fails here.
-Lengths sit off the tiles (64 keys or query rows per threadgroup, tiles of 32): S % 32 and
-L % 32 in {1, 31} among them.
+Every run asserts that the matmul2d dK/dV and dQ kernels (and dmask, for a mask's gradient)
+served it and that no simdgroup dK/dV, dQ or dmask kernel ran, so a plan that quietly kept the
+simdgroup backward fails here. Lengths sit off the tiles (64 keys or query rows per
+threadgroup, 32 keys at D = 256, tiles of 32): S % 32 and L % 32 in {1, 31} among them.
 
 Tolerance: test_attention_backward's bound (the result's rounding to its dtype plus SLACK of
 the largest gradient element) plus the rounding of the products' left operands to the inputs'
@@ -46,29 +46,58 @@ TENSOR_SLACK = {dt: SLACK[dt] + 2 * UNIT[dt] for dt in HALF_TYPES}
 
 
 @contextlib.contextmanager
-def on_m5(monkeypatch, layout_seed, keys=True):
+def on_m5(monkeypatch, layout_seed, keys=True, dmask=False):
     """Runs the block as on an M5 with the cooperative-tensor layouts of `layout_seed` and
-    checks that its backward ran the matmul2d dQ kernel (and dK/dV one, when there are `keys`),
-    and no simdgroup dK/dV or dQ kernel. Decode is off (test_attention_tensor.m5_kernels) so
-    that short calls test the prefill forward on matmul2d too."""
+    checks that its backward ran the matmul2d dQ kernel (and dK/dV one, when there are `keys`;
+    and dmask, when asked), and no simdgroup dK/dV, dQ or dmask kernel. Decode is off
+    (test_attention_tensor.m5_kernels) so that short calls test the prefill forward on matmul2d
+    too."""
     with m5_kernels(monkeypatch, layout_seed) as kernels:
         yield kernels
     tensor = [k for k in kernels if k.startswith("steel_attention_bwd_tensor_")]
     assert any("_dq_" in k for k in tensor), kernels
     assert not keys or any("_dkdv_" in k for k in tensor), kernels
-    simdgroup = ("steel_attention_bwd_dkdv_", "steel_attention_bwd_dq_")
+    assert not dmask or any("_dmask_" in k for k in tensor), kernels
+    simdgroup = (
+        "steel_attention_bwd_dkdv_",
+        "steel_attention_bwd_dq_",
+        "steel_attention_bwd_dmask_",
+    )
     assert not any(k.startswith(simdgroup) for k in kernels), kernels
 
 
-def assert_grads_close(got, want, dtype):
+def assert_grads_close(got, want, dtype, dsinks_bound=None):
+    """dsinks_bound: dsinks' own bound per head (sinks_bound), in place of the elementwise one."""
     names = ["dq", "dk", "dv", "dsinks"][: len(got)]
     for name, g, r in zip(names, got, want, strict=True):
         assert g.shape == r.shape, name
         assert not bool(g.isnan().any()), f"{name}: NaN"
         mag = float(r.abs().max()) if r.numel() else 0.0
         bound = OUT_ROUNDING[g.dtype] * r.abs() + TENSOR_SLACK[dtype] * mag + 1e-6
+        if name == "dsinks" and dsinks_bound is not None:
+            bound = OUT_ROUNDING[g.dtype] * r.abs() + dsinks_bound + 1e-6
         err = (g.double() - r).abs()
         assert bool((err <= bound).all()), f"{name}: worst error {float(err.max()):.3g} ({mag:.3g})"
+
+
+def sinks_bound(q, k, v, grad_out, with_lse, **kwargs64):
+    """dsinks' error bound per head. dsinks[h] = -sum over the batch's rows of
+    exp(sink - lse) * delta (delta = rowsum(dO * O) - grad_lse), a sum whose terms can cancel
+    (rows that see few keys), so a bound relative to its largest element can be below the
+    terms' own rounding. Each term is off by at most TENSOR_SLACK of itself (the argument of
+    the module docstring: exp(sink - lse) from the kernels' lse, an fp32 sum), plus the
+    rounding of O to its dtype in delta (OUT_ROUNDING of rowsum |dO * O|, weighted by
+    exp(sink - lse) <= 1), so the sum is off by at most those summed: float64 terms from the
+    reference's out and lse."""
+    with torch_steel.backend("reference"):
+        out, lse = torch_steel.sdpa(q.double(), k.double(), v.double(), return_lse=True,
+                                    **kwargs64)  # fmt: skip
+    ramp = torch.linspace(-1, 1, lse.shape[-1], dtype=lse.dtype) if with_lse else 0.0
+    delta = (grad_out * out).sum(-1) - ramp
+    rowsum = (grad_out * out).abs().sum(-1)
+    weight = torch.where(torch.isfinite(lse), torch.exp(kwargs64["sinks"][:, None] - lse), 0.0)
+    per_head = weight * (TENSOR_SLACK[q.dtype] * delta.abs() + OUT_ROUNDING[q.dtype] * rowsum)
+    return per_head.transpose(0, -2).flatten(1).sum(-1)  # [H]: every batch entry's rows
 
 
 def check(monkeypatch, layout_seed, q, k, v, with_lse=True, **kwargs):
@@ -79,13 +108,15 @@ def check(monkeypatch, layout_seed, q, k, v, with_lse=True, **kwargs):
     mask = kwargs.get("attn_mask")
     if mask is not None and mask.is_floating_point():
         kwargs64["attn_mask"] = mask.double()
+    bound = None
     if kwargs.get("sinks") is not None:
         kwargs64["sinks"] = kwargs["sinks"].double()
+        bound = sinks_bound(q, k, v, grad_out.to(q.dtype).double(), with_lse, **kwargs64)
     with on_m5(monkeypatch, layout_seed, keys=k.shape[-2] > 0):
         _, got = grads(q, k, v, "sim", grad_out.to(q.dtype), with_lse, **kwargs)
     _, want = grads(q.double(), k.double(), v.double(), "reference", grad_out, with_lse,
                     **kwargs64)  # fmt: skip
-    assert_grads_close(got, want, q.dtype)
+    assert_grads_close(got, want, q.dtype, bound)
     return got
 
 
@@ -145,12 +176,23 @@ def test_the_backward_follows_the_forward(E, Ev, dtype, tensor):
 
 
 @requires_planner
-def test_dmask_stays_on_the_simdgroup_kernel_and_varlen_follows():
-    q, k, v = (torch.zeros(1, 2, n, 64, dtype=torch.float16) for n in (100, 70, 70))
+def test_dmask_follows_and_varlen_follows():
+    """dmask runs on matmul2d with dK/dV and dQ: 64 rows by 32 keys a threadgroup, or one along
+    a dim the mask broadcasts over; each mask entry (batch and head element it keeps) its own
+    z. Off M5 it keeps the simdgroup kernel."""
+    q, k, v = (torch.zeros(2, 2, n, 64, dtype=torch.float16) for n in (100, 70, 70))
     p = backward_kernels(q, k, v, {**M5, "mask_grad": True}, mask=torch.zeros(100, 70))
     assert [d.kernel for d in p.dispatches][1:] == [
         "steel_attention_bwd_tensor_dkdv_f16_e64_v64", "steel_attention_bwd_tensor_dq_f16_e64_v64",
-        "steel_attention_bwd_dmask_f16_e64_v64"]  # fmt: skip
+        "steel_attention_bwd_tensor_dmask_f16_e64_v64"]  # fmt: skip
+    dm = p.dispatches[-1]
+    assert dm.grid == (2, 3, 1) and dm.threads == (128, 1, 1)
+    p = backward_kernels(q, k, v, {**M5, "mask_grad": True}, mask=torch.zeros(2, 1, 100, 1))
+    assert p.dispatches[-1].grid == (2, 1, 2)  # keys broadcast: one key threadgroup
+    p = backward_kernels(q, k, v, {**M5, "mask_grad": True}, mask=torch.zeros(1, 2, 1, 70))
+    assert p.dispatches[-1].grid == (1, 3, 2)  # rows broadcast: one row threadgroup
+    off = backward_kernels(q, k, v, {"mask_grad": True}, mask=torch.zeros(100, 70))
+    assert off.dispatches[-1].kernel == "steel_attention_bwd_dmask_f16_e64_v64"
     lq, lk = [40, 0, 70], [100, 5, 30]
     q, k, v = packed(lq, lk, 4, 2, 64)
     out, lse = torch.zeros_like(q), torch.zeros(4, sum(lq))
@@ -162,6 +204,32 @@ def test_dmask_stays_on_the_simdgroup_kernel_and_varlen_follows():
     assert [(d.kernel, d.grid) for d in p.dispatches][1:] == [
         ("steel_attention_bwd_tensor_dkdv_f16_e64_v64", (2, 2, 3)),
         ("steel_attention_bwd_tensor_dq_f16_e64_v64", (2, 4, 3))]  # fmt: skip
+
+
+@requires_planner
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_every_block_fits_a_cores_register_file(D):
+    """The dK/dV block's keys (from the plan's grid) are the larger of 64 and 32 whose
+    cooperative tensors fit one threadgroup in an M5 core's register file by the timing model's
+    estimate (timing.steel_kernel_info: K, V, dK, dV and two score tiles; 440 registers a
+    thread at D = 256 with 64 keys, past the 416 of 212992 bytes over 128 threads), and the dQ
+    and dmask blocks of 64 rows fit (312 and 200 registers at D = 256)."""
+    from torch_steel.sim import timing
+
+    q, k, v = (torch.zeros(1, 1, n, D, dtype=torch.float16) for n in (100, 256, 256))
+    p = backward_kernels(q, k, v, {**M5, "mask_grad": True}, mask=torch.zeros(100, 256))
+    by_kind = {d.kernel.split("_")[4]: d for d in p.dispatches if "_tensor_" in d.kernel}
+    register_file = timing.chip("M5")["register_file_bytes_per_core"]
+
+    def fits(registers):
+        return registers * 4 * by_kind["dq"].threads[0] <= register_file
+
+    keys = 256 // by_kind["dkdv"].grid[0]
+    assert keys == timing.attn_tensor_bwd_keys(D)
+    assert keys == 64 or not fits(timing.attn_tensor_bwd_registers("dkdv", D, 64)[0])
+    for kind in ("dkdv", "dq", "dmask"):
+        info = timing.steel_kernel_info(by_kind[kind].kernel)
+        assert fits(info["registers"]), (kind, info["register_basis"])
 
 
 # ---- the kernels against float64 autograd ----------------------------------------------------
@@ -235,6 +303,56 @@ def test_softcap_scale_sinks_gqa(dtype, seed, monkeypatch):
           window=(40, 3))  # fmt: skip
 
 
+def check_dmask(monkeypatch, layout_seed, q, k, v, mask, **kwargs):
+    """dq, dk, dv and dmask on the M5 path against float64 autograd
+    (test_attention_mask_grad.check: dmask's bound is n terms of the largest dS, n the elements
+    each mask element sums). dmask's dS is summed in fp32 straight from the score tile, not
+    rounded to T; TENSOR_SLACK covers dq and dk, whose dS is."""
+    from test_attention_mask_grad import check as mask_check
+
+    with on_m5(monkeypatch, layout_seed, keys=k.shape[-2] > 0, dmask=True):
+        return mask_check(q, k, v, mask, slack=TENSOR_SLACK, **kwargs)
+
+
+# Every way a mask broadcasts to [B = 2, H = 3, L, S] (batch, heads, rows, keys, their mixes).
+DMASK_SHAPES = [(2, 3, 70, 97), (70, 97), (2, 1, 70, 1), (1, 3, 1, 97), (1, 1, 1, 1), (3, 70, 1),
+                (2, 3, 1, 1)]  # fmt: skip
+
+
+@requires_simulator
+@pytest.mark.parametrize("shape", DMASK_SHAPES, ids=str)
+def test_dmask_every_broadcast(shape, monkeypatch):
+    dtype = HALF_TYPES[len(shape) % 2]
+    q, k, v = qkv(2, 3, 70, 97, 64, dtype=dtype, gen=torch.Generator().manual_seed(len(shape)))
+    mask = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    check_dmask(monkeypatch, sum(shape) % 13, q, k, v, mask, is_causal=True)
+
+
+@requires_simulator
+@pytest.mark.parametrize("E,dtype", CORE, ids=str)
+def test_dmask_head_dims_and_mask_dtypes(E, dtype, monkeypatch):
+    """L % 64 and S % 32 in {1, 31}; the mask in the inputs' dtype (its dmask too)."""
+    q, k, v = qkv(1, 2, 65, 63, E, dtype=dtype, gen=torch.Generator().manual_seed(E))
+    mask = torch.randn(1, 2, 65, 63, generator=torch.Generator().manual_seed(2)).to(dtype)
+    check_dmask(monkeypatch, E % 5, q, k, v, mask, is_causal=True, causal_align="bottom_right")
+
+
+@requires_simulator
+def test_dmask_with_the_other_options(monkeypatch):
+    """GQA, softcap (dmask takes dS before its slope: the mask is added after the softcap),
+    sinks, window, dropout, scale; then Hugging Face padding (finfo.min rows and keys: the
+    pre-pass's normaliser)."""
+    q, k, v = qkv(2, 4, 40, 33, 64, Hkv=1, dtype=torch.float16)
+    mask = torch.randn(4, 40, 33, generator=torch.Generator().manual_seed(4))
+    check_dmask(monkeypatch, 1, q, k, v, mask, enable_gqa=True, softcap=5.0, sinks=torch.randn(4),
+                window=(9, 3), dropout_p=0.25, seed=5, scale=0.3)  # fmt: skip
+    mask = torch.zeros(2, 1, 40, 33)
+    mask[:, :, 5] = torch.finfo(torch.float32).min
+    mask[..., 30:] = torch.finfo(torch.float32).min
+    dmask = check_dmask(monkeypatch, 2, q, k, v, mask, enable_gqa=True)[3]
+    assert bool((dmask[:, :, 6:, 30:] == 0).all()) and bool((dmask[:, :, 5] != 0).any())
+
+
 @requires_simulator
 def test_dropout_matches_the_reference(monkeypatch):
     """The same Philox stream as the reference: the kernels drop exactly its weights, so the
@@ -302,14 +420,19 @@ def test_results_do_not_depend_on_the_layout_or_the_run(monkeypatch):
     """The same call under several layout seeds, and twice under one, gives the same bits: the
     kernels reach cooperative tensor elements only through the index API, sum in a fixed order
     and use no atomics."""
+    from test_attention_mask_grad import grads as mask_grads
+
     q, k, v = qkv(1, 4, 70, 97, 64, Hkv=2, dtype=torch.bfloat16)
     mask = torch.rand(70, 97, generator=torch.Generator().manual_seed(2)) > 0.2
     grad_out = torch.randn(1, 4, 70, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    float_mask = torch.randn(1, 70, 1, generator=torch.Generator().manual_seed(3))
     first = None
     for layout_seed in [0, 0, 1, 2, 7]:
         with on_m5(monkeypatch, layout_seed):
             _, got = grads(q, k, v, "sim", grad_out, attn_mask=mask, is_causal=True,
                            enable_gqa=True)  # fmt: skip
+        with on_m5(monkeypatch, layout_seed, dmask=True):  # dmask's sums over keys and heads
+            got = [*got, mask_grads("sim", q, k, v, float_mask, grad_out, enable_gqa=True)[3]]
         if first is None:
             first = got
         for a, b in zip(got, first, strict=True):
@@ -319,25 +442,26 @@ def test_results_do_not_depend_on_the_layout_or_the_run(monkeypatch):
 LAYOUT_KERNELS = Path(__file__).parent / "kernels" / "attention_bwd_tensor_layout_msl4.metal"
 
 
-def run_dq_test_kernel(name, q, k, v, mask, grad_out, out, lse, **options):
-    """dq of a test build of the matmul2d dQ kernel (LAYOUT_KERNELS), launched as the M5 plan
-    of this backward launches the shipped one (grid, threads, constants, bindings), with delta
-    = rowsum(dO * O) in fp32 and the normaliser 1 (no |lse| is huge here) in place of the
-    pre-pass."""
+def run_test_kernel(name, kind, q, k, v, mask, grad_out, out, lse, **options):
+    """dq (kind "dq") or dmask ("dmask") of a test build of the matmul2d kernel
+    (LAYOUT_KERNELS), launched as the M5 plan of this backward launches the shipped one (grid,
+    threads, constants, bindings), with delta = rowsum(dO * O) in fp32 and the normaliser 1 (no
+    |lse| is huge here) in place of the pre-pass."""
     import bench_attention
 
     tensors = [grad_out, q, k, v, out, lse, mask, None, None]
-    opts = {**bench_attention.run_options(q.shape[-1], options), **M5}
+    opts = {**bench_attention.run_options(q.shape[-1], options), **M5, "mask_grad": kind == "dmask"}
     p = sim.plan("sdpa_backward", tensors, opts)
-    (d,) = [d for d in p.dispatches if d.kernel == "steel_attention_bwd_tensor_dq_f16_e64_v64"]
+    (d,) = [d for d in p.dispatches if d.kernel == f"steel_attention_bwd_tensor_{kind}_f16_e64_v64"]
     slots = tensors + [torch.zeros(a.sizes, dtype=a.dtype) for a in p.allocations]
-    delta = slots[len(tensors) + [a.name for a in p.allocations].index("delta")]
+    names = [a.name for a in p.allocations]
+    delta = slots[len(tensors) + names.index("delta")]
     delta[0] = (grad_out.float() * out.float()).sum(-1).flatten()
     delta[1] = 1.0
     buffers = {b.index: slots[b.slot] if b.kind == "tensor" else b.bytes for b in d.bindings}
     sim.run_kernel(name, sources=[LAYOUT_KERNELS], grid=d.grid, threads=d.threads,
                    buffers=buffers, constants=d.constants, checkers=True)  # fmt: skip
-    return slots[len(tensors)]
+    return slots[len(tensors) + names.index(kind)]
 
 
 @requires_simulator
@@ -359,11 +483,43 @@ def test_a_dq_that_assumes_a_layout_fails(monkeypatch):
     )
     for layout_seed in SEEDS + [5]:
         monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
-        args = (q, k, v, mask, grad_out, out, lse)
-        dq = run_dq_test_kernel("attention_bwd_tensor_dq_index_api", *args, is_causal=True)
+        args = ("dq", q, k, v, mask, grad_out, out, lse)
+        dq = run_test_kernel("attention_bwd_tensor_dq_index_api", *args, is_causal=True)
         assert bool(((dq.double() - want).abs() <= bound).all()), layout_seed
-        dq = run_dq_test_kernel("attention_bwd_tensor_dq_layout_assumed", *args, is_causal=True)
+        dq = run_test_kernel("attention_bwd_tensor_dq_layout_assumed", *args, is_causal=True)
         assert not bool(((dq.double() - want).abs() <= bound).all()), layout_seed
+
+
+@requires_simulator
+def test_a_dmask_that_assumes_a_layout_fails(monkeypatch):
+    """The same for the dmask kernel, on a float mask broadcast over the batch (each element a
+    sum of two pairs' dS): within test_attention_mask_grad's bound with the index API, outside
+    it with the layout assumed, under every seed."""
+    q, k, v = qkv(2, 2, 100, 70, 64, dtype=torch.float16)
+    mask = torch.randn(1, 2, 100, 70, generator=torch.Generator().manual_seed(4))
+    grad_out = torch.randn(2, 2, 100, 64, generator=torch.Generator().manual_seed(6)).half()
+    with sim.device({**M5, "decode": 0}):
+        out, lse = sim.run_op("sdpa", [q, k, v, mask, None], {"is_causal": True})
+
+    def reference_grad(m):
+        leaves = [x.double().requires_grad_() for x in (q, k, v, m)]
+        with torch_steel.backend("reference"):
+            ref = torch_steel.sdpa(*leaves[:3], attn_mask=leaves[3], is_causal=True)
+        return torch.autograd.grad((ref * grad_out.double()).sum(), leaves[3:])[0]
+
+    want = reference_grad(mask)
+    ds = reference_grad(mask.expand(2, 2, 100, 70).contiguous())  # each pair's dS
+    # test_attention_mask_grad's bound: two terms an element, each within SLACK of max |dS|.
+    bound = OUT_ROUNDING[torch.float32] * want.abs() + 2 * TENSOR_SLACK[torch.float16] * float(
+        ds.abs().max()
+    )
+    for layout_seed in SEEDS + [5]:
+        monkeypatch.setenv("TORCH_STEEL_SIM_LAYOUT_SEED", str(layout_seed))
+        args = ("dmask", q, k, v, mask, grad_out, out, lse)
+        dm = run_test_kernel("attention_bwd_tensor_dmask_index_api", *args, is_causal=True)
+        assert bool(((dm.double() - want).abs() <= bound).all()), layout_seed
+        dm = run_test_kernel("attention_bwd_tensor_dmask_layout_assumed", *args, is_causal=True)
+        assert not bool(((dm.double() - want).abs() <= bound).all()), layout_seed
 
 
 # ---- wider sweeps ----------------------------------------------------------------------------
@@ -376,11 +532,11 @@ def test_a_dq_that_assumes_a_layout_fails(monkeypatch):
 @pytest.mark.parametrize("E,dtype", CORE + [(64, torch.bfloat16), (256, torch.float16)], ids=str)
 def test_lengths_every_seed_and_head_dim(E, dtype, L, S, layout_seed, monkeypatch):
     q, k, v = qkv(1, 2, L, S, E, dtype=dtype, gen=torch.Generator().manual_seed(L * 1000 + S))
-    # No sinks here: dsinks is the simdgroup kernel's, a sum whose terms cancel, which
-    # test_fuzz_sdpa_backward bounds as such; test_softcap_scale_sinks_gqa and test_varlen
-    # cover the matmul2d kernels with sinks.
+    # Sinks in the dtype: the matmul2d kernels' P carries them through lse; dsinks (a sum whose
+    # terms cancel) is bounded by its terms (sinks_bound).
+    sinks = torch.randn(2, generator=torch.Generator().manual_seed(L + S)).to(dtype)
     check(monkeypatch, layout_seed, q, k, v, is_causal=L <= S, causal_align="bottom_right",
-          softcap=20.0)  # fmt: skip
+          softcap=20.0, sinks=sinks)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -433,6 +589,38 @@ def test_traffic_and_multiply_adds_match_the_bench_model(B, Hq, Hkv, L, S, E, op
     assert [bench_attention.counted_mma([c]) for c in counters] == [m for _, m in predicted]
     for c, d in zip(counters, p.dispatches, strict=True):
         assert "_tensor_" not in d.kernel or c["mma"] == 0
+
+
+@requires_simulator
+@pytest.mark.parametrize(
+    "Hq,L,S,E,options,mask_shape,mask_dtype",
+    [
+        (2, 97, 129, 64, {"is_causal": True}, (2, 2, 97, 129), torch.float16),
+        (2, 70, 100, 128, {}, (2, 1, 70, 1), torch.float32),  # keys broadcast
+        (4, 130, 33, 96, {"window_left": 20, "window_right": 5}, (1, 4, 1, 33), torch.float16),
+        (2, 65, 70, 256, {"is_causal": True, "bottom_right": True}, (65, 70), torch.float32),
+    ],
+)  # fmt: skip
+def test_dmask_traffic_matches_the_bench_model(Hq, L, S, E, options, mask_shape, mask_dtype):
+    """bench_attention.backward_model of a backward with the mask's gradient (the matmul2d
+    dmask: the dQ kernel's blocks over its own tiles, Q and dO once per block that meets one,
+    K and V once per visited tile, two operations a tile; and the 32-key dK/dV blocks at
+    D = 256) equals the simulator's counters."""
+    import bench_attention
+
+    dtype = torch.float16
+    q, k, v, _ = bench_attention.inputs(2, Hq, Hq, L, S, E, E, None, dtype, "cpu")
+    mask = torch.randn(mask_shape, dtype=mask_dtype)
+    opts = {**bench_attention.run_options(E, options), **M5, "decode": 0, "mask_grad": True}
+    out, lse = sim.run_op("sdpa", [q, k, v, mask, None], opts)
+    tensors = [torch.randn_like(out), q, k, v, out, lse, mask, None, None]
+    p = sim.plan("sdpa_backward", tensors, opts)
+    assert sum("_tensor_" in d.kernel for d in p.dispatches) == 3
+    mask_es = torch.finfo(mask_dtype).bits // 8
+    predicted = bench_attention.backward_model(p, [(L, S, 2)], 2, mask_es)
+    _, counters = sim.run_op("sdpa_backward", tensors, opts, counters=True, checkers=False)
+    assert bench_attention.counted_backward(counters) == [b for b, _ in predicted]
+    assert [bench_attention.counted_mma([c]) for c in counters] == [m for _, m in predicted]
 
 
 @requires_simulator

@@ -146,6 +146,37 @@ def _attn_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
     return _attn_bk(de, dv, elem) * _attn_row_bytes(de, dv, elem)
 
 
+# The matmul2d backward (shaders/steel/attn_tensor/backward_tensor.h): 128 threads, key tiles of
+# 32, the dK/dV block's keys as params.h's steel_attn_tensor_bwd_keys chooses them.
+_TENSOR_THREADS, _TENSOR_ROWS, _TENSOR_BK = 128, 64, 32
+
+
+def attn_tensor_bwd_keys(d: int) -> int:
+    """steel_attn_tensor_bwd_keys of shaders/steel/params.h: the dK/dV block's keys."""
+    return 32 if d > 128 else _TENSOR_ROWS
+
+
+def attn_tensor_bwd_registers(kind: str, d: int, rows: int) -> tuple[int, str]:
+    """(32-bit registers per thread, basis) of a matmul2d backward kernel ("dkdv", "dq",
+    "dmask") at head dim d with `rows` keys (dK/dV) or query rows a block: the elements of the
+    cooperative tensors it keeps live across its tile loop, spread evenly over the threadgroup's
+    threads (the layout is the driver's; padding slots are not counted), 16-bit operands two to
+    a register, plus _BASE_REGISTERS scalars."""
+    per = rows * d // _TENSOR_THREADS  # elements of one rows x d tensor per thread
+    tile = rows * _TENSOR_BK // _TENSOR_THREADS  # of one rows x BK score tile
+    if kind == "dkdv":
+        regs, what = per + 2 * per + 2 * tile, "K, V (16-bit), dK, dV (fp32), S^T, dP^T"
+    elif kind == "dq":
+        regs, what = per + per + 2 * tile, "Q, dO (16-bit), dQ (fp32), S, dP"
+    else:
+        regs, what = per + 3 * tile, "Q, dO (16-bit), the dmask sum, S, dP (fp32)"
+    basis = (
+        f"{regs} registers of cooperative tensors ({what}, {rows} rows x {d} over "
+        f"{_TENSOR_THREADS} threads) + {_BASE_REGISTERS} scalars"
+    )
+    return regs + _BASE_REGISTERS, basis
+
+
 def steel_kernel_info(kernel: str) -> dict[str, Any]:
     """The register estimate of one of steel's kernels, from its host name.
 
@@ -156,6 +187,12 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
     are all simdgroup_matrix<float, 8, 8>, fragment.h, whatever the tensors' dtype)}. Unknown
     kernels (PyTorch's) get registers None: registers then do not limit occupancy,
     and the result says so."""
+    m = re.match(r"steel_attention_bwd_tensor_(dkdv|dq|dmask)_(?:f16|bf16)_e(\d+)_v\d+$", kernel)
+    if m:
+        kind, d = m.group(1), int(m.group(2))
+        rows = attn_tensor_bwd_keys(d) if kind == "dkdv" else _TENSOR_ROWS
+        registers, basis = attn_tensor_bwd_registers(kind, d, rows)
+        return {"registers": registers, "register_basis": basis, "mma_dtype": "float"}
     m = re.match(
         r"steel_attention_(?:(decode|tensor|bwd_dkdv|bwd_dq)_)?(f16|bf16|f32)_e(\d+)_v(\d+)$",
         kernel,

@@ -127,6 +127,27 @@ inline steel_i64 attn_bwd_grad_at(int zb, int first_token, int heads, int rows, 
                      : ((steel_i64(zb) * heads + head) * rows + row) * dim;
 }
 
+// The query tiles [t_begin, t_end) of `bq` rows that hold a row seeing some key of the dK/dV
+// block key0 .. last_key: attn_key_tiles' causal / window bounds read the other way.
+inline void attn_query_tiles(constant AttnParams& p, AttnExtent x, int key0, int last_key,
+                             int bq, thread int& t_begin, thread int& t_end) {
+  int row_begin = 0;
+  int row_end = x.L;
+  if (attn_has_hi) row_begin = max(0, key0 - x.shift - p.hi_off);
+  if (attn_has_lo) row_end = min(x.L, last_key - x.shift + p.lo_off + 1);
+  t_begin = row_begin / bq;
+  t_end = row_end > row_begin ? (row_end + bq - 1) / bq : t_begin;
+}
+
+// Does a diagonal cross the (query tile row0 .. last_row, keys key0 .. last_key) square, so that
+// some of its scores are hidden? (attn_edge_tile's test, the other way; the callers add their
+// ragged edges.) Uniform per threadgroup.
+inline bool attn_query_edge_tile(constant AttnParams& p, AttnExtent x, int key0, int last_key,
+                                 int row0, int last_row) {
+  return (attn_has_hi && last_key > row0 + x.shift + p.hi_off) ||
+         (attn_has_lo && key0 < last_row + x.shift - p.lo_off);
+}
+
 // The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
 inline float attn_probability(float s, float lse) {
   return lse == -INFINITY ? 0.0f : exp2((s - lse * attn_units_per_nat) * attn_exp_unit);
@@ -233,13 +254,8 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   dkf.clear();
   dvf.clear();
 
-  // The query rows that see some key of the block (the forward's bounds, read the other way).
-  int row_begin = 0;
-  int row_end = ext.L;
-  if (attn_has_hi) row_begin = max(0, key0 - ext.shift - p.hi_off);
-  if (attn_has_lo) row_end = min(ext.L, last_key - ext.shift + p.lo_off + 1);
-  const int t_begin = row_begin / A::BK;
-  const int t_end = row_end > row_begin ? (row_end + A::BK - 1) / A::BK : t_begin;
+  int t_begin, t_end;
+  attn_query_tiles(p, ext, key0, last_key, A::BK, t_begin, t_end);
   const bool keys_whole = key0 + A::BKV <= ext.S;
 
   threadgroup T* Qs = smem;
@@ -265,8 +281,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       const bool whole = attn_align_q || valid == A::BK;
       const int last_row = row0 + valid - 1;
       const bool edge = !whole || !keys_whole ||
-                        (attn_has_hi && last_key > row0 + ext.shift + p.hi_off) ||
-                        (attn_has_lo && key0 < last_row + ext.shift - p.lo_off);
+                        attn_query_edge_tile(p, ext, key0, last_key, row0, last_row);
 
       if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
       first = false;

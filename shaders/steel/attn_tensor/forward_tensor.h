@@ -40,10 +40,34 @@ namespace steel {
 template <typename T>
 using attn_tensor_view = tensor<const device T, dextents<int32_t, 2>, tensor_inline>;
 
-// The two operations of a (T, DE, DV) kernel and the cooperative tensors they define.
-template <typename T, short DE, short DV>
+// A view of `rows` rows of `cols` elements from `at`, one every `rs` elements (dimension 0 is
+// the column): the operations' device operands and the blocks' cooperative-tensor loads.
+template <typename T>
+inline attn_tensor_view<T> attn_tensor_rows(const device T* at, int cols, int rows, steel_i64 rs) {
+  return attn_tensor_view<T>(at, dextents<int32_t, 2>(cols, rows),
+                             array<int32_t, 2>({1, int32_t(rs)}));
+}
+
+// op.run(left, the first R rows of C columns of `right`, dest), through a static-extent slice
+// when `whole` (a full tile at the kernel's head dim: no edge checks) and a dynamic one, which
+// the operation edge-checks (zeros past the view's extents), otherwise. `whole` is uniform.
+template <short C, short R, typename Op, typename Left, typename T, typename Dest>
+inline void attn_tensor_run(thread const Op& op, thread const Left& left,
+                            thread const attn_tensor_view<T>& right, thread Dest& dest,
+                            bool whole) {
+  if (whole) {
+    op.run(left, right.template slice<C, R>(0, 0), dest);
+  } else {
+    op.run(left, right.slice(0, 0), dest);
+  }
+}
+
+// The two operations of a (T, DE, DV) kernel of ROWS rows a block and the cooperative tensors
+// they define (the prefill's ROWS is STEEL_ATTN_TENSOR_BQ query rows; the backward's dK/dV
+// blocks hold keys, params.h's steel_attn_tensor_bwd_keys).
+template <typename T, short DE, short DV, short ROWS = STEEL_ATTN_TENSOR_BQ>
 struct AttnTensor {
-  static constant constexpr int BQ = STEEL_ATTN_TENSOR_BQ;
+  static constant constexpr int BQ = ROWS;
   static constant constexpr int BK = STEEL_ATTN_TENSOR_BK;
   static constant constexpr int kSimdgroups = STEEL_ATTN_TENSOR_SIMDGROUPS;
   using Scope = execution_simdgroups<kSimdgroups>;
@@ -142,7 +166,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
   typename A::ScoreOp score_op;
   typename A::OutOp out_op;
   typename A::QIn qc;
-  qc.load(View(q, dextents<int32_t, 2>(p.E, rows), array<int32_t, 2>({1, int32_t(p.q_rs)})));
+  qc.load(attn_tensor_rows(q, p.E, rows, p.q_rs));
 
   Softmax sm;
   if (attn_sinks != kSteelAttnOperandNone) {
@@ -168,18 +192,12 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
     const int keys = ext.S - key0;
     const bool whole = whole_e && keys >= A::BK;  // uniform: static slices need no edge checks
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
-    const View tk(k + key0 * p.k_rs, dextents<int32_t, 2>(p.E, keys),
-                  array<int32_t, 2>({1, int32_t(p.k_rs)}));
-    const View tv(v + key0 * p.v_rs, dextents<int32_t, 2>(p.Ev, keys),
-                  array<int32_t, 2>({1, int32_t(p.v_rs)}));
+    const View tk = attn_tensor_rows(k + key0 * p.k_rs, p.E, keys, p.k_rs);
+    const View tv = attn_tensor_rows(v + key0 * p.v_rs, p.Ev, keys, p.v_rs);
 
     // S = Q K^T.
     typename A::Scores s;
-    if (whole) {
-      score_op.run(qc, tk.template slice<DE, A::BK>(0, 0), s);
-    } else {
-      score_op.run(qc, tk.slice(0, 0), s);
-    }
+    attn_tensor_run<DE, A::BK>(score_op, qc, tk, s, whole);
     for (ushort i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
       const auto at = s.get_multidimensional_index(i);
@@ -210,11 +228,7 @@ inline void attention_tensor_block(const device T* q, const device T* k, const d
     }
 
     // O += P V.
-    if (whole) {
-      out_op.run(p_tile, tv.template slice<DV, A::BK>(0, 0), o);
-    } else {
-      out_op.run(p_tile, tv.slice(0, 0), o);
-    }
+    attn_tensor_run<DV, A::BK>(out_op, p_tile, tv, o, whole);
   }
 
   // 1 / l per row (0 for a row that saw nothing), through threadgroup memory to O's layout.

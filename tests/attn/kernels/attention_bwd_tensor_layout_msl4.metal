@@ -1,4 +1,4 @@
-// Test kernels: the matmul2d dQ block of the attention backward
+// Test kernels: the matmul2d dQ and dmask blocks of the attention backward
 // (shaders/steel/attn_tensor/backward_tensor.h) as shipped, finding each score's (key, row)
 // with the cooperative tensor index API, and with an index that hard-codes a layout: slot i of
 // thread t holds element 16 t + i in row-major order (each thread a run of one row, as
@@ -45,3 +45,28 @@ decltype(attention_bwd_tensor_dq_test<half, 64, AttnTensorIndex>)
 template [[host_name("attention_bwd_tensor_dq_layout_assumed")]] [[kernel]]
 decltype(attention_bwd_tensor_dq_test<half, 64, LayoutAssumingIndex>)
     attention_bwd_tensor_dq_test<half, 64, LayoutAssumingIndex>;
+
+template <typename T, short D, typename Index>
+[[kernel]] void attention_bwd_tensor_dmask_test(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]], const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device T* v [[buffer(STEEL_ATTN_BUF_V)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device T* grad_out [[buffer(STEEL_ATTN_BUF_GRAD_OUT)]],
+    const device float* lse [[buffer(STEEL_ATTN_BUF_FWD_LSE)]],
+    const device float* delta [[buffer(STEEL_ATTN_BUF_DELTA)]],
+    device uchar* dmask [[buffer(STEEL_ATTN_BUF_DMASK)]],
+    constant AttnBackwardParams& params [[buffer(STEEL_ATTN_BUF_BWD_PARAMS)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort thread_index [[thread_index_in_threadgroup]]) {
+  threadgroup float red[STEEL_ATTN_TENSOR_BQ * STEEL_ATTN_TENSOR_BK];
+  threadgroup float stats[3 * STEEL_ATTN_TENSOR_BQ];
+  attention_bwd_tensor_dmask_block<T, D, Index>(q, k, v, mask, grad_out, lse, delta, dmask,
+                                                params, red, stats, tg, thread_index);
+}
+
+template [[host_name("attention_bwd_tensor_dmask_index_api")]] [[kernel]]
+decltype(attention_bwd_tensor_dmask_test<half, 64, AttnTensorIndex>)
+    attention_bwd_tensor_dmask_test<half, 64, AttnTensorIndex>;
+template [[host_name("attention_bwd_tensor_dmask_layout_assumed")]] [[kernel]]
+decltype(attention_bwd_tensor_dmask_test<half, 64, LayoutAssumingIndex>)
+    attention_bwd_tensor_dmask_test<half, 64, LayoutAssumingIndex>;
