@@ -233,6 +233,24 @@ def test_alias_reads_the_latent_once_per_block():
     assert counters[0]["buffers"][2]["read"] == 0
 
 
+def test_m5_keeps_576_on_the_simdgroup_kernels_with_the_alias():
+    """On an M5 (Metal 4, Apple10, the tensor-op library) the matmul2d prefill is instantiated
+    for equal head-dim pairs 64 to 256 only (attn::tensor_serves), so absorbed MLA's 576 / 512
+    plans the simdgroup prefill and decode kernels there as elsewhere, with the alias (which
+    the matmul2d kernels would not take: attn::kv_alias); both paths agree with the oracle."""
+    from gemm_helpers import M5
+
+    gen = torch.Generator().manual_seed(8)
+    kv, v = latent(1, 97, torch.bfloat16, gen)
+    with sim.device(M5):
+        for L in (33, 2):
+            q = rand(1, 16, L, E, dtype=torch.bfloat16, gen=gen)
+            (d, *_) = plan_of(q, kv, v, is_causal=True, causal_align="bottom_right").dispatches
+            kind = "steel_attention_bf16_" if L > 8 else "steel_attention_decode_bf16_"
+            assert d.kernel == kind + "e576_v512" and d.constants[KV_ALIAS], d.kernel
+            check_both(q, kv, v, scale=SCALE, is_causal=True, causal_align="bottom_right")
+
+
 def absorbed_deepseek_layer():
     """One DeepSeek-V2 attention layer of a tiny config built in code (random weights, float64,
     YaRN rope so that its scale carries the mscale factor), a 37-token input, the layer's own
