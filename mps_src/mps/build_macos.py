@@ -298,13 +298,18 @@ def setup_options(root: Path) -> dict:
         # -std=c++20: torch 2.13's headers expect it (DESIGN.md section 6). ARC manages the
         # Objective-C objects held in C++ containers (pipeline cache, encoder state).
         extra_compile_args=["-std=c++20", "-fobjc-arc", MIN_VERSION_FLAG],
-        # libobjc: ARC's objc_retain / objc_release, named rather than left to Foundation. The
+        # libobjc: ARC's objc_retain / objc_release, named rather than left to Foundation. IOKit
+        # and CoreFoundation: the GPU's core count from the IORegistry (library.mm). The
         # minimum macOS again at the link, which writes it into the binary's load commands.
         extra_link_args=[
             "-framework",
             "Metal",
             "-framework",
             "Foundation",
+            "-framework",
+            "IOKit",
+            "-framework",
+            "CoreFoundation",
             "-lobjc",
             MIN_VERSION_FLAG,
         ],

@@ -29,8 +29,8 @@ bool load_tensor_ops_metallib(const std::string& path);
 bool compile_tensor_ops_sources(const std::vector<std::string>& sources);
 
 // The device description of mps_src/plan/device.h, added to `options` (where the caller did
-// not set it): the GPU's Apple family, Metal 4 support, and whether the tensor-op kernels are
-// loaded.
+// not set it): the GPU's Apple family, Metal 4 support, whether the tensor-op kernels are
+// loaded, and its core count where the IORegistry gives one.
 void describe_device(Options* options);
 
 // The pipeline of dispatch.kernel specialized with dispatch.constants, built on first use and

@@ -2,6 +2,8 @@
 #include "mps/library.h"
 
 #include <ATen/mps/MPSDevice.h>
+#include <CoreFoundation/CoreFoundation.h>
+#include <IOKit/IOKitLib.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -45,6 +47,42 @@ int apple_family() {
     if ([device() supportsFamily:(MTLGPUFamily)(kGPUFamilyApple1 + n)]) return n;
   }
   return 0;
+}
+
+// The GPU's core count, or 0 where the IORegistry does not say. Metal has no API for it; Apple's
+// GPU driver service, AGXAccelerator, publishes it as the property "gpu-core-count" (what
+// PyTorch's MPSDevice::getCoreCount reads too, asserting where the service is missing: here a
+// missing service or property is no error, and the plans assume their default, device.h). Read
+// once: the process keeps its GPU.
+int64_t gpu_core_count() {
+  static const int64_t count = [] {
+    int64_t found = 0;
+    CFMutableDictionaryRef matching = IOServiceMatching("AGXAccelerator");
+    io_iterator_t iterator = IO_OBJECT_NULL;
+    // The look-up consumes `matching`, whatever it returns.
+    if (matching == nullptr ||
+        IOServiceGetMatchingServices(kIOMainPortDefault, matching, &iterator) != KERN_SUCCESS) {
+      return found;
+    }
+    io_registry_entry_t entry = IO_OBJECT_NULL;
+    while (found == 0 && (entry = IOIteratorNext(iterator)) != IO_OBJECT_NULL) {
+      CFTypeRef property = IORegistryEntryCreateCFProperty(entry, CFSTR("gpu-core-count"),
+                                                           kCFAllocatorDefault, 0);
+      if (property != nullptr) {
+        int64_t value = 0;
+        if (CFGetTypeID(property) == CFNumberGetTypeID() &&
+            CFNumberGetValue(static_cast<CFNumberRef>(property), kCFNumberSInt64Type, &value) &&
+            value > 0) {
+          found = value;
+        }
+        CFRelease(property);
+      }
+      IOObjectRelease(entry);
+    }
+    IOObjectRelease(iterator);
+    return found;
+  }();
+  return count;
 }
 
 NSString* to_ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
@@ -190,6 +228,8 @@ void describe_device(Options* options) {
   options->numbers.emplace(kDeviceAppleFamily, apple_family());
   options->numbers.emplace(kDeviceMetal4, supports_metal4() ? 1.0 : 0.0);
   options->numbers.emplace(kDeviceTensorOps, loaded ? 1.0 : 0.0);
+  const int64_t cores = gpu_core_count();
+  if (cores > 0) options->numbers.emplace(kDeviceGpuCores, static_cast<double>(cores));
 }
 
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {

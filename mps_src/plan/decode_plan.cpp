@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_plan.h"
+#include "device.h"
 
 namespace steel {
 namespace attn {
@@ -45,8 +46,12 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
       dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
   int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
   if (n <= 0) {
-    const int64_t cores = std::max<int64_t>(
-        1, static_cast<int64_t>(options.number("gpu_cores", kDecodeDefaultCores)));
+    // The device's cores (device.h): the (batch entry, KV head) threadgroups fill an 8-core M1
+    // at a quarter of the count a 40-core M4 Max needs, so the split follows the core count
+    // rather than one Mac's. The timing model (torch_steel/sim/timing.py) quantizes a dispatch
+    // in waves of cores x resident threadgroups per core the same way.
+    const int64_t described = device_desc(options).gpu_cores;
+    const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
     const int64_t target = cores * kDecodeTgPerCore;
     n = threadgroups >= target
             ? 1

@@ -1,5 +1,7 @@
 #include "device.h"
 
+#include <algorithm>
+
 namespace steel {
 
 DeviceDesc device_desc(const Options& options) {
@@ -7,6 +9,7 @@ DeviceDesc device_desc(const Options& options) {
   d.apple_family = static_cast<int>(options.number(kDeviceAppleFamily, 0));
   d.metal4 = options.number(kDeviceMetal4, 0) != 0;
   d.tensor_ops_library = options.number(kDeviceTensorOps, 0) != 0;
+  d.gpu_cores = std::max<int64_t>(0, static_cast<int64_t>(options.number(kDeviceGpuCores, 0)));
   return d;
 }
 

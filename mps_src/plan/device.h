@@ -15,6 +15,10 @@ constexpr const char* kDeviceMetal4 = "device_metal4";  // supportsFamily(MTLGPU
 // The MSL 4 tensor-op library (steel_tensor_ops.metallib, or its source compiled at run time)
 // is loaded: built with a macOS 26.2+ SDK and loadable by this OS.
 constexpr const char* kDeviceTensorOps = "device_tensor_ops";
+// The GPU's core count (the IORegistry's gpu-core-count on the Mac; a chip's gpu_cores in
+// torch_steel/sim/chips.json for sim.predict). Absent or 0: unknown, and the planners that size
+// a grid by it assume their default (attention_plan.h, kDecodeDefaultCores).
+constexpr const char* kDeviceGpuCores = "gpu_cores";
 
 // M5-generation GPUs are the Apple10 family: their per-core matrix units ("neural
 // accelerators") are what mpp::tensor_ops::matmul2d reaches. Earlier GPUs run matmul2d too,
@@ -25,6 +29,7 @@ struct DeviceDesc {
   int apple_family = 0;  // 0: unknown
   bool metal4 = false;
   bool tensor_ops_library = false;
+  int64_t gpu_cores = 0;  // 0: unknown
 };
 
 DeviceDesc device_desc(const Options& options);

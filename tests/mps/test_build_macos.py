@@ -166,6 +166,10 @@ def test_setup_options(tmp_path, mps_torch):
         "Metal",
         "-framework",
         "Foundation",
+        "-framework",
+        "IOKit",  # the IORegistry's gpu-core-count (library.mm)
+        "-framework",
+        "CoreFoundation",
         "-lobjc",
         f"-mmacosx-version-min={build_macos.DEPLOYMENT_TARGET}",  # the link records it
     ]

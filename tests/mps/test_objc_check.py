@@ -190,6 +190,14 @@ _MUTANTS = {
         "(id<MTLBuffer>)(tensor.storage().data())",
         "requires a bridged cast",
     ),
+    # The registry property is a CFTypeRef: reading it as a number takes a CFNumberRef, as
+    # Apple declares CFNumberGetValue.
+    "cf_property_not_a_number": (
+        "library.mm",
+        "CFNumberGetValue(static_cast<CFNumberRef>(property),",
+        "CFNumberGetValue(property,",
+        "no matching function for call to 'CFNumberGetValue'",
+    ),
     # Apple's headers are NS_ASSUME_NONNULL; the subset keeps that, so nil where Metal requires
     # an object is caught (-Wnonnull under -Werror).
     "nil_for_a_nonnull_argument": (

@@ -117,6 +117,53 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
         assert merge.grid == (1, Hkv, B) and merge.threads == (32, 1, 1)
 
 
+@pytest.mark.parametrize(
+    "options,splits,split_keys",
+    [
+        # 8 threadgroups (one per KV head, its 4 query heads packed) of the 4 per core wanted,
+        # at most 4096 / 256 = 16 partitions, keys per partition rounded up to the 32-key tile.
+        ({"gpu_cores": 8}, 4, 1024),  # M1: 32 wanted
+        ({"gpu_cores": 10}, 5, 832),  # M2, M3, M4: 40 wanted, 820 keys -> 832
+        ({"gpu_cores": 20}, 10, 416),  # M4 Pro: 80 wanted, 410 -> 416 (4096 / 416: 10)
+        ({"gpu_cores": 40}, 16, 256),  # M4 Max: 160 wanted, 16 partitions at most
+        ({}, 5, 832),  # no core count described: kDecodeDefaultCores (10)
+        ({"gpu_cores": 0}, 5, 832),  # 0: unknown, as absent
+    ],
+)  # fmt: skip
+def test_partitions_follow_the_core_count(options, splits, split_keys):
+    """The split fills about 4 threadgroups per core of the described GPU (device.h gpu_cores,
+    which the Metal host reads from the IORegistry), not one Mac's."""
+    dp = decode_params(dense(1, 32, 8, 1, 4096, **options).dispatches[0])
+    assert (dp["splits"], dp["split_keys"]) == (splits, split_keys)
+
+
+def test_sim_device_block_describes_the_core_count():
+    with sim.device({"gpu_cores": 40}):
+        inside = decode_params(dense(1, 32, 8, 1, 4096).dispatches[0])["splits"]
+        called = decode_params(dense(1, 32, 8, 1, 4096, gpu_cores=8).dispatches[0])["splits"]
+    assert (inside, called) == (16, 4)  # a call's own options take precedence
+
+
+@pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
+@pytest.mark.parametrize(
+    "chip,options,splits",
+    [
+        # 8 threadgroups (MHA: one per head) of 2048 keys, at most 2048 / 256 = 8 partitions.
+        ("M1", {}, 4),  # 8 cores: 32 threadgroups wanted
+        ("M4 Max", {}, 8),  # 40 cores: 160 wanted, 8 at most
+        ("M4 Max", {"gpu_cores": 8}, 4),  # the call's count takes precedence
+    ],
+)  # fmt: skip
+def test_predict_plans_for_the_chips_core_count(chip, options, splits):
+    """sim.predict on a chip runs the plan the Metal host makes on it: split by the chip's
+    gpu_cores in chips.json, unless the call's options give a count."""
+    q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.float16) for n in (1, 2048, 2048))
+    predicted = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.125, **options}, chip=chip)
+    kernels = [d["kernel"] for d in predicted["dispatches"]]
+    assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
+    assert predicted["dispatches"][0]["occupancy"]["threadgroups"] == splits * 8
+
+
 def test_merge_grid_covers_rows_heads_batch():
     p = dense(3, 8, 2, 4, 3000, num_splits=4)
     merge = p.dispatches[1]

@@ -515,25 +515,30 @@ def predict(
     False keeps the model's fallback (the tensors' device bytes). sample: as for run_op (big
     dispatches; outputs are then None).
 
+    The plan is the one made for the chip's core count (the description's "gpu_cores", as the
+    Metal host reads the GPU's; mps_src/plan/device.h) unless `options` set it: the decode
+    split follows it.
+
     Returns {"chip", "time_s" (the sum over dispatches), "bound" (that of the longest dispatch),
     "dispatches": [timing.predict_dispatch's result per dispatch], "outputs"}. The checkers are
     off by default: they change no counter and cost time."""
     from torch_steel.sim import timing  # noqa: PLC0415 (keeps the package import light)
 
-    p = plan(op, tensors, options)
-    if not p.ok:
-        raise PlanRefused(p.reason)
     record = timing.chip(chip)
-    description = None
-    if cache:
-        description = {
-            "l2_bytes": int(record["l2_bytes"]),
-            "slc_bytes": int(record["slc_bytes"]),
-            "resident_threadgroups": lambda d: timing.resident_threadgroups(d, record),
-        }
-    outputs, raw = run_op(
-        op, tensors, options, counters=True, checkers=checkers, cache=description, sample=sample
-    )
+    with device({"gpu_cores": int(record["gpu_cores"])}):
+        p = plan(op, tensors, options)
+        if not p.ok:
+            raise PlanRefused(p.reason)
+        description = None
+        if cache:
+            description = {
+                "l2_bytes": int(record["l2_bytes"]),
+                "slc_bytes": int(record["slc_bytes"]),
+                "resident_threadgroups": lambda d: timing.resident_threadgroups(d, record),
+            }
+        outputs, raw = run_op(
+            op, tensors, options, counters=True, checkers=checkers, cache=description, sample=sample
+        )
     result = timing.predict_call(p.dispatches, raw, record)
     result["outputs"] = outputs
     return result

@@ -10,8 +10,8 @@
 // deployment target (mps_src/mps/build_macos.py, DEPLOYMENT_TARGET), into `unavailable` for an
 // API introduced later and `deprecated` for one deprecated by then, so that using either fails
 // the check as -Wunguarded-availability-new / -Wdeprecated-declarations would on the Mac.
-// Foundation and dispatch declarations below predate every macOS that Metal 3.1 runs on and are
-// left unannotated.
+// Foundation, dispatch, CoreFoundation and IOKit declarations below predate every macOS that
+// Metal 3.1 runs on and are left unannotated, but for kIOMainPortDefault (macOS 12).
 #pragma once
 
 #ifndef __OBJC__
@@ -77,6 +77,53 @@ __attribute__((objc_root_class))
 typedef NSObject<OS_dispatch_queue>* dispatch_queue_t;
 typedef void (^dispatch_block_t)(void);
 void dispatch_sync(dispatch_queue_t queue, __attribute__((noescape)) dispatch_block_t block);
+
+// ---- CoreFoundation (CFBase.h, CFNumber.h, CFString.h: what library.mm reads a number with) -----
+
+typedef unsigned char Boolean;
+typedef long CFIndex;
+typedef unsigned long CFTypeID;
+typedef const void* CFTypeRef;
+typedef const struct __CFAllocator* CFAllocatorRef;
+typedef const struct __CFString* CFStringRef;
+typedef const struct __CFNumber* CFNumberRef;
+typedef const struct __CFDictionary* CFDictionaryRef;
+typedef struct __CFDictionary* CFMutableDictionaryRef;
+#define CF_RETURNS_RETAINED __attribute__((cf_returns_retained))
+#define CF_RELEASES_ARGUMENT __attribute__((cf_consumed))
+// CFString.h's constant string literal, as clang builds it.
+#define CFSTR(cStr) ((CFStringRef)__builtin___CFStringMakeConstantString("" cStr ""))
+extern const CFAllocatorRef _Nullable kCFAllocatorDefault;
+// typedef CF_ENUM(CFIndex, CFNumberType) { ... }, as CF_ENUM expands it.
+typedef enum CFNumberType : CFIndex CFNumberType;
+enum CFNumberType : CFIndex {
+  kCFNumberSInt64Type = 4,
+};
+CFTypeID CFGetTypeID(CFTypeRef cf);
+CFTypeID CFNumberGetTypeID(void);
+Boolean CFNumberGetValue(CFNumberRef number, CFNumberType theType, void* valuePtr);
+void CFRelease(CFTypeRef cf);
+
+// ---- IOKit (IOKitLib.h, mach/kern_return.h: the registry look-up of library.mm) -----------------
+
+typedef unsigned int mach_port_t;
+typedef int kern_return_t;
+typedef unsigned int IOOptionBits;
+typedef mach_port_t io_object_t;
+typedef io_object_t io_iterator_t;
+typedef io_object_t io_registry_entry_t;
+#define KERN_SUCCESS 0
+#define IO_OBJECT_NULL ((io_object_t)0)
+extern const mach_port_t kIOMainPortDefault API_AVAILABLE(macos(12.0), ios(15.0));
+CFMutableDictionaryRef _Nullable IOServiceMatching(const char* name) CF_RETURNS_RETAINED;
+kern_return_t IOServiceGetMatchingServices(
+    mach_port_t mainPort, CFDictionaryRef _Nullable matching CF_RELEASES_ARGUMENT,
+    io_iterator_t* existing);
+io_object_t IOIteratorNext(io_iterator_t iterator);
+kern_return_t IOObjectRelease(io_object_t object);
+CFTypeRef _Nullable IORegistryEntryCreateCFProperty(io_registry_entry_t entry, CFStringRef key,
+                                                    CFAllocatorRef _Nullable allocator,
+                                                    IOOptionBits options) CF_RETURNS_RETAINED;
 
 // ---- Metal -----------------------------------------------------------------------------------
 

@@ -1,0 +1,3 @@
+// Stand-in for <CoreFoundation/CoreFoundation.h> in the syntax check: see ../../apple_sdk_subset.h.
+#pragma once
+#include "../../apple_sdk_subset.h"
