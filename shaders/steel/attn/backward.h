@@ -557,6 +557,22 @@ inline void attn_dmask_pair(constant AttnBackwardParams& bp, int entry, int comb
   }
 }
 
+// The row blocks [rb_begin, rb_end) of bq rows and key tiles [kt_begin, kt_end) of bk keys that
+// dmask's threadgroup tg owns: its own (tg.x, tg.y), or every one along a dim the mask
+// broadcasts over (STEEL_ATTN_FC_DMASK_ROWS / _KEYS). Shared with the matmul2d dmask.
+struct AttnDmaskTiles {
+  int rb_begin, rb_end, kt_begin, kt_end;
+};
+
+inline AttnDmaskTiles attn_dmask_tiles(constant AttnParams& p, uint3 tg, int bq, int bk) {
+  AttnDmaskTiles t;
+  t.rb_begin = attn_dmask_rows ? 0 : int(tg.x);
+  t.rb_end = attn_dmask_rows ? (p.L + bq - 1) / bq : t.rb_begin + 1;
+  t.kt_begin = attn_dmask_keys ? 0 : int(tg.y);
+  t.kt_end = attn_dmask_keys ? (p.S + bk - 1) / bk : t.kt_begin + 1;
+  return t;
+}
+
 // dmask, the gradient of a float attn_mask (dS at the score level, attn_bwd_key_tile), in
 // the mask's own shape. A threadgroup owns BQ rows by BK keys of one element of the mask's
 // batch and head dims (or every row, every key along a dim the mask broadcasts over, with
@@ -578,10 +594,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
   const AttnExtent ext = {p.L, p.S, p.shift};  // dense launches only: varlen has no mask
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
-  const int rb_begin = attn_dmask_rows ? 0 : int(tg.x);
-  const int rb_end = attn_dmask_rows ? (p.L + A::BQ - 1) / A::BQ : rb_begin + 1;
-  const int kt_begin = attn_dmask_keys ? 0 : int(tg.y);
-  const int kt_end = attn_dmask_keys ? (p.S + A::BK - 1) / A::BK : kt_begin + 1;
+  const AttnDmaskTiles own = attn_dmask_tiles(p, tg, A::BQ, A::BK);
   const ushort thread_index = simdgroup * 32 + lane;
 
   FragTile<1, A::TK> acc;
@@ -595,7 +608,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
     const int hk = h / p.group;
     const device T* k_h = k + sq.k + hk * p.k_hs;
     const device T* v_h = v + sq.v + hk * p.v_hs;
-    for (int rb = rb_begin; rb < rb_end; ++rb) {
+    for (int rb = own.rb_begin; rb < own.rb_end; ++rb) {
       const int row0 = rb * A::BQ;
       const int row = row0 + simdgroup * 8 + fr;
       const bool row_ok = attn_align_l || row < p.L;
@@ -608,8 +621,8 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
       const int last_row = min(row0 + int(A::BQ), p.L) - 1;
       int t_begin, t_end;  // the visible tiles (the others have dS = 0) among the owned ones
       attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
-      t_begin = max(t_begin, kt_begin);
-      t_end = min(t_end, kt_end);
+      t_begin = max(t_begin, own.kt_begin);
+      t_end = min(t_end, own.kt_end);
       for (int t = t_begin; t < t_end; ++t) {
         const int key0 = t * A::BK;
         const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);

@@ -345,10 +345,7 @@ inline void attention_bwd_tensor_dmask_block(const device T* q, const device T* 
   using A = AttnTensor<T, D, D>;
   constant AttnParams& p = bp.fwd;
   const AttnExtent ext = {p.L, p.S, p.shift};
-  const int rb_begin = attn_dmask_rows ? 0 : int(tg.x);
-  const int rb_end = attn_dmask_rows ? (p.L + A::BQ - 1) / A::BQ : rb_begin + 1;
-  const int kt_begin = attn_dmask_keys ? 0 : int(tg.y);
-  const int kt_end = attn_dmask_keys ? (p.S + A::BK - 1) / A::BK : kt_begin + 1;
+  const AttnDmaskTiles own = attn_dmask_tiles(p, tg, A::BQ, A::BK);
   const bool whole_e = attn_align_e && attn_align_ev;
 
   typename A::Scores acc;
@@ -364,13 +361,13 @@ inline void attention_bwd_tensor_dmask_block(const device T* q, const device T* 
     const device T* v_h = v + sq.v + hk * p.v_hs;
     const steel_i64 mask_h = sq.m + h * p.m_hs;
     const uint bh = uint(zb) * uint(p.Hq) + uint(h);
-    for (int rb = rb_begin; rb < rb_end; ++rb) {
+    for (int rb = own.rb_begin; rb < own.rb_end; ++rb) {
       const int row0 = rb * A::BQ;
       const int last_row = min(row0 + int(A::BQ), p.L) - 1;
       int t_begin, t_end;  // the visible tiles among the owned ones
       attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
-      t_begin = max(t_begin, kt_begin);
-      t_end = min(t_end, kt_end);
+      t_begin = max(t_begin, own.kt_begin);
+      t_end = min(t_end, own.kt_end);
       if (t_begin >= t_end) continue;  // uniform
 
       // The rows' statistics, once the previous block's tiles have read them.
