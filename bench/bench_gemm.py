@@ -49,6 +49,10 @@ SHAPES = [
     ("LLM proj 4096x4096x4096", 1, 4096, 4096, 4096),
     ("decode 1x4096x4096", 1, 1, 4096, 4096),
     ("decode x8 8x1x4096x4096", 8, 1, 4096, 4096),
+    # b = W^T, W [N, K] row-major (torch_steel.linear's layout): the GEMV kernels.
+    ("decode 1x4096x4096 W^T", 1, 1, 4096, 4096),
+    ("decode x8 8x1x4096x4096 W^T", 8, 1, 4096, 4096),
+    ("few columns 4096x8x4096 W^T", 1, 4096, 8, 4096),
     ("MLP 32x11008x4096", 1, 32, 11008, 4096),
     ("split-K 16x16x4096", 1, 16, 16, 4096),
     ("batched 8x128x128x64", 8, 128, 128, 64),
@@ -114,6 +118,21 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
                 buffers[BUF_C] = {"read": m * n * es, "written": 0}
             if use_bias:
                 buffers[BUF_BIAS] = {"read": m * n * es, "written": 0}
+        elif d.kernel.startswith("steel_gemv_"):
+            # Each simdgroup reads its 4 lines of the weight (the last one re-reads its first
+            # line in place of the missing ones) and all R <= 8 lines of the other operand over
+            # K; one store per output, c and bias read once per output.
+            cols = d.kernel.startswith("steel_gemv_cols_")
+            lines, rows = (m, n) if cols else (n, m)
+            groups = -(-lines // 4)
+            w, x = (BUF_A, BUF_B) if cols else (BUF_B, BUF_A)
+            buffers[w] = {"read": batch * groups * 4 * k * es, "written": 0}
+            buffers[x] = {"read": batch * groups * rows * k * es, "written": 0}
+            buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
+            if use_c:
+                buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
+            if use_bias:
+                buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
         else:
             bm, bn = tile_of(d.kernel)
             tiles_m, tiles_n = -(-m // bm), -(-n // bn)
@@ -149,10 +168,14 @@ def counted(counters) -> list[dict[int, dict[str, int]]]:
     ]
 
 
-def tensors(batch, m, n, k, dtype, device, with_epilogue):
+def tensors(batch, m, n, k, dtype, device, with_epilogue, weight_t=False):
+    """a, b, bias; weight_t: b = W^T of a row-major W [n, k] (columns contiguous)."""
     shape_a = (batch, m, k) if batch > 1 else (m, k)
     a = torch.randn(shape_a, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
+    if weight_t:
+        b = torch.randn(n, k, dtype=dtype, device=device).t()
+    else:
+        b = torch.randn(k, n, dtype=dtype, device=device)
     bias = torch.randn(n, dtype=dtype, device=device) if with_epilogue else None
     return a, b, bias
 
@@ -169,10 +192,10 @@ def time_ms(fn, iters):
     return statistics.median(samples)
 
 
-def time_mps(batch, m, n, k, dtype, iters):
+def time_mps(batch, m, n, k, dtype, iters, weight_t):
     """Milliseconds of steel.gemm(+bias, gelu), torch.matmul, and addmm + gelu on MPS."""
     gelu = torch.nn.functional.gelu
-    a, b, bias = tensors(batch, m, n, k, dtype, "mps", True)
+    a, b, bias = tensors(batch, m, n, k, dtype, "mps", True, weight_t)
     steel = time_ms(lambda: torch.ops.steel.gemm(a, b, bias=bias, activation="gelu"), iters)
     mm = time_ms(lambda: torch.matmul(a, b), iters)
     if batch > 1:
@@ -237,7 +260,8 @@ def main() -> int:
     print(header)
     for name, batch, m, n, k in SHAPES:
         meta = "meta"
-        a, b, bias = tensors(batch, m, n, k, dtype, meta, True)
+        weight_t = name.endswith("W^T")
+        a, b, bias = tensors(batch, m, n, k, dtype, meta, True, weight_t)
         options = {"activation": "gelu", **DEVICES[args.device]}
         p = sim.plan("gemm", [a, b, bias, None], options)
         if not p.ok:
@@ -247,7 +271,7 @@ def main() -> int:
         flop = 2 * batch * m * n * k
         minimum = (batch * m * k + k * n + n + batch * m * n) * es
         moved = total(predicted)
-        kernel = p.dispatches[0].kernel.replace("steel_gemm_", "")
+        kernel = p.dispatches[0].kernel.replace("steel_gemm_", "").replace("steel_", "")
         if len(p.dispatches) > 1:
             kernel += f" x{p.dispatches[0].grid[2]}"
         line = (
@@ -257,7 +281,7 @@ def main() -> int:
         sim_col = "-"
         sim_mma = "-"
         if run_sim and batch * m * n * k <= args.sim_limit:
-            ca, cb, cbias = tensors(batch, m, n, k, dtype, "cpu", True)
+            ca, cb, cbias = tensors(batch, m, n, k, dtype, "cpu", True, weight_t)
             _, counters = sim.run_op(
                 "gemm", [ca, cb, cbias, None], options, counters=True, checkers=False
             )
@@ -276,7 +300,7 @@ def main() -> int:
         if args.device == "m5":
             line += f" {tensor_mma(p):10d} {sim_mma:>10}"
         if on_mps:
-            steel, mm, fused = time_mps(batch, m, n, k, dtype, args.iters)
+            steel, mm, fused = time_mps(batch, m, n, k, dtype, args.iters, weight_t)
             line += f" {steel:9.3f} {mm:9.3f} {fused:9.3f} {flop / steel / 1e6:8.1f}"
         print(line)
     if failures:

@@ -145,6 +145,72 @@ int64_t tile_threadgroup_bytes(const Tile& t, DType dtype, bool ta, bool tb) {
   return (a + b) * es;
 }
 
+// A batch dim after merging: its size and each operand's stride (0 where broadcast).
+struct BatchDim {
+  int64_t size, a, b, c;
+};
+
+// Threadgroups of the GEMV kernels: 4 simdgroups of kGemvCols (gemv.h) lines each.
+constexpr int64_t kGemvSimdgroups = 4;
+constexpr int64_t kGemvCols = 4;
+constexpr int64_t kGemvVec = 4;  // elements per vector access (gemv_load4)
+
+// The GEMV dispatch (see plan_gemm's rule). `cols`: the N <= 8 kernel, which treats a's rows as
+// the weight lines.
+Plan plan_gemv(Plan plan, const TensorDesc& a, const TensorDesc& b, const MatrixLayout& la,
+               const MatrixLayout& lb, const std::vector<BatchDim>& merged, int64_t M, int64_t N,
+               int64_t K, int64_t batches, DType dtype, bool cols, bool use_c, int64_t c_rs,
+               int64_t c_cs, const std::optional<TensorDesc>& bias, double alpha, double beta,
+               int activation, int32_t slot_c, int32_t slot_bias, int32_t slot_out) {
+  GemmParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.M = static_cast<int32_t>(M);
+  p.N = static_cast<int32_t>(N);
+  p.K = static_cast<int32_t>(K);
+  p.lda = static_cast<int32_t>(la.ld);
+  p.ldb = static_cast<int32_t>(lb.ld);
+  p.ldd = static_cast<int32_t>(N);
+  p.c_rs = static_cast<int32_t>(c_rs);
+  p.c_cs = static_cast<int32_t>(c_cs);
+  p.bias_stride = bias ? static_cast<int32_t>(bias->strides[0]) : 0;
+  p.alpha = static_cast<float>(alpha);
+  p.beta = static_cast<float>(beta);
+  p.batch_ndim = static_cast<int32_t>(merged.size());
+  for (size_t d = 0; d < merged.size(); ++d) {
+    p.batch_shape[d] = static_cast<int32_t>(merged[d].size);
+    p.a_batch_strides[d] = static_cast<int32_t>(merged[d].a);
+    p.b_batch_strides[d] = static_cast<int32_t>(merged[d].b);
+    p.c_batch_strides[d] = static_cast<int32_t>(merged[d].c);
+  }
+  p.out_batch_stride = static_cast<int32_t>(M * N);
+  // Vector loads of 4 elements need every line start (offset, leading dim, batch strides) a
+  // multiple of 4 elements; storage itself is 16-byte aligned.
+  auto vec_ok = [&](const TensorDesc& x, const MatrixLayout& l, bool is_a) {
+    bool ok = x.offset % kGemvVec == 0 && l.ld % kGemvVec == 0;
+    for (const BatchDim& bd : merged) ok = ok && (is_a ? bd.a : bd.b) % kGemvVec == 0;
+    return ok;
+  };
+  const int64_t lines = cols ? M : N;
+  Dispatch d;
+  d.kernel = std::string(cols ? "steel_gemv_cols_" : "steel_gemv_rows_") + dtype_tag(dtype);
+  d.constants = {fc_bool(STEEL_GEMM_FC_HAS_BATCH, batches > 1),
+                 fc_bool(STEEL_GEMM_FC_USE_C, use_c),
+                 fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
+                 fc_int(STEEL_GEMM_FC_ACTIVATION, activation),
+                 fc_bool(STEEL_GEMM_FC_VEC_A, vec_ok(a, la, true)),
+                 fc_bool(STEEL_GEMM_FC_VEC_B, vec_ok(b, lb, false))};
+  d.grid[0] = static_cast<uint32_t>(ceil_div(lines, kGemvSimdgroups * kGemvCols));
+  d.grid[1] = 1;
+  d.grid[2] = static_cast<uint32_t>(batches);
+  d.threads[0] = static_cast<uint32_t>(32 * kGemvSimdgroups);
+  d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, 0), tensor_binding(STEEL_GEMM_BUF_B, 1),
+                tensor_binding(STEEL_GEMM_BUF_C, use_c ? slot_c : 0),
+                tensor_binding(STEEL_GEMM_BUF_BIAS, bias ? slot_bias : 0),
+                tensor_binding(STEEL_GEMM_BUF_OUT, slot_out), params_binding(p)};
+  plan.dispatches.push_back(d);
+  return plan;
+}
+
 }  // namespace
 
 Plan plan_gemm(const TensorList& tensors, const Options& options) {
@@ -264,9 +330,6 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   }
 
   // ---- batch: drop size-1 dims, merge dims every operand walks contiguously ----
-  struct BatchDim {
-    int64_t size, a, b, c;
-  };
   std::vector<BatchDim> dims;
   for (int64_t d = 0; d < nb; ++d) {
     if (batch[d] == 1) continue;
@@ -365,6 +428,28 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
     }
   }
   const bool split = partitions >= 2;
+
+  // ---- GEMV: at most 8 output rows (or columns) ----
+  // The tiled kernels spend an 8x8 MMA on every 8 rows, real or not: at M = 1 a 32x32 tile does
+  // 32x the multiply-adds it needs and its fragments' ALU work, and the timing model puts the
+  // 1 x 4096 x 4096 decode GEMM compute-bound at 2.3x the DRAM bound on M4 Pro. The GEMV kernels
+  // (gemm/gemv.h) do R dot products per weight line instead, with lanes along K, and read the
+  // weight once. They need both operands contiguous along K: a row-major and b column by column
+  // ("nt", how torch_steel.linear passes x @ W^T). With M <= 8 the lines are b's columns; with
+  // N <= 8 (M > 8), by transposition, a's rows. Split-K, when the plan chose it (few output
+  // blocks, long K), keeps more threadgroups busy than a GEMV over a few lines, so it wins.
+  // A single column of b ([K, 1]) with unit K stride is such a line too (its ld is never used).
+  MatrixLayout lb_gemv = lb;
+  if (N == 1 && b.strides[b.dim() - 2] == 1) lb_gemv = {true, true, 0};
+  const bool gemv_layout = !la.transposed && lb_gemv.transposed;
+  const bool gemv_rows = !split && gemv_layout && Mk <= STEEL_GEMV_MAX_ROWS;
+  const bool gemv_cols = !split && !gemv_rows && gemv_layout && N <= STEEL_GEMV_MAX_ROWS;
+  if (gemv_rows || gemv_cols) {
+    return plan_gemv(plan, a, b, la, lb_gemv, merged, Mk, N, K, batches, dtype, gemv_cols, use_c,
+                     c_rs, use_c ? c_strides[cd - 1] : 0, bias, alpha, beta, activation,
+                     kSlotC, kSlotBias, kSlotOut);
+  }
+
   const Tile t = split ? small : tile;
   if (split && partitions * Mk * N > kInt32Max) {
     return Plan::refuse("gemm: split-K partials beyond 32-bit indexing");

@@ -20,23 +20,27 @@ pytestmark = requires_simulator
 
 
 @pytest.mark.parametrize(
-    "batch,m,n,k,epilogue",
+    "batch,m,n,k,epilogue,weight_t",
     [
-        (1, 64, 64, 64, False),
-        (1, 33, 65, 47, True),
-        (3, 40, 24, 16, True),
-        (1, 16, 16, 1024, True),  # split-K: partials written and re-read
-        (1, 1, 200, 96, False),
+        (1, 64, 64, 64, False, False),
+        (1, 33, 65, 47, True, False),
+        (3, 40, 24, 16, True, False),
+        (1, 16, 16, 1024, True, False),  # split-K: partials written and re-read
+        (1, 1, 200, 96, False, False),
+        (1, 3, 37, 45, True, True),  # GEMV rows: ragged lines and K
+        (2, 3, 37, 45, False, True),  # folded into 6 rows
+        (1, 29, 5, 45, True, True),  # GEMV cols
     ],
 )
-def test_traffic_model_matches_counters(batch, m, n, k, epilogue):
+def test_traffic_model_matches_counters(batch, m, n, k, epilogue, weight_t):
     dtype = torch.float16
     gen = torch.Generator().manual_seed(m + n + k)
     a = rand(*((batch,) if batch > 1 else ()), m, k, dtype=dtype, gen=gen)
-    b = rand(k, n, dtype=dtype, gen=gen)
+    b = rand(n, k, dtype=dtype, gen=gen).t() if weight_t else rand(k, n, dtype=dtype, gen=gen)
     bias = rand(n, dtype=dtype, gen=gen) if epilogue else None
     options = {"activation": "relu" if epilogue else "none"}
     p = sim.plan("gemm", [a, b, bias, None], options)
+    assert p.dispatches[0].kernel.startswith("steel_gemv_") == weight_t
     predicted = bench_gemm.model(p, batch, m, n, k, 2, use_c=False, use_bias=epilogue)
     _, counters = sim.run_op("gemm", [a, b, bias, None], options, counters=True)
     assert bench_gemm.counted(counters) == predicted

@@ -303,3 +303,69 @@ def test_refuses_beyond_32_bit_indexing():
     b = torch.empty(1, 1).expand(1, 2**16)
     p = sim.plan("gemm", [a, b, None, None], {})
     assert not p.ok and "32-bit" in p.reason and "out" in p.reason
+
+
+# ---- GEMV (gemm/gemv.h): M <= 8 or N <= 8 with both operands contiguous along K ----
+
+
+def test_decode_linear_uses_gemv_rows():
+    # x[1, K] @ W^T (W [N, K] row-major, as torch_steel.linear passes it): the timing model puts
+    # the 32x32 tile at 2.3x the DRAM bound on M4 Pro (compute-bound on 1-in-32-real MMAs), the
+    # GEMV at the bound (docs/gemm.md).
+    meta = {"device": "meta"}
+    (d,) = plan(t(1, 4096, **meta), t(4096, 4096, **meta).t()).dispatches
+    assert d.kernel == "steel_gemv_rows_f16"
+    assert d.grid == (256, 1, 1) and d.threads == (128, 1, 1)  # 4 simdgroups x 4 lines
+    assert d.constants[VEC_A] and d.constants[VEC_B] and not d.constants[HAS_BATCH]
+    assert ALIGN_M not in d.constants  # the GEMV has no tiles to align
+    assert (params(d)["M"], params(d)["ldb"]) == (1, 4096)  # a single row has no row stride
+
+
+def test_gemv_rows_up_to_eight_then_tiled():
+    b = t(256, 512).t()
+    assert plan(t(8, 512), b).dispatches[0].kernel == "steel_gemv_rows_f16"
+    assert plan(t(9, 512), b).dispatches[0].kernel.startswith("steel_gemm_nt_")
+    # A row-major b (lanes along K would read it across rows) keeps the tiled kernel.
+    assert plan(t(8, 512), t(512, 256)).dispatches[0].kernel.startswith("steel_gemm_nn_")
+    # So does a transposed a.
+    assert plan(t(512, 8).t(), b).dispatches[0].kernel.startswith("steel_gemm_tt_")
+
+
+def test_few_columns_use_gemv_cols():
+    (d,) = plan(t(1000, 300, dtype=torch.float32), t(5, 300, dtype=torch.float32).t()).dispatches
+    assert d.kernel == "steel_gemv_cols_f32"
+    assert d.grid == (63, 1, 1)  # 1000 lines of a, 16 a threadgroup
+
+
+def test_single_column_b_is_a_gemv_line():
+    # b [K, 1] with unit K stride is K-contiguous whatever its (unused) column stride says.
+    (d,) = plan(t(3, 64), t(64, 1)).dispatches
+    assert d.kernel == "steel_gemv_rows_f16"
+
+
+def test_gemv_batches_fold_or_offset():
+    # b shared, a's entries row after row: folded into M = 6, no batch offsets.
+    (d,) = plan(t(2, 3, 64), t(32, 64).t()).dispatches
+    assert d.kernel == "steel_gemv_rows_f16" and d.grid[2] == 1 and params(d)["M"] == 6
+    # b batched: one z per entry, batch offsets on.
+    (d,) = plan(t(4, 2, 64), t(4, 32, 64).transpose(-1, -2)).dispatches
+    assert d.kernel == "steel_gemv_rows_f16" and d.grid[2] == 4 and d.constants[HAS_BATCH]
+    assert params(d)["b_batch_strides"][0] == 32 * 64
+
+
+def test_gemv_yields_to_split_k():
+    # 16 output columns are one threadgroup of GEMV walking K = 4096; split-K runs 32 slices.
+    p = plan(t(1, 4096), t(16, 4096).t())
+    assert [d.kernel.split("_bm")[0] for d in p.dispatches] == [
+        "steel_gemm_splitk_nt_f16",
+        "steel_gemm_splitk_reduce_f16",
+    ]
+
+
+def test_gemv_vector_loads_need_aligned_lines():
+    w = t(40, 68)
+    (d,) = plan(t(2, 68)[:, 1:65], w[:, :64].t()).dispatches
+    assert d.kernel == "steel_gemv_rows_f16"
+    assert not d.constants[VEC_A] and d.constants[VEC_B]
+    (d,) = plan(t(2, 64), t(40, 66)[:, 2:].t()).dispatches  # ld 66: line starts off by 2
+    assert d.constants[VEC_A] and not d.constants[VEC_B]

@@ -3,11 +3,13 @@
 //
 // Host names: steel_gemm_<ta><tb>_<dtype>_bm<BM>_bn<BN>_bk<BK>_wm<WM>_wn<WN>, with <ta>/<tb> n
 // (the operand's rows are contiguous) or t (its columns are); steel_gemm_splitk_... the same;
-// steel_gemm_splitk_reduce_<dtype>. mps_src/plan/gemm_plan.cpp builds these names.
+// steel_gemm_splitk_reduce_<dtype>; steel_gemv_rows_<dtype> and steel_gemv_cols_<dtype> (gemv.h).
+// mps_src/plan/gemm_plan.cpp builds these names.
 #include <metal_stdlib>
 
 #include "../params.h"
 #include "gemm.h"
+#include "gemv.h"
 
 using namespace metal;
 using namespace steel;
@@ -68,6 +70,23 @@ template <typename T>
       T(epilogue(acc, row, col, c, bias, p, gemm_use_c, gemm_has_bias, gemm_activation));
 }
 
+// GEMV: out with at most 8 rows (steel_gemv_rows_: a row-major, b column by column) or 8
+// columns (steel_gemv_cols_: a row-major, b column by column, by transposition). No threadgroup
+// memory; the grid is (ceil(lines / (4 * simdgroups)), 1, batch).
+template <typename T, bool kSwap>
+[[kernel]] void steel_gemv(const device T* a [[buffer(STEEL_GEMM_BUF_A)]],
+                           const device T* b [[buffer(STEEL_GEMM_BUF_B)]],
+                           const device T* c [[buffer(STEEL_GEMM_BUF_C)]],
+                           const device T* bias [[buffer(STEEL_GEMM_BUF_BIAS)]],
+                           device T* out [[buffer(STEEL_GEMM_BUF_OUT)]],
+                           constant GemmParams& params [[buffer(STEEL_GEMM_BUF_PARAMS)]],
+                           uint3 tg [[threadgroup_position_in_grid]],
+                           ushort simdgroup [[simdgroup_index_in_threadgroup]],
+                           ushort simdgroups [[simdgroups_per_threadgroup]],
+                           ushort lane [[thread_index_in_simdgroup]]) {
+  gemv_block<T, kSwap>(a, b, c, bias, out, params, tg, simdgroup, lane, simdgroups);
+}
+
 // ---- Instantiations (the tile table in gemm_plan.cpp picks among these) ----------------------
 
 #define STEEL_GEMM_KERNEL(kernel, prefix, tname, T, tr, ta, tb, bm, bn, bk, wm, wn)              \
@@ -87,7 +106,11 @@ template <typename T>
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 128, 32, 16, 4, 1)               \
   STEEL_GEMM_TRANSPOSES(steel_gemm_splitk, "steel_gemm_splitk_", tname, T, 32, 32, 16, 2, 2) \
   template [[host_name("steel_gemm_splitk_reduce_" #tname)]] [[kernel]]                       \
-  decltype(steel_gemm_splitk_reduce<T>) steel_gemm_splitk_reduce<T>;
+  decltype(steel_gemm_splitk_reduce<T>) steel_gemm_splitk_reduce<T>;                         \
+  template [[host_name("steel_gemv_rows_" #tname)]] [[kernel]]                                \
+  decltype(steel_gemv<T, false>) steel_gemv<T, false>;                                        \
+  template [[host_name("steel_gemv_cols_" #tname)]] [[kernel]]                                \
+  decltype(steel_gemv<T, true>) steel_gemv<T, true>;
 
 STEEL_GEMM_DTYPE(f16, half)
 STEEL_GEMM_DTYPE(bf16, bfloat)

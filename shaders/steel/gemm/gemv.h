@@ -1,0 +1,115 @@
+// The GEMV block: out = act(alpha * a @ b + beta * c + bias) when one side of the output has at
+// most kGemvMaxRows (8) lines, as in decode (x[1..8, K] @ W^T). The tiled kernel (gemm.h) would
+// run 8x8 MMAs of which 1 to 8 rows in 32 are real; here nothing is padded.
+//
+// Roles: the "weight" W is the operand with the long output side (J lines, each K long and
+// contiguous along K); the "vector" X is the other one (R <= 8 lines, contiguous along K).
+//   - kSwap false (M <= 8): X = a (row-major), W = b^T (b stored column by column, `t`: how
+//     torch_steel.linear passes a weight [N, K]); R = M, J = N.
+//   - kSwap true (N <= 8, by transposition: out^T = b^T a^T): X = b^T (b `t`), W = a (row-major);
+//     R = N, J = M.
+//
+// Shape of the work: each simdgroup owns kGemvCols consecutive lines of W; its lanes walk K in
+// chunks of 4 elements (lane l takes chunks l, l + 32, ...), so a simdgroup reads each W line as
+// whole 256-byte (f16) runs, and W, the big operand, is read exactly once. Each lane keeps
+// R x kGemvCols fp32 partial dot products; one simd_sum per output adds the 32 lanes' partials,
+// and lane 0 applies the epilogue and stores. X (at most 8 lines) is re-read by every simdgroup
+// from cache; it is 1/J of W's bytes per line pair.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../params.h"
+#include "constants.h"
+#include "epilogue.h"
+
+using namespace metal;
+
+namespace steel {
+
+constant constexpr short kGemvCols = 4;      // W lines per simdgroup
+constant constexpr short kGemvVec = 4;       // K elements per lane access
+constant constexpr short kGemvMaxRows = STEEL_GEMV_MAX_ROWS;
+
+// 4 consecutive K elements of a line as fp32. `vector_ok`: the planner checked that every line
+// start is a multiple of 4 elements, so the access is one aligned vector load; otherwise (and on
+// the ragged end of K) element by element with zero fill past K.
+template <typename T>
+inline float4 gemv_load4(const device T* line, int k, int K, bool vector_ok) {
+  if (vector_ok && k + kGemvVec <= K) return float4(*((const device vec<T, 4>*)(line + k)));
+  float4 v = 0.0f;
+#pragma clang loop unroll(full)
+  for (short e = 0; e < kGemvVec; ++e) {
+    if (k + e < K) v[e] = float(line[k + e]);
+  }
+  return v;
+}
+
+template <typename T, bool kSwap>
+inline void gemv_block(const device T* a, const device T* b, const device T* c,
+                       const device T* bias, device T* out, constant GemmParams& p, uint3 tg,
+                       ushort simdgroup, ushort lane, ushort simdgroups) {
+  if (gemm_has_batch) {
+    int z = int(tg.z);
+    for (int d = p.batch_ndim - 1; d >= 0; --d) {
+      const int idx = z % p.batch_shape[d];
+      z /= p.batch_shape[d];
+      a += idx * p.a_batch_strides[d];
+      b += idx * p.b_batch_strides[d];
+      c += idx * p.c_batch_strides[d];
+    }
+    out += int(tg.z) * p.out_batch_stride;
+  }
+  const device T* x = kSwap ? b : a;
+  const device T* w = kSwap ? a : b;
+  const int ldx = kSwap ? p.ldb : p.lda;
+  const int ldw = kSwap ? p.lda : p.ldb;
+  const bool vec_x = kSwap ? gemm_vec_b : gemm_vec_a;
+  const bool vec_w = kSwap ? gemm_vec_a : gemm_vec_b;
+  const int rows = kSwap ? p.N : p.M;  // <= kGemvMaxRows (the planner's rule)
+  const int lines = kSwap ? p.M : p.N;
+  const int j0 = (int(tg.x) * simdgroups + simdgroup) * kGemvCols;
+  if (j0 >= lines) return;  // a simdgroup past the last line (no barrier follows)
+  const short cols = short(min(int(kGemvCols), lines - j0));
+
+  float acc[kGemvMaxRows][kGemvCols];
+#pragma clang loop unroll(full)
+  for (short r = 0; r < kGemvMaxRows; ++r) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < kGemvCols; ++j) acc[r][j] = 0.0f;
+  }
+  for (int k = lane * kGemvVec; k < p.K; k += 32 * kGemvVec) {
+    float4 wv[kGemvCols];
+#pragma clang loop unroll(full)
+    for (short j = 0; j < kGemvCols; ++j) {
+      // Lines past the last read line j0 (in bounds, their results are never stored).
+      wv[j] = gemv_load4(w + (j < cols ? j0 + j : j0) * ldw, k, p.K, vec_w);
+    }
+#pragma clang loop unroll(full)
+    for (short r = 0; r < kGemvMaxRows; ++r) {
+      if (r >= rows) break;
+      const float4 xv = gemv_load4(x + r * ldx, k, p.K, vec_x);
+#pragma clang loop unroll(full)
+      for (short j = 0; j < kGemvCols; ++j) acc[r][j] += dot(xv, wv[j]);
+    }
+  }
+
+  const bool use_c = gemm_use_c;
+  const bool has_bias = gemm_has_bias;
+  const int activation = gemm_activation;
+#pragma clang loop unroll(full)
+  for (short r = 0; r < kGemvMaxRows; ++r) {
+    if (r >= rows) break;
+#pragma clang loop unroll(full)
+    for (short j = 0; j < kGemvCols; ++j) {
+      const float sum = simd_sum(acc[r][j]);
+      if (lane != 0 || j >= cols) continue;
+      const int row = kSwap ? j0 + j : r;
+      const int col = kSwap ? r : j0 + j;
+      out[row * p.ldd + col] =
+          T(epilogue(sum, row, col, c, bias, p, use_c, has_bias, activation));
+    }
+  }
+}
+
+}  // namespace steel
