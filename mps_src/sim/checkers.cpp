@@ -197,17 +197,20 @@ size_t gap_for(size_t bytes) {
   lane_fail(buf, g.access_pc);
 }
 
-// A vector or scalar of 2, 4, 8 or 16 bytes must sit at a multiple of its size in device memory
-// (MSL: pointers are aligned to their type). x86 forgives a misaligned load; an Apple GPU may
-// read the wrong bytes. Addresses here keep the real binding's alignment (bind_device).
-void check_alignment(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
-  if ((n & (n - 1)) != 0 || n > 16 || a % n == 0) return;
+// A vector or scalar of 2, 4, 8 or 16 bytes must sit at a multiple of its type's alignment in
+// device memory (MSL: pointers are aligned to their type), which is its size unless the type
+// says less (`align` < n: a struct declared alignas(2) of 8 bytes, which the compiler loads in
+// pieces). x86 forgives a misaligned load; an Apple GPU may read the wrong bytes. Addresses here
+// keep the real binding's alignment (bind_device).
+void check_alignment(const DeviceBuffer& b, uintptr_t a, size_t n, bool write, size_t align) {
+  size_t need = align < n ? align : n;
+  if ((need & (need - 1)) != 0 || need > 16 || a % need == 0) return;
   char buf[256];
   snprintf(buf, sizeof buf,
            "misaligned device %s of %zu bytes at byte offset %lld of [[buffer(%u)]] (address "
            "%% %zu = %llu): Metal needs %zu-byte accesses %zu-byte aligned",
-           write ? "write" : "read", n, static_cast<long long>(a - b.lo), b.index, n,
-           static_cast<unsigned long long>(a % n), n, n);
+           write ? "write" : "read", n, static_cast<long long>(a - b.lo), b.index, need,
+           static_cast<unsigned long long>(a % need), need, need);
   lane_fail(buf, g.access_pc);
 }
 
@@ -296,7 +299,7 @@ void disabled_access(const DeviceBuffer& b, uintptr_t a, size_t n, bool write) {
   }
 }
 
-void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
+void device_access(uintptr_t a, size_t n, bool write, bool bytes = false, size_t align = 16) {
   DeviceBuffer* b = g.dev_last;
   if (b == nullptr || a < b->lo || a + n > b->hi) {
     b = nullptr;
@@ -318,7 +321,7 @@ void device_access(uintptr_t a, size_t n, bool write, bool bytes = false) {
   }
   (write ? b->counters.written : b->counters.read) += n;
   if (g.cache_on) cache_access(a, n, write);
-  if (g.checkers && !bytes) check_alignment(*b, a, n, write);
+  if (g.checkers && !bytes) check_alignment(*b, a, n, write, align);
   if (b->race != nullptr && g.checkers) check_device_race(*b, a, n, write);
 }
 
@@ -421,7 +424,8 @@ void tg_access(uintptr_t a, size_t n, bool write) {
 }
 
 inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bool write,
-                                                     const void* pc, bool bytes = false) {
+                                                     const void* pc, bool bytes = false,
+                                                     size_t align = 16) {
   auto a = reinterpret_cast<uintptr_t>(p);
   const SteelSimArenas& arenas = steel_sim_arenas;
   if (bytes) {
@@ -435,7 +439,7 @@ inline __attribute__((always_inline)) void on_access(const void* p, size_t n, bo
   if (++g.run_accesses > kSpinLimit) spinning();
   if (a - arenas.dev_lo < arenas.dev_size || (bytes && a + n - 1 - arenas.dev_lo <
                                                            arenas.dev_size)) {
-    device_access(a, n, write, bytes);
+    device_access(a, n, write, bytes, align);
   } else if (a - arenas.tg_lo < arenas.tg_size) {
     tg_access(a, n, write);
   }
@@ -711,6 +715,12 @@ __attribute__((visibility("default"))) SteelSimArenas steel_sim_arenas = {0, 0, 
 __attribute__((visibility("default"))) void steel_sim_access(const void* p, size_t n,
                                                              bool write, const void* pc) {
   steel_sim::detail::on_access(p, n, write, pc);
+}
+
+__attribute__((visibility("default"))) void steel_sim_access_aligned(const void* p, size_t n,
+                                                                     size_t align, bool write,
+                                                                     const void* pc) {
+  steel_sim::detail::on_access(p, n, write, pc, false, align);
 }
 
 __attribute__((visibility("default"))) void steel_sim_access_range(const void* p, size_t n,

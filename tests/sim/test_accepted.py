@@ -191,3 +191,87 @@ def test_function_pointer_parameters_resolved_when_inlined():
     i = torch.arange(8, dtype=torch.float64)
     expected = torch.stack([i + 2.0, torch.clamp(i, min=2.0)], 1).flatten()
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=0)  # small integers: exact
+
+
+# Constructs of other projects' production Metal (issue 26, deliverable 3: MLX and llama.cpp
+# failed on each before the simulator took it), kernels in lang_corpus.metal.
+CORPUS = [KERNELS / "lang_corpus.metal"]
+
+
+def run_corpus(name, **kw):
+    return sim.run_kernel(name, sources=CORPUS, **kw)
+
+
+def test_bitwise_simd_builtin_on_a_float_compiles_and_refuses_to_run():
+    """MLX's bfloat16 simd_xor passes a float to __metal_simd_xor in a function no kernel
+    calls: Metal compiles it, so the file must build; the integer form reduces, and running
+    the float form is an error (what it would do is undocumented)."""
+    out = torch.zeros(8, dtype=torch.int32)
+    f = torch.ones(8)
+    run_corpus("simd_xor_builtin", grid=(1,), threads=(8,), buffers={0: out, 1: f, 2: b"\0" * 4})
+    assert out.tolist() == [0xFF] * 8  # the xor of 1 << lane over lanes 0-7
+    with pytest.raises(SimulatorError, match="__metal_simd_xor on a non-integer"):
+        buffers = {0: out, 1: f, 2: struct.pack("<I", 1)}
+        run_corpus("simd_xor_builtin", grid=(1,), threads=(8,), buffers=buffers)
+
+
+def test_vector_element_passed_by_value():
+    out = torch.zeros(16)
+    run_corpus("vector_element_argument", grid=(1,), threads=(8,), buffers={0: out})
+    assert out.tolist() == [float(j) for j in range(16)]  # 2 * (i, i + 0.5)
+
+
+def test_void_return_of_a_void_call_in_an_attributed_kernel():
+    out = torch.zeros(8)
+    run_corpus("void_return", grid=(1,), threads=(8,), buffers={0: out})
+    assert out.tolist() == [3.0 * i if i % 2 == 0 else -1.0 for i in range(8)]
+
+
+def test_function_pointer_template_parameter():
+    x = torch.arange(8, dtype=torch.float32) + 1
+    out = torch.zeros(8)
+    run_corpus("template_function_pointer", grid=(1,), threads=(8,), buffers={0: x, 1: out})
+    assert out.tolist() == [-(i + 1.0) if i % 2 else 2 * (i + 1.0) for i in range(8)]
+
+
+def test_buffer_parameters_without_an_index_take_the_first_free_one():
+    x = torch.arange(8, dtype=torch.float32)
+    y, z = torch.zeros(8), torch.zeros(8)
+    buffers = {0: struct.pack("<f", 3.0), 1: x, 2: z, 3: y}
+    run_corpus("implicit_buffer_indices", grid=(1,), threads=(8,), buffers=buffers)
+    assert y.tolist() == (3 * x).tolist() and z.tolist() == (x + 1).tolist()
+
+
+def test_instantiation_through_a_typedef_of_the_kernel_type():
+    out = torch.zeros(4)
+    run_corpus("typed_instance_float", grid=(1,), threads=(4,), buffers={0: out})
+    assert out.tolist() == [0.5, 1.5, 2.5, 3.5]
+
+
+def test_matrix_types():
+    # [matrix, column, row], as MSL lays a matrix out; small integers, so every result is exact.
+    src = torch.randint(-8, 8, (2, 4, 4)).to(torch.float16)
+    dst = torch.zeros(2, 4, 4)
+    prod = torch.zeros(2, 4)
+    buffers = {0: src, 1: dst, 2: prod}
+    run_corpus("matrix_types", grid=(1,), threads=(32,), buffers=buffers)
+    m = src.double()
+    m[:, 1, 2] += 1
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert torch.equal(dst.double(), 2 * m)
+    assert torch.equal(prod.double(), torch.einsum("icr,c->ir", m, v))  # sum of columns * v
+
+
+def test_access_checked_against_its_type_alignment():
+    """MLX's loaders copy 8-byte structs declared alignas(2) from 2-byte-aligned addresses: the
+    alignment rule is the type's, so that passes; a half4 read from the same address is still
+    misaligned."""
+    src = torch.arange(40, dtype=torch.float16)
+    out = torch.zeros(8, 4, dtype=torch.float16)
+    run_corpus(
+        "underaligned_struct_copy", grid=(1,), threads=(8,), buffers={0: src, 1: out, 2: b"\0" * 4}
+    )
+    assert torch.equal(out.flatten(), src[1:33])
+    with pytest.raises(SimulatorError, match="misaligned device read of 8 bytes"):
+        buffers = {0: src, 1: out, 2: struct.pack("<I", 1)}
+        run_corpus("underaligned_struct_copy", grid=(1,), threads=(8,), buffers=buffers)

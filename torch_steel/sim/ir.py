@@ -70,10 +70,45 @@ def _wrapper(op: str, spaces: list[str], width: str) -> str:
     )
 
 
+# `call void @__sanitizer_cov_load8(ptr %p)` and the access it reports, on the next line.
+_COV = re.compile(
+    r"call void @__sanitizer_cov_(load|store)(\d+)\((ptr(?: addrspace\(\d+\))? (%[\w.]+))\)"
+)
+_ALIGN = re.compile(r"\b(?:load|store)\b.*, ptr(?: addrspace\(\d+\))? (%[\w.]+), align (\d+)")
+
+
+def underaligned(lines: list[str]) -> int:
+    """Redirects the coverage callback of each load or store declared less aligned than its
+    size (`load i64, ptr %p, align 2`: MLX's loaders read 8-byte structs that are alignas(2))
+    to steel_sim_cov_access (mps_src/sim/shader/callbacks.cpp), which passes the alignment to
+    the checkers: the alignment rule is the type's (MSL: pointers are aligned to their type),
+    and the compiler splits what it cannot load at once. Returns how many it redirected."""
+    n = 0
+    for i, line in enumerate(lines[:-1]):
+        m = _COV.search(line)
+        if not m:
+            continue
+        a = _ALIGN.search(lines[i + 1])
+        if not a or a.group(1) != m.group(4) or int(a.group(2)) >= int(m.group(2)):
+            continue
+        write = int(m.group(1) == "store")
+        call = (
+            f"call void @steel_sim_cov_access({m.group(3)}, i64 {m.group(2)}, "
+            f"i64 {a.group(2)}, i32 {write})"
+        )
+        lines[i] = line[: m.start()] + call + line[m.end() :]
+        n += 1
+    return n
+
+
 def rewrite(ir: str) -> str:
     wanted: dict[str, tuple[str, list[str], str]] = {}
     out_lines = []
-    for line in ir.splitlines():
+    lines = ir.splitlines()
+    if underaligned(lines):
+        lines.append("declare void @steel_sim_cov_access(ptr, i64, i64, i32)")
+        ir = "\n".join(lines) + "\n"
+    for line in lines:
         if line.startswith("declare"):
             out_lines.append(line)
             continue

@@ -26,14 +26,21 @@ Most of MSL compiles as is; this pass rewrites the few constructs C++ cannot exp
   initializer of a local variable of class type and the operand of `return` in a function
   returning by value go through steel_shim::as_local (copies across address spaces,
   `Params p = *params;`, `return *params;`), and call arguments that dereference or subscript
-  (`f(*params)`, `f(p[i])`) through steel_shim::as_arg (by-value parameters);
+  (`f(*params)`, `f(p[i])`) through steel_shim::arg_pass (by-value parameters);
 - address-space-qualified member functions (`float f() const device`, declared, defined in
   the class or outside it) are renamed and reached through explicit-object templates;
+- a kernel's device, constant or threadgroup parameter without [[buffer(n)]] or
+  [[threadgroup(n)]] gets the first index no other parameter takes, as Metal assigns it;
+- string literals become `constant char*` (MSL's address space for them), through
+  steel_shim::literal_pass; casts to and constructions of a template's type parameter
+  (`(q4_t) x`, `s2_t(x)`) go through the shim's vector-aware conversions;
+- `#pragma unroll` with a count naming macros is dropped (no effect on results; preprocessing
+  has removed the macros);
 - other MSL attributes are removed.
 
-Constructs outside MSL (C++ standard library includes, parameters without attributes, mutable
-static variables in functions) raise TranslateError naming file:line. The shim refuses the rest
-(double, exceptions, allocation) at compile time.
+Constructs outside MSL (C++ standard library includes, kernel parameters without attributes
+that are no buffers, mutable static variables in functions) raise TranslateError naming
+file:line. The shim refuses the rest (double, exceptions, allocation) at compile time.
 """
 
 from __future__ import annotations
@@ -300,11 +307,16 @@ class _Rewriter:
     def add_after(self, k: int, text: str) -> None:
         self.append.setdefault(self.sig[k], []).append(text)
 
-    def render(self) -> str:
+    def rendered(self, a: int, b: int) -> str:
+        """Significant tokens a..b-1 as render gives them (with the rewrites made inside them),
+        for a construct that replaces them by text of its own built around them."""
+        return self.render(self.sig[a], self.sig[b - 1] + 1)
+
+    def render(self, i: int = 0, stop: int | None = None) -> str:
         out: list[str] = []
-        i = 0
         toks = self.toks
-        while i < len(toks):
+        stop = len(toks) if stop is None else stop
+        while i < stop:
             if i in self.replace:
                 end, text = self.replace[i]
                 covered = "".join(t.text for t in toks[i:end])
@@ -334,7 +346,7 @@ class _Translator:
         self.kernel_templates: set[str] = set()  # names of the kernel templates seen so far
         # Names of the functions this file has defined so far, as templates and not: only
         # calls to a non-template one get argument_copy (a template parameter `device T&`
-        # deduces nothing from steel_shim::as_arg's proxy).
+        # deduces nothing from steel_shim::arg_pass's proxy).
         self.plain_functions: set[str] = set()
         self.template_functions: set[str] = set()
 
@@ -343,16 +355,38 @@ class _Translator:
         """Literals, vector constructors and vector casts, anywhere in code."""
         k = 0
         n = len(r.sig)
+        type_params = self.template_type_parameters(r)
         while k < n:
             s, kind = r.t(k), r.kind(k)
             if kind == "number":
                 self.literal(r, k)
+            elif kind == "string" and s.startswith('"') and self.constant_string(r, k):
+                # MSL keeps string literals in the constant address space (`constant char*`
+                # parameters take them, MLX's os_log fallback among them); here a literal is a
+                # generic array, which steel_shim::literal_pass's comma turns into a constant
+                # pointer. Adjacent literals are concatenated first.
+                end = k
+                while r.kind(end + 1) == "string" and r.t(end + 1).startswith('"'):
+                    end += 1
+                r.add_after(k - 1, " (::steel_shim::literal_pass(),")
+                r.add_after(end, ")")
+                k = end
             elif kind == "ident" and s in VECTOR_TYPES and r.t(k + 1) == "(":
                 if r.t(k - 1) not in ("operator", ".", "->", "~", "struct", "class"):
                     a = k - 2 if r.t(k - 1) == "::" and r.t(k - 2) == "metal" else k
                     if r.t(k - 1) != "::" or a != k:
                         r.sub(a, k + 1, f"::steel_shim::vmake<{s}>")
                         self.comparison_arguments(r, k + 1)
+            elif (
+                kind == "ident"
+                and s in type_params
+                and r.t(k + 1) == "("
+                and r.t(k + 2) not in ("*", "&", "^")  # `T (*f)(...)` declares
+                and r.t(k - 1) not in ("operator", ".", "->", "~", "::", "typename", "<")
+            ):
+                # `T(x)` for a template's type parameter T, which may be a vector: MSL
+                # constructs vectors from any vector of the same size, C++ only from its own.
+                r.sub(k, k + 1, f"::steel_shim::construct<{s}>")
             elif kind == "ident" and s == "vec" and r.t(k + 1) == "<":
                 close = r.match(k + 1)
                 if r.t(close + 1) == "(" and r.t(k - 1) not in ("operator", ".", "->"):
@@ -379,7 +413,14 @@ class _Translator:
                 close = self.address_space_cast(r, k)
                 r.sub(k, close + 1, f"::steel_shim::as_cast<{r.flat(k + 1, close)}>() ->* ")
                 k = close
-            elif s == "(" and r.t(k + 1) in VECTOR_TYPES and r.t(k + 2) == ")":
+            elif (
+                s == "("
+                and (r.t(k + 1) in VECTOR_TYPES or r.t(k + 1) in type_params)
+                and (r.t(k + 2) == ")")
+            ):
+                # A cast to a vector type, or to a template's type parameter, which may be one
+                # (llama.cpp's `(q4_t) q4[i]`, float4 to half4): C++ reads a cast between clang
+                # vectors as a bitcast, MSL converts.
                 nxt, prev = r.t(k + 3), r.t(k - 1)
                 operand = r.kind(k + 3) in ("ident", "number") or nxt in ("(", "-", "!", "~", "+")
                 after_name = r.kind(k - 1) == "ident" and prev not in ("return", "else", "case")
@@ -387,6 +428,51 @@ class _Translator:
                     r.sub(k, k + 3, f"::steel_shim::cast<{r.t(k + 1)}>() ->* ")
                     k += 2
             k += 1
+
+    @staticmethod
+    def template_type_parameters(r: _Rewriter) -> frozenset[str]:
+        """The names of the file's template type parameters (`template <typename q4_t, ...>`)."""
+        names = set()
+        for k in range(len(r.sig)):
+            if r.t(k) == "template" and r.t(k + 1) == "<":
+                try:
+                    close = r.match(k + 1)
+                except TranslateError:
+                    continue
+                for j in range(k + 2, close):
+                    if r.t(j) in ("typename", "class") and r.kind(j + 1) == "ident":
+                        if r.t(j + 2) in (",", ">", "=") or j + 2 == close:
+                            names.add(r.t(j + 1))
+        return frozenset(names)
+
+    _NOT_STRING_VALUE = frozenset({"static_assert", "_Pragma", "asm", "__asm__", "__attribute__"})
+
+    @classmethod
+    def constant_string(cls, r: _Rewriter, k: int) -> bool:
+        """Whether the string literal at k is a value in code: not an operand of static_assert,
+        an attribute (`[[host_name("x")]]`), `extern "C"` or `operator ""`, nor the initializer of
+        a character array (`char s[] = "x"`)."""
+        prev = r.t(k - 1)
+        if prev in ("extern", "operator", "#") or (prev == "=" and r.t(k - 2) == "]"):
+            return False
+        depth = 0
+        for j in range(k - 1, -1, -1):
+            t = r.t(j)
+            if t in (")", "]", "}"):
+                depth += 1
+            elif t in ("(", "[", "{"):
+                if depth == 0:
+                    if t == "{":
+                        return True
+                    if t == "(" and r.t(j - 1) in cls._NOT_STRING_VALUE:
+                        return False
+                    if t == "[" and r.t(j - 1) == "[":
+                        return False
+                else:
+                    depth -= 1
+            elif t == ";" and depth == 0:
+                return True
+        return True
 
     @staticmethod
     def address_space_array_parameter(r: _Rewriter, k: int) -> bool:
@@ -546,9 +632,17 @@ class _Translator:
     @staticmethod
     def directive(tok: Tok) -> str:
         """A directive of the preprocessed text: line markers and pragmas pass, the marks that
-        the preprocessor's stand-ins for the shim's headers leave become their #include."""
+        the preprocessor's stand-ins for the shim's headers leave become their #include. An unroll
+        count that names identifiers (`#pragma unroll (MIN(DK8 / 2, 4 * NSG))`, llama.cpp) is
+        dropped: it changes no result, and names macros of the original file, which clang
+        expands only when it compiles the pragma, after preprocessing has removed them (the
+        instruction counters then see that loop as the optimizer leaves it)."""
         m = _INCLUDE_MARK.match(tok.text)
-        return f"#include <{m.group(1)}>" if m else tok.text
+        if m:
+            return f"#include <{m.group(1)}>"
+        if _UNROLL_PRAGMA.match(tok.text):
+            return "\n" * tok.text.count("\n")
+        return tok.text
 
     # ------------------------------------------------------------------ statements
     def statements(self, r: _Rewriter) -> None:
@@ -591,10 +685,13 @@ class _Translator:
                 and r.t(k + 1) == "*"
                 and self.is_function_pointer(r, k)
                 and not self.in_function_parameters(r, k)
+                and not self.in_template_parameters(r, k)
             ):
                 # A function-pointer parameter is resolved when the call is inlined, as Apple's
-                # compiler does for PyTorch's c10/metal/atomic.h; any other function pointer
-                # needs [[visible]] functions and a visible_function_table, not modelled here.
+                # compiler does for PyTorch's c10/metal/atomic.h, and a template's is a constant
+                # of each instance (llama.cpp's `void (*deq_k)(...)` dequantizers); any other
+                # function pointer needs [[visible]] functions and a visible_function_table,
+                # not modelled here.
                 raise r.error(
                     k,
                     "MSL has no function pointers here (only parameters of inlined functions; "
@@ -728,6 +825,27 @@ class _Translator:
         return False
 
     @staticmethod
+    def in_template_parameters(r: _Rewriter, k: int) -> bool:
+        """Whether k is inside a `template <...>` parameter list (a non-type parameter there,
+        `void (*f)(int)` too, is a constant of each instance)."""
+        parens = angles = 0
+        for j in range(k - 1, -1, -1):
+            t = r.t(j)
+            if t in (";", "{", "}"):
+                return False
+            if t == ")":
+                parens += 1
+            elif t == "(":
+                parens -= 1
+            elif parens == 0 and t in (">", ">>"):
+                angles += len(t)
+            elif parens == 0 and t == "<":
+                if angles == 0:
+                    return r.t(j - 1) == "template"
+                angles -= 1
+        return False
+
+    @staticmethod
     def is_function_pointer(r: _Rewriter, k: int) -> bool:
         """`( * name ) (`: a pointer-to-function declarator, or a call through one."""
         j = k + 2
@@ -815,6 +933,16 @@ class _Translator:
                 name_end += 1
             qual_parts = [r.t(x) for x in range(close + 1, name_end)]
             args = r.flat(name_end + 1, r.match(name_end)) if name_end < semi else ""
+        elif r.t(semi - 1) == ">" and not self.has_signature_paren(r, j, semi):
+            # A function type by name: `typedef decltype(f<...>) f_t;` then
+            # `template [[host_name("x")]] kernel f_t f<...>;` (llama.cpp's form).
+            name_end = self.match_back(r, semi - 1)
+            start = name_end - 1
+            while r.t(start - 1) == "::" and r.kind(start - 2) == "ident":
+                start -= 2
+            func = r.flat(start, semi)
+            qual_parts = [r.t(x) for x in range(start, name_end)]
+            args = r.flat(name_end + 1, semi - 1)
         else:
             # The long form: template [[...]] [[kernel]] void f<...>(parameters...);
             paren = self.signature_paren(r, j, semi)
@@ -845,6 +973,17 @@ class _Translator:
             f"STEEL_SIM_REGISTER(({host}), ({params}::template instance<{args}>), {func})",
         )
         return stop
+
+    @staticmethod
+    def has_signature_paren(r: _Rewriter, a: int, b: int) -> bool:
+        """Whether a `(` outside template arguments lies between a and b."""
+        depth = 0
+        for k in range(a, b):
+            s = r.t(k)
+            depth += (s == "<") - (s == ">")
+            if s == "(" and depth == 0:
+                return True
+        return False
 
     @staticmethod
     def signature_paren(r: _Rewriter, a: int, b: int) -> int:
@@ -986,6 +1125,7 @@ class _Translator:
             return out, conditions
         depth = 0
         start = a
+        ranges = []
         for k in range(a, b + 1):
             s = r.t(k) if k < b else ","
             if s in ("(", "[", "{", "<"):
@@ -993,25 +1133,75 @@ class _Translator:
             elif s in (")", "]", "}", ">") and depth > 0:
                 depth -= 1
             elif s == "," and depth == 0:
-                source, condition = self.kernel_param(r, start, k)
-                slot = re.match(r"::steel_shim::(buffer|threadgroup_buffer)<\((.*)\)>$", source)
-                if slot:
-                    key = (slot.group(1), slot.group(2).replace(" ", ""))
-                    if key in seen_slots:
-                        what = "buffer" if key[0] == "buffer" else "threadgroup"
-                        message = f"two kernel parameters with [[{what}({key[1]})]] (Metal refuses)"
-                        raise r.error(start, message)
-                    seen_slots.add(key)
-                if condition is not None:
-                    fn = f"steel_present_{len(out)}"
-                    conditions.append(f" static bool {fn}() {{ return bool({condition}); }}")
-                    source = f"::steel_shim::present_if<{source}, &{struct}::{fn}>"
-                out.append(source)
+                ranges.append((start, k))
                 start = k + 1
+        implicit = self.implicit_slots(r, ranges)
+        for start, k in ranges:
+            source, condition = self.kernel_param(r, start, k, implicit)
+            slot = re.match(r"::steel_shim::(buffer|threadgroup_buffer)<\((.*)\)>$", source)
+            if slot:
+                key = (slot.group(1), slot.group(2).replace(" ", ""))
+                if key in seen_slots:
+                    what = "buffer" if key[0] == "buffer" else "threadgroup"
+                    message = f"two kernel parameters with [[{what}({key[1]})]] (Metal refuses)"
+                    raise r.error(start, message)
+                seen_slots.add(key)
+            if condition is not None:
+                fn = f"steel_present_{len(out)}"
+                conditions.append(f" static bool {fn}() {{ return bool({condition}); }}")
+                source = f"::steel_shim::present_if<{source}, &{struct}::{fn}>"
+            out.append(source)
         return out, conditions
 
-    def kernel_param(self, r: _Rewriter, a: int, b: int) -> tuple[str, str | None]:
-        """(argument source, function-constant condition or None) of one kernel parameter."""
+    @staticmethod
+    def implicit_slots(r: _Rewriter, ranges: list[tuple[int, int]]) -> dict[int, str]:
+        """The [[buffer(n)]] or [[threadgroup(n)]] of each device, constant or threadgroup
+        parameter written without an attribute, by its first token: MSL's compiler assigns such
+        a parameter "the first available location index" (MSL specification, section 5.2.1),
+        i.e. in parameter order the lowest index of its kind that no parameter names (llama.cpp's
+        kernels bind every buffer this way). With an index that is not a literal among the
+        others, the free ones cannot be known here: such a parameter is refused."""
+        taken: dict[str, set[int]] = {"buffer": set(), "threadgroup": set()}
+        unknown: set[str] = set()
+        bare: list[tuple[int, str]] = []
+        for a, b in ranges:
+            toks = [r.t(k) for k in range(a, b)]
+            if "[" in toks and toks[toks.index("[") + 1 : toks.index("[") + 2] == ["["]:
+                at = toks.index("[")
+                name = toks[at + 2] if at + 2 < len(toks) else ""
+                if name in taken and toks[at + 3 : at + 4] == ["("]:
+                    arg = toks[at + 4]
+                    if arg.isdigit() and toks[at + 5 : at + 6] in ([")"], [","]):
+                        taken[name].add(int(arg))
+                    else:
+                        unknown.add(name)
+                continue
+            kind = "threadgroup" if "threadgroup" in toks else None
+            if "device" in toks or "constant" in toks:
+                kind = "buffer"
+            if kind is not None:
+                bare.append((a, kind))
+        slots: dict[int, str] = {}
+        for a, kind in bare:
+            if kind in unknown:
+                raise r.error(
+                    a,
+                    f"kernel parameter '{r.t(a)} ...' has no [[{kind}(n)]] beside one whose index "
+                    "is not a literal: the index Metal assigns it cannot be known here",
+                )
+            n = 0
+            while n in taken[kind]:
+                n += 1
+            taken[kind].add(n)
+            template = "buffer" if kind == "buffer" else "threadgroup_buffer"
+            slots[a] = f"::steel_shim::{template}<({n})>"
+        return slots
+
+    def kernel_param(
+        self, r: _Rewriter, a: int, b: int, implicit: dict[int, str]
+    ) -> tuple[str, str | None]:
+        """(argument source, function-constant condition or None) of one kernel parameter;
+        `implicit`: the slots of those without an attribute (implicit_slots)."""
         for k in range(a, b):
             if r.t(k) == "[" and r.t(k + 1) == "[":
                 end = self.attribute_end(r, k)
@@ -1026,6 +1216,8 @@ class _Translator:
                 if name in POSITION_ATTRIBUTES:
                     return f"::steel_shim::attr<::steel_shim::{POSITION_ATTRIBUTES[name]}>", None
                 raise r.error(k, f"kernel parameter attribute [[{name}]] is not supported")
+        if a in implicit:
+            return implicit[a], None
         raise r.error(a, f"kernel parameter '{r.flat(a, b)}' has no [[...]] attribute")
 
     # ---- constant T name [[function_constant(i)]];  /  constant T name = expr;
@@ -1048,7 +1240,7 @@ class _Translator:
             r.sub(
                 k,
                 semi + 1,
-                f"static const {ctype} {value}{r.flat(init, semi)}; "
+                f"static const {ctype} {value}{r.rendered(init, semi)}; "
                 f"constant {ctype}& {name} = *(constant {ctype}*)&{value};",
             )
             return semi + 1
@@ -1437,7 +1629,7 @@ class _Translator:
         j = start
         if r.t(j) == "template" and r.t(j + 1) == "<":
             j = r.match(j + 1) + 1
-        words = [r.t(x) for x in range(j, brace)]
+        words = self.without_attributes([r.t(x) for x in range(j, brace)])
         is_lambda = self.lambda_head(words)
         if "->" in words and (is_lambda or outer is None):
             trailing = words[len(words) - words[::-1].index("->") :]
@@ -1448,6 +1640,22 @@ class _Translator:
             return outer
         head = words[: words.index("(")] if "(" in words else words
         return not self._NOT_BY_VALUE.intersection(head)
+
+    @staticmethod
+    def without_attributes(words: list[str]) -> list[str]:
+        """The tokens less each `[[...]]` attribute list: in `[[kernel,
+        max_total_threads_per_threadgroup(WM * WN * 32)]] void f(` the leading `[` would pass
+        for a lambda's captures and the attribute's parentheses for the parameter list."""
+        out: list[str] = []
+        depth = 0  # brackets open inside an attribute list
+        for x, w in enumerate(words):
+            if depth == 0 and w == "[" and words[x + 1 : x + 2] == ["["]:
+                depth = 1
+            elif depth:
+                depth += (w == "[") - (w == "]")
+            else:
+                out.append(w)
+        return out
 
     @staticmethod
     def lambda_head(words: list[str]) -> bool:
@@ -1474,11 +1682,13 @@ class _Translator:
     def argument_copy(self, r: _Rewriter, k: int) -> None:
         """`f(*p, ...)`: MSL passes an object of any address space to a parameter taking it by
         value, C++ only a generic one. An argument that dereferences (`*p`, the form copies
-        out of another space take) goes through steel_shim::as_arg (steel_shim/construct.h),
-        which converts such an object into a checked copy or back into its reference, as the
-        parameter asks. Only calls by name of a non-template function defined earlier in the
-        file (record_function) qualify: a template would deduce its parameter from the proxy,
-        and neither keywords nor declarators (`T (*rows)[4]`) are calls."""
+        out of another space take) becomes `(steel_shim::arg_pass(), *p)`
+        (steel_shim/construct.h), which converts such an object into a checked copy or back into
+        its reference, as the parameter asks, and leaves any other argument as it is (a vector
+        element among them, which no function's reference parameter could take). Only calls by
+        name of a non-template function defined earlier in the file (record_function) qualify:
+        a template would deduce its parameter from the proxy, and neither keywords nor
+        declarators (`T (*rows)[4]`) are calls."""
         name = r.t(k - 1)
         if name not in self.plain_functions or name in self.template_functions:
             return
@@ -1498,7 +1708,7 @@ class _Translator:
                 depth -= 1
             elif depth == 0 and (s == "," or j == close):
                 if self.is_object_argument(r, start, j):
-                    r.add_after(start - 1, " ::steel_shim::as_arg(")
+                    r.add_after(start - 1, " (::steel_shim::arg_pass(),")
                     r.add_after(j - 1, ")")
                 start = j + 1
 
@@ -1648,6 +1858,10 @@ DEFAULT_LANGUAGE = "metal3.1"
 _MSL4_HEADERS = ("metal_tensor", "MetalPerformancePrimitives/")
 
 _MARKER = re.compile(r'[ \t]*#[ \t]*(?:line[ \t]+)?(\d+)[ \t]+"((?:[^"\\]|\\.)*)"')
+# `#pragma unroll (MIN(a, b))`: a count that names identifiers (macros, which preprocessing has
+# removed by the time clang reads the pragma); a plain count, `unroll(full)` and `clang loop`
+# hints stay, since they shape the code the instruction counters see.
+_UNROLL_PRAGMA = re.compile(r"[ \t]*#[ \t]*pragma[ \t]+unroll\b[^\n]*[A-Za-z_]")
 _INCLUDE_MARK = re.compile(r"[ \t]*#[ \t]*pragma[ \t]+steel_sim_include[ \t]+<([^>]*)>")
 _CLANG_ERROR = re.compile(r"^(.*?):(\d+):\d+: (?:fatal )?error: (.*)$", re.M)
 

@@ -10,11 +10,16 @@
 
 namespace {
 
-inline __attribute__((always_inline)) void check(void* p, size_t n, bool write, const void* pc) {
+inline __attribute__((always_inline)) void check(void* p, size_t n, bool write, const void* pc,
+                                                 size_t align = 0) {
   const SteelSimArenas& a = steel_sim_arenas;
   auto addr = reinterpret_cast<uintptr_t>(p);
   if (addr - a.dev_lo < a.dev_size || addr - a.tg_lo < a.tg_size) {
-    steel_sim_access(p, n, write, pc);
+    if (align == 0) {
+      steel_sim_access(p, n, write, pc);
+    } else {
+      steel_sim_access_aligned(p, n, align, write, pc);
+    }
   }
 }
 
@@ -41,6 +46,13 @@ __attribute__((visibility("hidden"))) void steel_sim_memop(void* dst, const void
   if (n == 0) return;
   if (kind == 1) range(src, n, false, pc);
   range(dst, n, true, pc);
+}
+
+// A load or store declared less aligned than its size (torch_steel/sim/ir.py, underaligned,
+// redirects its coverage callback here): checked against the alignment it was declared with.
+__attribute__((visibility("hidden"))) void steel_sim_cov_access(void* p, uint64_t n,
+                                                                uint64_t align, int write) {
+  check(p, n, write != 0, __builtin_return_address(0), align);
 }
 
 // The hook at the entry of each counted basic block (torch_steel/sim/ir.py): one call and one

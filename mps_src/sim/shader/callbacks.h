@@ -21,6 +21,8 @@ extern SteelSimArenas steel_sim_arenas;
 // The slow path: an access inside one of the arenas (counted, checked); pc is the shader code
 // making it, for messages.
 void steel_sim_access(const void* p, size_t n, bool write, const void* pc);
+// The same for an access declared `align` bytes aligned, less than its size n.
+void steel_sim_access_aligned(const void* p, size_t n, size_t align, bool write, const void* pc);
 // The same for the bytes of a memcpy/memset (no alignment rule: it moves bytes).
 void steel_sim_access_range(const void* p, size_t n, bool write, const void* pc);
 

@@ -1,5 +1,6 @@
 // Logging as production headers write it (issue 26 finding 2): <metal_logging> and metal::os_log
-// from MSL 3.2 on, an empty fallback with a constant-qualified constructor before.
+// from MSL 3.2 on, an empty fallback with a constant-qualified constructor before; both take
+// string literals as `constant char*` (MSL keeps literals in the constant address space).
 #include <metal_stdlib>
 using namespace metal;
 
@@ -11,24 +12,18 @@ using os_log = metal::os_log;
 #else
 namespace app {
 struct os_log {
-  constexpr os_log(int, int) constant {}
+  constexpr os_log(constant char*, constant char*) constant {}
   template <typename... Args>
-  void log_debug(int, Args...) const thread {}
+  void log_debug(constant char*, Args...) const thread {}
   template <typename... Args>
-  void log_debug(int, Args...) const constant {}
+  void log_debug(constant char*, Args...) const constant {}
 };
 }
 #endif
 
-#if __METAL_VERSION__ >= 320
 constant app::os_log logger("tests", "logging");
-#define FORMAT "lane %u"
-#else
-constant app::os_log logger(1, 2);
-#define FORMAT 0
-#endif
 
 kernel void logging(device uint* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
-  logger.log_debug(FORMAT, i);
+  logger.log_debug("lane %u" " of %s", i, "a grid");
   out[i] = __METAL_VERSION__ + i;
 }

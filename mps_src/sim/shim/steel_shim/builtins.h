@@ -114,11 +114,27 @@ STEEL_SHIM_BUILTIN_SIMD(simd_max)
 STEEL_SHIM_BUILTIN_SIMD(simd_min)
 STEEL_SHIM_BUILTIN_SIMD(simd_sum)
 STEEL_SHIM_BUILTIN_SIMD(simd_product)
-STEEL_SHIM_BUILTIN_SIMD(simd_and)
-STEEL_SHIM_BUILTIN_SIMD(simd_or)
-STEEL_SHIM_BUILTIN_SIMD(simd_xor)
 STEEL_SHIM_BUILTIN_SIMD(simd_prefix_exclusive_product)
 STEEL_SHIM_BUILTIN_SIMD(simd_prefix_exclusive_sum)
 STEEL_SHIM_BUILTIN_SIMD(simd_prefix_inclusive_product)
 STEEL_SHIM_BUILTIN_SIMD(simd_prefix_inclusive_sum)
 #undef STEEL_SHIM_BUILTIN_SIMD
+// The bitwise reductions' builtins compile on any operand: Apple's compiler accepts a definition
+// that passes them a float (MLX's bfloat16 simd_and/or/xor overloads do, in functions that no
+// kernel calls), so a refusal at compile time would lose the whole file. What they do to a
+// float is not documented: running one is an error here.
+#define STEEL_SHIM_BUILTIN_SIMD_BITS(name)                                                  \
+  template <typename T>                                                                     \
+  STEEL_CONVERGENT inline T __metal_##name(T data) {                                        \
+    if constexpr (::steel_shim::is_int<T>) {                                                \
+      return metal::name(data);                                                             \
+    } else {                                                                                \
+      steel_sim::fail("__metal_" #name " on a non-integer operand: MSL defines " #name      \
+                      " for integer types only, and what the builtin does to other types "  \
+                      "is undocumented");                                                   \
+    }                                                                                       \
+  }
+STEEL_SHIM_BUILTIN_SIMD_BITS(simd_and)
+STEEL_SHIM_BUILTIN_SIMD_BITS(simd_or)
+STEEL_SHIM_BUILTIN_SIMD_BITS(simd_xor)
+#undef STEEL_SHIM_BUILTIN_SIMD_BITS

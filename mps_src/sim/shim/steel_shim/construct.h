@@ -116,15 +116,30 @@ inline decltype(auto) operator->*(as_deref<To>, From x) {
 }
 
 // A C-style cast `(floatN)x` of MSL is a value conversion, unlike clang's vector bitcast: the
-// pre-pass turns it into `::steel_shim::cast<floatN>() ->* x`, whose ->* binds like a cast.
+// pre-pass turns it into `::steel_shim::cast<floatN>() ->* x` (also for a template's type
+// parameter, which may be a vector), whose ->* binds like a cast. The operand is taken by
+// const reference: that binds to an object in any address space (`(half4x4)(*device_ptr)`)
+// and to a vector element.
 template <typename V>
 struct cast {};
 template <typename V, typename A>
-inline V operator->*(cast<V>, A a) {
+inline V operator->*(cast<V>, const A& a) {
   if constexpr (vinfo<V>::is_vector) {
     return vmake<V>(a);
   } else {
     return V(a);
+  }
+}
+
+// `T(args)` with T a template's type parameter (the pre-pass writes it
+// `::steel_shim::construct<T>(args)`): MSL's vector construction when T is a vector (llama.cpp's
+// `s2_t(half2_value)`, float2 from half2, which C++ would refuse), T(args) otherwise.
+template <typename V, typename... A>
+constexpr V construct(const A&... a) {
+  if constexpr (vinfo<V>::is_vector) {
+    return vmake<V>(a...);
+  } else {
+    return V(a...);
   }
 }
 
@@ -157,11 +172,11 @@ constexpr decltype(auto) as_local(T&& x) {
   }
 }
 
-// An argument `*p` (the pre-pass wraps every argument that dereferences) for a parameter that
-// takes the object by value, which MSL allows from any address space and C++ only from the
-// generic one: an object of a class type outside the thread address space becomes this,
-// convertible into a byte copy (a memcpy, checked like any struct copy) or back into its
-// reference for a parameter that takes one; anything else passes through unchanged.
+// An argument `*p` or `p[i]` (the pre-pass writes it `(steel_shim::arg_pass(), *p)`) for a
+// parameter that takes the object by value, which MSL allows from any address space and C++
+// only from the generic one: an object of a class type outside the thread address space becomes
+// an arg_copy, convertible into a byte copy (a memcpy, checked like any struct copy) or back
+// into its reference for a parameter that takes one.
 template <class R>
 struct arg_copy {
   using U = metal::remove_address_space_t<metal::remove_cv_t<R>>;
@@ -178,14 +193,29 @@ struct arg_copy {
     return ref;
   }
 };
+// The comma form is what leaves every other argument untouched: C++ considers an overloaded
+// comma only for operands of class type, and the one below only for a class object outside the
+// thread address space; for anything else the built-in comma yields the argument itself, with
+// its value category. A function call could not do that for a vector element (`accum[k]` of a
+// float2), which no reference binds to, yet which MSL passes by value like any lvalue.
+struct arg_pass {};
 template <class T>
-constexpr decltype(auto) as_arg(T&& x) {
-  using R = __remove_reference_t(T);
-  if constexpr (__is_class(R) && metal::remove_address_space<R>::value != 0) {
-    return arg_copy<R>{x};
-  } else {
-    return static_cast<T&&>(x);
-  }
+constexpr bool arg_needs_copy =
+    __is_class(__remove_reference_t(T)) &&
+    metal::remove_address_space<__remove_reference_t(T)>::value != 0;
+template <class T, STEEL_SHIM_IF(arg_needs_copy<T>)>
+constexpr arg_copy<__remove_reference_t(T)> operator,(arg_pass, T&& x) {
+  return {x};
+}
+
+// A string literal in shader code (the pre-pass writes `"x"` as `(steel_shim::literal_pass(),
+// "x")`): MSL keeps string literals in the constant address space, so that they go to
+// `constant char*` parameters (logging's formats, MLX's os_log fallback); C++ makes them
+// generic arrays. The pointer is to the literal's own bytes, which stay where C++ keeps them.
+struct literal_pass {};
+template <unsigned long N>
+inline constant char* operator,(literal_pass, const char (&s)[N]) {
+  return (constant char*)s;
 }
 
 }  // namespace steel_shim

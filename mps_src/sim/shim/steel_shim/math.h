@@ -43,6 +43,27 @@
 #define M_SQRT2_H 1.41421356237309504880f16
 #define M_SQRT1_2_H 0.707106781186547524401f16
 #define MAXBFLOAT __builtin_bit_cast(bfloat, (unsigned short)0x7f7f)
+// The float and half limits of MSL's Table 6.x (FLT_MAX, HALF_MAX, ...), as in C's <float.h>.
+#define FLT_MAX 0x1.fffffep127f
+#define FLT_MIN 0x1p-126f
+#define FLT_EPSILON 0x1p-23f
+#define FLT_MANT_DIG 24
+#define FLT_DIG 6
+#define FLT_RADIX 2
+#define FLT_MAX_EXP 128
+#define FLT_MIN_EXP (-125)
+#define FLT_MAX_10_EXP 38
+#define FLT_MIN_10_EXP (-37)
+#define HALF_MAX 0x1.ffcp15f16
+#define HALF_MIN 0x1p-14f16
+#define HALF_EPSILON 0x1p-10f16
+#define HALF_MANT_DIG 11
+#define HALF_DIG 3
+#define HALF_RADIX 2
+#define HALF_MAX_EXP 16
+#define HALF_MIN_EXP (-13)
+#define HALF_MAX_10_EXP 4
+#define HALF_MIN_10_EXP (-4)
 #define HUGE_VALBF ((bfloat)__builtin_inff())
 #define M_E_BF ((bfloat)M_E_F)
 #define M_LOG2E_BF ((bfloat)M_LOG2E_F)
@@ -373,6 +394,18 @@ inline T fract(T x) {
   template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T> && steel_shim::vinfo<T>::is_vector)> \
   inline T name(T x, steel_shim::elem_t<T> y) {                                                 \
     return name(x, T(y));                                                                       \
+  }                                                                                             \
+  /* A floating-point scalar with an integer: Metal's overloads (float, float), (half, half)  */ \
+  /* take the integer converted to the other argument's type (`pow(base, short(e))`).         */ \
+  template <typename T, typename I,                                                             \
+            STEEL_SHIM_IF(steel_shim::is_fp_scalar<T> && __is_integral(I))>                     \
+  inline T name(T x, I y) {                                                                     \
+    return name(x, T(y));                                                                       \
+  }                                                                                             \
+  template <typename T, typename I,                                                             \
+            STEEL_SHIM_IF(steel_shim::is_fp_scalar<T> && __is_integral(I))>                     \
+  inline T name(I x, T y) {                                                                     \
+    return name(T(x), y);                                                                       \
   }
 STEEL_SHIM_BINARY_INEXACT(pow, __builtin_powf(a, b))
 STEEL_SHIM_BINARY_INEXACT(powr, __builtin_powf(a, b))

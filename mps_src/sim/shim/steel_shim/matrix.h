@@ -62,7 +62,7 @@ typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 
-template <typename T, int Cols, int Rows>
+template <typename T, int Cols, int Rows = Cols>
 inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, Cols, Rows> m;
   m.steel_elements = vec<T, 2>(value);

@@ -223,10 +223,22 @@ STEEL_SHIM_REDUCE(simd_sum, steel_shim::plus<T>)
 STEEL_SHIM_REDUCE(simd_product, steel_shim::times<T>)
 STEEL_SHIM_REDUCE(simd_max, [](T a, T b) { return metal::max(a, b); })
 STEEL_SHIM_REDUCE(simd_min, [](T a, T b) { return metal::min(a, b); })
-STEEL_SHIM_REDUCE(simd_and, [](T a, T b) { return T(a & b); })
-STEEL_SHIM_REDUCE(simd_or, [](T a, T b) { return T(a | b); })
-STEEL_SHIM_REDUCE(simd_xor, [](T a, T b) { return T(a ^ b); })
 #undef STEEL_SHIM_REDUCE
+
+// The bitwise reductions: MSL declares them for integer scalars and vectors only, so a call on
+// a float finds no overload (a compile error, as with Metal's own <metal_simdgroup>).
+#define STEEL_SHIM_REDUCE_BITS(name, op)                                               \
+  template <typename T>                                                                \
+    requires ::steel_shim::is_int<T>                                                   \
+  STEEL_CONVERGENT inline T name(T data) {                                             \
+    STEEL_SHIM_SIMD_OPERAND(T);                                                        \
+    const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Reduce);            \
+    return steel_shim::fold(e, 32, data, [](T a, T b) { return T(a op b); });          \
+  }
+STEEL_SHIM_REDUCE_BITS(simd_and, &)
+STEEL_SHIM_REDUCE_BITS(simd_or, |)
+STEEL_SHIM_REDUCE_BITS(simd_xor, ^)
+#undef STEEL_SHIM_REDUCE_BITS
 
 // Prefix sums over the active lanes below (exclusive) or up to (inclusive) this lane.
 template <typename T>

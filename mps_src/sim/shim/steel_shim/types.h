@@ -46,6 +46,22 @@ STEEL_SHIM_VECTORS(half)
 STEEL_SHIM_VECTORS(bfloat)
 STEEL_SHIM_VECTORS(float)
 #undef STEEL_SHIM_VECTORS
+// Packed vectors (MSL: the vector's elements, aligned as one element): 2 and 4 elements are
+// the vectors with that alignment (loads through them are checked against it). packed_T3 (12
+// bytes, which no clang vector is) is not simulated.
+#define STEEL_SHIM_PACKED(T)                                                     \
+  typedef T packed_##T##2 __attribute__((ext_vector_type(2), aligned(sizeof(T)))); \
+  typedef T packed_##T##4 __attribute__((ext_vector_type(4), aligned(sizeof(T))));
+STEEL_SHIM_PACKED(char)
+STEEL_SHIM_PACKED(uchar)
+STEEL_SHIM_PACKED(short)
+STEEL_SHIM_PACKED(ushort)
+STEEL_SHIM_PACKED(int)
+STEEL_SHIM_PACKED(uint)
+STEEL_SHIM_PACKED(half)
+STEEL_SHIM_PACKED(bfloat)
+STEEL_SHIM_PACKED(float)
+#undef STEEL_SHIM_PACKED
 
 // Functions that reach a rendezvous (barriers, simd_* and simdgroup-matrix operations). GPU
 // compilers never duplicate such a call into several paths or make it depend on more
