@@ -47,7 +47,7 @@ TRAIN = [
 # (name, lengths, Hq, Hkv, D, causal)
 VARLEN = [("varlen 5 docs 100..2048 d128 causal", [512, 1024, 300, 2048, 100], 8, 8, 128, True)]
 
-# --modest: the README's table, every chip in minutes
+# --modest: docs/performance.md's table, every chip in minutes
 MODEST_PREFILL = [
     ("prefill L1024 d64 causal", 1, 8, 8, 1024, 1024, 64, True),
     ("prefill L1024 d128 causal", 1, 8, 8, 1024, 1024, 128, True),
@@ -209,7 +209,7 @@ def varlen_pair(shape, dtype, chip, budget):
 
 def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list[str]:
     """Print the tables for each chip and save the plots; returns the table lines (for tests).
-    quick: one tiny shape of each kind; modest: the README's set."""
+    quick: one tiny shape of each kind; modest: docs/performance.md's set."""
     lines: list[str] = []
 
     def say(s=""):
