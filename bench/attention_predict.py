@@ -110,7 +110,10 @@ def forward_pair(shape, dtype, chip, budget):
         return [*_qkv(*dims, L, S, D, dtype, device), None, None]
 
     work = rh * visible(L, S, causal) * 2 * D
-    ours = sbs.steel_records("sdpa", make_steel, _options(D, causal), factor, chip, budget, work)
+    fit = _attention_fit(shape, dtype, lambda n: _maker(B, Hq, Hkv, rb, rh, rkv, n, D, dtype))
+    ours = sbs.steel_records(
+        "sdpa", make_steel, _options(D, causal), factor, chip, budget, work, fit
+    )
 
     def make_torch(reduced):
         if reduced:
@@ -123,6 +126,40 @@ def forward_pair(shape, dtype, chip, budget):
 
     theirs = sbs.pytorch_records(make_torch, factor, chip, budget, work)
     return ours, theirs
+
+
+# Fitted shapes (big_shapes.py): L = S = n at these points, multiples of every tile (BQ <= 64,
+# BK <= 32), give each counter's quadratic in n exactly.
+FIT_POINTS = (128, 256, 384)
+
+
+def _maker(B, Hq, Hkv, rb, rh, rkv, n, D, dtype):
+    def make(device, reduced):
+        dims = (rb, rh, rkv) if reduced else (B, Hq, Hkv)
+        return [*_qkv(*dims, n, n, D, dtype, device), None, None]
+
+    return make
+
+
+def _attention_fit(shape, dtype, make_at):
+    """The fit= of sbs.steel_records for an L = S attention shape (None when L != S)."""
+    import big_shapes  # noqa: PLC0415
+
+    _, B, Hq, Hkv, L, S, D, causal = shape
+    if L != S or L <= max(FIT_POINTS):
+        return None
+    geometry = {"B": B, "Hq": Hq, "Hkv": Hkv, "L": L, "S": S, "D": D, "causal": causal,
+                "es": sbs._ES[dtype]}  # fmt: skip
+    rh = Hq // Hkv
+    return {
+        "points": FIT_POINTS,
+        "x": L,
+        "make_at": make_at,
+        "reduced": True,
+        "work_at": lambda n: rh * visible(n, n, causal) * 2 * D,
+        "scale": lambda full, small: 1,
+        "pieces": lambda kernel, grid: big_shapes.attention_pieces(kernel, grid, geometry),
+    }
 
 
 def training_pair(shape, dtype, chip, budget):

@@ -23,8 +23,11 @@ in batch entries past the first); the full shape's plan
 gives the geometry, and the reduction is used only when the reduced plan has the same kernels,
 threads and threadgroups per head (else the full shape runs). A shape whose reduced work is over
 the simulation budget runs sampled (part 24B's sample=, when the simulator has it: a few waves of
-threadgroups, extrapolated) or is reported as skipped. With part 24B's cache model the DRAM bytes
-come from it (per chip: its L2 and SLC sizes, waves of the threadgroups resident at once); the
+threadgroups, extrapolated); one that sampling would not bring within it is fitted when its
+caller says how (big_shapes.py: work counters from small runs of the same kernels, DRAM from a
+reuse model, both checked in tests/sim/test_bench_predict.py), or else reported as skipped.
+With part 24B's cache model the DRAM bytes come from it (per chip: its L2 and SLC sizes,
+waves of the threadgroups resident at once); the
 reduction then scales them too, which assumes each KV group's traffic is independent of the
 others'.
 """
@@ -180,13 +183,15 @@ def steel_records(
     chip_name: str,
     budget: float,
     work: float,
+    fit: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """steel's prediction of one call on one chip.
 
     make(device, reduced) -> the op's tensors ("meta" or "cpu"; the reduced shape when reduced);
     factor: the full shape's KV groups per reduced run (Hkv); work: the reduced run's
-    multiply-adds, against `budget`. Returns {"time_s", "bound", "dispatches", "records",
-    "how"} or {"skipped": reason}."""
+    multiply-adds, against `budget`; fit: how a shape over the budget is fitted instead of
+    skipped (_fitted). Returns {"time_s", "bound", "dispatches", "records", "how"} or
+    {"skipped": reason}."""
     device = M5_DEVICE if is_m5(chip_name) else {}
     opts = {**options, **device}
     full = sim.plan(op, make("meta", False), opts)
@@ -203,6 +208,8 @@ def steel_records(
         kw["cache"] = _cache(chip_name, residents)
     run_groups = [math.prod(d.grid) // (factor if use_reduced else 1) for d in full.dispatches]
     sample = _sampling(work, budget, run_groups, residents)
+    if isinstance(sample, str) and fit is not None:
+        return _fitted(op, full, opts, fit, factor, chip_name, residents, budget)
     if isinstance(sample, str):
         return {"skipped": sample}
     if sample is not None:
@@ -223,6 +230,54 @@ def steel_records(
             "threadgroup_memory": sum(d.threadgroup_memory.values()),
             "counters": c,
         }
+        for d, c in zip(full.dispatches, counters, strict=True)
+    ]
+    return result
+
+
+def _fitted(op, full, opts, fit, factor, chip_name, residents, budget) -> dict[str, Any]:
+    """A shape over the budget, from big_shapes.py: its work counters fitted from runs of the
+    same kernels on fit["points"] (fit["make_at"](n) -> make(device, reduced) at point n,
+    reduced to one KV group when fit["reduced"]; fit["scale"](full plan, small plan): the
+    counters' factor beyond the fit, 1 for attention), its DRAM bytes from the reuse model
+    (fit["pieces"](kernel, grid) -> pieces_of or None; fit["x"]: the big shape's point)."""
+    import big_shapes  # noqa: PLC0415 (bench/ is on the path)
+
+    runs, cost = [], 0.0
+    small = None
+    for n in fit["points"]:
+        make = fit["make_at"](n)
+        small = sim.plan(op, make("meta", fit["reduced"]), opts)
+        if not small.ok or len(small.dispatches) != len(full.dispatches):
+            why = small.reason or "other dispatches"
+            return {"skipped": f"fit at {n}: the small plan differs ({why})"}
+        for a, b in zip(full.dispatches, small.dispatches, strict=True):
+            if (a.kernel, a.threads, a.constants) != (b.kernel, b.threads, b.constants):
+                return {"skipped": f"fit at {n}: {b.kernel} is not the big plan's {a.kernel}"}
+        cost += fit["work_at"](n)
+        if cost > 4 * budget:
+            return {"skipped": f"fit points cost {cost:.1e} MACs: over 4 x --sim-budget"}
+        _, c = sim.run_op(op, make("cpu", fit["reduced"]), opts, counters=True, checkers=False)
+        runs.append(c)
+    counters = big_shapes.fit_counters(runs, fit["points"], fit["x"], fit["scale"](full, small))
+    if fit["reduced"]:
+        counters = [scale_counters(c, factor) for c in counters]
+    c_chip = chip(chip_name)
+    for d, c, resident in zip(full.dispatches, counters, residents, strict=True):
+        pieces = fit["pieces"](d.kernel, d.grid)
+        inline = {b.index for b in d.bindings if b.kind == "bytes"}
+        written = sum(int(b["written"]) for i, b in c["buffers"].items() if int(i) not in inline)
+        if pieces is not None:
+            c["dram_read"] = big_shapes.reuse_dram(
+                math.prod(d.grid), resident, int(c_chip["slc_bytes"]), pieces
+            )
+            c["dram_written"] = written
+            c["dram_source"] = "reuse model (bench/big_shapes.py)"
+    result = timing().predict_call(full.dispatches, counters, chip_name)
+    points = ",".join(map(str, fit["points"]))
+    result["how"] = f"fitted ({points}), reuse-model DRAM"
+    result["records"] = [
+        {"kernel": d.kernel, "grid": d.grid, "threads": d.threads, "counters": c}
         for d, c in zip(full.dispatches, counters, strict=True)
     ]
     return result

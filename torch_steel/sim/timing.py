@@ -439,7 +439,7 @@ def predict_dispatch(
     cache_s = per_core_time(device_bytes, float(c["l2_bytes_per_core_cycle"]), False)
     if "dram_read" in counters or "dram_written" in counters:
         dram_bytes = int(counters.get("dram_read", 0)) + int(counters.get("dram_written", 0))
-        dram_source = "cache model (part 24B)"
+        dram_source = counters.get("dram_source", "cache model (part 24B)")
     else:
         dram_bytes = tensor_bytes if bindings is not None else device_bytes
         dram_source = (
