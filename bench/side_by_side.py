@@ -263,6 +263,7 @@ def _fitted(op, full, opts, fit, factor, chip_name, residents, budget) -> dict[s
     if fit["reduced"]:
         counters = [scale_counters(c, factor) for c in counters]
     c_chip = chip(chip_name)
+    modelled = False
     for d, c, resident in zip(full.dispatches, counters, residents, strict=True):
         pieces = fit["pieces"](d.kernel, d.grid)
         inline = {b.index for b in d.bindings if b.kind == "bytes"}
@@ -273,9 +274,11 @@ def _fitted(op, full, opts, fit, factor, chip_name, residents, budget) -> dict[s
             )
             c["dram_written"] = written
             c["dram_source"] = "reuse model (bench/big_shapes.py)"
+            modelled = True
     result = timing().predict_call(full.dispatches, counters, chip_name)
     points = ",".join(map(str, fit["points"]))
-    result["how"] = f"fitted ({points}), reuse-model DRAM"
+    dram = "reuse-model DRAM" if modelled else "DRAM = device bytes"
+    result["how"] = f"fitted ({points}), {dram}"
     result["records"] = [
         {"kernel": d.kernel, "grid": d.grid, "threads": d.threads, "counters": c}
         for d, c in zip(full.dispatches, counters, strict=True)
@@ -292,11 +295,13 @@ def pytorch_records(
     chip_name: str,
     budget: float,
     work: float,
+    fit: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """PyTorch's kernels' prediction of one F.sdpa call (no grad) on one chip.
 
     make(reduced) -> (q, k, v, kwargs of pytorch_mps.launches) on CPU; factor and work as for
-    steel_records (PyTorch's grids are per query head, so the reduction always applies)."""
+    steel_records (PyTorch's grids are per query head, so the reduction always applies); fit:
+    as for steel_records, its make_at(n) giving make(reduced) at point n."""
     import pytorch_mps  # noqa: PLC0415 (bench/ is on the path of the scripts that use this)
 
     q, k, v, kw = make(True)
@@ -309,6 +314,8 @@ def pytorch_records(
     residents = [_resident(chip_name, g, i) for g, i in zip(geometries, infos, strict=True)]
     run_groups = [math.prod(tuple(x["grid"])) for x in launches]
     sample = _sampling(work, budget, run_groups, residents)
+    if isinstance(sample, str) and fit is not None:
+        return _pytorch_fitted(full_launches, geometries, infos, fit, factor, chip_name, residents)
     if isinstance(sample, str):
         return {"skipped": sample}
     counters = []
@@ -333,6 +340,41 @@ def pytorch_records(
             "counters": c,
         }
         for launch, g, c in zip(full_launches, geometries, counters, strict=True)
+    ]
+    return result
+
+
+def _pytorch_fitted(full_launches, geometries, infos, fit, factor, chip_name, residents):
+    """PyTorch's kernels on a shape over the budget, fitted as steel's are (_fitted)."""
+    import big_shapes  # noqa: PLC0415
+    import pytorch_mps  # noqa: PLC0415
+
+    runs = []
+    for n in fit["points"]:
+        q, k, v, kw = fit["make_at"](n)(True)
+        _, launches = pytorch_mps.launches(q, k, v, **kw)
+        names = [(x["name"], tuple(x["threads"])) for x in launches]
+        if names != [(x["name"], tuple(x["threads"])) for x in full_launches]:
+            return {"skipped": f"fit at {n}: PyTorch's host picks other kernels ({names})"}
+        runs.append([pytorch_mps.run(x, counters=True, checkers=False) for x in launches])
+    counters = [
+        scale_counters(c, factor) for c in big_shapes.fit_counters(runs, fit["points"], fit["x"])
+    ]
+    slc = int(chip(chip_name)["slc_bytes"])
+    for g, c, resident, launch in zip(geometries, counters, residents, full_launches, strict=True):
+        pieces = fit["pieces"](launch["name"], g["grid"])
+        inline = {b["index"] for b in g["bindings"] if b["kind"] == "bytes"}
+        if pieces is not None:
+            c["dram_read"] = big_shapes.reuse_dram(math.prod(g["grid"]), resident, slc, pieces)
+            c["dram_written"] = sum(
+                int(b["written"]) for i, b in c["buffers"].items() if int(i) not in inline
+            )
+            c["dram_source"] = "reuse model (bench/big_shapes.py)"
+    result = timing().predict_call(geometries, counters, chip_name, infos)
+    result["how"] = f"fitted ({','.join(map(str, fit['points']))}), reuse-model DRAM"
+    result["records"] = [
+        {"kernel": x["name"], "grid": g["grid"], "threads": g["threads"], "counters": c}
+        for x, g, c in zip(full_launches, geometries, counters, strict=True)
     ]
     return result
 

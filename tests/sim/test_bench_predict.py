@@ -173,24 +173,37 @@ def test_gemm_predict_quick_table(tmp_path):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fitted_counters_equal_a_whole_run(causal):
-    """big_shapes.fit_counters: steel's forward counters at L = S = 512, fitted from runs at 128,
-    256 and 384 (the quadratic through them), equal the whole run's, every counter."""
+@pytest.mark.parametrize("kernels", ["forward", "backward", "pytorch"])
+def test_fitted_counters_equal_a_whole_run(causal, kernels):
+    """big_shapes.fit_counters: the counters of every dispatch at L = S = 512 (steel's forward,
+    steel's backward, PyTorch's prefill kernel; GQA 2/1), fitted from runs at 128, 256 and 384
+    (the quadratic through them), equal the whole run's, every counter."""
     import attention_predict
     import big_shapes
 
     D, opts = 64, attention_predict._options(64, causal)
 
     def counters(n):
-        make = attention_predict._maker(1, 2, 1, 1, 2, 1, n, D, torch.float16)
-        return sim.run_op("sdpa", make("cpu", True), opts, counters=True, checkers=False)[1]
+        if kernels == "pytorch":
+            q, k, v = attention_predict._qkv(1, 2, 1, n, n, D, torch.float16, "cpu")
+            _, launches = pytorch_mps.launches(q, k, v, causal=causal)
+            return [pytorch_mps.run(x, counters=True, checkers=False) for x in launches]
+        if kernels == "backward":
+            tensors = attention_predict._backward_inputs(1, 2, 1, n, D, torch.float16, "cpu")
+            op = "sdpa_backward"
+        else:
+            tensors = attention_predict._maker(1, 2, 1, 1, 2, 1, n, D, torch.float16)("cpu", True)
+            op = "sdpa"
+        return sim.run_op(op, tensors, opts, counters=True, checkers=False)[1]
 
     points = attention_predict.FIT_POINTS
-    (fitted,) = big_shapes.fit_counters([counters(n) for n in points], points, 512)
-    (whole,) = counters(512)
-    fitted.pop("sampled")
-    whole.pop("sampled", None)
-    assert fitted == whole
+    fitted = big_shapes.fit_counters([counters(n) for n in points], points, 512)
+    whole = counters(512)
+    assert len(fitted) == len(whole)
+    for f, w in zip(fitted, whole, strict=True):
+        f.pop("sampled")
+        w.pop("sampled", None)
+        assert f == w
 
 
 @pytest.mark.parametrize("causal", [False, True])
