@@ -96,6 +96,24 @@ def test_large_problem_uses_large_tile(dtype, tag):
     assert d.grid == (16 << 2, 4, 1)
 
 
+@pytest.mark.parametrize(
+    "cores,tile",
+    [
+        (0, "bm32_bn32"),  # no core count described: below 128 blocks, 32x32
+        (8, "bm64_bn64"),  # 64 blocks fill 8 waves of 8 cores
+        (10, "bm64_bn64"),  # 64 of 70 slots (91%)
+        (20, "bm32_bn32"),  # 64 of 80 slots (80%): cores idle in the last wave
+        (40, "bm32_bn32"),
+    ],
+)
+def test_small_grid_tile_by_core_waves(cores, tile):
+    # 512^3: 64 blocks of 64x64. The rule and its timing-model figures are in gemm_plan.cpp.
+    meta = {"device": "meta"}
+    options = {"gpu_cores": cores} if cores else {}
+    (d,) = plan(t(512, 512, **meta), t(512, 512, **meta), **options).dispatches
+    assert f"_{tile}_" in d.kernel, d.kernel
+
+
 def test_decode_shape_uses_small_tile():
     (d,) = plan(t(1, 4096), t(4096, 4096)).dispatches
     assert "_bm32_bn32_" in d.kernel
