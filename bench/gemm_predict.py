@@ -11,6 +11,7 @@ published MPS efficiency is applied: this is the fastest MPS could be, and the r
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import side_by_side as sbs
@@ -31,6 +32,49 @@ QUICK = [("ragged 33x65x47", 1, 33, 65, 47)]
 MODEST = [("square 512", 1, 512, 512, 512), ("decode 1x4096x4096", 1, 1, 4096, 4096)]
 
 
+# Fitted shapes (big_shapes.py): the same kernel on at most FIT_MN x FIT_MN of the output, at
+# these values of K (multiples of every bk); counters linear in K, scaled by the threadgroups.
+FIT_MN = 1024
+FIT_K = (128, 256)
+
+
+def _fit(shape, dtype):
+    """The fit= of sbs.steel_records for a GEMM over the budget (None when K is no larger than
+    the fit's points, or M or N is cut to FIT_MN but not a multiple of 64: then the big grid's
+    threadgroups would not all do the small run's work)."""
+    import big_shapes  # noqa: PLC0415
+
+    _, batch, m, n, k = shape
+    if k <= max(FIT_K) or k % 32 or (m > FIT_MN and m % 64) or (n > FIT_MN and n % 64):
+        return None
+    m0, n0 = min(m, FIT_MN), min(n, FIT_MN)
+
+    def make_at(k0):
+        def make(device, reduced):
+            shape_a = (batch, m0, k0) if batch > 1 else (m0, k0)
+            g = torch.Generator().manual_seed(k0)
+            if device == "meta":
+                return [torch.empty(shape_a, dtype=dtype, device="meta"),
+                        torch.empty(k0, n0, dtype=dtype, device="meta"), None, None]  # fmt: skip
+            return [torch.randn(shape_a, generator=g).to(dtype),
+                    torch.randn(k0, n0, generator=g).to(dtype), None, None]  # fmt: skip
+
+        return make
+
+    geometry = {"M": m, "N": n, "K": k, "es": sbs._ES[dtype]}
+    return {
+        "points": FIT_K,
+        "x": k,
+        "make_at": make_at,
+        "reduced": False,
+        "work_at": lambda k0: batch * m0 * n0 * k0,
+        "scale": lambda full, small: (
+            math.prod(full.dispatches[0].grid) / math.prod(small.dispatches[0].grid)
+        ),
+        "pieces": lambda kernel, grid: big_shapes.gemm_pieces(kernel, grid, geometry),
+    }
+
+
 def pair(shape, dtype, chip, budget):
     """(steel, MPS matmul) predictions of out = a @ b."""
     _, batch, m, n, k = shape
@@ -44,7 +88,8 @@ def pair(shape, dtype, chip, budget):
         return [torch.randn(shape_a, generator=g).to(dtype),
                 torch.randn(k, n, generator=g).to(dtype), None, None]  # fmt: skip
 
-    ours = sbs.steel_records("gemm", make, {}, 1, chip, budget, batch * m * n * k)
+    fit = _fit(shape, dtype)
+    ours = sbs.steel_records("gemm", make, {}, 1, chip, budget, batch * m * n * k, fit)
     es = sbs._ES[dtype]
     ops = [sbs.op("MPS matmul", 2 * batch * m * n * k,
                   (batch * m * k + k * n) * es, batch * m * n * es, matmul=True)]  # fmt: skip
