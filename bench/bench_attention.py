@@ -77,7 +77,7 @@ BQ = 32
 THREADS = 128
 # The matmul2d prefill's tiles (STEEL_ATTN_TENSOR_BQ / _BK; 4 simdgroups, THREADS threads).
 TENSOR_BQ, TENSOR_BK = 64, 32
-BUDGET = 20480  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
+BUDGET = timing._TG_BUDGET  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
 
 # (name, B, Hq, Hkv, L, S, E, Ev, options, mask shape or None)
 SHAPES = [
@@ -113,20 +113,10 @@ VARLEN_SHAPES = [
 
 
 def bk_of(de, dv, es):
-    """steel_attn_bk (params.h): the key tile of the kernel for head dims (de, dv)."""
-
-    def ld(d):
-        return d + 16 // es
-
-    def separate(bk):
-        return bk * (ld(de) + ld(dv)) * es
-
-    def shared(bk):
-        return bk * max(ld(de), ld(dv)) * es
-
-    if separate(16) <= BUDGET:
-        return 32 if separate(32) <= BUDGET else 16
-    return next(bk for bk in (32, 16, 8) if shared(bk) <= BUDGET or bk == 8)
+    """steel_attn_bk (params.h): the key tile of the kernel for head dims (de, dv). One copy of
+    the formula, the timing model's (tests/sim/test_timing.py checks its tile bytes against
+    every compiled attention kernel)."""
+    return timing._attn_bk(de, dv, es)
 
 
 def params(dispatch, index=BUF_PARAMS):
