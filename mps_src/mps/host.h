@@ -50,6 +50,10 @@ inline std::optional<DType> to_dtype(c10::ScalarType type) {
       return DType::Int64;
     case c10::ScalarType::Bool:
       return DType::Bool;
+    case c10::ScalarType::Char:  // quantized K/V codes (torch_steel.kv)
+      return DType::Int8;
+    case c10::ScalarType::Byte:
+      return DType::UInt8;
     default:
       return std::nullopt;
   }
@@ -69,6 +73,10 @@ inline c10::ScalarType to_scalar_type(DType dtype) {
       return c10::ScalarType::Long;
     case DType::Bool:
       return c10::ScalarType::Bool;
+    case DType::Int8:
+      return c10::ScalarType::Char;
+    case DType::UInt8:
+      return c10::ScalarType::Byte;
   }
   TORCH_CHECK(false, "torch-steel: unknown plan dtype ", static_cast<int>(dtype));
 }

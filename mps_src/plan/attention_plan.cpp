@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "device.h"
+#include "quantized_plan.h"
 
 namespace steel {
 namespace attn {
@@ -300,6 +301,10 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
       fc_bool(STEEL_ATTN_FC_KV_ALIAS, l.kv_alias),
       fc_bool(STEEL_ATTN_FC_LSE, c.lse),
   };
+  // Unquantized K and V (the quantized planners, quantized_plan.cpp, rewrite these).
+  for (const FunctionConstant& q : quant_constants(nullptr, nullptr, c.E, c.Ev)) {
+    out.constants.push_back(q);
+  }
   // Absent mask or sinks are never read (function constants), but every declared buffer is
   // bound, so q stands in. The cu_seqlens buffers exist only in varlen pipelines.
   const int32_t q_slot = 0, k_slot = 1, v_slot = 2;

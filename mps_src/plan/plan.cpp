@@ -18,6 +18,8 @@ size_t dtype_size(DType dtype) {
     case DType::Int64:
       return 8;
     case DType::Bool:
+    case DType::Int8:
+    case DType::UInt8:
       return 1;
   }
   return 0;
@@ -37,6 +39,10 @@ const char* dtype_name(DType dtype) {
       return "int64";
     case DType::Bool:
       return "bool";
+    case DType::Int8:
+      return "int8";
+    case DType::UInt8:
+      return "uint8";
   }
   return "unknown";
 }

@@ -19,7 +19,9 @@
 
 namespace steel {
 
-enum class DType : int32_t { Float16 = 0, BFloat16 = 1, Float32 = 2, Int32 = 3, Int64 = 4, Bool = 5 };
+// Int8 and UInt8: the codes of quantized K/V (torch_steel.kv), read as bytes.
+enum class DType : int32_t { Float16 = 0, BFloat16 = 1, Float32 = 2, Int32 = 3, Int64 = 4, Bool = 5,
+                             Int8 = 6, UInt8 = 7 };
 
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);

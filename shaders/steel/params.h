@@ -395,3 +395,49 @@ static_assert(sizeof(AttnDecodeParams) == 368, "AttnDecodeParams layout changed"
 static_assert(offsetof(AttnDecodeParams, splits) == 312, "AttnDecodeParams.splits moved");
 static_assert(offsetof(AttnDecodeParams, k_ps) == 352, "AttnDecodeParams.k_ps moved");
 #endif
+
+// ---- Quantized K/V (torch_steel.kv; the decode and prefill forward kernels) ------------------
+
+// K and V may hold int8 codes (x = q * s) or two 4-bit codes per byte (x = q * s + m) with a
+// scale (and a min) per group of values along the head dim, dequantized by the tile loader into
+// threadgroup memory in the compute dtype (AttnQuantTileLoader, shaders/steel/attn/loader.h).
+// Every forward and decode pipeline sets these (the plans' attn::dispatch: STEEL_ATTN_FC_QUANT
+// off, the formats 0, unless the call is quantized); the backward kernels never read them.
+#define STEEL_ATTN_FC_QUANT 327        // bool: K and V are quantized (buffers 14 .. 18 bound)
+#define STEEL_ATTN_FC_K_BITS 328       // int: 8 (int8 codes) or 4 (two codes per byte); else 0
+#define STEEL_ATTN_FC_K_GROUP 329      // int: values per scale, 32 / 64 / 128, or E (per row)
+#define STEEL_ATTN_FC_K_SCALE_F32 330  // bool: K's scales and mins are float32, else float16
+#define STEEL_ATTN_FC_V_BITS 331       // the same for V
+#define STEEL_ATTN_FC_V_GROUP 332
+#define STEEL_ATTN_FC_V_SCALE_F32 333
+
+// Buffer indices of the quantized pipelines (beyond the decode kernels' 13): the scales and
+// mins of K and V (mins only for 4-bit; an int8 operand binds its scales in their place, never
+// read), and AttnQuantParams.
+#define STEEL_ATTN_BUF_K_SCALES 14
+#define STEEL_ATTN_BUF_K_MINS 15
+#define STEEL_ATTN_BUF_V_SCALES 16
+#define STEEL_ATTN_BUF_V_MINS 17
+#define STEEL_ATTN_BUF_QUANT_PARAMS 18
+
+// Where the scales (and mins, which share the scales' layout) of K and V lie, in scale
+// elements: per merged batch dim (AttnParams.batch_shape), KV head, key (token; a varlen
+// operand's token stride) and page of a paged pool. With STEEL_ATTN_FC_QUANT, AttnParams' k_*
+// and v_* strides (and AttnDecodeParams' k_ps, v_ps) are those of the codes, in bytes.
+// A struct of its own beside AttnParams (not fields in it): the fp16 path's params, the
+// backward's and decode's, which embed AttnParams, keep their layout.
+struct AttnQuantParams {
+  steel_i64 k_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 k_hs;
+  steel_i64 k_rs;
+  steel_i64 k_ps;
+  steel_i64 v_bs[STEEL_ATTN_MAX_BATCH_DIMS];
+  steel_i64 v_hs;
+  steel_i64 v_rs;
+  steel_i64 v_ps;
+};
+
+static_assert(sizeof(AttnQuantParams) == 112, "AttnQuantParams layout changed");
+#ifndef __METAL_VERSION__
+static_assert(offsetof(AttnQuantParams, v_bs) == 56, "AttnQuantParams.v_bs moved");
+#endif

@@ -43,6 +43,8 @@ _DTYPES = {
     torch.int32: 3,
     torch.int64: 4,
     torch.bool: 5,
+    torch.int8: 6,  # quantized K/V codes (torch_steel.kv)
+    torch.uint8: 7,
 }
 _DTYPE_NAMES = {
     "float16": torch.float16,
@@ -51,6 +53,8 @@ _DTYPE_NAMES = {
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 

@@ -1,6 +1,7 @@
 // Steel attention kernels: the prefill forward (flash attention with every F.sdpa option and the
 // extensions of torch_steel.sdpa; see forward.h), dense or over packed variable-length sequences
-// (STEEL_ATTN_FC_VARLEN, which also makes the cu_seqlens buffers present).
+// (STEEL_ATTN_FC_VARLEN, which also makes the cu_seqlens buffers present), with K and V in the
+// compute dtype or quantized (STEEL_ATTN_FC_QUANT, which makes buffers 14 .. 18 present).
 //
 // Host names: steel_attention_<dtype>_e<DE>_v<DV>, DE the head dim of q and k and DV that of v
 // as instantiated below; other head dims run on the next larger instantiation with bounded
@@ -27,12 +28,24 @@ template <typename T, short DE, short DV>
                                                          function_constant(attn_varlen)]],
                                 const device int* cu_k [[buffer(STEEL_ATTN_BUF_CU_K),
                                                          function_constant(attn_varlen)]],
+                                const device uchar* k_scales [[buffer(STEEL_ATTN_BUF_K_SCALES),
+                                                               function_constant(attn_quant)]],
+                                const device uchar* k_mins [[buffer(STEEL_ATTN_BUF_K_MINS),
+                                                             function_constant(attn_quant)]],
+                                const device uchar* v_scales [[buffer(STEEL_ATTN_BUF_V_SCALES),
+                                                               function_constant(attn_quant)]],
+                                const device uchar* v_mins [[buffer(STEEL_ATTN_BUF_V_MINS),
+                                                             function_constant(attn_quant)]],
+                                constant AttnQuantParams* qparams
+                                [[buffer(STEEL_ATTN_BUF_QUANT_PARAMS),
+                                  function_constant(attn_quant)]],
                                 uint3 tg [[threadgroup_position_in_grid]],
                                 ushort simdgroup [[simdgroup_index_in_threadgroup]],
                                 ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnForward<T, DE, DV>::kTileElems];
-  attention_forward_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k, params, smem, tg,
-                                     simdgroup, lane);
+  const AttnQuantBuffers qb = {k_scales, k_mins, v_scales, v_mins, qparams};
+  attention_forward_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k, qb, params, smem,
+                                     tg, simdgroup, lane);
 }
 
 // ---- Instantiations (the head-dim table in attention_plan.cpp picks among these) -------------

@@ -14,6 +14,8 @@
 //   - the rest is the prefill's machinery unchanged: tile loader, score transforms, online
 //     softmax and the MMA helpers of forward.h, with each lane's row, head, mask row and
 //     diagonals its own. Tiles outside every row's causal/window reach are never visited.
+// Quantized K and V (STEEL_ATTN_FC_QUANT, torch_steel.kv): the tiles are dequantized on the way
+// into threadgroup memory (AttnQuantKv, forward.h); everything after the load is unchanged.
 // Varlen (STEEL_ATTN_FC_VARLEN): sequences found from cu_seqlens_q and either cu_seqlens_k or,
 // paged (STEEL_ATTN_FC_PAGED), seqused_k and a block table: K and V are page pools
 // [pages, page_size, Hkv, D], key j of sequence b in page block_table[b, j / page_size]. Every
@@ -77,9 +79,9 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
                                    device T* out, device float* lse, const device int* cu_q,
                                    const device int* cu_k, const device int* table,
                                    const device int* seqused, device float* part_o,
-                                   device float* part_ml, constant AttnDecodeParams& dp,
-                                   threadgroup T* smem, uint3 tg, ushort simdgroup,
-                                   ushort lane) {
+                                   device float* part_ml, AttnQuantBuffers qb,
+                                   constant AttnDecodeParams& dp, threadgroup T* smem, uint3 tg,
+                                   ushort simdgroup, ushort lane) {
   using A = AttnForward<T, DE, DV>;
   constant AttnParams& p = dp.fwd;
   const int split = int(tg.x) % dp.splits;
@@ -94,29 +96,53 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   steel_i64 k_off = 0, v_off = 0, m_off = 0;
   AttnKvRows k_rows = attn_dense_rows(p.k_rs);
   AttnKvRows v_rows = attn_dense_rows(p.v_rs);
+  // Quantized K and V: their scales' element offsets and rows, beside the codes' (in bytes).
+  steel_i64 ks_off = 0, vs_off = 0;
+  AttnKvRows ks_rows = attn_dense_rows(attn_quant ? qb.qp->k_rs : 0);
+  AttnKvRows vs_rows = attn_dense_rows(attn_quant ? qb.qp->v_rs : 0);
   if (attn_paged) {
     // The table covers max_pages * page_size keys: seqused_k beyond that is clamped to it.
     ext.S = clamp(seqused[zb], 0, dp.max_pages * dp.page_size);
     const device int* row = table + steel_i64(zb) * dp.table_stride;
     k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
     v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
+    if (attn_quant) {
+      ks_rows = AttnKvRows{qb.qp->k_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->k_ps};
+      vs_rows = AttnKvRows{qb.qp->v_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->v_ps};
+    }
   } else if (attn_varlen) {  // paged varlen reads seqused_k instead of cu_seqlens_k
     const int k_begin = clamp(cu_k[zb], 0, p.S);
     ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
     k_off = k_begin * p.k_rs;
     v_off = k_begin * p.v_rs;
+    if (attn_quant) {
+      ks_off = k_begin * qb.qp->k_rs;
+      vs_off = k_begin * qb.qp->v_rs;
+    }
   } else {
     k_off = attn_batch_offset(p, p.k_bs, zb);
     v_off = attn_batch_offset(p, p.v_bs, zb);
     m_off = attn_batch_offset(p, p.m_bs, zb);
+    if (attn_quant) {
+      ks_off = attn_batch_offset(p, qb.qp->k_bs, zb);
+      vs_off = attn_batch_offset(p, qb.qp->v_bs, zb);
+    }
   }
   if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
   // A block past the sequence's query rows (or a sequence without any) has nothing to compute
   // or merge. Uniform over the threadgroup, before any barrier.
   if (i0 >= ext.L) return;
   const int last_row = min(i0 + dp.row_block, ext.L) - 1;
-  k += k_off + hk * p.k_hs;
-  v += v_off + hk * p.v_hs;
+  AttnQuantKv kq, vq;
+  if (attn_quant) {  // k and v hold codes: their offsets are in bytes
+    kq = attn_quant_kv(false, k, k_off + hk * p.k_hs, qb, ks_off + hk * qb.qp->k_hs, k_rows,
+                       ks_rows);
+    vq = attn_quant_kv(true, v, v_off + hk * p.v_hs, qb, vs_off + hk * qb.qp->v_hs, v_rows,
+                       vs_rows);
+  } else {
+    k += k_off + hk * p.k_hs;
+    v += v_off + hk * p.v_hs;
+  }
 
   // This lane's packed row: head h0 + g, query row i of the block. Lanes past the packed rows
   // keep a head and row of the block for the addresses they form but read nothing through them.
@@ -170,11 +196,20 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     const steel_i64 v_start = attn_paged ? 0 : key0 * v_rs;
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e,
-                     attn_vec_k, thread_index);
+    if (attn_quant) {
+      kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k, thread_index);
+    } else {
+      A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
+                       thread_index);
+    }
     if (!A::kShared && !A::alias()) {
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
-                       attn_vec_v, thread_index);
+      if (attn_quant) {
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
+                                                    thread_index);
+      } else {
+        A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
+                         attn_vec_v, thread_index);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -190,8 +225,13 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
-                       attn_vec_v, thread_index);
+      if (attn_quant) {
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
+                                                    thread_index);
+      } else {
+        A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
+                         attn_vec_v, thread_index);
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     A::mma_pv(o, s, Ks, Vs, lane);  // V from the K tile when v is a prefix view of k

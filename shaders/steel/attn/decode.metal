@@ -1,5 +1,7 @@
 // Steel attention decode kernels (decode.h): the one-pass / split-K partial kernel with GQA
-// packing, dense, varlen or over a paged KV cache, and the log-sum-exp merge of the partials.
+// packing, dense, varlen or over a paged KV cache, with K and V in the compute dtype or quantized
+// (STEEL_ATTN_FC_QUANT: int8 / 4-bit codes, their scales and mins at buffers 14 .. 18), and the
+// log-sum-exp merge of the partials.
 //
 // Host names: steel_attention_decode_<dtype>_e<DE>_v<DV> over the head-dim pairs of
 // attention.metal (the same table in attention_plan.cpp picks among them), and
@@ -30,12 +32,19 @@ template <typename T, short DE, short DV>
     const device int* seqused [[buffer(STEEL_ATTN_BUF_SEQUSED), function_constant(attn_paged)]],
     device float* part_o [[buffer(STEEL_ATTN_BUF_PART_O), function_constant(attn_split)]],
     device float* part_ml [[buffer(STEEL_ATTN_BUF_PART_ML), function_constant(attn_split)]],
+    const device uchar* k_scales [[buffer(STEEL_ATTN_BUF_K_SCALES), function_constant(attn_quant)]],
+    const device uchar* k_mins [[buffer(STEEL_ATTN_BUF_K_MINS), function_constant(attn_quant)]],
+    const device uchar* v_scales [[buffer(STEEL_ATTN_BUF_V_SCALES), function_constant(attn_quant)]],
+    const device uchar* v_mins [[buffer(STEEL_ATTN_BUF_V_MINS), function_constant(attn_quant)]],
+    constant AttnQuantParams* qparams [[buffer(STEEL_ATTN_BUF_QUANT_PARAMS),
+                                        function_constant(attn_quant)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[AttnForward<T, DE, DV>::kTileElems];
+  const AttnQuantBuffers qb = {k_scales, k_mins, v_scales, v_mins, qparams};
   attention_decode_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k, table, seqused,
-                                    part_o, part_ml, params, smem, tg, simdgroup, lane);
+                                    part_o, part_ml, qb, params, smem, tg, simdgroup, lane);
 }
 
 template <typename T>

@@ -17,6 +17,9 @@
 //     first token, and takes the sequence's L, S and diagonal shift as its extent (score.h);
 //     blocks past the end of their sequence leave at once. With the constant off, the extent is
 //     AttnParams' and the varlen code compiles away.
+// Quantized K and V (STEEL_ATTN_FC_QUANT, torch_steel.kv): int8 or 4-bit codes with their
+// scales (and mins), dequantized into the same threadgroup tiles in T by AttnQuantKv, so the
+// math after the load is the fp16/bf16 path's.
 // Barriers: separate K and V tiles take two per key tile (before the loads overwrite the
 // previous tile, after them); when K and V share one buffer (large head dims) four. When v is
 // a prefix view of k (STEEL_ATTN_FC_KV_ALIAS) V is never loaded: P V reads the K tile, with two
@@ -46,6 +49,14 @@ constant bool attn_varlen [[function_constant(STEEL_ATTN_FC_VARLEN)]];
 constant bool attn_varlen_br [[function_constant(STEEL_ATTN_FC_VARLEN_BR)]];
 constant bool attn_kv_alias [[function_constant(STEEL_ATTN_FC_KV_ALIAS)]];
 constant bool attn_lse [[function_constant(STEEL_ATTN_FC_LSE)]];
+// Quantized K and V (params.h, STEEL_ATTN_FC_QUANT): their formats.
+constant bool attn_quant [[function_constant(STEEL_ATTN_FC_QUANT)]];
+constant int attn_k_bits [[function_constant(STEEL_ATTN_FC_K_BITS)]];
+constant int attn_k_group [[function_constant(STEEL_ATTN_FC_K_GROUP)]];
+constant bool attn_k_scale_f32 [[function_constant(STEEL_ATTN_FC_K_SCALE_F32)]];
+constant int attn_v_bits [[function_constant(STEEL_ATTN_FC_V_BITS)]];
+constant int attn_v_group [[function_constant(STEEL_ATTN_FC_V_GROUP)]];
+constant bool attn_v_scale_f32 [[function_constant(STEEL_ATTN_FC_V_SCALE_F32)]];
 
 namespace steel {
 
@@ -84,6 +95,67 @@ struct AttnForward {
   static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
                      const threadgroup T* Ks, const threadgroup T* Vs, ushort lane);
 };
+
+// The scale and min buffers of a quantized pipeline and where their rows lie (absent, never
+// read, without STEEL_ATTN_FC_QUANT).
+struct AttnQuantBuffers {
+  const device uchar* k_scales;
+  const device uchar* k_mins;  // 4-bit K only (int8: the scales stand in, never read)
+  const device uchar* v_scales;
+  const device uchar* v_mins;
+  constant AttnQuantParams* qp;
+};
+
+// One quantized K or V operand of a threadgroup's (batch entry or sequence, KV head): its
+// codes, scales and mins from the first key, where its rows lie (bytes for the codes, scale
+// elements for the scales and mins) and its format. load() fills a tile of keys key0 .. through
+// AttnQuantTileLoader, dequantized to T, as AttnTileLoader fills the tile of an fp16 operand.
+struct AttnQuantKv {
+  const device uchar* codes;
+  const device uchar* scales;
+  const device uchar* mins;
+  AttnKvRows rows;
+  AttnKvRows scale_rows;
+  AttnQuantFormat f;
+
+  template <typename T, short kRows, short kCols, short kLd, short kThreads>
+  void load(threadgroup T* dst, int key0, short valid_rows, short valid_cols, bool vec,
+            ushort thread_index) const {
+    AttnKvRows r = rows, sr = scale_rows;
+    const device uchar* c = codes;
+    const device uchar* s = scales;
+    const device uchar* m = mins;
+    if (r.paged) {  // paged rows are found from the table, key by key
+      r.key0 = key0;
+      sr.key0 = key0;
+    } else {
+      c += key0 * r.ld;
+      const steel_i64 bytes = key0 * sr.ld * (f.scale_f32 ? 4 : 2);
+      s += bytes;
+      m += bytes;
+    }
+    AttnQuantTileLoader<T, kRows, kCols, kLd, kThreads>::load(dst, c, r, s, m, sr, valid_rows,
+                                                             valid_cols, f, vec, thread_index);
+  }
+};
+
+// K's (`value` false) or V's operand: the codes `code_off` bytes and the scales `scale_off`
+// elements past their buffers' starts, rows as `rows` (bytes) and `scale_rows` (elements).
+inline AttnQuantKv attn_quant_kv(bool value, const device void* codes, steel_i64 code_off,
+                                 AttnQuantBuffers b, steel_i64 scale_off, AttnKvRows rows,
+                                 AttnKvRows scale_rows) {
+  AttnQuantKv x;
+  x.f.bits = short(value ? attn_v_bits : attn_k_bits);
+  x.f.group = short(value ? attn_v_group : attn_k_group);
+  x.f.scale_f32 = value ? attn_v_scale_f32 : attn_k_scale_f32;
+  const steel_i64 bytes = scale_off * (x.f.scale_f32 ? 4 : 2);
+  x.codes = (const device uchar*)codes + code_off;
+  x.scales = (value ? b.v_scales : b.k_scales) + bytes;
+  x.mins = (value ? b.v_mins : b.k_mins) + bytes;
+  x.rows = rows;
+  x.scale_rows = scale_rows;
+  return x;
+}
 
 // The element offset of batch entry `zb` in a tensor with these merged batch strides (64-bit:
 // B * H * L * E passes 2^31 in real models).
@@ -206,6 +278,7 @@ struct AttnBlockSpan {
   // 64 bits: B * H * L * E passes 2^31 in real models.
   steel_i64 q, k, v, m, o;  // element offsets of the entry (before head and row offsets)
   steel_i64 lse;            // head h's row `row` is lse[lse + row]
+  int k_begin;              // the first key token (varlen; 0 for a dense batch entry)
 };
 
 // Sequence zb of a varlen launch: query tokens cu_q[zb] .. cu_q[zb + 1] and key tokens
@@ -235,6 +308,7 @@ inline bool attn_block_span(constant AttnParams& p, const device int* cu_q, cons
   s.m = 0;
   s.o = zb * p.o_bs;
   s.lse = (steel_i64(zb) * p.Hq + h) * p.L;
+  s.k_begin = 0;
   if (attn_varlen) {
     int q_begin, k_begin;
     s.ext = attn_varlen_sequence(p, cu_q, cu_k, zb, q_begin, k_begin);
@@ -243,6 +317,7 @@ inline bool attn_block_span(constant AttnParams& p, const device int* cu_q, cons
     s.v = k_begin * p.v_rs;
     s.o = q_begin * p.o_rs;
     s.lse = steel_i64(h) * p.L + q_begin;  // lse is [Hq, total_q]
+    s.k_begin = k_begin;
     return row0 < s.ext.L;
   }
   s.q = attn_batch_offset(p, p.q_bs, zb);
@@ -256,9 +331,9 @@ template <typename T, short DE, short DV>
 inline void attention_forward_block(const device T* q, const device T* k, const device T* v,
                                     const device uchar* mask, const device uchar* sinks,
                                     device T* out, device float* lse, const device int* cu_q,
-                                    const device int* cu_k, constant AttnParams& p,
-                                    threadgroup T* smem, uint3 tg, ushort simdgroup,
-                                    ushort lane) {
+                                    const device int* cu_k, AttnQuantBuffers qb,
+                                    constant AttnParams& p, threadgroup T* smem, uint3 tg,
+                                    ushort simdgroup, ushort lane) {
   using A = AttnForward<T, DE, DV>;
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
@@ -269,8 +344,19 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   const AttnExtent ext = span.ext;
   const int hk = h / p.group;
   q += span.q + h * p.q_hs;
-  k += span.k + hk * p.k_hs;
-  v += span.v + hk * p.v_hs;
+  AttnQuantKv kq, vq;
+  if (attn_quant) {  // k and v hold codes: their offsets are in bytes, their scales' elements
+    constant AttnQuantParams& qp = *qb.qp;
+    const steel_i64 ks = attn_varlen ? span.k_begin * qp.k_rs : attn_batch_offset(p, qp.k_bs, zb);
+    const steel_i64 vs = attn_varlen ? span.k_begin * qp.v_rs : attn_batch_offset(p, qp.v_bs, zb);
+    kq = attn_quant_kv(false, k, span.k + hk * p.k_hs, qb, ks + hk * qp.k_hs,
+                       attn_dense_rows(p.k_rs), attn_dense_rows(qp.k_rs));
+    vq = attn_quant_kv(true, v, span.v + hk * p.v_hs, qb, vs + hk * qp.v_hs,
+                       attn_dense_rows(p.v_rs), attn_dense_rows(qp.v_rs));
+  } else {
+    k += span.k + hk * p.k_hs;
+    v += span.v + hk * p.v_hs;
+  }
 
   const short fr = frag_row(lane);
   const short fc = frag_col(lane);
@@ -311,11 +397,20 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     const bool edge = attn_edge_tile(p, ext, row0, last_row, key0, A::BK);
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderK::load(Ks, k + key0 * k_rs, k_rs, valid, E, whole && attn_align_e,
-                     attn_vec_k, thread_index);
+    if (attn_quant) {
+      kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k, thread_index);
+    } else {
+      A::LoaderK::load(Ks, k + key0 * k_rs, k_rs, valid, E, whole && attn_align_e,
+                       attn_vec_k, thread_index);
+    }
     if (!A::kShared && !A::alias()) {
-      A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev,
-                       whole && attn_align_ev, attn_vec_v, thread_index);
+      if (attn_quant) {
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
+                                                    thread_index);
+      } else {
+        A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev, whole && attn_align_ev,
+                         attn_vec_v, thread_index);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -337,8 +432,13 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev,
-                       whole && attn_align_ev, attn_vec_v, thread_index);
+      if (attn_quant) {
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
+                                                    thread_index);
+      } else {
+        A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev, whole && attn_align_ev,
+                         attn_vec_v, thread_index);
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 

@@ -110,12 +110,45 @@ inline uint attn_chunk_byte(uint4 w, short j) { return (w[j >> 2] >> (8 * (j & 3
 
 // AttnTileLoader's tile, dequantized on the way in: the tile in threadgroup memory holds the
 // compute dtype T, so everything after the load is the unquantized path's. A thread takes one
-// 16-byte chunk of codes (16 int8 or 32 4-bit values), which lies in one scale group (groups
-// are multiples of a chunk's values, or the whole row), and reads its scale (and min) once.
-// Columns past `valid_cols` and rows past `valid_rows` are zeros, as in AttnTileLoader.
+// scale group of a row (the whole row for one scale per row): it reads the group's scale (and
+// min) once, so that each is read from device memory once per tile (the K/V bytes of a decode
+// step are the codes plus the scales), and then its codes in 16-byte chunks (16 int8 or 32
+// 4-bit values; groups are multiples of a chunk, or the whole row). Columns past `valid_cols`
+// and rows past `valid_rows` are zeros, as in AttnTileLoader.
 template <typename T, short kRows, short kCols, short kLd, short kThreads>
 struct AttnQuantTileLoader {
   static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
+
+  // Values [0, n) of one chunk of codes at `s` into `d`, the first `valid` of them dequantized
+  // with scale and low (the min; 0 for int8), the rest zeros. `vec`: `s` is 16-byte aligned.
+  static void chunk(threadgroup T* d, const device uchar* s, short n, short valid, float scale,
+                    float low, short bits, bool vec) {
+    const short per_chunk = bits == 8 ? 16 : 32;
+    uint4 w = uint4(0);
+    if (vec && valid == per_chunk) {
+      w = *((const device uint4*)s);
+    } else {
+      const short bytes = bits == 8 ? valid : (valid + 1) / 2;
+      for (short j = 0; j < bytes; ++j) w[j >> 2] |= uint(s[j]) << (8 * (j & 3));
+    }
+    if (bits == 8) {
+#pragma clang loop unroll(full)
+      for (short j = 0; j < 16; ++j) {
+        const int code = int(attn_chunk_byte(w, j));
+        const float x = float(code >= 128 ? code - 256 : code) * scale;
+        if (j < n) d[j] = j < valid ? T(x) : T(0);
+      }
+    } else {
+#pragma clang loop unroll(full)
+      for (short j = 0; j < 16; ++j) {
+        const uint b = attn_chunk_byte(w, j);
+        const float x0 = float(b & 0xFu) * scale + low;
+        const float x1 = float(b >> 4) * scale + low;
+        if (2 * j < n) d[2 * j] = 2 * j < valid ? T(x0) : T(0);
+        if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? T(x1) : T(0);
+      }
+    }
+  }
 
   // `vec`: every code row start is 16-byte aligned, so a whole chunk is one access.
   static void load(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
@@ -123,44 +156,25 @@ struct AttnQuantTileLoader {
                    short valid_rows, short valid_cols, AttnQuantFormat f, bool vec,
                    ushort thread_index) {
     const short per_chunk = f.bits == 8 ? 16 : 32;
-    const short chunks_per_row = (kCols + per_chunk - 1) / per_chunk;
-    for (short c = short(thread_index); c < kRows * chunks_per_row; c += kThreads) {
-      const short r = c / chunks_per_row;
-      const short col = (c - r * chunks_per_row) * per_chunk;
-      threadgroup T* d = dst + r * kLd + col;
-      const short n = min(per_chunk, short(kCols - col));  // the tile's columns in this chunk
-      const short valid = r < valid_rows ? max(short(0), min(n, short(valid_cols - col))) : 0;
-      if (valid == 0) {
+    const short groups_per_row = (kCols + f.group - 1) / f.group;
+    for (short u = short(thread_index); u < kRows * groups_per_row; u += kThreads) {
+      const short r = u / groups_per_row;
+      const short col0 = (u - r * groups_per_row) * f.group;
+      threadgroup T* d = dst + r * kLd + col0;
+      const short n = min(f.group, short(kCols - col0));  // the tile's columns in this group
+      const short valid = r < valid_rows ? max(short(0), min(n, short(valid_cols - col0))) : 0;
+      if (valid == 0) {  // nothing of it is read, its scale included
         for (short j = 0; j < n; ++j) d[j] = T(0);
         continue;
       }
-      const device uchar* s = src + rows.at(r) + (f.bits == 8 ? col : col / 2);
-      const steel_i64 g = scale_rows.at(r) + col / f.group;
+      const steel_i64 g = scale_rows.at(r) + col0 / f.group;
       const float scale = attn_read_scale(scales, f.scale_f32, g);
       const float low = f.bits == 4 ? attn_read_scale(mins, f.scale_f32, g) : 0.0f;
-      uint4 w = uint4(0);
-      if (vec && valid == per_chunk) {
-        w = *((const device uint4*)s);
-      } else {
-        const short bytes = f.bits == 8 ? valid : (valid + 1) / 2;
-        for (short j = 0; j < bytes; ++j) w[j >> 2] |= uint(s[j]) << (8 * (j & 3));
-      }
-      if (f.bits == 8) {
-#pragma clang loop unroll(full)
-        for (short j = 0; j < 16; ++j) {
-          const int code = int(attn_chunk_byte(w, j));
-          const float x = float(code >= 128 ? code - 256 : code) * scale;
-          if (j < n) d[j] = j < valid ? T(x) : T(0);
-        }
-      } else {
-#pragma clang loop unroll(full)
-        for (short j = 0; j < 16; ++j) {
-          const uint b = attn_chunk_byte(w, j);
-          const float x0 = float(b & 0xFu) * scale + low;
-          const float x1 = float(b >> 4) * scale + low;
-          if (2 * j < n) d[2 * j] = 2 * j < valid ? T(x0) : T(0);
-          if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? T(x1) : T(0);
-        }
+      const device uchar* s = src + rows.at(r) + (f.bits == 8 ? col0 : col0 / 2);
+      for (short c = 0; c < n; c += per_chunk) {
+        const short cn = min(per_chunk, short(n - c));
+        const short cv = max(short(0), min(cn, short(valid - c)));
+        chunk(d + c, s + (f.bits == 8 ? c : c / 2), cn, cv, scale, low, f.bits, vec);
       }
     }
   }
