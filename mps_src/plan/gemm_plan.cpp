@@ -167,10 +167,10 @@ struct BatchDim {
   int64_t size, a, b, c;
 };
 
-// Threadgroups of the GEMV kernels: 4 simdgroups of kGemvCols (gemv.h) lines each.
+// Threadgroups of the GEMV kernels: 4 simdgroups of STEEL_GEMV_LINES lines each (gemv.h).
 constexpr int64_t kGemvSimdgroups = 4;
-constexpr int64_t kGemvCols = 4;
-constexpr int64_t kGemvVec = 4;  // elements per vector access (gemv_load4)
+constexpr int64_t kGemvCols = STEEL_GEMV_LINES;
+constexpr int64_t kGemvVec = STEEL_GEMV_VEC;  // elements per vector access (gemv_load4)
 
 // The GEMV dispatch (see plan_gemm's rule). `cols`: the N <= 8 kernel, which treats a's rows as
 // the weight lines.

@@ -16,8 +16,11 @@
 
 // Batch dims of a GEMM after the planner merges the ones it can (see gemm_plan.cpp).
 #define STEEL_GEMM_MAX_BATCH_DIMS 4
-// The GEMV kernels (gemm/gemv.h) serve outputs with at most this many rows (or columns).
+// The GEMV kernels (gemm/gemv.h) serve outputs with at most this many rows (or columns); each
+// simdgroup owns STEEL_GEMV_LINES weight lines and reads STEEL_GEMV_VEC elements per access.
 #define STEEL_GEMV_MAX_ROWS 8
+#define STEEL_GEMV_LINES 4
+#define STEEL_GEMV_VEC 4
 
 // Function-constant indices of the GEMM kernels ([[function_constant(N)]] in gemm.metal).
 #define STEEL_GEMM_FC_HAS_BATCH 100   // bool: batch offsets are computed from tid.z

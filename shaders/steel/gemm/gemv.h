@@ -27,9 +27,10 @@ using namespace metal;
 
 namespace steel {
 
-constant constexpr short kGemvCols = 4;      // W lines per simdgroup
-constant constexpr short kGemvVec = 4;       // K elements per lane access
+constant constexpr short kGemvCols = STEEL_GEMV_LINES;  // W lines per simdgroup
+constant constexpr short kGemvVec = STEEL_GEMV_VEC;     // K elements per lane access
 constant constexpr short kGemvMaxRows = STEEL_GEMV_MAX_ROWS;
+static_assert(kGemvVec == 4, "gemv_load4 reads float4s");
 
 // 4 consecutive K elements of a line as fp32. `vector_ok`: the planner checked that every line
 // start is a multiple of 4 elements, so the access is one aligned vector load; otherwise (and on
