@@ -34,6 +34,34 @@ int64_t decode_heads_per_tg(int64_t group, int64_t rows) {
   return best;
 }
 
+// What one core of an Apple GPU holds at once, against which decode_resident counts the decode
+// kernel's threadgroups: the per-core figures of torch_steel/sim/chips.json (the same on every
+// chip of its table, M1 to M5), which the timing model's occupancy (timing.py _occupancy) reads.
+constexpr int64_t kCoreMaxThreads = 3072;
+constexpr int64_t kCoreThreadgroupBytes = 61440;
+constexpr int64_t kCoreRegisterBytes = 212992;
+
+// 32-bit registers per thread of the decode kernel: a MODEL ASSUMPTION, the one figure here not
+// read off the kernel (Apple's compiler cannot be asked off a Mac). It is the timing model's
+// estimate (timing.steel_kernel_info): the 8x8 fp32 fragments decode.h keeps live across its key
+// loop (the Q and O rows, de / 8 and dv / 8, the score tile, key tile / 8, and one operand), two
+// registers a lane each, plus 24 scalars (indices, pointers, a row's softmax statistics).
+// tests/plan/test_decode_plan.py checks the split against timing.py's residency so the two agree.
+int64_t decode_registers(const Common& c) {
+  return 2 * (c.kernel.de / 8 + c.kernel.dv / 8 + key_tile(c) / 8 + 1) + 24;
+}
+
+// Decode threadgroups resident on one core at once: the least of what its threads (kThreads),
+// its threadgroup memory (params.h's K/V tiles, decode.metal's smem) and its registers allow.
+int64_t decode_resident(const Common& c) {
+  const int64_t tg_bytes = steel_attn_threadgroup_bytes(
+      c.kernel.de, c.kernel.dv, static_cast<int>(dtype_size(c.dtype)));
+  const int64_t by_threads = kCoreMaxThreads / kThreads;
+  const int64_t by_memory = kCoreThreadgroupBytes / tg_bytes;
+  const int64_t by_registers = kCoreRegisterBytes / (decode_registers(c) * 4 * kThreads);
+  return std::max<int64_t>(1, std::min({by_threads, by_memory, by_registers}));
+}
+
 }  // namespace
 
 void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
@@ -44,23 +72,37 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
   const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
   const int64_t threadgroups =
       dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
+  // Partitions of split_keys keys (a multiple of the key tile): rounding up may leave fewer.
+  const auto partition = [&](int64_t n) { return ceil_div(ceil_div(keys, n), bk) * bk; };
   int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
   if (n <= 0) {
-    // The device's cores (device.h): the (batch entry, KV head) threadgroups fill an 8-core M1
-    // at a quarter of the count a 40-core M4 Max needs, so the split follows the core count
-    // rather than one Mac's. The timing model (torch_steel/sim/timing.py) quantizes a dispatch
-    // in waves of cores x resident threadgroups per core the same way.
+    // The GPU runs the grid in waves of cores x resident threadgroups per core (the timing
+    // model, torch_steel/sim/timing.py, quantizes a dispatch the same way), and a wave lasts as
+    // long as its threadgroups' keys. Of the counts the floors allow (at most
+    // STEEL_ATTN_DECODE_MAX_SPLITS, at least kDecodeMinSplitKeys keys and one key tile each),
+    // take the one with the fewest waves x keys per partition: the grid closest to whole waves,
+    // the fewest partitions (the least merge work) on a tie. A grid that fills a wave unsplit
+    // stays in one pass: splitting it would only add the merge. The core count is the device's
+    // (device.h), an 8-core M1 or a 40-core M4 Max, kDecodeDefaultCores where unknown.
     const int64_t described = device_desc(options).gpu_cores;
     const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
-    const int64_t target = cores * kDecodeTgPerCore;
-    n = threadgroups >= target
-            ? 1
-            : std::min(ceil_div(target, std::max<int64_t>(threadgroups, 1)),
-                       ceil_div(keys, kDecodeMinSplitKeys));
+    const int64_t wave = cores * decode_resident(c);
+    n = 1;
+    if (threadgroups < wave) {
+      const int64_t most = std::min<int64_t>(
+          {STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, kDecodeMinSplitKeys), ceil_div(keys, bk)});
+      int64_t best_cost = -1;
+      for (int64_t m = 1; m <= most; ++m) {
+        const int64_t per = partition(m);
+        const int64_t parts = ceil_div(keys, per);
+        const int64_t cost = ceil_div(threadgroups * parts, wave) * per;
+        if (best_cost < 0 || cost < best_cost) best_cost = cost, n = parts;
+      }
+    }
   }
   n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
-  *split_keys = ceil_div(ceil_div(keys, n), bk) * bk;
-  *splits = ceil_div(keys, *split_keys);  // rounding up the partitions may leave fewer
+  *split_keys = partition(n);
+  *splits = ceil_div(keys, *split_keys);
 }
 
 void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torch_steel import sim
+from torch_steel.sim import timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
 from gemm_helpers import requires_planner, simulator_ready  # noqa: E402
@@ -79,11 +80,13 @@ def test_gqa_packing(group, L, per_tg):
 @pytest.mark.parametrize(
     "B,Hkv,S,options,splits,split_keys",
     [
-        (1, 1, 4096, {}, 16, 256),  # 1 threadgroup, 40 wanted: S / 256 bounds it
+        # d64 f16: 6 decode threadgroups resident per core, waves of 60 on the default 10 cores.
+        (1, 1, 4096, {}, 16, 256),  # 1 threadgroup: S / 256 bounds it
         (1, 1, 100_000, {}, 32, 3136),  # capped at 32 partitions (the merge's lanes)
-        (1, 2, 4096, {"gpu_cores": 2}, 4, 1024),  # 8 threadgroups wanted, 2 pairs
-        (4, 8, 4096, {}, 2, 2048),  # 32 pairs of 40 wanted
-        (8, 8, 4096, {}, 1, 4096),  # 64 pairs: one pass
+        (1, 2, 4096, {"gpu_cores": 2}, 6, 704),  # 2 pairs x 6 = one wave of 12
+        (4, 8, 4096, {}, 13, 320),  # 32 pairs x 13 = 416 of 7 waves (420): 7 x 320 keys
+        (8, 8, 4096, {}, 1, 4096),  # 64 pairs fill a wave of 60: one pass
+        (6, 10, 4096, {}, 1, 4096),  # 60 pairs: exactly one wave
         (1, 1, 256, {}, 1, 256),  # too short to split
         (1, 1, 4096, {"num_splits": 1}, 1, 4096),  # forced one pass (batch invariance)
         (1, 1, 4096, {"num_splits": 7}, 7, 608),  # forced count, keys rounded to the tile
@@ -120,38 +123,90 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
 @pytest.mark.parametrize(
     "options,splits,split_keys",
     [
-        # 8 threadgroups (one per KV head, its 4 query heads packed) of the 4 per core wanted,
-        # at most 4096 / 256 = 16 partitions, keys per partition rounded up to the 32-key tile.
-        ({"gpu_cores": 8}, 4, 1024),  # M1: 32 wanted
-        ({"gpu_cores": 10}, 5, 832),  # M2, M3, M4: 40 wanted, 820 keys -> 832
-        ({"gpu_cores": 20}, 10, 416),  # M4 Pro: 80 wanted, 410 -> 416 (4096 / 416: 10)
-        ({"gpu_cores": 40}, 16, 256),  # M4 Max: 160 wanted, 16 partitions at most
-        ({}, 5, 832),  # no core count described: kDecodeDefaultCores (10)
-        ({"gpu_cores": 0}, 5, 832),  # 0: unknown, as absent
+        # d128 f16: 8 threadgroups (one per KV head, its 4 query heads packed), 3 resident per
+        # core (threadgroup memory: 61440 / 17408 bytes), at most 4096 / 256 = 16 partitions,
+        # keys per partition rounded up to the 32-key tile; cost = waves x keys a partition.
+        ({"gpu_cores": 8}, 3, 1376),  # M1: 24 = one wave of 24 (6: 2 x 704 = 1408)
+        ({"gpu_cores": 10}, 11, 384),  # M2, M3, M4, M5: 88 of 3 waves of 30, 3 x 384 = 1152
+        ({"gpu_cores": 20}, 15, 288),  # M4 Pro: 120 = 2 waves of 60, 576 (7: 1 x 608)
+        ({"gpu_cores": 40}, 15, 288),  # M4 Max: 120 = one wave of 120 (16: 2 waves)
+        ({}, 11, 384),  # no core count described: kDecodeDefaultCores (10)
+        ({"gpu_cores": 0}, 11, 384),  # 0: unknown, as absent
     ],
 )  # fmt: skip
 def test_partitions_follow_the_core_count(options, splits, split_keys):
-    """The split fills about 4 threadgroups per core of the described GPU (device.h gpu_cores,
-    which the Metal host reads from the IORegistry), not one Mac's."""
-    dp = decode_params(dense(1, 32, 8, 1, 4096, **options).dispatches[0])
+    """The split fills whole waves of the described GPU (device.h gpu_cores, which the Metal
+    host reads from the IORegistry), not one Mac's."""
+    dp = decode_params(dense(1, 32, 8, 1, 4096, E=128, **options).dispatches[0])
     assert (dp["splits"], dp["split_keys"]) == (splits, split_keys)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def whole_wave_splits(threadgroups, keys, bk, wave):
+    """The rule, restated: of 1 .. min(32, keys / 256, keys / bk) partitions (rounded to the key
+    tile), the fewest waves x keys a partition, the fewest partitions on a tie; one pass when
+    the grid fills a wave unsplit."""
+    if threadgroups >= wave:
+        return 1
+    best = None
+    for m in range(1, min(32, cdiv(keys, 256), cdiv(keys, bk)) + 1):
+        per = cdiv(cdiv(keys, m), bk) * bk
+        parts = cdiv(keys, per)
+        cost = cdiv(threadgroups * parts, wave) * per
+        if best is None or cost < best[0]:
+            best = (cost, parts)
+    return best[1]
+
+
+@pytest.mark.parametrize("chip", ["M1", "M2", "M4 Pro", "M4 Max", "M5", "M3 Ultra"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("E", [64, 128, 256])
+@pytest.mark.parametrize("B,Hq,Hkv,S", [(1, 32, 8, 4096), (1, 8, 8, 1000), (2, 4, 1, 30_000)])
+def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S):
+    """The plan's residency (decode_plan.cpp decode_resident: threads, params.h's threadgroup
+    memory, the register estimate) is the timing model's (timing.resident_threadgroups on the
+    planned dispatch, its steel_kernel_info estimate and chips.json's per-core limits): the split
+    it picks is the whole-wave rule's at the model's wave, so the two cannot drift apart."""
+    cores = timing.chip(chip)["gpu_cores"]
+    p = sim.plan("sdpa", [t(B, Hq, 1, E, dtype=dtype), t(B, Hkv, S, E, dtype=dtype),
+                          t(B, Hkv, S, E, dtype=dtype), None, None],
+                 {"scale": 0.125, "gpu_cores": cores})  # fmt: skip
+    d = p.dispatches[0]
+    wave = timing.resident_threadgroups(d, chip)
+    threadgroups = B * Hkv * (Hq // Hkv // decode_params(d)["heads_per_tg"])
+    bk = timing._attn_bk(E, E, dtype.itemsize)  # params.h's key tile, as the model states it
+    assert decode_params(d)["splits"] == whole_wave_splits(threadgroups, S, bk, wave)
+
+
+def test_resident_decode_threadgroups_per_head_dim():
+    """The residency docs/attention.md states: 6 f16 decode threadgroups a core at d64, 3 at
+    d128 (threadgroup memory), 2 at d256 (the register estimate), on every chip of the table."""
+    for E, per_core in ((64, 6), (128, 3), (256, 2)):
+        d = dense(1, 32, 8, 1, 4096, E=E, gpu_cores=8).dispatches[0]
+        for chip in timing.chips():
+            cores = timing.chip(chip)["gpu_cores"]
+            assert timing.resident_threadgroups(d, chip) == cores * per_core
 
 
 def test_sim_device_block_describes_the_core_count():
     with sim.device({"gpu_cores": 40}):
         inside = decode_params(dense(1, 32, 8, 1, 4096).dispatches[0])["splits"]
         called = decode_params(dense(1, 32, 8, 1, 4096, gpu_cores=8).dispatches[0])["splits"]
-    assert (inside, called) == (16, 4)  # a call's own options take precedence
+    assert (inside, called) == (16, 6)  # a call's own options take precedence (d64: 6 per core)
 
 
 @pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
 @pytest.mark.parametrize(
     "chip,options,splits",
     [
-        # 8 threadgroups (MHA: one per head) of 2048 keys, at most 2048 / 256 = 8 partitions.
-        ("M1", {}, 4),  # 8 cores: 32 threadgroups wanted
-        ("M4 Max", {}, 8),  # 40 cores: 160 wanted, 8 at most
-        ("M4 Max", {"gpu_cores": 8}, 4),  # the call's count takes precedence
+        # 8 threadgroups (MHA: one per head) of 2048 keys, at most 2048 / 256 = 8 partitions,
+        # d64: 6 resident per core.
+        ("M1", {}, 6),  # 8 cores: one wave of 48
+        ("M4 Max", {}, 8),  # 40 cores: waves of 240, 8 at most
+        ("M4 Max", {"gpu_cores": 2}, 3),  # the call's count takes precedence: 24 = 2 waves of 12
     ],
 )  # fmt: skip
 def test_predict_plans_for_the_chips_core_count(chip, options, splits):
@@ -254,7 +309,7 @@ def test_varlen_decode_without_pages():
     assert bound(d)[BUF_CU_K] == 4 and BUF_TABLE not in bound(d)
     dp = decode_params(d)
     assert dp["rows"] == 8 and dp["heads_per_tg"] == 2
-    # 2 sequences x 2 KV heads of 40 threadgroups wanted, 400 keys at most: 2 partitions.
+    # 2 sequences x 2 KV heads, 400 keys at most: 2 partitions (the 256-key floor).
     assert (dp["splits"], dp["split_keys"]) == (2, 224)
 
 
