@@ -62,6 +62,23 @@ int64_t decode_resident(const Common& c) {
   return std::max<int64_t>(1, std::min({by_threads, by_memory, by_registers}));
 }
 
+// The vector kernel (decode_vector.h) or the MMA one (decode.h) for a block of
+// group x rows packed rows. The MMA kernel's 8x8 products run on all 32 rows of its four
+// simdgroups whatever the real count, so its arithmetic is 32 / (group x rows) times the real
+// work; the vector kernel does the real work alone, at 2 (rows per simdgroup) simd_sums per key
+// (the timing model, torch_steel/sim/timing.py, prices them: at H32/8 S=4096 d128 one token
+// the MMA block is compute-bound on padded MMAs and the vector block at the K/V read). Both
+// read K and V once per KV head and threadgroup, so the vector kernel is taken only where the
+// whole group fits its STEEL_ATTN_DECODE_VECTOR_ROWS rows: one threadgroup per KV head still.
+// At more rows (GQA 8 x 2 tokens) the MMA block's padding is at most 2x and its MMAs beat
+// 8 rows' scalar FMAs, which cost the same per row as an 8-row MMA fragment. The head dim does
+// not move the rule: both kernels' arithmetic scales with it alike. Option "decode_vector" = 0
+// keeps the MMA kernel (the tests compare the two).
+bool decode_vector(int64_t group, int64_t rows, const Options& options) {
+  return options.number("decode_vector", 1.0) != 0.0 &&
+         group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
+}
+
 }  // namespace
 
 void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
@@ -152,7 +169,9 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   }
 
   Dispatch k;
-  k.kernel = std::string("steel_attention_decode_") + dtype_tag(c.dtype) + "_e" +
+  k.kernel = std::string(decode_vector(group, dec.rows, options) ? "steel_attention_decode_vector_"
+                                                                 : "steel_attention_decode_") +
+             dtype_tag(c.dtype) + "_e" +
              std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
   k.constants = constants;
   for (const Binding& b : fwd.bindings) {

@@ -373,6 +373,9 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 #define STEEL_ATTN_DECODE_MAX_L 8
 // The merge reads one partition per lane: at most 32 partitions.
 #define STEEL_ATTN_DECODE_MAX_SPLITS 32
+// The vector decode kernel (attn/decode_vector.h): packed rows per threadgroup, two per
+// simdgroup; the planner takes it where the GQA group's rows fit (attn::decode_vector).
+#define STEEL_ATTN_DECODE_VECTOR_ROWS 8
 
 // The decode kernels' run-time values: the forward's, the split of the keys, and the paged
 // cache. Partials of query row i of head h of batch entry (or sequence) zb, partition s, are

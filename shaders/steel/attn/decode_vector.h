@@ -1,0 +1,238 @@
+// The vector decode kernel: decode.h's launch (grid, GQA packing, split-K partials, paged and
+// varlen addressing, AttnDecodeParams) with no MMA. With one token per query head a GQA-packed
+// block of decode.h holds group x L real rows of its 32, and its 8x8 MMAs run on all 32: 4 in
+// 32 real at GQA 4, 1 in 32 at MHA. Here each simdgroup owns up to kVecRows packed rows (head
+// h0 + g, query row i0 + i, as decode.h packs them) and the threadgroup's
+// STEEL_ATTN_DECODE_VECTOR_ROWS rows share every K and V tile, still staged once per KV head in
+// threadgroup memory by the shared tile loader, so the device bytes are decode.h's.
+//   - lane c holds dims c, c + 32, ... of its rows' q (prescaled, fp32) and o accumulators;
+//   - a key's score is one simd_sum of the lanes' partial dots; lane j keeps key j's score of
+//     the tile (BK <= 32), so the transforms (score.h), the tile max and sum are one lane per
+//     key, and the online softmax's max correction is a simd_max across the lanes;
+//   - o += p_j V_j reads p_j from lane j by a shuffle and V_j's row from the tile.
+// Rows beyond the packed ones (simdgroups without a row) load tiles and compute nothing.
+#pragma once
+
+#include <metal_stdlib>
+
+#include "../params.h"
+#include "decode.h"
+
+using namespace metal;
+
+namespace steel {
+
+template <typename T, short DE, short DV>
+struct AttnDecodeVector {
+  using A = AttnForward<T, DE, DV>;
+  static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / STEEL_ATTN_SIMDGROUPS;
+  static constant constexpr short QE = (DE + 31) / 32;  // q elements per lane and row
+  static constant constexpr short QV = (DV + 31) / 32;  // o elements per lane and row
+  static_assert(A::BK <= 32, "one key of the tile per lane");
+};
+
+template <typename T, short DE, short DV>
+inline void attention_decode_vector_block(
+    const device T* q, const device T* k, const device T* v, const device uchar* mask,
+    const device uchar* sinks, device T* out, device float* lse, const device int* cu_q,
+    const device int* cu_k, const device int* table, const device int* seqused,
+    device float* part_o, device float* part_ml, constant AttnDecodeParams& dp,
+    threadgroup T* smem, uint3 tg, ushort simdgroup, ushort lane) {
+  using A = AttnForward<T, DE, DV>;
+  using V = AttnDecodeVector<T, DE, DV>;
+  constant AttnParams& p = dp.fwd;
+  const int split = int(tg.x) % dp.splits;
+  const int i0 = (int(tg.x) / dp.splits) * dp.row_block;
+  const int chunks = p.group / dp.heads_per_tg;
+  const int hk = int(tg.y) / chunks;
+  const int h0 = hk * p.group + (int(tg.y) % chunks) * dp.heads_per_tg;
+  const int zb = int(tg.z);
+
+  const AttnDecodeQueries xq = attn_decode_queries(dp, cu_q, zb);
+  AttnExtent ext = {xq.L, p.S, p.shift};
+  steel_i64 k_off = 0, v_off = 0, m_off = 0;
+  AttnKvRows k_rows = attn_dense_rows(p.k_rs);
+  AttnKvRows v_rows = attn_dense_rows(p.v_rs);
+  if (attn_paged) {
+    ext.S = clamp(seqused[zb], 0, dp.max_pages * dp.page_size);
+    const device int* row = table + steel_i64(zb) * dp.table_stride;
+    k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
+    v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
+  } else if (attn_varlen) {
+    const int k_begin = clamp(cu_k[zb], 0, p.S);
+    ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
+    k_off = k_begin * p.k_rs;
+    v_off = k_begin * p.v_rs;
+  } else {
+    k_off = attn_batch_offset(p, p.k_bs, zb);
+    v_off = attn_batch_offset(p, p.v_bs, zb);
+    m_off = attn_batch_offset(p, p.m_bs, zb);
+  }
+  if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
+  if (i0 >= ext.L) return;  // uniform over the threadgroup, before any barrier
+  const int last_row = min(i0 + dp.row_block, ext.L) - 1;
+  k += k_off + hk * p.k_hs;
+  v += v_off + hk * p.v_hs;
+
+  // This simdgroup's rows: packed row r = simdgroup + 4 * n. A row that is not real keeps a
+  // head and query row of the block for its addresses and reads nothing through them.
+  int rh[V::kRows], ri[V::kRows];
+  bool rok[V::kRows];
+  float qv[V::kRows][V::QE], ov[V::kRows][V::QV];
+  OnlineSoftmax sm[V::kRows];
+  const short E = short(p.E), Ev = short(p.Ev);
+  // Split partitions leave the sink to the merge, which must count it once.
+  const bool sink_here = attn_sinks != kSteelAttnOperandNone && !attn_split;
+  for (short n = 0; n < V::kRows; ++n) {
+    const int r = simdgroup + STEEL_ATTN_SIMDGROUPS * n;
+    const int g = r / dp.row_block;
+    rok[n] = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
+    ri[n] = min(i0 + r - g * dp.row_block, last_row);
+    rh[n] = h0 + min(g, dp.heads_per_tg - 1);
+    const device T* qrow = q + xq.q_off + rh[n] * p.q_hs + ri[n] * p.q_rs;
+    for (short c = 0; c < V::QE; ++c) {
+      const int d = c * 32 + lane;
+      qv[n][c] = rok[n] && d < E ? float(qrow[d]) * p.q_scale : 0.0f;
+    }
+    for (short c = 0; c < V::QV; ++c) ov[n][c] = 0.0f;
+    if (sink_here) {
+      const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, rh[n]);
+      sm[n].init(true, sink / attn_unit_nats);
+    } else {
+      sm[n].init(false, 0.0f);
+    }
+  }
+
+  int t_begin, t_end;
+  attn_key_tiles(p, ext, i0, last_row, A::BK, t_begin, t_end);
+  const int tiles_per_split = dp.split_keys / A::BK;
+  t_begin = max(t_begin, split * tiles_per_split);
+  t_end = max(t_begin, min(t_end, (split + 1) * tiles_per_split));
+
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
+  const ushort thread_index = simdgroup * 32 + lane;
+  const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
+  const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
+  for (int t = t_begin; t < t_end; ++t) {
+    const int key0 = t * A::BK;
+    const short valid = short(min(int(A::BK), ext.S - key0));
+    const bool whole = attn_align_s || valid == A::BK;
+    const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
+    k_rows.key0 = key0;
+    v_rows.key0 = key0;
+    const steel_i64 k_start = attn_paged ? 0 : key0 * k_rs;
+    const steel_i64 v_start = attn_paged ? 0 : key0 * v_rs;
+
+    if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
+    A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
+                     thread_index);
+    if (!A::kShared && !A::alias()) {
+      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
+                       thread_index);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Scores: lane j ends with key key0 + j's score of each row (-inf past the tile).
+    float s[V::kRows];
+    const int key = key0 + lane;
+    for (short n = 0; n < V::kRows; ++n) {
+      s[n] = -INFINITY;
+      if (!rok[n]) continue;  // uniform over the simdgroup
+      for (short j = 0; j < A::BK; ++j) {
+        float dot = 0.0f;
+        for (short c = 0; c < V::QE; ++c) {
+          const int d = c * 32 + lane;
+          if (d < DE) dot += qv[n][c] * float(Ks[j * A::kLdK + d]);
+        }
+        dot = simd_sum(dot);
+        if (short(lane) == j) s[n] = dot;
+      }
+      if (lane < A::BK) {
+        const steel_i64 mask_row = m_off + rh[n] * p.m_hs + ri[n] * p.m_rs;
+        float th = 0.0f;
+        s[n] = attn_score<T>(s[n], p, ext, ri[n], key, true, mask, mask_row + key * m_cs, edge,
+                             th);
+      }
+      // The online softmax across the tile's lanes: m' = max(m, max_j s_j).
+      const float m_new = max(sm[n].m, simd_max(s[n]));
+      const float shift = m_new == -INFINITY ? 0.0f : m_new;
+      const float factor = exp2((sm[n].m - shift) * attn_exp_unit);
+      s[n] = exp2((s[n] - shift) * attn_exp_unit);
+      sm[n].l = sm[n].l * factor + simd_sum(s[n]);
+      sm[n].m = m_new;
+      for (short c = 0; c < V::QV; ++c) ov[n][c] *= factor;
+    }
+
+    if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
+                       thread_index);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    const threadgroup T* Vt = A::alias() ? Ks : Vs;
+    const short ldv = A::alias() ? A::kLdK : A::kLdV;
+    for (short n = 0; n < V::kRows; ++n) {
+      if (!rok[n]) continue;
+      for (short j = 0; j < A::BK; ++j) {
+        const float pj = simd_shuffle(s[n], ushort(j));
+        for (short c = 0; c < V::QV; ++c) {
+          const int d = c * 32 + lane;
+          if (d < DV) ov[n][c] += pj * float(Vt[j * ldv + d]);
+        }
+      }
+    }
+  }
+
+  for (short n = 0; n < V::kRows; ++n) {
+    if (!rok[n]) continue;  // no barrier follows
+    const int h = rh[n], i = ri[n];
+    if (attn_split) {
+      const steel_i64 pr = attn_partial_row(dp, zb, h, i) + split;
+      for (short c = 0; c < V::QV; ++c) {
+        const int d = c * 32 + lane;
+        if (d < Ev) part_o[pr * p.Ev + d] = ov[n][c];
+      }
+      if (lane == 0) {
+        part_ml[2 * pr] = sm[n].m * attn_unit_nats;
+        part_ml[2 * pr + 1] = sm[n].l;
+      }
+    } else {
+      const float inv = sm[n].inverse_sum();
+      device T* orow = out + xq.o_off + h * p.o_hs + i * p.o_rs;
+      for (short c = 0; c < V::QV; ++c) {
+        const int d = c * 32 + lane;
+        if (d < Ev) orow[d] = T(ov[n][c] * inv);
+      }
+      if (attn_lse && lane == 0) lse[xq.lse_off + h * xq.lse_hs + i] = sm[n].lse();
+    }
+  }
+}
+
+}  // namespace steel
+
+// The kernel (host names and instantiations in decode_vector.metal).
+template <typename T, short DE, short DV>
+[[kernel]] void steel_attention_decode_vector(
+    const device T* q [[buffer(STEEL_ATTN_BUF_Q)]],
+    const device T* k [[buffer(STEEL_ATTN_BUF_K)]],
+    const device T* v [[buffer(STEEL_ATTN_BUF_V)]],
+    const device uchar* mask [[buffer(STEEL_ATTN_BUF_MASK)]],
+    const device uchar* sinks [[buffer(STEEL_ATTN_BUF_SINKS)]],
+    device T* out [[buffer(STEEL_ATTN_BUF_OUT)]],
+    device float* lse [[buffer(STEEL_ATTN_BUF_LSE)]],
+    constant AttnDecodeParams& params [[buffer(STEEL_ATTN_BUF_PARAMS)]],
+    const device int* cu_q [[buffer(STEEL_ATTN_BUF_CU_Q), function_constant(attn_varlen)]],
+    const device int* cu_k [[buffer(STEEL_ATTN_BUF_CU_K), function_constant(attn_varlen)]],
+    const device int* table [[buffer(STEEL_ATTN_BUF_TABLE), function_constant(attn_paged)]],
+    const device int* seqused [[buffer(STEEL_ATTN_BUF_SEQUSED), function_constant(attn_paged)]],
+    device float* part_o [[buffer(STEEL_ATTN_BUF_PART_O), function_constant(attn_split)]],
+    device float* part_ml [[buffer(STEEL_ATTN_BUF_PART_ML), function_constant(attn_split)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup T smem[steel::AttnForward<T, DE, DV>::kTileElems];
+  steel::attention_decode_vector_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k,
+                                                  table, seqused, part_o, part_ml, params, smem,
+                                                  tg, simdgroup, lane);
+}

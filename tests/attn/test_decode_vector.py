@@ -1,0 +1,118 @@
+"""The vector decode kernel (shaders/steel/attn/decode_vector.h, chosen by decode_plan.cpp's
+decode_vector rule) in the Metal simulator, checkers on, against float64 reference math.
+
+The plan takes the vector kernel wherever the GQA group's packed rows (group x L) fit its
+STEEL_ATTN_DECODE_VECTOR_ROWS = 8 rows, so tests/attn/test_decode.py's calls with few rows run it
+too; here: ragged key counts (S % 32 in {1, 31}, S = 1), GQA 1/4/8 at L 1..8, every dtype,
+strided K/V views, split-K and its merge, and the plan's choice against the MMA kernel (option
+decode_vector = 0). Tolerances are attn_helpers.assert_attention_close's (fp32 accumulation,
+one rounding of out to its dtype); the vector kernel sums each score over 32 lanes in fp32, a
+different order from the MMA's, well inside them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_helpers import (
+    DTYPES,
+    assert_attention_close,
+    oracle,
+    qkv,
+    rand,
+    requires_simulator,
+    score_error,
+)
+
+from torch_steel import ops, sim
+
+pytestmark = requires_simulator
+
+
+def _run(q, k, v, mask=None, num_splits=0, vector=True, **kwargs):
+    """(out, lse, kernel, splits) of sdpa on the simulator with the vector rule on or off."""
+    inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
+                                 kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
+                                 kwargs.pop("softcap", None), kwargs.pop("window", None),
+                                 kwargs.pop("causal_align", "top_left"), None, 0)  # fmt: skip
+    assert not kwargs, kwargs
+    attn = ops.Attn(*inputs[4:])._replace(num_splits=num_splits)
+    options = {**attn.run_options(), "decode_vector": 1 if vector else 0}
+    tensors = [*inputs[:4], attn.sinks]
+    p = sim.plan("sdpa", tensors, options)
+    assert p.ok, p.reason
+    out, lse = sim.run_op("sdpa", tensors, options, checkers=True)[:2]
+    return out, lse, p.dispatches[0].kernel, p.dispatches[0].grid[0]
+
+
+def check(q, k, v, mask=None, num_splits=0, vector=True, **kwargs):
+    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, **dict(kwargs))
+    ref_out, ref_lse = oracle(q, k, v, mask, enable_gqa=True, **kwargs)
+    v_max = float(v.double().abs().max()) if v.numel() else 0.0
+    err = score_error(q, k, kwargs.get("scale"))
+    assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, v_max, err)
+    return kernel, splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("S", [1, 31, 33, 65, 95])  # S % 32 in {1, 31}, one key
+def test_ragged_keys_every_dtype(S, dtype):
+    q, k, v = qkv(1, 4, 1, S, 64, Hkv=1, dtype=dtype)
+    kernel, _ = check(q, k, v, num_splits=1)
+    assert kernel.startswith("steel_attention_decode_vector_")
+    if S > 32:
+        _, splits = check(q, k, v, num_splits=2, is_causal=True, causal_align="bottom_right")
+        assert splits == 2
+
+
+@pytest.mark.parametrize("group,L", [(1, 1), (1, 8), (4, 1), (4, 2), (8, 1), (2, 3), (1, 5)])
+def test_gqa_rows(group, L):
+    q, k, v = qkv(1, 2 * group, L, 161, 128, Hkv=2, dtype=torch.float16)
+    kernel, _ = check(q, k, v, num_splits=3, is_causal=True, causal_align="bottom_right")
+    assert kernel.startswith("steel_attention_decode_vector_")
+    check(q, k, v, num_splits=1, sinks=torch.randn(2 * group), softcap=4.0)
+
+
+@pytest.mark.parametrize("E,Ev", [(40, 40), (96, 96), (192, 128), (256, 256), (576, 512)])
+def test_head_dims(E, Ev):
+    q, k, v = qkv(1, 4, 1, 97, E, Ev, Hkv=1, dtype=torch.bfloat16)
+    kernel, _ = check(q, k, v, num_splits=2)
+    assert kernel == f"steel_attention_decode_vector_bf16_e{E}_v{Ev}"
+
+
+def test_strided_views_and_masks():
+    """A slice of a longer [B, S, H, D] cache, a bool mask and an additive float mask."""
+    gen = torch.Generator().manual_seed(5)
+    q = rand(2, 1, 8, 64, dtype=torch.float16, gen=gen).transpose(1, 2)
+    cache = rand(2, 300, 2, 64, dtype=torch.float16, gen=gen)
+    k = cache[:, :257].transpose(1, 2)
+    v = rand(2, 257, 2, 64, dtype=torch.float16, gen=gen).transpose(1, 2)
+    kernel, _ = check(q, k, v, num_splits=2)
+    assert kernel.startswith("steel_attention_decode_vector_")
+    check(q, k, v, torch.rand(1, 257, generator=gen) > 0.4, num_splits=1)
+    check(q, k, v, torch.randn(2, 8, 1, 257, generator=gen), num_splits=3, window=(100, 0))
+
+
+CHOICES = [(1, 1, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 3, False), (1, 9, False)]
+
+
+@pytest.mark.parametrize("group,L,vector", CHOICES)
+def test_plan_choice(group, L, vector):
+    """Vector while the group's rows fit 8 (one threadgroup per KV head still), the MMA kernel
+    beyond (and L > 8 is not decode's at all, on a dense call)."""
+    q, k, v = qkv(1, group, L, 64, 64, Hkv=1, dtype=torch.float16)
+    inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, False, None, True, None, None,
+                                               None, "top_left", None, 0)  # fmt: skip
+    attn = ops.Attn(*inputs[4:])
+    kernel = sim.plan("sdpa", [*inputs[:4], None], attn.run_options()).dispatches[0].kernel
+    assert kernel.startswith("steel_attention_decode_vector_") == vector, kernel
+    off = sim.plan("sdpa", [*inputs[:4], None], {**attn.run_options(), "decode_vector": 0})
+    assert not off.dispatches[0].kernel.startswith("steel_attention_decode_vector_")
+
+
+def test_vector_and_mma_agree():
+    q, k, v = qkv(1, 8, 1, 200, 128, Hkv=2, dtype=torch.float32)
+    a = _run(q, k, v, num_splits=2)
+    b = _run(q, k, v, num_splits=2, vector=False)
+    assert a[2] != b[2]
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)  # two fp32 summation orders
