@@ -72,10 +72,11 @@ int64_t decode_resident(const Common& c) {
 // whole group fits its STEEL_ATTN_DECODE_VECTOR_ROWS rows: one threadgroup per KV head still.
 // At more rows (GQA 8 x 2 tokens) the MMA block's padding is at most 2x and its MMAs beat
 // 8 rows' scalar FMAs, which cost the same per row as an 8-row MMA fragment. The head dim does
-// not move the rule: both kernels' arithmetic scales with it alike. Option "decode_vector" = 0
-// keeps the MMA kernel (the tests compare the two).
+// not move the rule: both kernels' arithmetic scales with it alike. Opt-in for now (option
+// "decode_vector" = 1): the split rule's residency (decode_registers) and the timing model's
+// (timing.steel_kernel_info) still describe decode.h's registers only.
 bool decode_vector(int64_t group, int64_t rows, const Options& options) {
-  return options.number("decode_vector", 1.0) != 0.0 &&
+  return options.number("decode_vector", 0.0) != 0.0 &&
          group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
 }
 

@@ -119,9 +119,7 @@ def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, pag
     bytes read from them equal the cache's size (decode rows without a window see every key)."""
     tensors, opts, seqs = bench_attention.decode_inputs(B, Hq, Hkv, L, S, E, options, page,
                                                         torch.float16, "cpu")  # fmt: skip
-    # decode_model follows decode.h's loops: the MMA kernel, also where the plan would take the
-    # vector one (test_decode_vector.py checks that one's K/V bytes).
-    opts["num_splits"], opts["decode_vector"] = num_splits, 0
+    opts["num_splits"] = num_splits
     op = "sdpa" if page is None else "sdpa_varlen"
     p = sim.plan(op, tensors, opts)
     assert p.dispatches[0].kernel.startswith("steel_attention_decode_")

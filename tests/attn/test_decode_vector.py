@@ -1,13 +1,12 @@
 """The vector decode kernel (shaders/steel/attn/decode_vector.h, chosen by decode_plan.cpp's
-decode_vector rule) in the Metal simulator, checkers on, against float64 reference math.
-
-The plan takes the vector kernel wherever the GQA group's packed rows (group x L) fit its
-STEEL_ATTN_DECODE_VECTOR_ROWS = 8 rows, so tests/attn/test_decode.py's calls with few rows run it
-too; here: ragged key counts (S % 32 in {1, 31}, S = 1), GQA 1/4/8 at L 1..8, every dtype,
-strided K/V views, split-K and its merge, and the plan's choice against the MMA kernel (option
-decode_vector = 0). Tolerances are attn_helpers.assert_attention_close's (fp32 accumulation,
-one rounding of out to its dtype); the vector kernel sums each score over 32 lanes in fp32, a
-different order from the MMA's, well inside them.
+decode_vector rule, opt-in: option decode_vector = 1) in the Metal simulator, checkers on,
+against float64 reference math. The rule takes it where the GQA group's packed rows (group x L)
+fit STEEL_ATTN_DECODE_VECTOR_ROWS = 8. Here: ragged key counts (S % 32 in {1, 31}, S = 1),
+GQA 1/4/8 at L 1..8, every dtype, strided K/V views, masks, split-K and its merge, and the plan's
+choice against the MMA kernel (decode_vector = 0). Tolerances are
+attn_helpers.assert_attention_close's (fp32 accumulation, one rounding of out to its dtype); the
+vector kernel sums each score over 32 lanes in fp32, a different order from the MMA's, well
+inside them.
 """
 
 from __future__ import annotations
@@ -104,7 +103,8 @@ def test_plan_choice(group, L, vector):
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, False, None, True, None, None,
                                                None, "top_left", None, 0)  # fmt: skip
     attn = ops.Attn(*inputs[4:])
-    kernel = sim.plan("sdpa", [*inputs[:4], None], attn.run_options()).dispatches[0].kernel
+    on = {**attn.run_options(), "decode_vector": 1}
+    kernel = sim.plan("sdpa", [*inputs[:4], None], on).dispatches[0].kernel
     assert kernel.startswith("steel_attention_decode_vector_") == vector, kernel
     off = sim.plan("sdpa", [*inputs[:4], None], {**attn.run_options(), "decode_vector": 0})
     assert not off.dispatches[0].kernel.startswith("steel_attention_decode_vector_")

@@ -52,10 +52,7 @@ def bound(dispatch):
 @pytest.mark.parametrize("L", [1, 5, 8])
 def test_up_to_eight_rows_take_the_decode_kernel(L):
     p = dense(1, 4, 4, L, 100)
-    # MHA: one real row per block up to 8 tokens, the vector kernel (decode_plan.cpp)
-    assert p.ok and [d.kernel for d in p.dispatches] == [
-        "steel_attention_decode_vector_f16_e64_v64"
-    ]
+    assert p.ok and [d.kernel for d in p.dispatches] == ["steel_attention_decode_f16_e64_v64"]
     assert p.dispatches[0].threads == (128, 1, 1)
 
 
@@ -106,13 +103,11 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
     assert p.dispatches[0].constants[SPLIT] == (splits > 1)
     kernels = [d.kernel for d in p.dispatches]
     if splits == 1:
-        assert kernels == ["steel_attention_decode_vector_f16_e64_v64"]  # MHA, one token
+        assert kernels == ["steel_attention_decode_f16_e64_v64"]
         assert [a.name for a in p.allocations] == ["out", "lse"]
         assert BUF_PART_O not in bound(p.dispatches[0])
     else:
-        assert kernels == [
-            "steel_attention_decode_vector_f16_e64_v64", "steel_attention_decode_merge_f16"
-        ]  # fmt: skip
+        assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
         # Partials of O(B * Hq * L * splits * Ev) floats, scratch (not outputs), after out, lse.
         scratch = [(a.name, a.sizes, a.dtype, a.is_output) for a in p.allocations[2:]]
         rows = B * Hkv * splits
@@ -220,9 +215,7 @@ def test_predict_plans_for_the_chips_core_count(chip, options, splits):
     q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.float16) for n in (1, 2048, 2048))
     predicted = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.125, **options}, chip=chip)
     kernels = [d["kernel"] for d in predicted["dispatches"]]
-    assert kernels == [
-        "steel_attention_decode_vector_f16_e64_v64", "steel_attention_decode_merge_f16"
-    ]  # fmt: skip
+    assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
     assert predicted["dispatches"][0]["occupancy"]["threadgroups"] == splits * 8
 
 
