@@ -20,6 +20,7 @@ The pieces, bottom up:
   sdpa_calls()            steel::sdpa (the attention forward) within attention_plan.cpp's
   varlen_calls()          steel::sdpa_varlen (packed sequences) within varlen_plan.cpp's
   paged_calls()           sdpa_varlen against a paged KV cache (the decode kernels)
+  quant_calls()           any of the three with a quantized key and value (torch_steel.kv)
   gemm_refusals(), sdpa_refusals(), varlen_refusals()
                           calls outside the envelope, as run_op arguments, that the plan must
                           refuse with a reason
@@ -161,6 +162,8 @@ _SENTINEL = {
     torch.int32: (torch.int32, -0x5A5A5A5B),
     torch.int64: (torch.int64, -0x5A5A5A5A5A5A5A5B),
     torch.bool: (torch.uint8, 0xA5),
+    torch.int8: (torch.int8, -0x5B),  # quantized KV codes (kv.py): a code outside [-127, 127]
+    torch.uint8: (torch.uint8, 0xA5),
 }
 _TAIL = 9  # sentinel elements after the view's last one
 
@@ -419,10 +422,13 @@ def gemm_refusals(draw):
 
 # ----------------------------------------------------------------------------- sdpa
 
-# attention.metal's (E, Ev) instantiations; attention_plan.cpp picks the cheapest that holds.
-# Not drawn yet (issue 31): the MLA pairs (576, 512) and (576, 576), and quantized KV formats;
-# head_dims() and the refusals' head dims (above 576) are where they go.
-ATTN_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 128, 160, 192, 256, 512)
+# attention.metal's (E, Ev) instantiations (kHeadDims, attention_plan.cpp, which picks the
+# cheapest that holds): (D, D) for these D, and (192, 128), (576, 512) (multi-head latent
+# attention's absorbed form, the forward only: the backward takes head dims up to 512).
+ATTN_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 128, 160, 192, 256, 512, 576)
+ATTN_PAIRS = tuple((d, d) for d in ATTN_HEAD_DIMS) + ((192, 128), (576, 512))
+MAX_HEAD_DIM = 576  # kMaxHeadDim
+MAX_BACKWARD_HEAD_DIM = 512  # kMaxBackwardHeadDim
 ATTN_BQ = 32  # query rows per threadgroup
 ATTN_BK = (8, 16, 32)  # key tile: steel_attn_bk(head dims, dtype), params.h
 # (L rounded up to BQ) x S x (DE + DV) a drawn call may cost (~33M a second): ~0.2 s.
@@ -430,15 +436,21 @@ ATTN_BUDGET = 6_000_000
 
 
 def _instantiation(E, Ev):
-    pairs = [(d, d) for d in ATTN_HEAD_DIMS] + [(192, 128)]
-    return min(((de, dv) for de, dv in pairs if de >= E and dv >= Ev), key=sum)
+    return min(((de, dv) for de, dv in ATTN_PAIRS if de >= E and dv >= Ev), key=sum)
 
 
 @functools.cache
-def head_dims():
-    """E on an instantiated size, one either side, 8 either side, or anything in 1..512."""
-    near = sorted({d + x for d in ATTN_HEAD_DIMS for x in (-8, -1, 0, 1, 8) if 1 <= d + x <= 512})
-    return st.one_of(st.sampled_from(ATTN_HEAD_DIMS), st.sampled_from(near), st.integers(1, 512))
+def head_dims(hi=MAX_HEAD_DIM):
+    """E on an instantiated size, one either side, 8 either side, or anything in 1..hi."""
+    dims = [d for d in ATTN_HEAD_DIMS if d <= hi]
+    near = sorted({d + x for d in dims for x in (-8, -1, 0, 1, 8) if 1 <= d + x <= hi})
+    return st.one_of(st.sampled_from(dims), st.sampled_from(near), st.integers(1, hi))
+
+
+def _mla_pairs(hi):
+    """The latent-attention pairs a draw picks now and then: the trained form (192, 128) and,
+    for the forward, the absorbed ones (576, 512) and (576, 576)."""
+    return st.sampled_from([p for p in [(192, 128), (576, 512), (576, 576)] if max(p) <= hi])
 
 
 @dataclass(frozen=True)
@@ -492,6 +504,9 @@ class SdpaCall:
     # q, k, v are one fused projection [*batch, L, 3, H, E] split and transposed (L == S,
     # Hq == Hkv, E == Ev): three BLHD views of one buffer, laid out by q_layout (rank + 1)
     packed: bool = False
+    # v is k[..., :Ev], a view of k's first Ev features (multi-head latent attention's latent
+    # cache: the plan's kv_alias reads V from K's tile); v_layout unused
+    kv_alias: bool = False
 
     def kwargs(self):
         """The keyword arguments of torch_steel.sdpa besides the tensors."""
@@ -513,10 +528,14 @@ class SdpaCall:
                         gen)  # fmt: skip
             k = guarded("k", (*self.kv_batch, self.Hkv, self.S, self.E), self.dtype,
                         self.k_layout, gen)  # fmt: skip
-            v = guarded("v", (*self.kv_batch, self.Hkv, self.S, self.Ev), self.dtype,
-                        self.v_layout, gen)  # fmt: skip
-            guards = [q, k, v]
-            t = {"q": q.tensor, "k": k.tensor, "v": v.tensor, "attn_mask": None, "sinks": None}
+            guards = [q, k]
+            t = {"q": q.tensor, "k": k.tensor, "v": k.tensor[..., : self.Ev], "attn_mask": None,
+                 "sinks": None}  # fmt: skip
+            if not self.kv_alias:
+                v = guarded("v", (*self.kv_batch, self.Hkv, self.S, self.Ev), self.dtype,
+                            self.v_layout, gen)  # fmt: skip
+                guards.append(v)
+                t["v"] = v.tensor
         if self.mask is not None:
             m = self.mask
             fill = _mask_fill(m, gen)
@@ -606,18 +625,23 @@ def _mask_specs(draw, dtype, batch, Hq, L, S):
 
 
 @st.composite
-def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
-    """A steel::sdpa forward call in the plan's envelope (served, not refused)."""
+def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300, max_head_dim=MAX_HEAD_DIM):
+    """A steel::sdpa forward call in the plan's envelope (served, not refused); max_head_dim:
+    MAX_BACKWARD_HEAD_DIM for the backward's calls."""
     dtype = draw(st.sampled_from(dtypes))
-    E = draw(head_dims())
-    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims(), st.just(128 if E > 160 else E)))
-    if draw(st.integers(0, 9)) == 0:
-        E, Ev = 192, 128  # the MLA-style instantiation
+    E = draw(head_dims(max_head_dim))
+    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims(max_head_dim),
+                        st.just(128 if E > 160 else E)))  # fmt: skip
+    mla = draw(st.integers(0, 9)) == 0
+    if mla:
+        E, Ev = draw(_mla_pairs(max_head_dim))
     # now and then no query rows (an empty result), or no keys (every row sees nothing)
     L = 0 if draw(st.integers(0, 15)) == 0 else draw(sizes((ATTN_BQ,), max_L))
     S = 0 if draw(st.integers(0, 15)) == 0 else draw(sizes(ATTN_BK, max_S))
     Hkv = draw(st.sampled_from([1, 1, 2, 3]))
     group = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+    if mla and draw(st.booleans()):  # one latent KV head shared by 16 query heads
+        Hkv, group = 1, 16
     batch = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.sampled_from([0, 1, 1, 2]))))
     de, dv = _instantiation(E, Ev)
 
@@ -646,6 +670,8 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     q_layout = draw(layouts(nd + packed, orders=[blhd] if not packed else ()))
     k_layout = draw(layouts(nd, orders=[blhd]))
     v_layout = draw(st.one_of(st.just(k_layout), layouts(nd, orders=[blhd])))
+    # V a view of K's first Ev features: the latent cache's case, and any other Ev <= E
+    kv_alias = not packed and Ev <= E and draw(st.integers(0, 1 if mla else 7)) == 0
     mask = draw(st.one_of(st.none(), _mask_specs(dtype, batch, Hq, L, S)))
     is_causal = draw(st.booleans())
     causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
@@ -657,7 +683,7 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300):
     seed = draw(st.integers(0, 2**31 - 1))
     return SdpaCall(dtype, batch, kv_batch, Hq, Hkv, L, S, E, Ev, q_layout, k_layout, v_layout,
                     mask, is_causal, causal_align, window, sinks, softcap, scale, seed,
-                    packed)  # fmt: skip
+                    packed, kv_alias)  # fmt: skip
 
 
 SDPA_REFUSALS = ("float64", "mixed_k", "rank", "rank2", "head_dim", "e_mismatch", "heads",
@@ -766,11 +792,19 @@ class VarlenCall:
     spare_pages: int = 0
     num_splits: int | None = None
     shared_pages: int = 0  # sequences b > 0 start with up to this many of sequence 0's pages
-    index_offset: int = 0  # storage offset of the block table and seqused_k (guarded views)
+    # storage offset of cu_seqlens_q / _k, and of the block table and seqused_k (guarded views)
+    index_offset: int = 0
+    kv_alias: bool = False  # v (or its pool) is k[..., :Ev], as SdpaCall's; v_layout unused
 
     def cu_seqlens(self):
+        """cu_seqlens_q, cu_seqlens_k: views at storage offset index_offset of buffers whose
+        other elements are -7 (a kernel reading past the view sees nonsense offsets)."""
+
         def offsets(lengths):
-            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            buffer = torch.full((self.index_offset + len(cu) + 3,), -7, dtype=torch.int32)
+            view = buffer[self.index_offset : self.index_offset + len(cu)]
+            return view.copy_(cu)
 
         return offsets(self.lq), offsets(self.lk)
 
@@ -799,7 +833,8 @@ class VarlenCall:
             gq = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
             slots = (pool, self.page_size, self.Hkv)
             gk = guarded("k_pool", (*slots, self.E), self.dtype, self.k_layout, gen)
-            gv = guarded("v_pool", (*slots, self.Ev), self.dtype, self.v_layout, gen)
+            gv = None if self.kv_alias else guarded("v_pool", (*slots, self.Ev), self.dtype,
+                                                    self.v_layout, gen)  # fmt: skip
             order = torch.randperm(pool, generator=gen).to(torch.int32)
             table = torch.full((len(self.lk), max(pages) + 1), pool + 7, dtype=torch.int32)
             start = 0
@@ -814,9 +849,12 @@ class VarlenCall:
             gt = Guarded("block_table", table, at, tuple(table.shape))
             gu = Guarded("seqused_k", used, Layout((0,), (1,), (0,), self.index_offset, (False,)),
                          tuple(used.shape))  # fmt: skip
-            t = {"q": gq.tensor, "k": gk.tensor, "v": gv.tensor, "sinks": None,
+            t = {"q": gq.tensor, "k": gk.tensor, "v": gk.tensor[..., : self.Ev], "sinks": None,
                  "block_table": gt.tensor, "seqused_k": gu.tensor}  # fmt: skip
-            guards = [gq, gk, gv, gt, gu]
+            guards = [gq, gk, gt, gu]
+            if gv is not None:
+                guards.append(gv)
+                t["v"] = gv.tensor
             self._sinks(t, guards, gen)
             return t, guards
         if self.packed:
@@ -826,9 +864,12 @@ class VarlenCall:
         else:
             gq = guarded("q", (Tq, self.Hq, self.E), self.dtype, self.q_layout, gen)
             gk = guarded("k", (Tk, self.Hkv, self.E), self.dtype, self.k_layout, gen)
-            gv = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
-            guards = [gq, gk, gv]
-            q, k, v = gq.tensor, gk.tensor, gv.tensor
+            guards = [gq, gk]
+            q, k, v = gq.tensor, gk.tensor, gk.tensor[..., : self.Ev]
+            if not self.kv_alias:
+                gv = guarded("v", (Tk, self.Hkv, self.Ev), self.dtype, self.v_layout, gen)
+                guards.append(gv)
+                v = gv.tensor
         t = {"q": q, "k": k, "v": v, "sinks": None, "block_table": None, "seqused_k": None}
         self._sinks(t, guards, gen)
         return t, guards
@@ -841,14 +882,16 @@ class VarlenCall:
 
 
 @st.composite
-def varlen_calls(draw, dtypes=DTYPES, max_len=300):
+def varlen_calls(draw, dtypes=DTYPES, max_len=300, max_head_dim=MAX_HEAD_DIM):
     """A steel::sdpa_varlen forward call in varlen_plan.cpp's envelope: 1 to 5 sequences of
-    lengths on and off the tile edges, empty ones included, lq and lk independent."""
+    lengths on and off the tile edges, empty ones included, lq and lk independent;
+    max_head_dim: MAX_BACKWARD_HEAD_DIM for the backward's calls."""
     dtype = draw(st.sampled_from(dtypes))
-    E = draw(head_dims())
-    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims()))
-    if draw(st.integers(0, 9)) == 0:
-        E, Ev = 192, 128
+    E = draw(head_dims(max_head_dim))
+    Ev = draw(st.one_of(st.just(E), st.just(E), head_dims(max_head_dim)))
+    mla = draw(st.integers(0, 9)) == 0
+    if mla:
+        E, Ev = draw(_mla_pairs(max_head_dim))
     n = draw(st.integers(1, 5))
     length = st.one_of(st.just(0), sizes((ATTN_BQ,) + ATTN_BK, max_len))
     lq = [draw(length) for _ in range(n)]
@@ -859,6 +902,8 @@ def varlen_calls(draw, dtypes=DTYPES, max_len=300):
         lq[0] = draw(sizes((ATTN_BQ,), max_len))
     Hkv = draw(st.sampled_from([1, 1, 2, 3]))
     group = draw(st.sampled_from([1, 1, 2, 4, 8]))
+    if mla and draw(st.booleans()):  # one latent KV head shared by 16 query heads
+        Hkv, group = 1, 16
     de, dv = _instantiation(E, Ev)
 
     def cost():  # padded rows x keys x head dims over the sequences and heads
@@ -878,6 +923,7 @@ def varlen_calls(draw, dtypes=DTYPES, max_len=300):
     q_layout = draw(layouts(4 if packed else 3, orders=[] if packed else [heads_outer]))
     k_layout = draw(layouts(3, orders=[heads_outer]))
     v_layout = draw(st.one_of(st.just(k_layout), layouts(3, orders=[heads_outer])))
+    kv_alias = not packed and Ev <= E and draw(st.integers(0, 1 if mla else 7)) == 0
     extra = st.sampled_from([0, 0, 0, 1, 31, 100])
     is_causal = draw(st.booleans())
     causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
@@ -890,7 +936,8 @@ def varlen_calls(draw, dtypes=DTYPES, max_len=300):
     seed = draw(st.integers(0, 2**31 - 1))
     return VarlenCall(dtype, tuple(lq), tuple(lk), Hq, Hkv, E, Ev, q_layout, k_layout, v_layout,
                       draw(extra), draw(extra), is_causal, causal_align, window, sinks, softcap,
-                      scale, dropout_p, seed, packed)  # fmt: skip
+                      scale, dropout_p, seed, packed, kv_alias=kv_alias,
+                      index_offset=draw(_OFFSET))  # fmt: skip
 
 
 @st.composite
@@ -969,3 +1016,93 @@ def varlen_refusals(draw):
     elif what == "dropout_one":
         options["dropout_p"] = 1.0
     return what, [q, k, v, cu_q, cu_k, None], options
+
+
+# ----------------------------------------------------------------------------- quantized KV
+
+QUANT_FORMATS = ("int8", "int8_g32", "int8_g64", "int8_g128", "q4_g32", "q4_g64")
+QUANT_BITS_GROUP = {"int8": (8, 0), "int8_g32": (8, 32), "int8_g64": (8, 64),
+                    "int8_g128": (8, 128), "q4_g32": (4, 32), "q4_g64": (4, 64)}  # fmt: skip
+
+
+def quant_formats(E):
+    """The formats a head dim E can take (kv.py: E a multiple of the group, even for 4-bit)."""
+    return [f for f, (bits, g) in QUANT_BITS_GROUP.items()
+            if (not g or E % g == 0) and (bits == 8 or E % 2 == 0)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantCall:
+    """`base` (an SdpaCall, or a VarlenCall, paged or not) with its key and value quantized:
+    torch_steel.kv.quantize of base's K and V values in k_format / v_format with scales (and
+    mins) of k_scale_dtype / v_scale_dtype. Each of the six tensors (k data, scales, mins, v
+    data, scales, mins) is a guarded view laid out by `layouts` (storage offsets, strides,
+    padding, transposed leading dims). rows: "random"; "zero" (some rows of a head all zeros:
+    scale 0); "constant" (some rows one value: the 4-bit range is 0, x = min)."""
+
+    base: SdpaCall | VarlenCall
+    k_format: str
+    v_format: str
+    k_scale_dtype: torch.dtype
+    v_scale_dtype: torch.dtype
+    layouts: tuple[Layout, ...]
+    rows: str
+    seed: int
+
+    def build(self):
+        """({q, k, v (QuantizedKV), ...base's other tensors}, [Guarded]); k and v's float
+        values are base's (base's guards of them dropped: they are not passed)."""
+        from torch_steel.kv import QuantizedKV, quantize
+
+        t, guards = self.base.build()
+        guards = [g for g in guards if g.name not in ("k", "v", "k_pool", "v_pool")]
+        gen = torch.Generator().manual_seed(self.seed)
+        it = iter(self.layouts)
+        for name, fmt, sd in (("k", self.k_format, self.k_scale_dtype),
+                              ("v", self.v_format, self.v_scale_dtype)):  # fmt: skip
+            x = t[name].double()
+            if self.rows != "random":
+                rows = torch.rand(x.shape[:-1], generator=gen) < 0.3
+                fill = 0.0 if self.rows == "zero" else float(torch.randn((), generator=gen))
+                x = x.masked_fill(rows.unsqueeze(-1), fill)
+            parts = []
+            for part, tensor in zip(("data", "scales", "mins"), quantize(x, fmt, sd).tensors()):
+                layout = next(it)
+                if tensor is None:
+                    parts.append(None)
+                    continue
+                g = Guarded(f"{name}_{part}", tensor, layout, tuple(tensor.shape))
+                guards.append(g)
+                parts.append(g.tensor)
+            t[name] = QuantizedKV(*parts, fmt)
+        return t, guards
+
+
+@st.composite
+def quant_calls(draw, dtypes=DTYPES):
+    """A steel::sdpa_quantized_forward or sdpa_varlen_quantized_forward call (paged or packed):
+    a base call of sdpa_calls() (k and v of q's batch shape: the quantized op takes no
+    broadcasting), varlen_calls() or paged_calls() without dropout (inference only), head dims
+    half the time on a multiple of 64 so that every format is open, formats drawn from what
+    each head dim takes."""
+    kind = draw(st.sampled_from(["sdpa", "sdpa", "varlen", "paged", "paged"]))
+    if kind == "sdpa":
+        base = draw(sdpa_calls(dtypes))
+        base = replace(base, kv_batch=base.batch, kv_alias=False)
+    else:
+        base = draw(varlen_calls(dtypes) if kind == "varlen" else paged_calls(dtypes))
+        base = replace(base, dropout_p=0.0, kv_alias=False)
+    nd = len(base.batch) + 3 if kind == "sdpa" else 4 if kind == "paged" else 3
+    if base.packed:  # a fused projection's q layout has a rank more: q on its own instead
+        base = replace(base, q_layout=Layout.contiguous(nd if kind == "sdpa" else 3))
+    base = replace(base, packed=False)
+    if draw(st.booleans()):  # head dims every format takes: 64, or a multiple of 64 below
+        base = replace(base, E=max(64, base.E // 64 * 64), Ev=max(64, base.Ev // 64 * 64))
+    k_format = draw(st.sampled_from(quant_formats(base.E)))
+    v_format = draw(st.sampled_from(quant_formats(base.Ev)))
+    scale_dtypes = st.sampled_from([torch.float16, torch.float32])
+    k_sd, v_sd = draw(scale_dtypes), draw(scale_dtypes)
+    tensor_layouts = tuple(draw(layouts(nd, expandable=(), plain=0.5)) for _ in range(6))
+    rows = draw(st.sampled_from(["random", "random", "zero", "constant"]))
+    return QuantCall(base, k_format, v_format, k_sd, v_sd, tensor_layouts, rows,
+                     draw(st.integers(0, 2**31 - 1)))  # fmt: skip

@@ -61,7 +61,9 @@ def test_sdpa_strategy_reaches_every_key_tile():
 def test_sdpa_instantiation_rule_is_the_plans():
     """strategies._instantiation picks the kernel attention_plan.cpp picks (the cost budget and
     the tile test above rely on it)."""
-    for E, Ev in [(1, 1), (33, 33), (100, 64), (64, 130), (161, 128), (193, 128), (300, 7)]:
+    pairs = [(1, 1), (33, 33), (100, 64), (64, 130), (161, 128), (193, 128), (300, 7),
+             (513, 64), (520, 512), (576, 513), (576, 576)]  # fmt: skip
+    for E, Ev in pairs:
         q = torch.zeros(1, 1, 2, E, dtype=torch.float16)
         k = torch.zeros(1, 1, 3, E, dtype=torch.float16)
         v = torch.zeros(1, 1, 3, Ev, dtype=torch.float16)

@@ -24,7 +24,7 @@ from fuzz_helpers import (
 )
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from strategies import Layout, MaskSpec, SdpaCall, sdpa_calls
+from strategies import MAX_BACKWARD_HEAD_DIM, Layout, MaskSpec, SdpaCall, sdpa_calls
 
 import torch_steel
 from torch_steel import sim
@@ -34,6 +34,12 @@ pytestmark = requires_simulator
 # test_attention_backward.SLACK: the fp32 error (float32) or four ulps of the dtype (delta reads
 # the forward's out rounded to it), relative to the largest gradient element.
 SLACK = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
+
+
+# The forward's calls within the backward's head dims, a dropout draw, and whether a float mask
+# is differentiated too.
+CALLS = (sdpa_calls(max_head_dim=MAX_BACKWARD_HEAD_DIM), st.sampled_from([0.0, 0.0, 0.3]),
+         st.booleans())  # fmt: skip
 
 
 def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None, lse_grad=True):
@@ -183,7 +189,7 @@ def compare_backward(call, dropout, mask_grad, rounding=0.0):
 
 
 @fixed(30)
-@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]), st.booleans())
+@given(*CALLS)
 def test_sdpa_backward_matches_float64(call, dropout, mask_grad):
     """Fixed-seed subset: 30 drawn calls' gradients (the mask's too, when float and
     mask_grad) agree with float64 autograd."""
@@ -199,7 +205,7 @@ def backward_kernels(call, dropout, mask_grad):
 
 @fuzz_mark
 @fuzz(backward_kernels)
-@given(sdpa_calls(), st.sampled_from([0.0, 0.0, 0.3]), st.booleans())
+@given(*CALLS)
 def test_fuzz_sdpa_backward(call, dropout, mask_grad):
     """-m fuzz: random calls' gradients agree with float64 autograd."""
     check_backward(call, dropout, mask_grad)

@@ -20,7 +20,7 @@ from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator
 from gemm_helpers import M5
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from strategies import sdpa_calls
+from strategies import MAX_BACKWARD_HEAD_DIM, sdpa_calls
 from test_fuzz_sdpa_backward import compare_backward
 
 import torch_steel
@@ -61,7 +61,11 @@ def check_backward_tensor(call, dropout, mask_grad):
             os.environ["TORCH_STEEL_SIM_LAYOUT_SEED"] = previous
 
 
-CALLS = (sdpa_calls(dtypes=HALF), st.sampled_from([0.0, 0.0, 0.3]), st.booleans())
+CALLS = (
+    sdpa_calls(dtypes=HALF, max_head_dim=MAX_BACKWARD_HEAD_DIM),
+    st.sampled_from([0.0, 0.0, 0.3]),
+    st.booleans(),
+)
 
 
 @fixed(10)

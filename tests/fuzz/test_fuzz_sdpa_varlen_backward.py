@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import assume, given
-from strategies import varlen_calls
+from strategies import MAX_BACKWARD_HEAD_DIM, varlen_calls
 from test_fuzz_sdpa_backward import assert_gradients_close, sink_terms
 
 import torch_steel
@@ -73,7 +73,7 @@ def check_varlen_backward(call):
 
 
 @fixed(20)
-@given(varlen_calls())
+@given(varlen_calls(max_head_dim=MAX_BACKWARD_HEAD_DIM))
 def test_sdpa_varlen_backward_matches_float64(call):
     """Fixed-seed subset: 20 drawn packed batches' gradients agree with float64 autograd."""
     check_varlen_backward(call)
@@ -81,7 +81,7 @@ def test_sdpa_varlen_backward_matches_float64(call):
 
 @fuzz_mark
 @fuzz(lambda call: ["backward"] + ["dropout"] * (call.dropout_p > 0))
-@given(varlen_calls())
+@given(varlen_calls(max_head_dim=MAX_BACKWARD_HEAD_DIM))
 def test_fuzz_sdpa_varlen_backward(call):
     """-m fuzz: random packed batches' gradients agree with float64 autograd."""
     check_varlen_backward(call)
