@@ -16,7 +16,7 @@ import os
 import torch
 from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator
 from gemm_helpers import M5
-from hypothesis import given
+from hypothesis import assume, given
 from strategies import gemm_calls
 from test_fuzz_gemm import check_result
 
@@ -36,6 +36,9 @@ def check_gemm_tensor(call):
     try:
         p = sim.plan("gemm", tensors, options)
         assert p.ok, p.reason
+        # M <= 8 or N <= 8 goes to the GEMV kernels on every device (9bd6890), which
+        # test_fuzz_gemm fuzzes: not a matmul2d call
+        assume(not p.dispatches[0].kernel.startswith("steel_gemv_"))
         assert p.dispatches[0].kernel.startswith("steel_gemm_tensor_"), p.dispatches[0].kernel
         (out,) = sim.run_op("gemm", tensors, options, checkers=True)
     finally:
