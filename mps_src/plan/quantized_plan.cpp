@@ -13,7 +13,8 @@
 // The matmul2d prefill (M5-generation GPUs, attention_tensor_msl4.metal) is kept off
 // (option tensor_ops = 0): its tensor operations read K and V from device memory themselves,
 // so there is no threadgroup tile to dequantize into; quantized calls stay on the simdgroup
-// kernels, which take the same options. Copies: codes or scales whose last stride is not 1,
+// kernels, which take the same options. The vector decode kernel (decode_vector.h, option
+// decode_vector = 1) has no quantized loader either, so it is kept off too. Copies: codes or scales whose last stride is not 1,
 // and mins laid out unlike their scales, are copied first (contiguous_inputs).
 #include "quantized_plan.h"
 
@@ -216,9 +217,11 @@ AttnParams planned_params(const Plan& plan) {
   return p;
 }
 
-Options without_tensor_ops(const Options& options) {
+// The options of the unquantized call, with the kernels that cannot dequantize kept off.
+Options tile_loader_kernels(const Options& options) {
   Options o = options;
   o.numbers["tensor_ops"] = 0.0;  // see the top of this file
+  o.numbers["decode_vector"] = 0.0;
   return o;
 }
 
@@ -244,7 +247,7 @@ Plan plan_attention_quantized(const TensorList& tensors, const Options& options)
   }
   const TensorList inner = {q, stand_in(k, q.dtype), stand_in(v, q.dtype), tensors[7],
                             tensors[8]};
-  Plan plan = plan_attention(inner, without_tensor_ops(options));
+  Plan plan = plan_attention(inner, tile_loader_kernels(options));
   if (!plan.ok) return Plan::refuse("sdpa_quantized: " + plan.reason);
   if (plan.dispatches.empty()) {  // nothing to compute
     quantize_plan(&plan, {0, 1, 4, 7, 8}, k, v, AttnQuantParams{}, 9, copies.contiguous_inputs);
@@ -324,7 +327,7 @@ Plan plan_attention_varlen_quantized(const TensorList& tensors, const Options& o
   const TensorList inner = {tensors[0], stand_in(k, tensors[0]->dtype),
                             stand_in(v, tensors[0]->dtype), tensors[7], tensors[8], tensors[9],
                             tensors[10], tensors[11]};
-  Plan plan = plan_attention_varlen(inner, without_tensor_ops(options));
+  Plan plan = plan_attention_varlen(inner, tile_loader_kernels(options));
   if (!plan.ok) return Plan::refuse("sdpa_varlen_quantized: " + plan.reason);
   AttnQuantParams qp;
   std::memset(&qp, 0, sizeof(qp));

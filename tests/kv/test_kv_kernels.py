@@ -182,6 +182,25 @@ def test_prefill_stays_on_simdgroup_kernels_on_m5():
     assert kernels == ["steel_attention_f16_e64_v64"]
 
 
+def test_decode_vector_option_keeps_the_quantized_loader():
+    """The vector decode kernel (option decode_vector = 1) has no quantized loader: a quantized
+    call asking for it still plans the MMA decode kernel, and its output is the dequantized
+    cache's attention (with the vector kernel the codes would be read as fp16)."""
+    q = _x(1, 8, 2, 128, seed=25).half()
+    kq, vq = _cache((1, 2, 161, 128), "int8_g64", 26), _cache((1, 2, 161, 128), "int8", 27)
+    attn = _attn(q)
+    tensors = [q, *kq.tensors(), *vq.tensors(), None, attn.sinks]
+    options = {**attn.run_options(k_format=kq.format, v_format=vq.format), "decode_vector": 1}
+    p = sim.plan("sdpa_quantized", tensors, options)
+    assert p.ok, p.reason
+    assert [d.kernel for d in p.dispatches] == ["steel_attention_decode_f16_e128_v128"]
+    out, lse = sim.run_op("sdpa_quantized", tensors, options, checkers=True)[:2]
+    kd, vd = dequantized(kq, q.dtype), dequantized(vq, q.dtype)
+    ref_out, ref_lse = oracle(q, kd, vd, None, enable_gqa=True)
+    assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, float(vd.double().abs().max()),
+                           score_error(q, kd, None))  # fmt: skip
+
+
 # ---- varlen and paged ----------------------------------------------------------------------
 
 
