@@ -85,6 +85,17 @@ def is_m5(name: str) -> bool:
     return chip(name)["family"] == "apple10"
 
 
+def plan_options(chip_name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options steel's plan is made with on `chip_name`, as the Metal host makes it there:
+    the chip's core count (mps_src/plan/device.h; the host reads the IORegistry's), which sets
+    the decode split and the GEMM's small-grid tile, as sim.predict plans; on M5-generation
+    chips also the matmul2d device. The call's own options take precedence."""
+    device = {"gpu_cores": int(chip(chip_name)["gpu_cores"])}
+    if is_m5(chip_name):
+        device.update(M5_DEVICE)
+    return {**device, **options}
+
+
 def _takes(fn, keyword: str) -> bool:
     return keyword in inspect.signature(fn).parameters
 
@@ -192,8 +203,7 @@ def steel_records(
     multiply-adds, against `budget`; fit: how a shape over the budget is fitted instead of
     skipped (_fitted). Returns {"time_s", "bound", "dispatches", "records", "how"} or
     {"skipped": reason}."""
-    device = M5_DEVICE if is_m5(chip_name) else {}
-    opts = {**options, **device}
+    opts = plan_options(chip_name, options)
     full = sim.plan(op, make("meta", False), opts)
     if not full.ok:
         return {"skipped": f"refused: {full.reason}"}

@@ -282,3 +282,26 @@ def test_gemm_reuse_model_against_the_cache_model(slc_kb, resident):
     pieces = big_shapes.gemm_pieces(d.kernel, d.grid, {"M": 512, "N": 512, "K": 512, "es": 2})
     estimate = big_shapes.reuse_dram(math.prod(d.grid), resident, slc_kb << 10, pieces)
     assert abs(estimate / c["dram_read"] - 1) <= 0.01, (estimate, c["dram_read"])
+
+
+def test_plans_with_each_chips_core_count():
+    """The side-by-side plans steel's call as the Metal host plans it on that chip: with the
+    chip's core count, which sets the decode split (grid.x here), as sim.predict does. Planned
+    without it, every chip got the 10-core split of the host's fallback."""
+    import side_by_side
+
+    from torch_steel.sim import timing
+
+    q = torch.empty(1, 32, 1, 128, dtype=torch.float16, device="meta")
+    k = torch.empty(1, 8, 4096, 128, dtype=torch.float16, device="meta")
+    splits = {}
+    for name in ("M1", "M4 Pro", "M3 Ultra"):
+        cores = int(timing.chip(name)["gpu_cores"])
+        ours = sim.plan("sdpa", [q, k, k, None, None], side_by_side.plan_options(name, {}))
+        with sim.device({"gpu_cores": cores}):
+            host = sim.plan("sdpa", [q, k, k, None, None])
+        assert [d.grid for d in ours.dispatches] == [d.grid for d in host.dispatches]
+        splits[name] = ours.dispatches[0].grid[0]
+    assert len(set(splits.values())) == 3, splits  # 8, 20 and 80 cores: three splits
+    assert side_by_side.plan_options("M5", {})["device_tensor_ops"] is True
+    assert side_by_side.plan_options("M1", {"gpu_cores": 4})["gpu_cores"] == 4
