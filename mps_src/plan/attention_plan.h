@@ -171,10 +171,11 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
 // kernels serve the call (a paged cache: any number of rows, in blocks of 32). The query heads
 // of one KV head share a threadgroup (heads_per_tg of them, the largest divisor of the group
 // with heads_per_tg * min(rows, 32) <= 32), and the keys are split
-// into partitions when the (batch entry, KV head) threadgroups alone would not fill one wave of
-// cores x the decode threadgroups resident per core (its threads, threadgroup memory and
-// registers: decode_plan.cpp), so that the grid comes closest to whole waves, with at least
-// kDecodeMinSplitKeys keys a partition and at most STEEL_ATTN_DECODE_MAX_SPLITS. The core count is the device description's "gpu_cores"
+// into partitions when the (batch entry, KV head) threadgroups alone would not fill whole waves
+// of cores x the decode threadgroups resident per core (its threads, threadgroup memory and
+// registers: decode_plan.cpp), so that the grid, merge included, comes closest to whole
+// waves, with at least kDecodeMinSplitKeys keys a partition and at most
+// STEEL_ATTN_DECODE_MAX_SPLITS. The core count is the device description's "gpu_cores"
 // (device.h: the Metal host reads the GPU's from the IORegistry, sim.predict passes its chip's);
 // where it is unknown, kDecodeDefaultCores, the base M2, M3, M4 and M5 GPUs' count. The option
 // "num_splits" fixes the count (1: one pass, so a sequence's result does not depend on the rest

@@ -99,23 +99,31 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
     // long as its threadgroups' keys. Of the counts the floors allow (at most
     // STEEL_ATTN_DECODE_MAX_SPLITS, at least kDecodeMinSplitKeys keys and one key tile each),
     // take the one with the fewest waves x keys per partition: the grid closest to whole waves,
-    // the fewest partitions (the least merge work) on a tie. A grid that fills a wave unsplit
-    // stays in one pass: splitting it would only add the merge. The core count is the device's
-    // (device.h), an 8-core M1 or a 40-core M4 Max, kDecodeDefaultCores where unknown.
+    // the fewest partitions (the least merge work) on a tie. Below one wave the partitions fill
+    // slots that would idle, so keys alone are the cost. A grid of one wave or more is split
+    // only where that pays for what a split adds there: each extra partition takes a slot
+    // another threadgroup would use, for its prologue and epilogue (Q in, the partial O out),
+    // and the merge pass is a second dispatch; costed as two key tiles a wave and one tile for
+    // the merge, the least overhead at which the timing model predicts no shape slower split
+    // than in one pass (M1 B2 H32/32 S1024 d128: 3 partitions, 1243 us against 1218 us at one
+    // tile a wave), while grids just over whole waves split (64 threadgroups on waves of 60 ran
+    // a second wave of 4 at the whole S: M2 H32/32 S4096 2609 -> 1813 us; docs/attention.md).
+    // The core count is the device's (device.h), an 8-core M1 or a 40-core M4 Max,
+    // kDecodeDefaultCores where unknown.
     const int64_t described = device_desc(options).gpu_cores;
     const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
     const int64_t wave = cores * decode_resident(c);
+    const int64_t most = std::min<int64_t>(
+        {STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, kDecodeMinSplitKeys), ceil_div(keys, bk)});
     n = 1;
-    if (threadgroups < wave) {
-      const int64_t most = std::min<int64_t>(
-          {STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, kDecodeMinSplitKeys), ceil_div(keys, bk)});
-      int64_t best_cost = -1;
-      for (int64_t m = 1; m <= most; ++m) {
-        const int64_t per = partition(m);
-        const int64_t parts = ceil_div(keys, per);
-        const int64_t cost = ceil_div(threadgroups * parts, wave) * per;
-        if (best_cost < 0 || cost < best_cost) best_cost = cost, n = parts;
-      }
+    int64_t best_cost = -1;
+    for (int64_t m = 1; m <= most; ++m) {
+      const int64_t per = partition(m);
+      const int64_t parts = ceil_div(keys, per);
+      const int64_t waves = ceil_div(threadgroups * parts, wave);
+      const int64_t cost = threadgroups < wave ? waves * per
+                                               : waves * (per + 2 * bk) + (parts > 1 ? bk : 0);
+      if (best_cost < 0 || cost < best_cost) best_cost = cost, n = parts;
     }
   }
   n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});

@@ -85,7 +85,9 @@ def test_gqa_packing(group, L, per_tg):
         (1, 1, 100_000, {}, 32, 3136),  # capped at 32 partitions (the merge's lanes)
         (1, 2, 4096, {"gpu_cores": 2}, 6, 704),  # 2 pairs x 6 = one wave of 12
         (4, 8, 4096, {}, 13, 320),  # 32 pairs x 13 = 416 of 7 waves (420): 7 x 320 keys
-        (8, 8, 4096, {}, 1, 4096),  # 64 pairs fill a wave of 60: one pass
+        # 64 pairs just over a wave of 60: one pass is 2 waves of 4096 keys (+ 2 tiles each,
+        # 8320); 8 x 512 keys run 9 waves (9 x 576 + 32 for the merge = 5216): split.
+        (8, 8, 4096, {}, 8, 512),
         (6, 10, 4096, {}, 1, 4096),  # 60 pairs: exactly one wave
         (1, 1, 256, {}, 1, 256),  # too short to split
         (1, 1, 4096, {"num_splits": 1}, 1, 4096),  # forced one pass (batch invariance)
@@ -147,15 +149,18 @@ def cdiv(a, b):
 
 def whole_wave_splits(threadgroups, keys, bk, wave):
     """The rule, restated: of 1 .. min(32, keys / 256, keys / bk) partitions (rounded to the key
-    tile), the fewest waves x keys a partition, the fewest partitions on a tie; one pass when
-    the grid fills a wave unsplit."""
-    if threadgroups >= wave:
-        return 1
+    tile), the fewest waves x keys a partition below one wave; from one wave, the least
+    waves x (keys a partition + two tiles of prologue and epilogue), plus one tile for the
+    merge when split; the fewest partitions on a tie."""
     best = None
     for m in range(1, min(32, cdiv(keys, 256), cdiv(keys, bk)) + 1):
         per = cdiv(cdiv(keys, m), bk) * bk
         parts = cdiv(keys, per)
-        cost = cdiv(threadgroups * parts, wave) * per
+        waves = cdiv(threadgroups * parts, wave)
+        if threadgroups < wave:
+            cost = waves * per
+        else:
+            cost = waves * (per + 2 * bk) + (bk if parts > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, parts)
     return best[1]
