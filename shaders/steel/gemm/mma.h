@@ -6,11 +6,43 @@
 // matrix is spread over all simdgroups. The tiles may be stored either way round (a transposed
 // operand is copied as it lies in device memory); the element strides kAStrM/kAStrK/kBStrK/kBStrN
 // are compile-time constants, so a transpose costs nothing in the inner loop.
+//
+// Operand fragments: a lane's two elements of an A fragment are (row, fc), (row, fc + 1), of a B
+// fragment (fr, col), (fr, col + 1): adjacent in the tile when the operand is stored row by row
+// (kAStrK, kBStrN == 1), and then read as one 2-element vector load (the tile rows start
+// 16-byte aligned and fc, col and every fragment offset are even, so the load is aligned to its
+// size). float16 operands stay half in the fragments: the MMA multiplies half by half into the
+// fp32 accumulators, with no conversion in the inner loop and no rounding (every half value is
+// one). bfloat16 and float32 operands are held as float (bfloat16 widened exactly).
 #pragma once
 
 #include "../fragment.h"
 
 namespace steel {
+
+// The element type of the operand fragments for tiles of T (see above).
+template <typename T>
+struct MmaOperand {
+  using type = float;
+};
+template <>
+struct MmaOperand<half> {
+  using type = half;
+};
+
+// This lane's two elements of an operand fragment; kNext is the tile distance from the first to
+// the second (1: one vector load).
+template <short kNext, typename U, typename T>
+inline void operand_load(thread simdgroup_matrix<U, 8, 8>& m, const threadgroup T* src) {
+  if (kNext == 1) {
+    const vec<T, 2> v = *((const threadgroup vec<T, 2>*)src);
+    m.thread_elements()[0] = U(v[0]);
+    m.thread_elements()[1] = U(v[1]);
+  } else {
+    m.thread_elements()[0] = U(src[0]);
+    m.thread_elements()[1] = U(src[kNext]);
+  }
+}
 
 template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTransA,
           bool kTransB, short kLdA, short kLdB>
@@ -19,12 +51,14 @@ struct BlockMMA {
   static constant constexpr short TN = BN / (8 * WN);
   static_assert(TM * 8 * WM == BM && TN * 8 * WN == BN, "block must split into fragments");
   static_assert(BK % 8 == 0, "K is marched in steps of 8");
+  using U = typename MmaOperand<T>::type;
 
   // Element (m, k) of the A tile is at m * kAStrM + k * kAStrK; (k, n) of B at k * kBStrK + ...
   static constant constexpr short kAStrM = kTransA ? 1 : kLdA;
   static constant constexpr short kAStrK = kTransA ? kLdA : 1;
   static constant constexpr short kBStrK = kTransB ? 1 : kLdB;
   static constant constexpr short kBStrN = kTransB ? kLdB : 1;
+  static_assert(kLdA % 2 == 0 && kLdB % 2 == 0, "vector operand loads need even tile rows");
 
   FragTile<TM, TN> acc;
   short row;  // the lane's row in the block for fragment row 0 (add i * 8 * WM for row i)
@@ -45,17 +79,19 @@ struct BlockMMA {
 
   // acc += A_tile[BM x BK] * B_tile[BK x BN].
   void mma(const threadgroup T* As, const threadgroup T* Bs) {
-    simdgroup_matrix<float, 8, 8> a[TM];
-    simdgroup_matrix<float, 8, 8> b[TN];
+    simdgroup_matrix<U, 8, 8> a[TM];
+    simdgroup_matrix<U, 8, 8> b[TN];
+    const threadgroup T* as = As + a_off;
+    const threadgroup T* bs = Bs + b_off;
 #pragma clang loop unroll(full)
     for (short kk = 0; kk < BK; kk += 8) {
 #pragma clang loop unroll(full)
       for (short i = 0; i < TM; ++i) {
-        frag_load(a[i], As + a_off + i * (8 * WM) * kAStrM + kk * kAStrK, kAStrK);
+        operand_load<kAStrK>(a[i], as + i * (8 * WM) * kAStrM + kk * kAStrK);
       }
 #pragma clang loop unroll(full)
       for (short j = 0; j < TN; ++j) {
-        frag_load(b[j], Bs + b_off + kk * kBStrK + j * (8 * WN) * kBStrN, kBStrN);
+        operand_load<kBStrN>(b[j], bs + kk * kBStrK + j * (8 * WN) * kBStrN);
       }
 #pragma clang loop unroll(full)
       for (short i = 0; i < TM; ++i) {
