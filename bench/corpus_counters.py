@@ -7,10 +7,12 @@ For each shape, steel's kernels for the call (the plan the Metal host encodes on
 sim.plan with side_by_side.plan_options) and every foreign kernel that serves the same call, run
 in the simulator unmodified with its own host's bindings:
 
-- prefill: steel's forward (sdpa) against MLX's steel attention (bench/mlx_metal.py) and
+- prefill: steel's forward (sdpa) against PyTorch's prefill kernel (bench/pytorch_mps.py, as
+  bench_attention.py --predict runs it), MLX's steel attention (bench/mlx_metal.py) and
   llama.cpp's flash_attn_ext (bench/llama_metal.py: its pad, mask-block and attention kernels);
-- decode (1-4 query rows): steel's decode kernels against MLX's sdpa_vector (one pass; MLX's
-  host takes its two-pass kernel from 1024 keys on, which is not bound, so S stays below);
+- decode (1-4 query rows): steel's decode kernels against PyTorch's and MLX's sdpa_vector (one
+  pass: both hosts take their two-pass kernel from 1024 keys on; MLX's is not bound, so S stays
+  below);
 - gemm: steel's GEMM against MLX's steel_gemm_fused (its host's tile for batch * M * N < 2^20).
 
 Per implementation (summed over its dispatches): 8x8x8 simdgroup MMAs, the simd instructions by
@@ -58,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import corpora  # noqa: E402
 import llama_metal  # noqa: E402
 import mlx_metal  # noqa: E402
+import pytorch_mps  # noqa: E402
 import side_by_side as sbs  # noqa: E402
 
 from torch_steel import sim  # noqa: E402
@@ -277,12 +280,29 @@ def _llama_launches(case: Case, t: Mapping[str, torch.Tensor]) -> tuple[list, di
     return launches, {"q": q, "k": k, "v": v, "mask": mask, "out": out}
 
 
+def _pytorch_launches(case: Case, t: Mapping[str, torch.Tensor]) -> tuple[list, dict]:
+    """PyTorch's launches as its host picks them (pytorch_mps.launches)."""
+    out, launches = pytorch_mps.launches(t["q"], t["k"], t["v"], causal=case.dims["causal"])
+    return launches, {"q": t["q"], "k": t["k"], "v": t["v"], "out": out}
+
+
+def _pytorch_headers() -> None:
+    if not pytorch_mps.available():
+        raise corpora.CorpusUnavailable(
+            f"torch {torch.__version__} ships no Metal kernel headers ({pytorch_mps.HEADERS})"
+        )
+
+
 def foreign_corpora(case: Case) -> list[tuple[str, Callable, Callable, Callable]]:
     """(label, fetch (raises corpora.CorpusUnavailable), launches(case, tensors), run) of
     every foreign kernel serving the case's call."""
     mlx_label = {"prefill": "MLX steel_attention", "decode": "MLX sdpa_vector",
                  "gemm": "MLX steel_gemm_fused"}[case.family]  # fmt: skip
-    sides = [(mlx_label, mlx_metal.include_dir, _mlx_launches, mlx_metal.run)]
+    sides = []
+    if case.family != "gemm":  # PyTorch's matmul is MPS's (bench_gemm.py --predict models it)
+        label = "PyTorch prefill" if case.family == "prefill" else "PyTorch sdpa_vector"
+        sides.append((label, _pytorch_headers, _pytorch_launches, pytorch_mps.run))
+    sides.append((mlx_label, mlx_metal.include_dir, _mlx_launches, mlx_metal.run))
     if case.family == "prefill" and case.dtype == torch.float16:
         sides.append(
             ("llama.cpp flash_attn_ext", llama_metal.source_dir, _llama_launches, llama_metal.run)

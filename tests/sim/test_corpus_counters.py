@@ -31,6 +31,7 @@ import corpora  # noqa: E402
 import corpus_counters as cc  # noqa: E402
 import llama_metal  # noqa: E402
 import mlx_metal  # noqa: E402
+import pytorch_mps  # noqa: E402
 
 pytestmark = requires_clang
 
@@ -39,6 +40,8 @@ CHIP = "M1"
 
 @pytest.fixture(scope="module")
 def _corpora():
+    if not pytorch_mps.available():
+        pytest.skip("this torch wheel ships no Metal kernel headers")
     try:
         mlx_metal.include_dir()
         llama_metal.source_dir()
@@ -73,12 +76,18 @@ def test_prefill_counters(_corpora):
     case = cc.Case("prefill", "t", torch.float16, dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D,
                                                        causal=False))  # fmt: skip
     sides = _sides(case)
-    assert set(sides) == {"steel", "MLX steel_attention", "llama.cpp flash_attn_ext"}
+    assert set(sides) == {
+        "steel",
+        "PyTorch prefill",
+        "MLX steel_attention",
+        "llama.cpp flash_attn_ext",
+    }
     kv_bytes = _nbytes((B, Hkv, S, D), torch.float16)
     # (BQ, BK): steel's STEEL_ATTN_BQ and steel_attn_bk (shaders/steel/params.h: separate K and
-    # V tiles of 32 keys fit the 20 KB budget at d128 f16); MLX's host tile for head dim 128
-    # (bq 32, bk 16); ggml's 8 queries per threadgroup and 64 keys per simdgroup step.
-    tiles = {"steel": (32, 32), "MLX steel_attention": (32, 16),
+    # V tiles of 32 keys fit the 20 KB budget at d128 f16); PyTorch's and MLX's host tiles for
+    # head dim 128 (bq 32, bk 16); ggml's 8 queries per threadgroup and 64 keys per simdgroup
+    # step.
+    tiles = {"steel": (32, 32), "PyTorch prefill": (32, 16), "MLX steel_attention": (32, 16),
              "llama.cpp flash_attn_ext": (8, 64)}  # fmt: skip
     for label, (_, t) in sides.items():
         bq, bk = tiles[label]
@@ -104,20 +113,23 @@ def test_decode_counters(_corpora):
     case = cc.Case("decode", "t", torch.float16, dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D,
                                                       causal=False))  # fmt: skip
     sides = _sides(case)
-    assert set(sides) == {"steel", "MLX sdpa_vector"}
+    assert set(sides) == {"steel", "PyTorch sdpa_vector", "MLX sdpa_vector"}
     kv_bytes = _nbytes((B, Hkv, S, D), torch.float16)
     inputs = {"q": _nbytes((B, H, L, D), torch.float16), "k": kv_bytes, "v": kv_bytes}
     for _, t in sides.values():
         _check_compulsory(t, inputs, inputs["q"])
     # steel packs a KV head's query heads into one threadgroup (docs/attention.md, Decode):
-    # K and V are read once. MLX's sdpa_vector runs a threadgroup per (query head, query row),
-    # each reading its KV head's keys once, and multiplies no simdgroup matrices.
-    steel, mlx = sides["steel"][1], sides["MLX sdpa_vector"][1]
+    # K and V are read once. The one-pass sdpa_vector kernels (PyTorch's is MLX's, adapted)
+    # run a threadgroup per (query head, query row), each reading its KV head's keys once, and
+    # multiply no simdgroup matrices.
+    steel = sides["steel"][1]
     assert steel["by_tensor"]["k"]["read"] == kv_bytes
     assert steel["by_tensor"]["v"]["read"] == kv_bytes
-    assert mlx["by_tensor"]["k"]["read"] == kv_bytes * (H // Hkv) * L
-    assert mlx["by_tensor"]["v"]["read"] == kv_bytes * (H // Hkv) * L
-    assert mlx["mma"] == 0
+    for label in ("PyTorch sdpa_vector", "MLX sdpa_vector"):
+        t = sides[label][1]
+        assert t["by_tensor"]["k"]["read"] == kv_bytes * (H // Hkv) * L, label
+        assert t["by_tensor"]["v"]["read"] == kv_bytes * (H // Hkv) * L, label
+        assert t["mma"] == 0, label
 
 
 def test_gemm_counters(_corpora):
