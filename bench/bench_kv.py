@@ -11,6 +11,8 @@ us       sim.predict's time on each chip (the timing model, torch_steel/sim/timi
          own assumptions and calibration, see docs/performance.md; a model's figure).
 
 python bench/bench_kv.py [--S 1024] [--chips M1 M4 M5]
+
+The end-to-end drift of a tiny model's logits per format: bench/bench_kv_model.py.
 """
 
 import argparse
