@@ -36,14 +36,26 @@ struct Tile {
 // move fewer bytes per FLOP; the limits are registers (each lane holds TM*TN*2 fp32
 // accumulators, TM = BM/(8*WM), TN = BN/(8*WN)), threadgroup memory (the A and B tiles, rows
 // padded by 16 bytes) and occupancy (a problem with few blocks leaves GPU cores idle).
-//   - kLarge 64x64x16 with 2x2 simdgroups (128 threads, 4x4 fragments = 32 accumulators a
+//   - kLarge 64x64x32 with 2x4 simdgroups (256 threads, 4x2 fragments = 16 accumulators a
 //     lane): each element brought into threadgroup memory is used 64 times; the tiles take
-//     5.25 KiB (f16/bf16) or 9.25 KiB (f32), leaving room for several threadgroups per core.
-//     BK = 16 keeps two fragment steps per barrier pair, enough to hide the barrier at this size.
+//     8.75 KiB (f16/bf16) or 17.5 KiB (f32). Eight simdgroups of 4x2 fragments rather than four
+//     of 4x4: half the accumulators a lane, so more simdgroups fit a core. The timing model
+//     (its register estimate, timing.steel_kernel_info: 52 registers against 72) keeps 4 such
+//     threadgroups = 32 simdgroups a core (f32: 3 by threadgroup memory, 24), where the ALU
+//     runs at full efficiency, against 5 x 4 = 20 simdgroups (90.6%) for 64x64 on 2x2. The
+//     price is 6 fragment loads per 8 MMAs instead of 8 per 16. BK = 32 gives each thread one
+//     16-byte load per operand and K step (f32: two), and halves the barriers and loop
+//     overhead per MMA against BK = 16. 2x4 rather than 4x2: with b stored column by column
+//     (x @ W^T, torch_steel.linear's layout) B's fragment elements are not adjacent and take
+//     two loads each, so fewer B fragments a simdgroup (2) is the cheaper way round. Predicted
+//     (f16, 1024^3, M4 Pro, sim.predict): docs/gemm.md.
+//   - kLarge4 64x64x16 with 2x2 simdgroups (128 threads, 4x4 fragments): the same block for a
+//     pipeline that allows fewer than 256 threads (the Metal host re-plans with its
+//     maxTotalThreadsPerThreadgroup, option max_threads).
 //   - kSmall 32x32x16 with 2x2 simdgroups (2x2 fragments a lane): four times the threadgroups of
 //     kLarge for the same output, for problems that would otherwise not fill the GPU, and for
 //     thin outputs (decode: M = 1) where most of a 64-row block would be zero fill.
-//   - kThin 32x128x16 with 1x4 simdgroups (4x4 fragments a lane, like kLarge) for a few rows
+//   - kThin 32x128x16 with 1x4 simdgroups (4x4 fragments a lane, like kLarge4) for a few rows
 //     against many columns (M <= 32, e.g. 32x11008x4096 in an LLM MLP): every column block
 //     re-reads all of A, so wide blocks cut A's traffic by 4 against kSmall, while B, the big
 //     operand, is read once whatever the tile. Needs enough column blocks to fill the GPU;
@@ -53,14 +65,13 @@ struct Tile {
 //   - the split-K first pass uses kSmall: split-K is only chosen when M*N is small.
 // Transposes do not change the tile: tiles are stored in threadgroup memory as they lie in
 // device memory, so every combination loads whole vectors along its contiguous dim.
-// The same two sizes serve all three dtypes: f32 doubles the threadgroup memory but stays far
-// below the 32 KiB limit.
-constexpr Tile kLarge = {64, 64, 16, 2, 2};
+// The same sizes serve all three dtypes: f32 doubles the threadgroup memory but stays below the
+// 32 KiB limit.
+constexpr Tile kLarge = {64, 64, 32, 2, 4};
+constexpr Tile kLarge4 = {64, 64, 16, 2, 2};
 constexpr Tile kSmall = {32, 32, 16, 2, 2};
 constexpr Tile kThin = {32, 128, 16, 1, 4};
 constexpr Tile kTall = {128, 32, 16, 4, 1};
-// Below this many kLarge blocks the GPU (8 to 40 cores, several threadgroups each) runs out of
-// work before it runs out of bandwidth: use kSmall.
 constexpr int64_t kMinLargeBlocks = 128;
 // ... unless the device describes its core count (device.h) and kLarge's blocks fill at least
 // kLargeWaveFill of the core slots of their waves, blocks / (ceil(blocks / cores) * cores): a
@@ -92,12 +103,18 @@ constexpr int64_t kSplitMaxPartitions = 32;
 // wm x wn only counts the simdgroups here (the operation splits the block among them).
 constexpr Tile kTensorTile = {64, 64, 32, 2, 2};
 
-constexpr int64_t kTileThreads = 128;  // every tile of the table has 4 simdgroups
+// Every tile but kLarge has 4 simdgroups; kLarge has 8 and gives way to kLarge4 (the same
+// block) when the pipeline allows fewer threads.
+constexpr int64_t kTileThreads = 128;
+constexpr int64_t kLargeThreads = 256;
 constexpr int64_t kReduceThreads = 256;
-static_assert(32 * kLarge.wm * kLarge.wn == kTileThreads && 32 * kSmall.wm * kSmall.wn == kTileThreads &&
+static_assert(32 * kLarge4.wm * kLarge4.wn == kTileThreads && 32 * kSmall.wm * kSmall.wn == kTileThreads &&
                   32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads &&
-                  32 * kTensorTile.wm * kTensorTile.wn == kTileThreads,
-              "max_threads handling assumes one thread count for every tile");
+                  32 * kTensorTile.wm * kTensorTile.wn == kTileThreads &&
+                  32 * kLarge.wm * kLarge.wn == kLargeThreads,
+              "max_threads handling assumes these thread counts");
+static_assert(kLarge.bm == kLarge4.bm && kLarge.bn == kLarge4.bn,
+              "kLarge4 replaces kLarge block for block (the tile rules count kLarge's blocks)");
 
 // kLarge's blocks fill at least kLargeWaveFill of the core slots of their waves (cores 0:
 // unknown, never).
@@ -424,7 +441,9 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   const int64_t blocks_thin = ceil_div(N, kThin.bn) * batches;
   const int64_t blocks_tall = ceil_div(Mk, kTall.bm) * batches;
   const int64_t cores = device_desc(options).gpu_cores;
-  Tile tile = kLarge;
+  // The large block on 8 simdgroups where the pipeline allows them, else on 4.
+  const Tile large = max_threads >= kLargeThreads ? kLarge : kLarge4;
+  Tile tile = large;
   if (Mk <= kThin.bm && blocks_thin >= kMinThinBlocks) {
     tile = kThin;
   } else if (N <= kTall.bn && blocks_tall >= kMinThinBlocks) {

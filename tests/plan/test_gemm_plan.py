@@ -90,10 +90,25 @@ def test_small_square_uses_small_tile_aligned():
 )
 def test_large_problem_uses_large_tile(dtype, tag):
     (d,) = plan(t(1024, 1024, dtype=dtype), t(1024, 1024, dtype=dtype)).dispatches
-    assert d.kernel == f"steel_gemm_nn_{tag}_bm64_bn64_bk16_wm2_wn2"
+    assert d.kernel == f"steel_gemm_nn_{tag}_bm64_bn64_bk32_wm2_wn4"
+    assert d.threads == (256, 1, 1)
     p = params(d)
     assert (p["tiles_m"], p["tiles_n"], p["swizzle_log"]) == (16, 16, 2)
     assert d.grid == (16 << 2, 4, 1)
+
+
+@pytest.mark.parametrize("max_threads,kernel,threads", [
+    (1024, "bm64_bn64_bk32_wm2_wn4", 256),
+    (256, "bm64_bn64_bk32_wm2_wn4", 256),
+    (255, "bm64_bn64_bk16_wm2_wn2", 128),  # the same 64x64 block on 4 simdgroups
+    (128, "bm64_bn64_bk16_wm2_wn2", 128),
+])  # fmt: skip
+def test_large_tile_follows_the_pipeline_thread_limit(max_threads, kernel, threads):
+    meta = {"device": "meta"}
+    (d,) = plan(t(1024, 1024, **meta), t(1024, 1024, **meta), max_threads=max_threads).dispatches
+    assert d.kernel == f"steel_gemm_nn_f16_{kernel}" and d.threads == (threads, 1, 1)
+    p = params(d)
+    assert (p["tiles_m"], p["tiles_n"]) == (16, 16)
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,7 @@ template <typename T, bool kSwap>
   STEEL_GEMM_KERNEL(kernel, prefix, tname, T, tt, true, true, bm, bn, bk, wm, wn)
 
 #define STEEL_GEMM_DTYPE(tname, T)                                                            \
+  STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 64, 64, 32, 2, 4)                \
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 64, 64, 16, 2, 2)                \
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 32, 32, 16, 2, 2)                \
   STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", tname, T, 32, 128, 16, 1, 4)               \
