@@ -428,3 +428,20 @@ def test_attention_forward_transcendentals(dtype, causal):
     assert c["mma"] > 0
     # The params struct (setBytes, [[buffer(7)]]) is the one constant-space parameter.
     assert c["constant_read"] == c["buffers"][7]["read"] > 0
+
+
+def test_threadgroup_array_declaration_issues_nothing():
+    """A threadgroup array costs the same instructions in a kernel of a short and of a long name
+    (the simulator's per-instantiation bookkeeping, a hash of the function's name, once counted
+    3 integer ops, a compare and a branch per character per simdgroup)."""
+    counts = []
+    for name in (
+        "exec_tg_name",
+        "exec_tg_name_that_is_a_good_deal_longer_than_the_other_one_so_that_a_cost_per_"
+        "character_of_the_function_name_would_show_in_every_class_of_the_instruction_counters",
+    ):
+        out = torch.zeros(64)
+        c = run(name, grid=(1,), threads=(32,), buffers={0: out})
+        assert torch.equal(out[:32], torch.arange(31, -1, -1, dtype=torch.float32))
+        counts.append(c["instructions"])
+    assert counts[0] == counts[1]

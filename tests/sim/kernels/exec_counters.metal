@@ -163,3 +163,17 @@ template [[host_name("exec_mma_types_half")]] [[kernel]] decltype(exec_mma_types
     exec_mma_types<half>;
 template [[host_name("exec_mma_types_bfloat")]] [[kernel]] decltype(exec_mma_types<bfloat>)
     exec_mma_types<bfloat>;
+
+// A threadgroup array in kernels whose names differ only in length: Metal lays the array out
+// when it compiles the kernel, so declaring it issues nothing, whatever the kernel is called.
+#define EXEC_TG_ARRAY_BODY                                   \
+  {                                                          \
+    threadgroup float tile[32];                              \
+    tile[i] = float(i);                                      \
+    threadgroup_barrier(mem_flags::mem_threadgroup);         \
+    out[i] = tile[31 - i];                                   \
+  }
+kernel void exec_tg_name(device float* out [[buffer(0)]],
+                         uint i [[thread_position_in_threadgroup]]) EXEC_TG_ARRAY_BODY
+kernel void exec_tg_name_that_is_a_good_deal_longer_than_the_other_one_so_that_a_cost_per_character_of_the_function_name_would_show_in_every_class_of_the_instruction_counters(
+    device float* out [[buffer(0)]], uint i [[thread_position_in_threadgroup]]) EXEC_TG_ARRAY_BODY

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "types.h"
+#include "name_hash.h"
 
 namespace steel_shim {
 
@@ -314,19 +315,14 @@ inline T as_type(U u) {
 
 namespace steel_shim {
 
-inline uint32_t hash_name(const char* s) {
-  uint32_t h = 2166136261u;
-  for (; *s; ++s) h = (h ^ uint32_t(uint8_t(*s))) * 16777619u;
-  return h;
-}
-
 // `threadgroup T name[N];` in a function body: storage shared by the lanes of the threadgroup.
 // The declaration's id (from its file and line) is mixed with the enclosing function's name so
 // that two instantiations of a template get separate storage.
 template <typename T, size_t kAlign = alignof(T)>
 inline threadgroup T& tg_array(uint32_t decl_id, const char* function) {
   constexpr size_t align = kAlign > alignof(T) ? kAlign : alignof(T);
-  void* p = steel_sim::threadgroup_array(decl_id ^ hash_name(function), sizeof(T), align);
+  void* p =
+      steel_sim::threadgroup_array(threadgroup_array_id(decl_id, function), sizeof(T), align);
   return *(threadgroup T*)p;
 }
 
