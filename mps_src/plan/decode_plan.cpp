@@ -41,43 +41,51 @@ constexpr int64_t kCoreMaxThreads = 3072;
 constexpr int64_t kCoreThreadgroupBytes = 61440;
 constexpr int64_t kCoreRegisterBytes = 212992;
 
+// The vector kernel (decode_vector.h) or the MMA one (decode.h) for a block of
+// group x rows packed rows. The MMA kernel's 8x8 products run on all 32 rows of its four
+// simdgroups whatever the real count, so its arithmetic is 32 / (group x rows) times the real
+// work; the vector kernel does the real work alone, at 2 (rows per simdgroup) simd_sums per key.
+// Both read K and V once per KV head and threadgroup, so the vector kernel is taken where the
+// whole group fits its STEEL_ATTN_DECODE_VECTOR_ROWS rows: one threadgroup per KV head still.
+// The timing model (torch_steel/sim/timing.py) predicts it faster wherever it applies, on every
+// chip of its table (docs/attention.md: M4 Pro, f16 d128, one token, H32/32 S4096 883 -> 268 us,
+// the MMA block compute-bound on padded MMAs and the vector one at the K/V read; H32/8 S4096
+// 238 -> 129 us; H32/4 (8 rows) 130 -> 117 us). At more rows (GQA 8 x 2 tokens) the MMA block's
+// padding is at most 2x and its MMAs beat 8 rows' scalar FMAs, which cost the same per row as an
+// 8-row MMA fragment. The head dim does not move the rule: both kernels' arithmetic scales with
+// it alike. Option "decode_vector" = 0 keeps the MMA kernel (the tests compare the two).
+bool decode_vector(int64_t group, int64_t rows, const Options& options) {
+  return options.number("decode_vector", 1.0) != 0.0 &&
+         group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
+}
+
 // 32-bit registers per thread of the decode kernel: a MODEL ASSUMPTION, the one figure here not
 // read off the kernel (Apple's compiler cannot be asked off a Mac). It is the timing model's
-// estimate (timing.steel_kernel_info): the 8x8 fp32 fragments decode.h keeps live across its key
+// estimate (timing.steel_kernel_info). decode.h keeps 8x8 fp32 fragments live across its key
 // loop (the Q and O rows, de / 8 and dv / 8, the score tile, key tile / 8, and one operand), two
-// registers a lane each, plus 24 scalars (indices, pointers, a row's softmax statistics).
-// tests/plan/test_decode_plan.py checks the split against timing.py's residency so the two agree.
-int64_t decode_registers(const Common& c) {
+// registers a lane each; decode_vector.h keeps per lane, for each of its rows
+// (STEEL_ATTN_DECODE_VECTOR_ROWS / 4), its ceil(de / 32) q and ceil(dv / 32) o elements, the
+// running max and sum, the score, and the row's head, index and flag. Both add 24 scalars
+// (indices, pointers). tests/plan/test_decode_plan.py checks the split against timing.py's
+// residency so the two agree.
+int64_t decode_registers(const Common& c, bool vector) {
+  if (vector) {
+    return STEEL_ATTN_DECODE_VECTOR_ROWS / STEEL_ATTN_SIMDGROUPS *
+               (ceil_div(c.kernel.de, 32) + ceil_div(c.kernel.dv, 32) + 6) +
+           24;
+  }
   return 2 * (c.kernel.de / 8 + c.kernel.dv / 8 + key_tile(c) / 8 + 1) + 24;
 }
 
 // Decode threadgroups resident on one core at once: the least of what its threads (kThreads),
 // its threadgroup memory (params.h's K/V tiles, decode.metal's smem) and its registers allow.
-int64_t decode_resident(const Common& c) {
+int64_t decode_resident(const Common& c, bool vector) {
   const int64_t tg_bytes = steel_attn_threadgroup_bytes(
       c.kernel.de, c.kernel.dv, static_cast<int>(dtype_size(c.dtype)));
   const int64_t by_threads = kCoreMaxThreads / kThreads;
   const int64_t by_memory = kCoreThreadgroupBytes / tg_bytes;
-  const int64_t by_registers = kCoreRegisterBytes / (decode_registers(c) * 4 * kThreads);
+  const int64_t by_registers = kCoreRegisterBytes / (decode_registers(c, vector) * 4 * kThreads);
   return std::max<int64_t>(1, std::min({by_threads, by_memory, by_registers}));
-}
-
-// The vector kernel (decode_vector.h) or the MMA one (decode.h) for a block of
-// group x rows packed rows. The MMA kernel's 8x8 products run on all 32 rows of its four
-// simdgroups whatever the real count, so its arithmetic is 32 / (group x rows) times the real
-// work; the vector kernel does the real work alone, at 2 (rows per simdgroup) simd_sums per key
-// (the timing model, torch_steel/sim/timing.py, prices them: at H32/8 S=4096 d128 one token
-// the MMA block is compute-bound on padded MMAs and the vector block at the K/V read). Both
-// read K and V once per KV head and threadgroup, so the vector kernel is taken only where the
-// whole group fits its STEEL_ATTN_DECODE_VECTOR_ROWS rows: one threadgroup per KV head still.
-// At more rows (GQA 8 x 2 tokens) the MMA block's padding is at most 2x and its MMAs beat
-// 8 rows' scalar FMAs, which cost the same per row as an 8-row MMA fragment. The head dim does
-// not move the rule: both kernels' arithmetic scales with it alike. Opt-in for now (option
-// "decode_vector" = 1): the split rule's residency (decode_registers) and the timing model's
-// (timing.steel_kernel_info) still describe decode.h's registers only.
-bool decode_vector(int64_t group, int64_t rows, const Options& options) {
-  return options.number("decode_vector", 0.0) != 0.0 &&
-         group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
 }
 
 }  // namespace
@@ -112,7 +120,7 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
     // kDecodeDefaultCores where unknown.
     const int64_t described = device_desc(options).gpu_cores;
     const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
-    const int64_t wave = cores * decode_resident(c);
+    const int64_t wave = cores * decode_resident(c, decode_vector(group, dec.rows, options));
     const int64_t most = std::min<int64_t>(
         {STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, kDecodeMinSplitKeys), ceil_div(keys, bk)});
     n = 1;

@@ -1,9 +1,9 @@
 """The vector decode kernel (shaders/steel/attn/decode_vector.h, chosen by decode_plan.cpp's
-decode_vector rule, opt-in: option decode_vector = 1) in the Metal simulator, checkers on,
-against float64 reference math. The rule takes it where the GQA group's packed rows (group x L)
-fit STEEL_ATTN_DECODE_VECTOR_ROWS = 8. Here: ragged key counts (S % 32 in {1, 31}, S = 1),
-GQA 1/4/8 at L 1..8, every dtype, strided K/V views, masks, split-K and its merge, and the plan's
-choice against the MMA kernel (decode_vector = 0). Tolerances are
+decode_vector rule by default; option decode_vector = 0 keeps the MMA kernel) in the Metal
+simulator, checkers on, against float64 reference math. The rule takes it where the GQA
+group's packed rows (group x L) fit STEEL_ATTN_DECODE_VECTOR_ROWS = 8. Here: ragged key counts
+(S % 32 in {1, 31}, S = 1), GQA 1/4/8 at L 1..8, every dtype, strided K/V views, masks, split-K
+and its merge, and the plan's choice against the MMA kernel (decode_vector = 0). Tolerances are
 attn_helpers.assert_attention_close's (fp32 accumulation, one rounding of out to its dtype); the
 vector kernel sums each score over 32 lanes in fp32, a different order from the MMA's, well
 inside them.
@@ -97,14 +97,13 @@ CHOICES = [(1, 1, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 3, False
 
 @pytest.mark.parametrize("group,L,vector", CHOICES)
 def test_plan_choice(group, L, vector):
-    """Vector while the group's rows fit 8 (one threadgroup per KV head still), the MMA kernel
-    beyond (and L > 8 is not decode's at all, on a dense call)."""
+    """By default vector while the group's rows fit 8 (one threadgroup per KV head still), the
+    MMA kernel beyond (and L > 8 is not decode's at all, on a dense call)."""
     q, k, v = qkv(1, group, L, 64, 64, Hkv=1, dtype=torch.float16)
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, False, None, True, None, None,
                                                None, "top_left", None, 0)  # fmt: skip
     attn = ops.Attn(*inputs[4:])
-    on = {**attn.run_options(), "decode_vector": 1}
-    kernel = sim.plan("sdpa", [*inputs[:4], None], on).dispatches[0].kernel
+    kernel = sim.plan("sdpa", [*inputs[:4], None], attn.run_options()).dispatches[0].kernel
     assert kernel.startswith("steel_attention_decode_vector_") == vector, kernel
     off = sim.plan("sdpa", [*inputs[:4], None], {**attn.run_options(), "decode_vector": 0})
     assert not off.dispatches[0].kernel.startswith("steel_attention_decode_vector_")

@@ -388,7 +388,7 @@ def test_the_lse_constant_follows_the_option(L, S, decode, splits, lse):
     )
     if splits > 1:  # the merge stores lse; the split kernel stores its partials either way
         assert [d.kernel.split("_f16")[0] for d in p.dispatches] == [
-            "steel_attention_decode", "steel_attention_decode_merge"
+            "steel_attention_decode_vector", "steel_attention_decode_merge"
         ]  # fmt: skip
     for d in p.dispatches:
         assert d.constants[LSE] == (lse != 0), d.kernel

@@ -51,8 +51,9 @@ def bound(dispatch):
 
 @pytest.mark.parametrize("L", [1, 5, 8])
 def test_up_to_eight_rows_take_the_decode_kernel(L):
-    p = dense(1, 4, 4, L, 100)
-    assert p.ok and [d.kernel for d in p.dispatches] == ["steel_attention_decode_f16_e64_v64"]
+    p = dense(1, 4, 4, L, 100)  # MHA: L packed rows, at most 8: the vector kernel's
+    assert p.ok, p.reason
+    assert [d.kernel for d in p.dispatches] == ["steel_attention_decode_vector_f16_e64_v64"]
     assert p.dispatches[0].threads == (128, 1, 1)
 
 
@@ -104,12 +105,14 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
     assert p.dispatches[0].grid == (splits, Hkv, B)
     assert p.dispatches[0].constants[SPLIT] == (splits > 1)
     kernels = [d.kernel for d in p.dispatches]
-    if splits == 1:
-        assert kernels == ["steel_attention_decode_f16_e64_v64"]
+    if splits == 1:  # MHA: one packed row, the vector kernel's (decode_plan.cpp decode_vector)
+        assert kernels == ["steel_attention_decode_vector_f16_e64_v64"]
         assert [a.name for a in p.allocations] == ["out", "lse"]
         assert BUF_PART_O not in bound(p.dispatches[0])
     else:
-        assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
+        assert kernels == [
+            "steel_attention_decode_vector_f16_e64_v64", "steel_attention_decode_merge_f16"
+        ]  # fmt: skip
         # Partials of O(B * Hq * L * splits * Ev) floats, scratch (not outputs), after out, lse.
         scratch = [(a.name, a.sizes, a.dtype, a.is_output) for a in p.allocations[2:]]
         rows = B * Hkv * splits
@@ -170,30 +173,40 @@ def whole_wave_splits(threadgroups, keys, bk, wave):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("E", [64, 128, 256])
 @pytest.mark.parametrize("B,Hq,Hkv,S", [(1, 32, 8, 4096), (1, 8, 8, 1000), (2, 4, 1, 30_000)])
-def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S):
+@pytest.mark.parametrize("vector", [0, 1])
+def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vector):
     """The plan's residency (decode_plan.cpp decode_resident: threads, params.h's threadgroup
-    memory, the register estimate) is the timing model's (timing.resident_threadgroups on the
-    planned dispatch, its steel_kernel_info estimate and chips.json's per-core limits): the split
-    it picks is the whole-wave rule's at the model's wave, so the two cannot drift apart."""
+    memory, the register estimate of the MMA or the vector kernel) is the timing model's
+    (timing.resident_threadgroups on the planned dispatch, its steel_kernel_info estimate and
+    chips.json's per-core limits): the split it picks is the whole-wave rule's at the model's
+    wave, so the two cannot drift apart."""
     cores = timing.chip(chip)["gpu_cores"]
     p = sim.plan("sdpa", [t(B, Hq, 1, E, dtype=dtype), t(B, Hkv, S, E, dtype=dtype),
                           t(B, Hkv, S, E, dtype=dtype), None, None],
-                 {"scale": 0.125, "gpu_cores": cores})  # fmt: skip
+                 {"scale": 0.125, "gpu_cores": cores, "decode_vector": vector})  # fmt: skip
     d = p.dispatches[0]
+    assert d.kernel.startswith("steel_attention_decode_vector_") == bool(vector), d.kernel
     wave = timing.resident_threadgroups(d, chip)
     threadgroups = B * Hkv * (Hq // Hkv // decode_params(d)["heads_per_tg"])
     bk = timing._attn_bk(E, E, dtype.itemsize)  # params.h's key tile, as the model states it
     assert decode_params(d)["splits"] == whole_wave_splits(threadgroups, S, bk, wave)
 
 
-def test_resident_decode_threadgroups_per_head_dim():
-    """The residency docs/attention.md states: 6 f16 decode threadgroups a core at d64, 3 at
-    d128 (threadgroup memory), 2 at d256 (the register estimate), on every chip of the table."""
-    for E, per_core in ((64, 6), (128, 3), (256, 2)):
-        d = dense(1, 32, 8, 1, 4096, E=E, gpu_cores=8).dispatches[0]
-        for chip in timing.chips():
-            cores = timing.chip(chip)["gpu_cores"]
-            assert timing.resident_threadgroups(d, chip) == cores * per_core
+@pytest.mark.parametrize(
+    "vector,E,per_core",
+    # MMA kernel at d256: 2 by its registers (2 x (32 + 32 + 2 + 1) + 24 = 158 a thread); the
+    # vector kernel's (2 x (8 + 8 + 6) + 24 = 68) leave threadgroup memory the limit.
+    [(0, 64, 6), (0, 128, 3), (0, 256, 2), (1, 64, 6), (1, 128, 3), (1, 256, 3)],
+)
+def test_resident_decode_threadgroups_per_head_dim(vector, E, per_core):
+    """The residency docs/attention.md states, f16 decode threadgroups a core: 6 at d64, 3 at
+    d128 (threadgroup memory); at d256 2 for the MMA kernel (its registers), 3 for the vector
+    kernel (threadgroup memory), on every chip of the table."""
+    d = dense(1, 32, 8, 1, 4096, E=E, gpu_cores=8, decode_vector=vector).dispatches[0]
+    assert d.kernel.startswith("steel_attention_decode_vector_") == bool(vector), d.kernel
+    for chip in timing.chips():
+        cores = timing.chip(chip)["gpu_cores"]
+        assert timing.resident_threadgroups(d, chip) == cores * per_core
 
 
 def test_sim_device_block_describes_the_core_count():
@@ -220,7 +233,9 @@ def test_predict_plans_for_the_chips_core_count(chip, options, splits):
     q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.float16) for n in (1, 2048, 2048))
     predicted = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.125, **options}, chip=chip)
     kernels = [d["kernel"] for d in predicted["dispatches"]]
-    assert kernels == ["steel_attention_decode_f16_e64_v64", "steel_attention_decode_merge_f16"]
+    assert kernels == [
+        "steel_attention_decode_vector_f16_e64_v64", "steel_attention_decode_merge_f16"
+    ]  # fmt: skip
     assert predicted["dispatches"][0]["occupancy"]["threadgroups"] == splits * 8
 
 

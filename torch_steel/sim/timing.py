@@ -66,6 +66,9 @@ _REDUCTION_SHUFFLES = 5
 # 32-bit registers per lane that every kernel holds besides its fragments (indices, pointers,
 # loop bounds, a row's softmax statistics): an assumption, see steel_kernel_info.
 _BASE_REGISTERS = 24
+# STEEL_ATTN_DECODE_VECTOR_ROWS of shaders/steel/params.h: the vector decode kernel's packed rows,
+# over its 4 simdgroups.
+_DECODE_VECTOR_ROWS = 8
 BOUNDS = ("compute", "threadgroup_memory", "cache", "dram")
 
 
@@ -193,6 +196,15 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
         rows = attn_tensor_bwd_keys(d) if kind == "dkdv" else _TENSOR_ROWS
         registers, basis = attn_tensor_bwd_registers(kind, d, rows)
         return {"registers": registers, "register_basis": basis, "mma_dtype": "float"}
+    m = re.match(r"steel_attention_decode_vector_(f16|bf16|f32)_e(\d+)_v(\d+)$", kernel)
+    if m:
+        dt, de, dv = m.group(1), int(m.group(2)), int(m.group(3))
+        rows, qe, qv = _DECODE_VECTOR_ROWS // 4, -(-de // 32), -(-dv // 32)
+        registers = rows * (qe + qv + 6) + _BASE_REGISTERS
+        basis = (f"{rows} rows a lane x ({qe} q + {qv} o elements + the running max and sum, the "
+                 f"score, the row's head, index and flag) + {_BASE_REGISTERS} scalars")  # fmt: skip
+        return {"registers": registers, "register_basis": basis, "mma_dtype": "float",
+                "threadgroup_memory": _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])}  # fmt: skip
     m = re.match(
         r"steel_attention_(?:(decode|tensor|bwd_dkdv|bwd_dq)_)?(f16|bf16|f32)_e(\d+)_v(\d+)$",
         kernel,
