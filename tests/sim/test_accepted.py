@@ -275,3 +275,25 @@ def test_access_checked_against_its_type_alignment():
     with pytest.raises(SimulatorError, match="misaligned device read of 8 bytes"):
         buffers = {0: src, 1: out, 2: struct.pack("<I", 1)}
         run_corpus("underaligned_struct_copy", grid=(1,), threads=(8,), buffers=buffers)
+
+
+def test_an_included_metal_file_is_part_of_the_build(tmp_path):
+    """llama.cpp's fa_f16.metal includes fa_common.metal, which holds the kernel: editing the
+    included .metal must rebuild the library (the build's key hashed only .h files, so an edit
+    ran the stale kernel)."""
+    (tmp_path / "main.metal").write_text(
+        '#include <metal_stdlib>\nusing namespace metal;\n#include "body.metal"\n'
+    )
+    body = tmp_path / "body.metal"
+    kernel = "kernel void included_body(device float* out [[buffer(0)]]) {{ out[0] = {}; }}\n"
+    for value in (1.0, 2.0):
+        body.write_text(kernel.format(value))
+        out = torch.zeros(1)
+        sim.run_kernel(
+            "included_body",
+            sources=[tmp_path / "main.metal"],
+            grid=(1,),
+            threads=(1,),
+            buffers={0: out},
+        )
+        assert out.item() == value

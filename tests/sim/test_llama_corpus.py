@@ -89,6 +89,99 @@ def test_flash_attn_ext_f16(D, B, H, Hkv, n_q, n_kv):
     assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
 
 
+# The vector kernel, the host's choice for n_q < 20 (decode): (Q, NE) None is the baseline the
+# host takes for short caches; the others are the tuned instantiations ggml-metal-tuning.cpp's
+# table gives some GPU families for longer ones, bound here on short caches. The numbers are
+# checked where the kernel does not rely on lockstep lanes: NE > 1 and one simdgroup (see
+# test_flash_attn_ext_vec_relies_on_lockstep_lanes for the others).
+VEC_CASES = [
+    # D, B, H, Hkv, n_q, n_kv, (Q, NE)
+    pytest.param(64, 1, 4, 2, 1, 100, None, id="d64-gqa-1x100"),
+    pytest.param(64, 2, 2, 2, 3, 64, None, id="d64-b2-3x64-aligned", marks=pytest.mark.slow),
+    pytest.param(128, 2, 4, 1, 3, 77, (1, 2), id="d128-q1ne2-gqa4-3x77", marks=pytest.mark.slow),
+    pytest.param(128, 1, 2, 1, 5, 45, (2, 2), id="d128-q2ne2-5x45", marks=pytest.mark.slow),
+    pytest.param(128, 1, 1, 1, 1, 33, (1, 4), id="d128-q1ne4-1x33", marks=pytest.mark.slow),
+]
+
+# llama.cpp defect in every instantiation of kernel_flash_attn_ext_vec: its prologue stores to
+# threadgroup memory from several lanes to one address with no barrier between, a data race in
+# MSL's memory model; each stores the same value (zeros, or the same Q row), so the values are
+# right in any order. Which one the checkers meet first depends on the configuration:
+# - fa_vec_common.metal:118, nsg > 1: every simdgroup stores the Q rows to the same place
+#   (sq4[qq*PK4 + i]; the buffer has room for nsg copies, the index ignores the simdgroup);
+# - :134, NE > 1: "zero out so" offsets so4 by the lane (tiisg) where the lanes of a row
+#   share a slot by tx, so lanes tx + NL*ty of different ty zero the same float4s;
+# - :140: "zero out shared memory SH" clears SH / 4 elements of ss4, a float4 pointer, where
+#   SH counts halves: twice each simdgroup's region, into the next one's and, from the last,
+#   into the result scratch that lanes of the same simdgroup have just zeroed.
+VEC_ZERO_RACE = r"(?s)data race on threadgroup memory.*fa_vec_common\.metal:(118|134|140):"
+
+
+def _run_vec(launches):
+    """Runs the vector kernel's launches: the pad and reduce kernels with the checkers on; the
+    attention kernel first with them on, where they stop at the zeroing race (checked), then
+    without them for the numbers."""
+    for launch in launches:
+        if launch["name"].startswith("kernel_flash_attn_ext_vec_f16_"):
+            with pytest.raises(SimulatorError, match=VEC_ZERO_RACE):
+                llama_metal.run(launch, checkers=True)
+            llama_metal.run(launch, checkers=False)
+        else:
+            llama_metal.run(launch, checkers=True)
+
+
+@pytest.mark.parametrize("D,B,H,Hkv,n_q,n_kv,config", VEC_CASES)
+def test_flash_attn_ext_vec_f16(D, B, H, Hkv, n_q, n_kv, config):
+    assert llama_metal.kernel_path(n_q, D, "f16") == "vec"
+    q, k, v, mask = _inputs(B, H, Hkv, n_q, n_kv, D, seed=D + n_kv + 1)
+    out = torch.full((B, n_q, H, D), float("nan"))
+    scale = D**-0.5
+    nqptg, ne = config or (1, None)
+    launches = llama_metal.flash_attn_vec_launches(q, k, v, out, scale, mask, nqptg=nqptg, ne=ne)
+    assert [x["name"] for x in launches][-1] == "kernel_flash_attn_ext_vec_reduce"
+    _run_vec(launches)
+    ref = _reference(q, k, v, scale, mask)
+    # As for the half8x8 kernel: float16 Q, K and V in the reference, float32 past them; the
+    # 32 workgroups' partials are merged in float32 too.
+    bound = 8 * 2.0**-24 * float(v.double().abs().max())
+    err = float((out.double() - ref).abs().max())
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize(
+    "D,n_kv",
+    [
+        pytest.param(128, 77, id="d128-baseline-ne1"),
+        pytest.param(64, 2113, id="d64-nsg2", marks=pytest.mark.slow),
+    ],
+)
+def test_flash_attn_ext_vec_relies_on_lockstep_lanes(D, n_kv):
+    """llama.cpp defect: two stores of kernel_flash_attn_ext_vec overwrite threadgroup memory
+    that other lanes of the simdgroup are still to read, with no barrier between; correct only
+    where a simdgroup's lanes run in lockstep, which MSL does not promise (a write after a read
+    by another lane needs simdgroup_barrier or threadgroup_barrier, as a read after a write
+    does).
+    - NE = 1 (the baseline for DK 128, 256 and 512, llama.cpp's usual decode): after the loop
+      over the cache, lane 0 stores S and M to ss[0], ss[1] while the other lanes' last P x V
+      reads of ss (no collective after them when NE = 1) may be pending
+      (fa_vec_common.metal:572).
+    - nsg > 1 (n_kv > 2048): in the merge of the simdgroups' results every lane reads S and M
+      from ss and lane 0 then stores the merged pair there (:600).
+    The checkers stop at the prologue's race first (VEC_ZERO_RACE); run without them, in the
+    order the simulator gives the lanes (each runs to its next rendezvous in turn, an order
+    MSL allows), lanes 1-31 read lane 0's S and M as P or as their own M0, and the result is
+    wrong. On a copy of the kernel with a simdgroup_barrier before each store it matches
+    float64 (checked while writing this test; nothing of theirs is changed here)."""
+    q, k, v, mask = _inputs(1, 2, 1, 1, n_kv, D, seed=D + n_kv + 2)
+    out = torch.full((1, 1, 2, D), float("nan"))
+    scale = D**-0.5
+    launches = llama_metal.flash_attn_vec_launches(q, k, v, out, scale, mask)
+    _run_vec(launches)
+    bound = 8 * 2.0**-24 * float(v.double().abs().max())
+    err = float((out.double() - _reference(q, k, v, scale, mask)).abs().max())
+    assert err > 100 * bound, f"max error {err:.3g}: the lane order no longer exposes it"
+
+
 def test_flash_attn_ext_without_a_mask_divides_by_zero():
     """llama.cpp defect: kernel_flash_attn_ext_impl computes the mask's row pointers and block
     map offset as `iq2 % args.ne32` and `iq3 % args.ne33` whether or not there is a mask, and

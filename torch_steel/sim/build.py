@@ -593,8 +593,10 @@ def test_library(
         if not d.is_dir():
             raise FileNotFoundError(f"include directory {d} not found")
     dirs = sorted({s.parent for s in sources})
-    local_headers = sorted({h for d in dirs for h in d.glob("*.h")})
-    included = [_files(d, "*.h") for d in include_dirs]
+    # What a source may #include: headers, and .metal files too (llama.cpp's fa_f16.metal
+    # includes fa_common.metal), so that an edit of either rebuilds.
+    local_headers = sorted({h for d in dirs for p in ("*.h", "*.metal") for h in d.glob(p)})
+    included = [_files(d, "*.h", "*.metal") for d in include_dirs]
     shader_headers = _files(SHADERS, "*.h")
     key = _digest(
         sources
