@@ -445,3 +445,40 @@ def test_threadgroup_array_declaration_issues_nothing():
         assert torch.equal(out[:32], torch.arange(31, -1, -1, dtype=torch.float32))
         counts.append(c["instructions"])
     assert counts[0] == counts[1]
+
+
+def _copy_counts(name, buffers=None):
+    out = torch.zeros(32)
+    c = run(name, grid=(1,), threads=(32,), buffers={0: out, **(buffers or {})})
+    keys = ("device_loads", "device_stores", "threadgroup_loads", "threadgroup_stores")
+    return out, {k: c[k] for k in keys}
+
+
+def test_copies_across_address_spaces_count_as_their_loads():
+    """A local copy-initialized from threadgroup memory is the threadgroup load that the plain
+    assignment is (the shim's byte copy once read through a generic pointer: no load counted),
+    and a struct copied from device into threadgroup memory and back out is one load and one
+    store of each space (8-byte struct: one access each)."""
+    out_init, init = _copy_counts("exec_copy_init_vec_float")
+    out_assign, assign = _copy_counts("exec_assign_vec_float")
+    expected = torch.arange(31, -1, -1, dtype=torch.float32) + 1
+    assert torch.equal(out_init, expected) and torch.equal(out_assign, expected)
+    assert (
+        init
+        == assign
+        == {
+            "device_loads": 0,
+            "device_stores": 1,
+            "threadgroup_loads": 1,
+            "threadgroup_stores": 1,
+        }
+    )
+    pairs = torch.arange(64, dtype=torch.float32)  # 32 structs (a, b) = (2j, 2j + 1)
+    out, struct_copy = _copy_counts("exec_copy_struct", {1: pairs})
+    assert torch.equal(out, (pairs[0::2] + pairs[1::2]).flip(0))
+    assert struct_copy == {
+        "device_loads": 1,
+        "device_stores": 1,
+        "threadgroup_loads": 1,
+        "threadgroup_stores": 1,
+    }

@@ -177,3 +177,44 @@ kernel void exec_tg_name(device float* out [[buffer(0)]],
                          uint i [[thread_position_in_threadgroup]]) EXEC_TG_ARRAY_BODY
 kernel void exec_tg_name_that_is_a_good_deal_longer_than_the_other_one_so_that_a_cost_per_character_of_the_function_name_would_show_in_every_class_of_the_instruction_counters(
     device float* out [[buffer(0)]], uint i [[thread_position_in_threadgroup]]) EXEC_TG_ARRAY_BODY
+
+// Copies out of threadgroup and device memory that C++ cannot write directly and the pre-pass
+// routes through the shim (a copy-initialized local of a template-dependent vector type, a
+// struct copy-initialized, a struct assigned across address spaces): each is the one load and
+// store of the address spaces it reads and writes, as the plain vector assignment is.
+struct ExecPair {
+  float a;
+  float b;
+};
+template <typename T>
+kernel void exec_copy_init_vec(device T* out [[buffer(0)]],
+                               uint i [[thread_position_in_threadgroup]]) {
+  threadgroup vec<T, 2> tile[32];
+  tile[i] = vec<T, 2>(T(i), T(1));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const vec<T, 2> v = *(const threadgroup vec<T, 2>*)&tile[31 - i];
+  out[i] = v.x + v.y;
+}
+template [[host_name("exec_copy_init_vec_float")]] [[kernel]] decltype(exec_copy_init_vec<float>)
+    exec_copy_init_vec<float>;
+template <typename T>
+kernel void exec_assign_vec(device T* out [[buffer(0)]],
+                            uint i [[thread_position_in_threadgroup]]) {
+  threadgroup vec<T, 2> tile[32];
+  tile[i] = vec<T, 2>(T(i), T(1));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  vec<T, 2> v;
+  v = *(const threadgroup vec<T, 2>*)&tile[31 - i];
+  out[i] = v.x + v.y;
+}
+template [[host_name("exec_assign_vec_float")]] [[kernel]] decltype(exec_assign_vec<float>)
+    exec_assign_vec<float>;
+kernel void exec_copy_struct(device float* out [[buffer(0)]],
+                             device const ExecPair* in [[buffer(1)]],
+                             uint i [[thread_position_in_threadgroup]]) {
+  threadgroup ExecPair tile[32];
+  tile[i] = in[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  ExecPair p = tile[31 - i];
+  out[i] = p.a + p.b;
+}

@@ -161,12 +161,14 @@ constexpr bool as_copy_ok =
 // variable of a class type (or `auto`) in this. An object outside the thread address space is
 // copied byte for byte into a thread one (a memcpy, which the checkers see like any struct
 // copy); anything else passes through unchanged, keeping its value category and constness.
+// The memcpy's pointers keep their address spaces (clang takes them as they are), so that the
+// loads it becomes count as the threadgroup or device loads they are (torch_steel/sim/ir.py).
 template <class T>
 constexpr decltype(auto) as_local(T&& x) {
   using R = __remove_reference_t(T);
   if constexpr (metal::remove_address_space<R>::value != 0) {
     metal::remove_address_space_t<metal::remove_cv_t<R>> r;
-    __builtin_memcpy((void*)&r, (const void*)&x, sizeof r);
+    __builtin_memcpy(&r, &x, sizeof r);
     return r;
   } else {
     return static_cast<T&&>(x);
@@ -184,7 +186,7 @@ struct arg_copy {
   R& ref;
   operator U() const {
     U r;
-    __builtin_memcpy((void*)&r, (const void*)&ref, sizeof r);
+    __builtin_memcpy(&r, &ref, sizeof r);
     return r;
   }
   // A template, so that it takes no part in a conversion into U (where it would make that
@@ -226,7 +228,7 @@ inline constant char* operator,(literal_pass, const char (&s)[N]) {
   template <class SteelSelf, class SteelSrc,                                 \
             STEEL_SHIM_IF(::steel_shim::as_copy_ok<SteelSelf, SteelSrc, X>)> \
   SteelSelf&& operator=(this SteelSelf&& self, SteelSrc&& src) {             \
-    __builtin_memcpy((void*)&self, (const void*)&src, sizeof(X));            \
+    __builtin_memcpy(&self, &src, sizeof(X));                                \
     return static_cast<SteelSelf&&>(self);                                   \
   }
 #else
