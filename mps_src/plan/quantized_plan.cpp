@@ -13,9 +13,9 @@
 // The matmul2d prefill (M5-generation GPUs, attention_tensor_msl4.metal) is kept off
 // (option tensor_ops = 0): its tensor operations read K and V from device memory themselves,
 // so there is no threadgroup tile to dequantize into; quantized calls stay on the simdgroup
-// kernels, which take the same options. The vector decode kernel (decode_vector.h, option
-// decode_vector = 1) has no quantized loader either, so it is kept off too. Copies: codes or scales whose last stride is not 1,
-// and mins laid out unlike their scales, are copied first (contiguous_inputs).
+// kernels, which take the same options. Both decode kernels (decode.h, decode_vector.h) stage
+// their tiles through AttnDecodeBlock, which dequantizes. Copies: codes or scales whose last
+// stride is not 1, and mins laid out unlike their scales, are copied first (contiguous_inputs).
 #include "quantized_plan.h"
 
 #include <algorithm>
@@ -217,11 +217,10 @@ AttnParams planned_params(const Plan& plan) {
   return p;
 }
 
-// The options of the unquantized call, with the kernels that cannot dequantize kept off.
+// The options of the unquantized call, with the kernel that cannot dequantize kept off.
 Options tile_loader_kernels(const Options& options) {
   Options o = options;
   o.numbers["tensor_ops"] = 0.0;  // see the top of this file
-  o.numbers["decode_vector"] = 0.0;
   return o;
 }
 

@@ -95,14 +95,14 @@ def check_dense(q, kq, vq, mask=None, num_splits=0, **kw):
 @pytest.mark.parametrize("k_format,v_format", PAIRS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_every_format_one_pass_and_split(k_format, v_format, dtype):
-    """GQA decode (8 query heads on 2 KV heads, L = 2) over S = 161 keys (S % 32 = 1), K's scales
-    float16, V's float32; one pass and three partitions."""
+    """GQA decode (8 query heads on 2 KV heads, L = 2: 8 packed rows, the vector kernel's) over
+    S = 161 keys (S % 32 = 1), K's scales float16, V's float32; one pass and three partitions."""
     q = _x(1, 8, 2, 128, seed=1).to(dtype)
     kq = _cache((1, 2, 161, 128), k_format, 2, torch.float16)
     vq = _cache((1, 2, 161, 128), v_format, 3, torch.float32)
     for splits in (1, 3):
         kernels, grid_x = check_dense(q, kq, vq, num_splits=splits)
-        assert kernels[0] == f"steel_attention_decode_{attention_dtype(dtype)}_e128_v128"
+        assert kernels[0] == f"steel_attention_decode_vector_{attention_dtype(dtype)}_e128_v128"
         assert grid_x == splits and len(kernels) == (2 if splits > 1 else 1)
 
 
@@ -116,13 +116,14 @@ def attention_dtype(dtype):
      (256, 256, "q4_g32", "int8_g128")],
 )  # fmt: skip
 def test_decode_head_dims_mha_ragged(E, Ev, k_format, v_format):
-    """MHA (3 heads), L = 1, S = 95 (S % 32 = 31), head dims with and without padding: E = 40
-    is not a multiple of a 16-byte chunk of int8 codes (its rows are read byte by byte)."""
+    """MHA (3 heads), L = 1 (the vector kernel), S = 95 (S % 32 = 31), head dims with and without
+    padding: E = 40 is not a multiple of a 16-byte chunk of int8 codes (its rows are read byte
+    by byte)."""
     q = _x(2, 3, 1, E, seed=4).half()
     kq = _cache((2, 3, 95, E), k_format, 5)
     vq = _cache((2, 3, 95, Ev), v_format, 6)
     kernels, _ = check_dense(q, kq, vq, num_splits=2)
-    assert kernels[0].startswith("steel_attention_decode_f16_")
+    assert kernels[0].startswith("steel_attention_decode_vector_f16_")  # MHA: one packed row
 
 
 def test_decode_options():
@@ -182,23 +183,28 @@ def test_prefill_stays_on_simdgroup_kernels_on_m5():
     assert kernels == ["steel_attention_f16_e64_v64"]
 
 
-def test_decode_vector_option_keeps_the_quantized_loader():
-    """The vector decode kernel (option decode_vector = 1) has no quantized loader: a quantized
-    call asking for it still plans the MMA decode kernel, and its output is the dequantized
-    cache's attention (with the vector kernel the codes would be read as fp16)."""
+@pytest.mark.parametrize("k_format,v_format", [("int8_g64", "int8"), ("q4_g32", "q4_g64")])
+@pytest.mark.parametrize("vector", [1, 0])
+def test_both_decode_kernels_dequantize(k_format, v_format, vector):
+    """The vector decode kernel (the default for these 8 packed rows) and the MMA one (option
+    decode_vector = 0) both stage quantized tiles through AttnDecodeBlock's dequantizing loads:
+    each gives the dequantized cache's attention, one pass and split."""
     q = _x(1, 8, 2, 128, seed=25).half()
-    kq, vq = _cache((1, 2, 161, 128), "int8_g64", 26), _cache((1, 2, 161, 128), "int8", 27)
-    attn = _attn(q)
-    tensors = [q, *kq.tensors(), *vq.tensors(), None, attn.sinks]
-    options = {**attn.run_options(k_format=kq.format, v_format=vq.format), "decode_vector": 1}
-    p = sim.plan("sdpa_quantized", tensors, options)
-    assert p.ok, p.reason
-    assert [d.kernel for d in p.dispatches] == ["steel_attention_decode_f16_e128_v128"]
-    out, lse = sim.run_op("sdpa_quantized", tensors, options, checkers=True)[:2]
+    kq, vq = _cache((1, 2, 161, 128), k_format, 26), _cache((1, 2, 161, 128), v_format, 27)
     kd, vd = dequantized(kq, q.dtype), dequantized(vq, q.dtype)
     ref_out, ref_lse = oracle(q, kd, vd, None, enable_gqa=True)
-    assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, float(vd.double().abs().max()),
-                           score_error(q, kd, None))  # fmt: skip
+    for splits in (1, 3):
+        attn = _attn(q, num_splits=splits)
+        tensors = [q, *kq.tensors(), *vq.tensors(), None, attn.sinks]
+        options = {**attn.run_options(k_format=kq.format, v_format=vq.format),
+                   "decode_vector": vector}  # fmt: skip
+        p = sim.plan("sdpa_quantized", tensors, options)
+        assert p.ok, p.reason
+        name = "steel_attention_decode_vector_" if vector else "steel_attention_decode_"
+        assert p.dispatches[0].kernel == f"{name}f16_e128_v128"
+        out, lse = sim.run_op("sdpa_quantized", tensors, options, checkers=True)[:2]
+        assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, float(vd.double().abs().max()),
+                               score_error(q, kd, None))  # fmt: skip
 
 
 # ---- varlen and paged ----------------------------------------------------------------------

@@ -73,6 +73,120 @@ inline steel_i64 attn_partial_row(constant AttnDecodeParams& dp, int zb, int h, 
   return ((steel_i64(zb) * dp.fwd.Hq + h) * dp.rows + i) * dp.splits;
 }
 
+// Where one decode threadgroup's work lies, for decode.h's MMA block and decode_vector.h's alike:
+// its key partition, its packed heads and first query row, the sequence's extent and mask
+// offset, and K and V (dense, varlen or paged; in the compute dtype or quantized, then codes
+// and scales found the same way). load_k / load_v stage one key tile through the tile loader or
+// the dequantizing one.
+template <typename T, short DE, short DV>
+struct AttnDecodeBlock {
+  using A = AttnForward<T, DE, DV>;
+  int split, i0, hk, h0, zb, last_row;
+  AttnDecodeQueries xq;
+  AttnExtent ext;
+  steel_i64 m_off;
+  AttnKvRows k_rows, v_rows;
+  const device T* k;
+  const device T* v;
+  AttnQuantKv kq, vq;
+
+  // False for a block past the sequence's query rows (or a sequence without any): nothing to
+  // compute or merge. Uniform over the threadgroup, so callers return before any barrier.
+  bool init(const device T* k_in, const device T* v_in, const device int* cu_q,
+            const device int* cu_k, const device int* table, const device int* seqused,
+            AttnQuantBuffers qb, constant AttnDecodeParams& dp, uint3 tg) {
+    constant AttnParams& p = dp.fwd;
+    split = int(tg.x) % dp.splits;
+    i0 = (int(tg.x) / dp.splits) * dp.row_block;  // the block's first query row
+    const int chunks = p.group / dp.heads_per_tg;
+    hk = int(tg.y) / chunks;
+    h0 = hk * p.group + (int(tg.y) % chunks) * dp.heads_per_tg;
+    zb = int(tg.z);
+    xq = attn_decode_queries(dp, cu_q, zb);
+    ext = {xq.L, p.S, p.shift};
+    steel_i64 k_off = 0, v_off = 0;
+    m_off = 0;
+    k_rows = attn_dense_rows(p.k_rs);
+    v_rows = attn_dense_rows(p.v_rs);
+    // Quantized K and V: their scales' element offsets and rows, beside the codes' (in bytes).
+    steel_i64 ks_off = 0, vs_off = 0;
+    AttnKvRows ks_rows = attn_dense_rows(attn_quant ? qb.qp->k_rs : 0);
+    AttnKvRows vs_rows = attn_dense_rows(attn_quant ? qb.qp->v_rs : 0);
+    if (attn_paged) {
+      // The table covers max_pages * page_size keys: seqused_k beyond that is clamped to it.
+      ext.S = clamp(seqused[zb], 0, dp.max_pages * dp.page_size);
+      const device int* row = table + steel_i64(zb) * dp.table_stride;
+      k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
+      v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
+      if (attn_quant) {
+        ks_rows = AttnKvRows{qb.qp->k_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->k_ps};
+        vs_rows = AttnKvRows{qb.qp->v_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->v_ps};
+      }
+    } else if (attn_varlen) {  // paged varlen reads seqused_k instead of cu_seqlens_k
+      const int k_begin = clamp(cu_k[zb], 0, p.S);
+      ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
+      k_off = k_begin * p.k_rs;
+      v_off = k_begin * p.v_rs;
+      if (attn_quant) {
+        ks_off = k_begin * qb.qp->k_rs;
+        vs_off = k_begin * qb.qp->v_rs;
+      }
+    } else {
+      k_off = attn_batch_offset(p, p.k_bs, zb);
+      v_off = attn_batch_offset(p, p.v_bs, zb);
+      m_off = attn_batch_offset(p, p.m_bs, zb);
+      if (attn_quant) {
+        ks_off = attn_batch_offset(p, qb.qp->k_bs, zb);
+        vs_off = attn_batch_offset(p, qb.qp->v_bs, zb);
+      }
+    }
+    if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
+    if (i0 >= ext.L) return false;
+    last_row = min(i0 + dp.row_block, ext.L) - 1;
+    k = k_in;
+    v = v_in;
+    if (attn_quant) {  // k and v hold codes: their offsets are in bytes
+      kq = attn_quant_kv(false, k_in, k_off + hk * p.k_hs, qb, ks_off + hk * qb.qp->k_hs, k_rows,
+                         ks_rows);
+      vq = attn_quant_kv(true, v_in, v_off + hk * p.v_hs, qb, vs_off + hk * qb.qp->v_hs, v_rows,
+                         vs_rows);
+    } else {
+      k += k_off + hk * p.k_hs;
+      v += v_off + hk * p.v_hs;
+    }
+    return true;
+  }
+
+  // K's key tile from key0 (`valid` of its rows, E columns) into Ks. Paged rows are found from
+  // the table; dense ones start key0 rows in (k_rows.ld: the row stride, read once into a
+  // register, not from the constant buffer per tile).
+  void load_k(threadgroup T* Ks, int key0, short valid, short E, bool whole,
+              ushort thread_index) {
+    if (attn_quant) {
+      kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k,
+                                                          thread_index);
+    } else {
+      k_rows.key0 = key0;
+      const steel_i64 start = attn_paged ? 0 : key0 * k_rows.ld;
+      A::LoaderK::load(Ks, k + start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
+                       thread_index);
+    }
+  }
+
+  void load_v(threadgroup T* Vs, int key0, short valid, short Ev, bool whole,
+              ushort thread_index) {
+    if (attn_quant) {
+      vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
+                                                          thread_index);
+    } else {
+      v_rows.key0 = key0;
+      const steel_i64 start = attn_paged ? 0 : key0 * v_rows.ld;
+      A::LoaderV::load(Vs, v + start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
+                       thread_index);
+    }
+  }
+};
+
 template <typename T, short DE, short DV>
 inline void attention_decode_block(const device T* q, const device T* k, const device T* v,
                                    const device uchar* mask, const device uchar* sinks,
@@ -84,65 +198,11 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
                                    ushort simdgroup, ushort lane) {
   using A = AttnForward<T, DE, DV>;
   constant AttnParams& p = dp.fwd;
-  const int split = int(tg.x) % dp.splits;
-  const int i0 = (int(tg.x) / dp.splits) * dp.row_block;  // the block's first query row
-  const int chunks = p.group / dp.heads_per_tg;
-  const int hk = int(tg.y) / chunks;
-  const int h0 = hk * p.group + (int(tg.y) % chunks) * dp.heads_per_tg;
-  const int zb = int(tg.z);
-
-  const AttnDecodeQueries xq = attn_decode_queries(dp, cu_q, zb);
-  AttnExtent ext = {xq.L, p.S, p.shift};
-  steel_i64 k_off = 0, v_off = 0, m_off = 0;
-  AttnKvRows k_rows = attn_dense_rows(p.k_rs);
-  AttnKvRows v_rows = attn_dense_rows(p.v_rs);
-  // Quantized K and V: their scales' element offsets and rows, beside the codes' (in bytes).
-  steel_i64 ks_off = 0, vs_off = 0;
-  AttnKvRows ks_rows = attn_dense_rows(attn_quant ? qb.qp->k_rs : 0);
-  AttnKvRows vs_rows = attn_dense_rows(attn_quant ? qb.qp->v_rs : 0);
-  if (attn_paged) {
-    // The table covers max_pages * page_size keys: seqused_k beyond that is clamped to it.
-    ext.S = clamp(seqused[zb], 0, dp.max_pages * dp.page_size);
-    const device int* row = table + steel_i64(zb) * dp.table_stride;
-    k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
-    v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
-    if (attn_quant) {
-      ks_rows = AttnKvRows{qb.qp->k_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->k_ps};
-      vs_rows = AttnKvRows{qb.qp->v_rs, true, row, 0, dp.page_size, dp.pages, qb.qp->v_ps};
-    }
-  } else if (attn_varlen) {  // paged varlen reads seqused_k instead of cu_seqlens_k
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
-    k_off = k_begin * p.k_rs;
-    v_off = k_begin * p.v_rs;
-    if (attn_quant) {
-      ks_off = k_begin * qb.qp->k_rs;
-      vs_off = k_begin * qb.qp->v_rs;
-    }
-  } else {
-    k_off = attn_batch_offset(p, p.k_bs, zb);
-    v_off = attn_batch_offset(p, p.v_bs, zb);
-    m_off = attn_batch_offset(p, p.m_bs, zb);
-    if (attn_quant) {
-      ks_off = attn_batch_offset(p, qb.qp->k_bs, zb);
-      vs_off = attn_batch_offset(p, qb.qp->v_bs, zb);
-    }
-  }
-  if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
-  // A block past the sequence's query rows (or a sequence without any) has nothing to compute
-  // or merge. Uniform over the threadgroup, before any barrier.
-  if (i0 >= ext.L) return;
-  const int last_row = min(i0 + dp.row_block, ext.L) - 1;
-  AttnQuantKv kq, vq;
-  if (attn_quant) {  // k and v hold codes: their offsets are in bytes
-    kq = attn_quant_kv(false, k, k_off + hk * p.k_hs, qb, ks_off + hk * qb.qp->k_hs, k_rows,
-                       ks_rows);
-    vq = attn_quant_kv(true, v, v_off + hk * p.v_hs, qb, vs_off + hk * qb.qp->v_hs, v_rows,
-                       vs_rows);
-  } else {
-    k += k_off + hk * p.k_hs;
-    v += v_off + hk * p.v_hs;
-  }
+  AttnDecodeBlock<T, DE, DV> b;
+  if (!b.init(k, v, cu_q, cu_k, table, seqused, qb, dp, tg)) return;
+  const int i0 = b.i0, last_row = b.last_row, split = b.split, zb = b.zb;
+  const AttnDecodeQueries xq = b.xq;
+  const AttnExtent ext = b.ext;
 
   // This lane's packed row: head h0 + g, query row i of the block. Lanes past the packed rows
   // keep a head and row of the block for the addresses they form but read nothing through them.
@@ -151,7 +211,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   const int g = r / dp.row_block;
   const int i = min(i0 + r - g * dp.row_block, last_row);
   const bool row_ok = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
-  const int h = h0 + min(g, dp.heads_per_tg - 1);
+  const int h = b.h0 + min(g, dp.heads_per_tg - 1);
 
   FragTile<1, A::TD> qf;
   attn_load_row_frags<T, A::TD>(qf, q + xq.q_off + h * p.q_hs + i * p.q_rs, row_ok, p.E,
@@ -178,39 +238,20 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 mask_row = m_off + h * p.m_hs + i * p.m_rs;
+  const steel_i64 mask_row = b.m_off + h * p.m_hs + i * p.m_rs;
 
   // The loop's fields of p, read once into registers: each use of the constant buffer inside
   // the loop would read its bytes again per lane and per key tile.
-  const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
   const short E = short(p.E), Ev = short(p.Ev);
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
-    k_rows.key0 = key0;
-    v_rows.key0 = key0;
-    // Paged rows are found from the table; dense ones start key0 rows in.
-    const steel_i64 k_start = attn_paged ? 0 : key0 * k_rs;
-    const steel_i64 v_start = attn_paged ? 0 : key0 * v_rs;
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (attn_quant) {
-      kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k, thread_index);
-    } else {
-      A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
-                       thread_index);
-    }
-    if (!A::kShared && !A::alias()) {
-      if (attn_quant) {
-        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
-                                                    thread_index);
-      } else {
-        A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
-                         attn_vec_v, thread_index);
-      }
-    }
+    b.load_k(Ks, key0, valid, E, whole, thread_index);
+    if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     FragTile<1, A::TK> s;
@@ -225,13 +266,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (attn_quant) {
-        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
-                                                    thread_index);
-      } else {
-        A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev,
-                         attn_vec_v, thread_index);
-      }
+      b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     A::mma_pv(o, s, Ks, Vs, lane);  // V from the K tile when v is a prefix view of k

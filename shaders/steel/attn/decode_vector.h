@@ -1,10 +1,11 @@
-// The vector decode kernel: decode.h's launch (grid, GQA packing, split-K partials, paged and
-// varlen addressing, AttnDecodeParams) with no MMA. With one token per query head a GQA-packed
-// block of decode.h holds group x L real rows of its 32, and its 8x8 MMAs run on all 32: 4 in
-// 32 real at GQA 4, 1 in 32 at MHA. Here each simdgroup owns up to kVecRows packed rows (head
-// h0 + g, query row i0 + i, as decode.h packs them) and the threadgroup's
-// STEEL_ATTN_DECODE_VECTOR_ROWS rows share every K and V tile, still staged once per KV head in
-// threadgroup memory by the shared tile loader, so the device bytes are decode.h's.
+// The vector decode kernel: decode.h's launch (grid, GQA packing, split-K partials, dense,
+// varlen and paged addressing, quantized K/V: AttnDecodeBlock and AttnDecodeParams) with no MMA.
+// With one token per query head a GQA-packed block of decode.h holds group x L real rows of its
+// 32, and its 8x8 MMAs run on all 32: 4 in 32 real at GQA 4, 1 in 32 at MHA. Here each
+// simdgroup owns up to kRows packed rows (head h0 + g, query row i0 + i, as decode.h packs
+// them) and the threadgroup's STEEL_ATTN_DECODE_VECTOR_ROWS rows share every K and V tile, still
+// staged once per KV head in threadgroup memory by the shared tile loader (the dequantizing one
+// for quantized K/V), so the device bytes are decode.h's.
 //   - lane c holds dims c, c + 32, ... of its rows' q (prescaled, fp32) and o accumulators;
 //   - a key's score is one simd_sum of the lanes' partial dots; lane j keeps key j's score of
 //     the tile (BK <= 32), so the transforms (score.h), the tile max and sum are one lane per
@@ -36,43 +37,17 @@ inline void attention_decode_vector_block(
     const device T* q, const device T* k, const device T* v, const device uchar* mask,
     const device uchar* sinks, device T* out, device float* lse, const device int* cu_q,
     const device int* cu_k, const device int* table, const device int* seqused,
-    device float* part_o, device float* part_ml, constant AttnDecodeParams& dp,
-    threadgroup T* smem, uint3 tg, ushort simdgroup, ushort lane) {
+    device float* part_o, device float* part_ml, AttnQuantBuffers qb,
+    constant AttnDecodeParams& dp, threadgroup T* smem, uint3 tg, ushort simdgroup,
+    ushort lane) {
   using A = AttnForward<T, DE, DV>;
   using V = AttnDecodeVector<T, DE, DV>;
   constant AttnParams& p = dp.fwd;
-  const int split = int(tg.x) % dp.splits;
-  const int i0 = (int(tg.x) / dp.splits) * dp.row_block;
-  const int chunks = p.group / dp.heads_per_tg;
-  const int hk = int(tg.y) / chunks;
-  const int h0 = hk * p.group + (int(tg.y) % chunks) * dp.heads_per_tg;
-  const int zb = int(tg.z);
-
-  const AttnDecodeQueries xq = attn_decode_queries(dp, cu_q, zb);
-  AttnExtent ext = {xq.L, p.S, p.shift};
-  steel_i64 k_off = 0, v_off = 0, m_off = 0;
-  AttnKvRows k_rows = attn_dense_rows(p.k_rs);
-  AttnKvRows v_rows = attn_dense_rows(p.v_rs);
-  if (attn_paged) {
-    ext.S = clamp(seqused[zb], 0, dp.max_pages * dp.page_size);
-    const device int* row = table + steel_i64(zb) * dp.table_stride;
-    k_rows = AttnKvRows{p.k_rs, true, row, 0, dp.page_size, dp.pages, dp.k_ps};
-    v_rows = AttnKvRows{p.v_rs, true, row, 0, dp.page_size, dp.pages, dp.v_ps};
-  } else if (attn_varlen) {
-    const int k_begin = clamp(cu_k[zb], 0, p.S);
-    ext.S = clamp(cu_k[zb + 1], k_begin, p.S) - k_begin;
-    k_off = k_begin * p.k_rs;
-    v_off = k_begin * p.v_rs;
-  } else {
-    k_off = attn_batch_offset(p, p.k_bs, zb);
-    v_off = attn_batch_offset(p, p.v_bs, zb);
-    m_off = attn_batch_offset(p, p.m_bs, zb);
-  }
-  if (attn_varlen) ext.shift = attn_varlen_br ? ext.S - ext.L : 0;
-  if (i0 >= ext.L) return;  // uniform over the threadgroup, before any barrier
-  const int last_row = min(i0 + dp.row_block, ext.L) - 1;
-  k += k_off + hk * p.k_hs;
-  v += v_off + hk * p.v_hs;
+  AttnDecodeBlock<T, DE, DV> b;
+  if (!b.init(k, v, cu_q, cu_k, table, seqused, qb, dp, tg)) return;
+  const int i0 = b.i0, last_row = b.last_row, split = b.split, zb = b.zb, h0 = b.h0;
+  const AttnDecodeQueries xq = b.xq;
+  const AttnExtent ext = b.ext;
 
   // This simdgroup's rows: packed row r = simdgroup + 4 * n. A row that is not real keeps a
   // head and query row of the block for its addresses and reads nothing through them.
@@ -112,25 +87,16 @@ inline void attention_decode_vector_block(
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
-  const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
   const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
-    k_rows.key0 = key0;
-    v_rows.key0 = key0;
-    const steel_i64 k_start = attn_paged ? 0 : key0 * k_rs;
-    const steel_i64 v_start = attn_paged ? 0 : key0 * v_rs;
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderK::load(Ks, k + k_start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
-                     thread_index);
-    if (!A::kShared && !A::alias()) {
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
-                       thread_index);
-    }
+    b.load_k(Ks, key0, valid, E, whole, thread_index);
+    if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Scores: lane j ends with key key0 + j's score of each row (-inf past the tile).
@@ -149,7 +115,7 @@ inline void attention_decode_vector_block(
         if (short(lane) == j) s[n] = dot;
       }
       if (lane < A::BK) {
-        const steel_i64 mask_row = m_off + rh[n] * p.m_hs + ri[n] * p.m_rs;
+        const steel_i64 mask_row = b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs;
         float th = 0.0f;
         s[n] = attn_score<T>(s[n], p, ext, ri[n], key, true, mask, mask_row + key * m_cs, edge,
                              th);
@@ -166,8 +132,7 @@ inline void attention_decode_vector_block(
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      A::LoaderV::load(Vs, v + v_start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
-                       thread_index);
+      b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     const threadgroup T* Vt = A::alias() ? Ks : Vs;
@@ -228,11 +193,18 @@ template <typename T, short DE, short DV>
     const device int* seqused [[buffer(STEEL_ATTN_BUF_SEQUSED), function_constant(attn_paged)]],
     device float* part_o [[buffer(STEEL_ATTN_BUF_PART_O), function_constant(attn_split)]],
     device float* part_ml [[buffer(STEEL_ATTN_BUF_PART_ML), function_constant(attn_split)]],
+    const device uchar* k_scales [[buffer(STEEL_ATTN_BUF_K_SCALES), function_constant(attn_quant)]],
+    const device uchar* k_mins [[buffer(STEEL_ATTN_BUF_K_MINS), function_constant(attn_quant)]],
+    const device uchar* v_scales [[buffer(STEEL_ATTN_BUF_V_SCALES), function_constant(attn_quant)]],
+    const device uchar* v_mins [[buffer(STEEL_ATTN_BUF_V_MINS), function_constant(attn_quant)]],
+    constant AttnQuantParams* qparams [[buffer(STEEL_ATTN_BUF_QUANT_PARAMS),
+                                        function_constant(attn_quant)]],
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   threadgroup T smem[steel::AttnForward<T, DE, DV>::kTileElems];
+  const steel::AttnQuantBuffers qb = {k_scales, k_mins, v_scales, v_mins, qparams};
   steel::attention_decode_vector_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k,
-                                                  table, seqused, part_o, part_ml, params, smem,
-                                                  tg, simdgroup, lane);
+                                                  table, seqused, part_o, part_ml, qb, params,
+                                                  smem, tg, simdgroup, lane);
 }
