@@ -9,10 +9,10 @@ in the simulator unmodified with its own host's bindings:
 
 - prefill: steel's forward (sdpa) against PyTorch's prefill kernel (bench/pytorch_mps.py, as
   bench_attention.py --predict runs it), MLX's steel attention (bench/mlx_metal.py) and
-  llama.cpp's flash_attn_ext (bench/llama_metal.py: its pad, mask-block and attention kernels);
+  llama.cpp's flash_attn_ext (bench/llama_metal.py: its pad, mask-block and half8x8 kernels);
 - decode (1-4 query rows): steel's decode kernels against PyTorch's and MLX's sdpa_vector (one
   pass: both hosts take their two-pass kernel from 1024 keys on; MLX's is not bound, so S stays
-  below);
+  below) and llama.cpp's vector flash_attn_ext (its pad, vector and reduce kernels);
 - gemm: steel's GEMM against MLX's steel_gemm_fused (its host's tile for batch * M * N < 2^20).
 
 Per implementation (summed over its dispatches): 8x8x8 simdgroup MMAs, the simd instructions by
@@ -209,11 +209,17 @@ def foreign_side(
 ) -> dict[str, dict[str, Any]]:
     """{chip: {"dispatches", "prediction"}} of one call's launches, run in order: once for the
     chip-independent counters, then once per chip with its cache model (DRAM bytes)."""
-    names = {id(t): n for n, t in tensors.items()}
+
+    def where(t: torch.Tensor) -> tuple[int, int]:
+        # A host may bind a tensor as another view of its storage (llama_metal binds K and V
+        # from their first byte to the storage's end, as ggml binds a view of its cache).
+        return t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size()
+
+    names = {where(t): n for n, t in tensors.items()}
 
     def roles(launch):
         return {
-            i: "params" if not isinstance(b, torch.Tensor) else names.get(id(b), "scratch")
+            i: "params" if not isinstance(b, torch.Tensor) else names.get(where(b), "scratch")
             for i, b in launch["buffers"].items()
         }
 
@@ -268,7 +274,9 @@ def _mlx_launches(case: Case, t: Mapping[str, torch.Tensor]) -> tuple[list, dict
 
 
 def _llama_launches(case: Case, t: Mapping[str, torch.Tensor]) -> tuple[list, dict]:
-    """llama.cpp's launches (float32 Q and result, float16 K/V, the KQ mask always bound)."""
+    """llama.cpp's launches as its host picks them (float32 Q and result, float16 K/V, the KQ
+    mask always bound): the vector kernel and its reduce for fewer than 20 queries, else the
+    half8x8 kernel."""
     d = case.dims
     q, k, v = t["q"].float(), t["k"].half(), t["v"].half()
     keep = torch.ones(d["L"], d["S"], dtype=torch.bool)
@@ -276,7 +284,7 @@ def _llama_launches(case: Case, t: Mapping[str, torch.Tensor]) -> tuple[list, di
         keep = keep.tril(d["S"] - d["L"])
     mask = torch.zeros(1, 1, d["L"], d["S"]).masked_fill(~keep, float("-inf")).half()
     out = torch.empty(d["B"], d["L"], d["H"], d["D"])
-    launches = llama_metal.flash_attn_launches(q, k, v, out, d["D"] ** -0.5, mask)
+    launches = llama_metal.launches(q, k, v, out, d["D"] ** -0.5, mask)
     return launches, {"q": q, "k": k, "v": v, "mask": mask, "out": out}
 
 
@@ -303,7 +311,7 @@ def foreign_corpora(case: Case) -> list[tuple[str, Callable, Callable, Callable]
         label = "PyTorch prefill" if case.family == "prefill" else "PyTorch sdpa_vector"
         sides.append((label, _pytorch_headers, _pytorch_launches, pytorch_mps.run))
     sides.append((mlx_label, mlx_metal.include_dir, _mlx_launches, mlx_metal.run))
-    if case.family == "prefill" and case.dtype == torch.float16:
+    if case.family != "gemm" and case.dtype == torch.float16:
         sides.append(
             ("llama.cpp flash_attn_ext", llama_metal.source_dir, _llama_launches, llama_metal.run)
         )

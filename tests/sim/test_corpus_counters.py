@@ -113,15 +113,24 @@ def test_decode_counters(_corpora):
     case = cc.Case("decode", "t", torch.float16, dict(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D,
                                                       causal=False))  # fmt: skip
     sides = _sides(case)
-    assert set(sides) == {"steel", "PyTorch sdpa_vector", "MLX sdpa_vector"}
+    assert set(sides) == {
+        "steel",
+        "PyTorch sdpa_vector",
+        "MLX sdpa_vector",
+        "llama.cpp flash_attn_ext",
+    }
     kv_bytes = _nbytes((B, Hkv, S, D), torch.float16)
-    inputs = {"q": _nbytes((B, H, L, D), torch.float16), "k": kv_bytes, "v": kv_bytes}
-    for _, t in sides.values():
-        _check_compulsory(t, inputs, inputs["q"])
+    for label, (_, t) in sides.items():
+        # llama.cpp: float32 Q and result (ggml's types); the others the call's float16.
+        qdt = torch.float32 if label.startswith("llama") else torch.float16
+        q_bytes = _nbytes((B, H, L, D), qdt)
+        _check_compulsory(t, {"q": q_bytes, "k": kv_bytes, "v": kv_bytes}, q_bytes)
     # steel packs a KV head's query heads into one threadgroup (docs/attention.md, Decode):
     # K and V are read once. The one-pass sdpa_vector kernels (PyTorch's is MLX's, adapted)
     # run a threadgroup per (query head, query row), each reading its KV head's keys once, and
-    # multiply no simdgroup matrices.
+    # multiply no simdgroup matrices. llama.cpp's vector kernel (one query a threadgroup here)
+    # reads the whole 32-key blocks from K once per query head and row; its pad kernel copies
+    # the last S % 32 rows of each KV head once into the scratch that the kernel reads instead.
     steel = sides["steel"][1]
     assert steel["by_tensor"]["k"]["read"] == kv_bytes
     assert steel["by_tensor"]["v"]["read"] == kv_bytes
@@ -130,6 +139,10 @@ def test_decode_counters(_corpora):
         assert t["by_tensor"]["k"]["read"] == kv_bytes * (H // Hkv) * L, label
         assert t["by_tensor"]["v"]["read"] == kv_bytes * (H // Hkv) * L, label
         assert t["mma"] == 0, label
+    llama = sides["llama.cpp flash_attn_ext"][1]
+    rows = B * H * L * (S // 32) * 32 + B * Hkv * (S % 32)
+    assert llama["by_tensor"]["k"]["read"] == rows * D * 2
+    assert llama["by_tensor"]["v"]["read"] == rows * D * 2
 
 
 def test_gemm_counters(_corpora):
