@@ -49,6 +49,12 @@ struct Tile {
 //     (x @ W^T, torch_steel.linear's layout) B's fragment elements are not adjacent and take
 //     two loads each, so fewer B fragments a simdgroup (2) is the cheaper way round. Predicted
 //     (f16, 1024^3, M4 Pro, sim.predict): docs/gemm.md.
+//   - kLarge32 64x64x16 with 2x4 simdgroups: kLarge for float32. At BK = 32 its f32 tiles
+//     (17.5 KiB) let 3 threadgroups share a core's 60 KiB; at BK = 16 (9.25 KiB) 4 fit, as
+//     many as the register estimate allows, so the waves hold a third more blocks (one 16-byte
+//     load per thread and operand a step either way). The model (f32 1024^3, 256 blocks):
+//     M4 Pro 13.6 threadgroup-times a core either way, 40 cores 7.0 against 7.6, 80 cores 4.0
+//     against 4.6, for 2% more loop and loader work per MMA.
 //   - kLarge4 64x64x16 with 2x2 simdgroups (128 threads, 4x4 fragments): the same block for a
 //     pipeline that allows fewer than 256 threads (the Metal host re-plans with its
 //     maxTotalThreadsPerThreadgroup, option max_threads).
@@ -68,6 +74,7 @@ struct Tile {
 // The same sizes serve all three dtypes: f32 doubles the threadgroup memory but stays below the
 // 32 KiB limit.
 constexpr Tile kLarge = {64, 64, 32, 2, 4};
+constexpr Tile kLarge32 = {64, 64, 16, 2, 4};
 constexpr Tile kLarge4 = {64, 64, 16, 2, 2};
 constexpr Tile kSmall = {32, 32, 16, 2, 2};
 constexpr Tile kThin = {32, 128, 16, 1, 4};
@@ -111,10 +118,13 @@ constexpr int64_t kReduceThreads = 256;
 static_assert(32 * kLarge4.wm * kLarge4.wn == kTileThreads && 32 * kSmall.wm * kSmall.wn == kTileThreads &&
                   32 * kThin.wm * kThin.wn == kTileThreads && 32 * kTall.wm * kTall.wn == kTileThreads &&
                   32 * kTensorTile.wm * kTensorTile.wn == kTileThreads &&
-                  32 * kLarge.wm * kLarge.wn == kLargeThreads,
+                  32 * kLarge.wm * kLarge.wn == kLargeThreads &&
+                  32 * kLarge32.wm * kLarge32.wn == kLargeThreads,
               "max_threads handling assumes these thread counts");
-static_assert(kLarge.bm == kLarge4.bm && kLarge.bn == kLarge4.bn,
-              "kLarge4 replaces kLarge block for block (the tile rules count kLarge's blocks)");
+static_assert(kLarge.bm == kLarge4.bm && kLarge.bn == kLarge4.bn && kLarge.bm == kLarge32.bm &&
+                  kLarge.bn == kLarge32.bn,
+              "kLarge32 and kLarge4 replace kLarge block for block (the tile rules count kLarge's "
+              "blocks)");
 
 // kLarge's blocks fill at least kLargeWaveFill of the core slots of their waves (cores 0:
 // unknown, never).
@@ -442,7 +452,9 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   const int64_t blocks_tall = ceil_div(Mk, kTall.bm) * batches;
   const int64_t cores = device_desc(options).gpu_cores;
   // The large block on 8 simdgroups where the pipeline allows them, else on 4.
-  const Tile large = max_threads >= kLargeThreads ? kLarge : kLarge4;
+  const Tile large = max_threads < kLargeThreads          ? kLarge4
+                     : dtype == DType::Float32 ? kLarge32
+                                               : kLarge;
   Tile tile = large;
   if (Mk <= kThin.bm && blocks_thin >= kMinThinBlocks) {
     tile = kThin;

@@ -1,6 +1,6 @@
 """The 64x64 GEMM blocks in the simulator against float64 torch.matmul: kLarge (64x64x32 on 2x4
-simdgroups, 256 threads) and kLarge4 (64x64x16 on 2x2, the block for pipelines that allow fewer
-than 256 threads), both of mps_src/plan/gemm_plan.cpp.
+simdgroups, 256 threads; float32: kLarge32, 64x64x16 on 2x4) and kLarge4 (64x64x16 on 2x2, the
+block for pipelines that allow fewer than 256 threads), all of mps_src/plan/gemm_plan.cpp.
 
 The plan takes these blocks for grids of at least 128 of them, or for fewer when the device's
 core count says they fill whole waves; here `gpu_cores` = 1 (every grid fills its waves) brings
@@ -25,9 +25,12 @@ pytestmark = requires_simulator
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
 # One core: any grid fills its waves, so the plan keeps the 64x64 block on small shapes.
 ONE_CORE = {"gpu_cores": 1}
-LARGE = "_bm64_bn64_bk32_wm2_wn4"
-LARGE4 = "_bm64_bn64_bk16_wm2_wn2"
-TILES = {"large": ({}, LARGE), "large4 (max_threads 128)": ({"max_threads": 128}, LARGE4)}
+# (options, the block's kernel-name part for f16/bf16, for f32)
+TILES = {
+    "large": ({}, "_bm64_bn64_bk32_wm2_wn4", "_bm64_bn64_bk16_wm2_wn4"),
+    "large4 (max_threads 128)": ({"max_threads": 128}, "_bm64_bn64_bk16_wm2_wn2",
+                                 "_bm64_bn64_bk16_wm2_wn2"),
+}  # fmt: skip
 
 
 def operand(rows, cols, *, transposed, dtype, gen, batch=()):
@@ -38,7 +41,8 @@ def operand(rows, cols, *, transposed, dtype, gen, batch=()):
 
 def check(tile, a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
     """Plans with one core (and the tile's options), asserts the block, runs, compares."""
-    extra, name = TILES[tile]
+    extra, name, name32 = TILES[tile]
+    name = name32 if a.dtype == torch.float32 else name
     options = {"alpha": alpha, "beta": beta, "activation": activation, **extra}
     with sim.device(ONE_CORE):
         p = sim.plan("gemm", [a, b, bias, c], options)
@@ -54,7 +58,7 @@ def check(tile, a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
 def test_large_tile_ragged(ta, tb, dtype, tile):
-    # 2 x 2 blocks, the second of each ragged (M = 64 + 57, N = 64 + 7); K = 32 + 13 (kLarge4:
+    # 2 x 2 blocks, the second of each ragged (M = 64 + 57, N = 64 + 7); K = 32 + 13 (BK 16:
     # 2 x 16 + 13): full K steps, then a partial one.
     gen = torch.Generator().manual_seed(3 * ta + tb + 7 * DTYPES.index(dtype))
     m, n, k = 121, 71, 45

@@ -116,3 +116,5 @@ template <typename T, bool kSwap>
 STEEL_GEMM_DTYPE(f16, half)
 STEEL_GEMM_DTYPE(bf16, bfloat)
 STEEL_GEMM_DTYPE(f32, float)
+// float32's large block steps K by 16 (gemm_plan.cpp, kLarge32).
+STEEL_GEMM_TRANSPOSES(steel_gemm, "steel_gemm_", f32, float, 64, 64, 16, 2, 4)

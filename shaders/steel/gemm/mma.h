@@ -11,36 +11,31 @@
 // fragment (fr, col), (fr, col + 1): adjacent in the tile when the operand is stored row by row
 // (kAStrK, kBStrN == 1), and then read as one 2-element vector load (the tile rows start
 // 16-byte aligned and fc, col and every fragment offset are even, so the load is aligned to its
-// size). float16 operands stay half in the fragments: the MMA multiplies half by half into the
-// fp32 accumulators, with no conversion in the inner loop and no rounding (every half value is
-// one). bfloat16 and float32 operands are held as float (bfloat16 widened exactly).
+// size). The operand fragments keep the tiles' dtype (half, bfloat, float): the MMA multiplies
+// them into the fp32 accumulators, with no conversion in the inner loop and no rounding of the
+// inputs (llama.cpp's mul_mm multiplies simdgroup_bfloat8x8 operands into float accumulators the
+// same way, on every GPU family from Apple6).
 #pragma once
 
 #include "../fragment.h"
 
 namespace steel {
 
-// The element type of the operand fragments for tiles of T (see above).
-template <typename T>
-struct MmaOperand {
-  using type = float;
-};
-template <>
-struct MmaOperand<half> {
-  using type = half;
-};
-
 // This lane's two elements of an operand fragment; kNext is the tile distance from the first to
 // the second (1: one vector load).
-template <short kNext, typename U, typename T>
-inline void operand_load(thread simdgroup_matrix<U, 8, 8>& m, const threadgroup T* src) {
+template <short kNext, typename T>
+inline void operand_load(thread simdgroup_matrix<T, 8, 8>& m, const threadgroup T* src) {
   if (kNext == 1) {
-    const vec<T, 2> v = *((const threadgroup vec<T, 2>*)src);
-    m.thread_elements()[0] = U(v[0]);
-    m.thread_elements()[1] = U(v[1]);
+    // Assigned rather than copy-initialized: the simulator's pre-pass turns a copy-initialized
+    // local into a byte copy that its counters do not see as a threadgroup load (see the
+    // coordination log); the GPU compiles both to the same load.
+    vec<T, 2> v;
+    v = *((const threadgroup vec<T, 2>*)src);
+    m.thread_elements()[0] = v[0];
+    m.thread_elements()[1] = v[1];
   } else {
-    m.thread_elements()[0] = U(src[0]);
-    m.thread_elements()[1] = U(src[kNext]);
+    m.thread_elements()[0] = src[0];
+    m.thread_elements()[1] = src[kNext];
   }
 }
 
@@ -51,7 +46,6 @@ struct BlockMMA {
   static constant constexpr short TN = BN / (8 * WN);
   static_assert(TM * 8 * WM == BM && TN * 8 * WN == BN, "block must split into fragments");
   static_assert(BK % 8 == 0, "K is marched in steps of 8");
-  using U = typename MmaOperand<T>::type;
 
   // Element (m, k) of the A tile is at m * kAStrM + k * kAStrK; (k, n) of B at k * kBStrK + ...
   static constant constexpr short kAStrM = kTransA ? 1 : kLdA;
@@ -79,8 +73,8 @@ struct BlockMMA {
 
   // acc += A_tile[BM x BK] * B_tile[BK x BN].
   void mma(const threadgroup T* As, const threadgroup T* Bs) {
-    simdgroup_matrix<U, 8, 8> a[TM];
-    simdgroup_matrix<U, 8, 8> b[TN];
+    simdgroup_matrix<T, 8, 8> a[TM];
+    simdgroup_matrix<T, 8, 8> b[TN];
     const threadgroup T* as = As + a_off;
     const threadgroup T* bs = Bs + b_off;
 #pragma clang loop unroll(full)
