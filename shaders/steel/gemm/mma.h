@@ -26,11 +26,7 @@ namespace steel {
 template <short kNext, typename T>
 inline void operand_load(thread simdgroup_matrix<T, 8, 8>& m, const threadgroup T* src) {
   if (kNext == 1) {
-    // Assigned rather than copy-initialized: the simulator's pre-pass turns a copy-initialized
-    // local into a byte copy that its counters do not see as a threadgroup load (see the
-    // coordination log); the GPU compiles both to the same load.
-    vec<T, 2> v;
-    v = *((const threadgroup vec<T, 2>*)src);
+    const vec<T, 2> v = *((const threadgroup vec<T, 2>*)src);
     m.thread_elements()[0] = v[0];
     m.thread_elements()[1] = v[1];
   } else {
