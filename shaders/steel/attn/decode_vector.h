@@ -105,14 +105,16 @@ inline void attention_decode_vector_block(
     for (short n = 0; n < V::kRows; ++n) {
       s[n] = -INFINITY;
       if (!rok[n]) continue;  // uniform over the simdgroup
-      for (short j = 0; j < A::BK; ++j) {
+      // Key j's row from this lane's first dim. A bound only where the head dim is not whole
+      // 32-lane chunks (compile time), and a select, not a branch, for the lane that keeps it.
+      const threadgroup T* kj = Ks + lane;
+      for (short j = 0; j < A::BK; ++j, kj += A::kLdK) {
         float dot = 0.0f;
         for (short c = 0; c < V::QE; ++c) {
-          const int d = c * 32 + lane;
-          if (d < DE) dot += qv[n][c] * float(Ks[j * A::kLdK + d]);
+          if (DE % 32 == 0 || c * 32 + int(lane) < DE) dot += qv[n][c] * float(kj[c * 32]);
         }
         dot = simd_sum(dot);
-        if (short(lane) == j) s[n] = dot;
+        s[n] = short(lane) == j ? dot : s[n];
       }
       if (lane < A::BK) {
         const steel_i64 mask_row = b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs;
@@ -139,11 +141,11 @@ inline void attention_decode_vector_block(
     const short ldv = A::alias() ? A::kLdK : A::kLdV;
     for (short n = 0; n < V::kRows; ++n) {
       if (!rok[n]) continue;
-      for (short j = 0; j < A::BK; ++j) {
+      const threadgroup T* vj = Vt + lane;
+      for (short j = 0; j < A::BK; ++j, vj += ldv) {
         const float pj = simd_shuffle(s[n], ushort(j));
         for (short c = 0; c < V::QV; ++c) {
-          const int d = c * 32 + lane;
-          if (d < DV) ov[n][c] += pj * float(Vt[j * ldv + d]);
+          if (DV % 32 == 0 || c * 32 + int(lane) < DV) ov[n][c] += pj * float(vj[c * 32]);
         }
       }
     }
