@@ -1,14 +1,16 @@
 """llama.cpp's production Metal flash attention as a standing corpus (issue 26, deliverable 3).
 
-ggml's fa_f16.metal (kernel_flash_attn_ext_f16_dk<D>_dv<D>, f16 K/V, with its own
-instantiations) and fa_aux.metal (the pad and mask-block kernels that its host runs first), from
-the pinned llama-cpp-python source distribution (bench/corpora.LLAMA, fetched at test time and
-cached beside the simulator's build), compiled unmodified and run with the arguments ggml's
-Metal host binds (bench/llama_metal.py restates them), checkers on, against float64 attention
-on ragged sizes (query counts no multiple of the 8 a threadgroup takes, key counts no multiple
-of the 64 a simdgroup step takes). Offline the tests skip and say why.
+ggml's fa_f16.metal and fa_<type>.metal (kernel_flash_attn_ext_<type>_dk<D>_dv<D>, the half8x8
+kernel), fa_vec_f16.metal and fa_vec_<type>.metal (the vector decode kernel), and fa_aux.metal
+(the pad, mask-block, dequantize-to-f16 and reduce kernels its host runs around them), each
+with its own instantiations, from the pinned llama-cpp-python source distribution
+(bench/corpora.LLAMA, fetched at test time and cached beside the simulator's build), compiled
+unmodified and run with the arguments ggml's Metal host binds (bench/llama_metal.py restates
+them), checkers on, against float64 attention on ragged sizes (query counts no multiple of the
+8 a threadgroup takes, key counts no multiple of the 64 or 32 a simdgroup step takes), f16 and
+quantized K/V. Offline the tests skip and say why.
 
-The first case runs by default; the rest are slow.
+The first case of each test runs by default; the rest are slow.
 """
 
 import sys
@@ -25,6 +27,7 @@ import corpora  # noqa: E402
 import llama_metal  # noqa: E402
 
 pytestmark = requires_clang
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,7 +125,11 @@ def _run_vec(launches):
     attention kernel first with them on, where they stop at the zeroing race (checked), then
     without them for the numbers."""
     for launch in launches:
-        if launch["name"].startswith("kernel_flash_attn_ext_vec_f16_"):
+        name = launch["name"]
+        if (
+            name.startswith("kernel_flash_attn_ext_vec_")
+            and name != "kernel_flash_attn_ext_vec_reduce"
+        ):
             with pytest.raises(SimulatorError, match=VEC_ZERO_RACE):
                 llama_metal.run(launch, checkers=True)
             llama_metal.run(launch, checkers=False)
@@ -180,6 +187,79 @@ def test_flash_attn_ext_vec_relies_on_lockstep_lanes(D, n_kv):
     bound = 8 * 2.0**-24 * float(v.double().abs().max())
     err = float((out.double() - _reference(q, k, v, scale, mask)).abs().max())
     assert err > 100 * bound, f"max error {err:.3g}: the lane order no longer exposes it"
+
+
+# Quantized K/V (ggml's q8_0, q4_0, q4_1 blocks, written by llama_metal.quantize), each kernel
+# path the host takes for them (llama_metal.kernel_path): the vector kernels fa_vec_<type>.metal
+# (n_q < 20), the half8x8 kernels fa_<type>.metal (20 <= n_q < 32), and for n_q >= 32 ggml's
+# dequantize-to-f16 kernels then the f16 half8x8 kernel.
+QUANT_CASES = [
+    # kv_type, D, B, H, Hkv, n_q, n_kv, vector (Q, NE) or None
+    pytest.param("q8_0", 64, 1, 4, 2, 1, 100, None, id="vec-q8_0-d64-gqa-1x100"),
+    pytest.param("q4_0", 64, 1, 4, 2, 1, 100, None, id="vec-q4_0-d64-gqa-1x100", marks=SLOW),
+    pytest.param("q4_1", 64, 1, 2, 1, 1, 40, None, id="vec-q4_1-d64-1x40", marks=SLOW),
+    pytest.param("q8_0", 128, 1, 2, 1, 3, 77, (1, 2), id="vec-q8_0-d128-q1ne2-3x77", marks=SLOW),
+    pytest.param("q8_0", 64, 1, 2, 1, 21, 100, None, id="half8x8-q8_0-d64-21x100", marks=SLOW),
+    pytest.param("q4_0", 64, 1, 2, 1, 21, 100, None, id="half8x8-q4_0-d64-21x100", marks=SLOW),
+    pytest.param("q8_0", 64, 1, 2, 1, 33, 70, None, id="kv_f16-q8_0-d64-33x70", marks=SLOW),
+    pytest.param("q4_0", 64, 1, 2, 1, 33, 70, None, id="kv_f16-q4_0-d64-33x70", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("kv_type,D,B,H,Hkv,n_q,n_kv,config", QUANT_CASES)
+def test_flash_attn_ext_quantized(kv_type, D, B, H, Hkv, n_q, n_kv, config):
+    q, kf, vf, mask = _inputs(B, H, Hkv, n_q, n_kv, D, seed=D + n_kv + 3)
+    k = llama_metal.quantize(kf.float(), kv_type)
+    v = llama_metal.quantize(vf.float(), kv_type)
+    out = torch.full((B, n_q, H, D), float("nan"))
+    scale = D**-0.5
+    if config is None:
+        launches = llama_metal.launches(q, k, v, out, scale, mask, kv_type)
+    else:
+        launches = llama_metal.flash_attn_vec_launches(
+            q, k, v, out, scale, mask, kv_type, nqptg=config[0], ne=config[1]
+        )
+    _run_vec(launches)
+    # The oracle: float64 attention over the cache read back from its blocks by
+    # llama_metal.dequantize (ggml's formulas, test_kv_f16_dequantize checks it against ggml's
+    # own kernel), rounded to float16 as every path holds K and V (k4_t / k_t half, or the f16
+    # scratch); past that as for f16 K/V.
+    kd = llama_metal.dequantize(k, kv_type).half()
+    vd = llama_metal.dequantize(v, kv_type).half()
+    ref = _reference(q, kd, vd, scale, mask)
+    bound = 8 * 2.0**-24 * float(vd.double().abs().max())
+    err = float((out.double() - ref).abs().max())
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_kv_f16_dequantize(kv_type):
+    """ggml's kernel_flash_attn_ext_kv_<type>_f16 (its dequantize_<type> of dequantize.h) on
+    blocks written by llama_metal.quantize reads back what llama_metal.dequantize does, to the
+    bit once rounded to float16 (every product d * q is exact in float32), and within a step
+    of the input. q5_0: a llama.cpp defect, dequantize_q5_0 loads the block's 32-bit qh
+    through a uint32_t pointer at byte 2 of a 22-byte block, misaligned in every other block
+    (MSL requires a type's alignment; the checkers stop there), so it is run without them;
+    q5_1's qh is at byte 4 of 24 and aligned."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 2, 5, 64, generator=g)
+    codes = llama_metal.quantize(x, kv_type)
+    dst = torch.full((1, 2, 5, 64), float("nan"), dtype=torch.float16)
+    launch = llama_metal.kv_f16_launch(codes, kv_type, dst)
+    if kv_type == "q5_0":
+        with pytest.raises(SimulatorError, match="misaligned device read of 4 bytes"):
+            llama_metal.run(launch, checkers=True)
+        llama_metal.run(launch, checkers=False)
+    else:
+        llama_metal.run(launch, checkers=True)
+    back = llama_metal.dequantize(codes, kv_type)
+    assert torch.equal(dst, back.half())
+    # A step: 2 max|x| / 254, 15 or 31 codes over the block's range bounds d, the largest
+    # error being d / 2, or d for the -8 d (-16 d) end the _0 types clamp to 7 d (15 d).
+    levels = {"q8_0": 254, "q4_0": 15, "q4_1": 15, "q5_0": 31, "q5_1": 31}[kv_type]
+    blocks = x.double().reshape(1, 2, 5, 2, 32)
+    step = 2 * blocks.abs().amax(-1, keepdim=True) / levels
+    assert bool(((back.reshape(blocks.shape) - blocks).abs() <= step + 1e-3).all())
 
 
 def test_flash_attn_ext_without_a_mask_divides_by_zero():
