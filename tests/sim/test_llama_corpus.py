@@ -262,6 +262,62 @@ def test_kv_f16_dequantize(kv_type):
     assert bool(((back.reshape(blocks.shape) - blocks).abs() <= step + 1e-3).all())
 
 
+def _cache_inputs(n_q, n_kv, kv_size, D, seed, H=2, Hkv=2):
+    """Q, the mask and K/V as llama.cpp's KV cache holds them (llama_kv_cache::get_k/get_v
+    with flash attention): one [cells, KV heads, D] float16 tensor per layer, of kv_size cells,
+    and the op's K and V views of its first n_kv cells, [1, Hkv, n_kv, D] with strides."""
+    q, _, _, mask = _inputs(1, H, Hkv, n_q, n_kv, D, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k_cache = torch.randn(1, kv_size, Hkv, D, generator=g).half()
+    v_cache = torch.randn(1, kv_size, Hkv, D, generator=g).half()
+    k = k_cache[:, :n_kv].permute(0, 2, 1, 3)
+    v = v_cache[:, :n_kv].permute(0, 2, 1, 3)
+    return q, k, v, mask
+
+
+# Head dim 96, prefill (n_q >= 20 takes the half8x8 kernel): its P x V loads 8x8 tiles of V
+# at columns 8 * sgitg + {0, 32, 64, 96} of each row (fa_common.metal:515, DV > 64), the row
+# padded to PV = pad64(DV) = 128 columns, so it reads columns 96-127, 64 bytes past each row of
+# V, and discards what they give. Within llama.cpp's cache those bytes are the next KV head's
+# or the next cell's; llama.cpp pads n_kv to 256 cells (llama_kv_cache::get_n_kv), so there is
+# no pad scratch and the last rows are read from the cache itself.
+D96 = dict(n_q=21, n_kv=256, D=96)
+
+
+@pytest.mark.slow
+def test_flash_attn_ext_d96_in_a_kv_cache():
+    """A cache of more cells than n_kv: the overread lands in cells past n_kv, inside the
+    cache's buffer; the numbers match."""
+    q, k, v, mask = _cache_inputs(kv_size=512, seed=96, **D96)
+    out = torch.full((1, D96["n_q"], 2, 96), float("nan"))
+    scale = 96**-0.5
+    for launch in llama_metal.launches(q, k, v, out, scale, mask):
+        llama_metal.run(launch, checkers=True)
+    ref = _reference(q, k, v, scale, mask)
+    bound = 8 * 2.0**-24 * float(v.double().abs().max())
+    err = float((out.double() - ref).abs().max())
+    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.slow
+def test_flash_attn_ext_d96_full_cache_reads_past_v():
+    """llama.cpp defect: when the cache is full (n_kv == kv_size), the last cell's last KV head
+    is the end of the V tensor, and the kernel reads up to 64 bytes past it. In llama.cpp that
+    tensor is the last layer's V, allocated last in the cache's buffer, and with the context
+    padded to 256 cells its size (96 * 2 bytes * KV heads * cells) is a whole number of 16 KiB
+    pages, which Metal's buffer is rounded to: the read leaves the MTLBuffer (an inference
+    from their host code; not run on a GPU). Our earlier binding, V as an exactly sized
+    [B, Hkv, n_kv, 96] tensor, met the same read at its last row: the kernel's, not the
+    binding's."""
+    q, k, v, mask = _cache_inputs(kv_size=256, seed=97, **D96)
+    out = torch.full((1, D96["n_q"], 2, 96), float("nan"))
+    *prologue, attention = llama_metal.launches(q, k, v, out, 96**-0.5, mask)
+    for launch in prologue:
+        llama_metal.run(launch, checkers=True)
+    with pytest.raises(SimulatorError, match=r"(?s)out-of-bounds device read.*\[\[buffer\(3\)\]\]"):
+        llama_metal.run(attention, checkers=True)
+
+
 def test_flash_attn_ext_without_a_mask_divides_by_zero():
     """llama.cpp defect: kernel_flash_attn_ext_impl computes the mask's row pointers and block
     map offset as `iq2 % args.ne32` and `iq3 % args.ne33` whether or not there is a mask, and
