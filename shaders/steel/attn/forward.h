@@ -194,13 +194,15 @@ inline void attn_load_row_frags(thread FragTile<1, N>& f, const device T* row_pt
 template <typename T, short kLd, short TA, short TC>
 inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
                         const threadgroup T* tile, ushort lane) {
-  const short fr = frag_row(lane);
-  const short fc = frag_col(lane);
+  // The lane's element of fragment (0, 0); every other fragment is a compile-time offset from
+  // it once both loops are unrolled, so the loop forms no addresses per product.
+  const threadgroup T* base = tile + frag_col(lane) * kLd + frag_row(lane);
+#pragma clang loop unroll(full)
   for (short d = 0; d < TA; ++d) {
 #pragma clang loop unroll(full)
     for (short j = 0; j < TC; ++j) {
       simdgroup_matrix<float, 8, 8> b;
-      frag_load(b, tile + (j * 8 + fc) * kLd + d * 8 + fr, kLd);
+      frag_load(b, base + j * 8 * kLd + d * 8, kLd);
       simdgroup_multiply_accumulate(acc.frag[j], a.frag[d], b, acc.frag[j]);
     }
   }
@@ -210,13 +212,13 @@ inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA
 template <typename T, short kLd, short TA, short TC>
 inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
                        const threadgroup T* tile, ushort lane) {
-  const short fr = frag_row(lane);
-  const short fc = frag_col(lane);
+  const threadgroup T* base = tile + frag_row(lane) * kLd + frag_col(lane);  // as attn_mma_bt
 #pragma clang loop unroll(full)
   for (short j = 0; j < TA; ++j) {
+#pragma clang loop unroll(full)
     for (short n = 0; n < TC; ++n) {
       simdgroup_matrix<float, 8, 8> b;
-      frag_load(b, tile + (j * 8 + fr) * kLd + n * 8 + fc, short(1));
+      frag_load(b, base + j * 8 * kLd + n * 8, short(1));
       simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
     }
   }
