@@ -48,9 +48,9 @@ constexpr int64_t kCoreRegisterBytes = 212992;
 // Both read K and V once per KV head and threadgroup, so the vector kernel is taken where the
 // whole group fits its STEEL_ATTN_DECODE_VECTOR_ROWS rows: one threadgroup per KV head still.
 // The timing model (torch_steel/sim/timing.py) predicts it faster wherever it applies, on every
-// chip of its table (docs/attention.md: M4 Pro, f16 d128, one token, H32/32 S4096 883 -> 268 us,
+// chip of its table (docs/attention.md: M4 Pro, f16 d128, one token, H32/32 S4096 721 -> 268 us,
 // the MMA block compute-bound on padded MMAs and the vector one at the K/V read; H32/8 S4096
-// 238 -> 129 us; H32/4 (8 rows) 130 -> 117 us). At more rows (GQA 8 x 2 tokens) the MMA block's
+// 195 -> 88 us; H32/4 (8 rows) 109 -> 81 us). At more rows (GQA 8 x 2 tokens) the MMA block's
 // padding is at most 2x and its MMAs beat 8 rows' scalar FMAs, which cost the same per row as an
 // 8-row MMA fragment. The head dim does not move the rule: both kernels' arithmetic scales with
 // it alike. Option "decode_vector" = 0 keeps the MMA kernel (the tests compare the two).
