@@ -66,7 +66,9 @@ def _reference(q, k, v, scale, mask):
 
 
 # Key counts are even: the kernel reads mask rows as half2, so ggml's KQ mask rows (n_kv
-# halves; llama.cpp pads its KV cache to 256 cells) start 4-byte aligned only then.
+# halves; llama.cpp pads its KV cache to 256 cells) start 4-byte aligned only then. Query
+# counts below 20 take the vector kernel in ggml's host (llama_metal.kernel_path); the half8x8
+# kernel is bound directly for them here, for its partial query blocks.
 CASES = [
     # D, B, H, Hkv, n_q, n_kv
     pytest.param(64, 1, 2, 1, 13, 100, id="d64-gqa-13x100"),
@@ -189,7 +191,8 @@ def test_flash_attn_ext_vec_relies_on_lockstep_lanes(D, n_kv):
     assert err > 100 * bound, f"max error {err:.3g}: the lane order no longer exposes it"
 
 
-# Quantized K/V (ggml's q8_0, q4_0, q4_1 blocks, written by llama_metal.quantize), each kernel
+# Quantized K/V (ggml's q8_0, q4_0, q4_1, q5_1 blocks, written by llama_metal.quantize; q5_0's
+# dequantization reads misaligned, test_kv_f16_dequantize), each kernel
 # path the host takes for them (llama_metal.kernel_path): the vector kernels fa_vec_<type>.metal
 # (n_q < 20), the half8x8 kernels fa_<type>.metal (20 <= n_q < 32), and for n_q >= 32 ggml's
 # dequantize-to-f16 kernels then the f16 half8x8 kernel.
@@ -203,6 +206,8 @@ QUANT_CASES = [
     pytest.param("q4_0", 64, 1, 2, 1, 21, 100, None, id="half8x8-q4_0-d64-21x100", marks=SLOW),
     pytest.param("q8_0", 64, 1, 2, 1, 33, 70, None, id="kv_f16-q8_0-d64-33x70", marks=SLOW),
     pytest.param("q4_0", 64, 1, 2, 1, 33, 70, None, id="kv_f16-q4_0-d64-33x70", marks=SLOW),
+    pytest.param("q5_1", 64, 1, 2, 1, 1, 40, None, id="vec-q5_1-d64-1x40", marks=SLOW),
+    pytest.param("q5_1", 64, 1, 2, 1, 33, 70, None, id="kv_f16-q5_1-d64-33x70", marks=SLOW),
 ]
 
 
