@@ -120,22 +120,39 @@ struct AttnQuantTileLoader {
   static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
 
   // Values [0, n) of one chunk of codes at `s` into `d`, the first `valid` of them dequantized
-  // with scale and low (the min; 0 for int8), the rest zeros. `vec`: `s` is 16-byte aligned.
+  // with scale and low (the min; 0 for int8), the rest zeros. `aligned`: `s` is 16-byte aligned.
   static void chunk(threadgroup T* d, const device uchar* s, short n, short valid, float scale,
-                    float low, short bits, bool vec) {
+                    float low, short bits, bool aligned) {
     const short per_chunk = bits == 8 ? 16 : 32;
     uint4 w = uint4(0);
-    if (vec && valid == per_chunk) {
+    if (aligned && valid == per_chunk) {
       w = *((const device uint4*)s);
     } else {
       const short bytes = bits == 8 ? valid : (valid + 1) / 2;
       for (short j = 0; j < bytes; ++j) w[j >> 2] |= uint(s[j]) << (8 * (j & 3));
     }
+    if (bits == 8 && n == 16 && valid == 16) {
+      // A whole int8 chunk: no bounds, and four 4-wide stores (d starts a multiple of 16 values
+      // into a 16-byte aligned row, so it is 16-byte aligned). (4-bit chunks keep the scalar
+      // loop below: this form's nibble selects cost the model more than the stores save.)
+      threadgroup vec<T, 4>* d4 = (threadgroup vec<T, 4>*)d;
+#pragma clang loop unroll(full)
+      for (short j = 0; j < 4; ++j) {
+        vec<T, 4> x;
+#pragma clang loop unroll(full)
+        for (short e = 0; e < 4; ++e) {
+          const int code = int(attn_chunk_byte(w, 4 * j + e) ^ 0x80u) - 128;  // two's complement
+          x[e] = T(float(code) * scale);
+        }
+        d4[j] = x;
+      }
+      return;
+    }
     if (bits == 8) {
 #pragma clang loop unroll(full)
       for (short j = 0; j < 16; ++j) {
-        const int code = int(attn_chunk_byte(w, j));
-        const float x = float(code >= 128 ? code - 256 : code) * scale;
+        const int code = int(attn_chunk_byte(w, j) ^ 0x80u) - 128;  // two's complement
+        const float x = float(code) * scale;
         if (j < n) d[j] = j < valid ? T(x) : T(0);
       }
     } else {
