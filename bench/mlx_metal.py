@@ -1,5 +1,5 @@
-"""MLX's steel GEMM, steel attention and sdpa_vector kernels in the simulator, bound as MLX's
-host code binds them.
+"""MLX's steel GEMM, steel attention and sdpa_vector kernels (one and two pass) in the
+simulator, bound as MLX's host code binds them.
 
 The kernel headers come from the mlx-metal wheel (bench/corpora.MLX, fetched at test time);
 tests/sim/kernels/mlx_*.metal include them unmodified and instantiate the templates the way
@@ -31,6 +31,21 @@ MLX's own .metal files do. The launches below restate what MLX's host code does
   where the size is 1; the head stride the batch's when it has one head) at 13-15; function
   constants has_mask (20), query_transposed (21, false: Q is contiguous), do_causal (22),
   bool_mask (23), float_mask (24), has_sinks (25).
+- two-pass sdpa_vector (the host's choice for long key counts: 1024 or more on chips whose
+  architecture letter is 'd' or 's', 4096 or more with GQA on any chip; the tests bind it below
+  those counts to keep the simulation short, and leave out the `_gqa` variant the host takes
+  from 8192 keys at gqa factor 8). Read from the host at MLX's main of 2026-08 (0.32.2 dev); the
+  header's buffers and function constants, from the 0.32.4 wheel, agree. Pass 1,
+  `sdpa_vector_2pass_1_<type>_<D>_<V>`: `blocks` (function constant 26) threadgroups split the
+  keys, block b taking keys b, b + blocks, ...; outside 'd' and 's' chips blocks is 64 when gqa
+  factor * qL >= 4 and 32 otherwise (always a multiple of 32: pass 2 reduces whole simdgroups of
+  blocks). Grid (Hkv, B, blocks), threadgroup (32, gqa factor, qL); buffers Q, K, V, the partial
+  outputs ([B, H, qL, blocks, V] of Q's type), sums and maxs ([B, H, qL, blocks] float32) at
+  0-5, kL (int) at 7, K's head and sequence strides at 8 and 9, V's at 10 and 11 (size_t, the
+  head stride the batch's when there is one head), scale (float) at 12; a mask at 13 (bool) or
+  14, its key, query and head strides at 15-17; the one-pass kernel's function constants 20-25.
+  Pass 2, `sdpa_vector_2pass_2_<type>_<V>`: partials, sums, maxs, out at 0-3, blocks (int) at 4;
+  grid (B * H, qL, 1), 1024 threads.
 """
 
 from __future__ import annotations
@@ -198,6 +213,41 @@ def vector_launch(q, k, v, out, scale, causal=False, mask=None) -> dict:
             25: False,
         },
     }
+
+
+def vector_2pass_launches(q, k, v, out, scale, causal=False, mask=None) -> list[dict]:
+    """The two launches of two-pass sdpa_vector on the tensors of vector_launch; the
+    intermediates (partials, sums, maxs) are allocated here, as MLX's host allocates them."""
+    B, H, qL, _ = q.shape
+    Hkv, V = k.shape[1], v.shape[-1]
+    gqa = H // Hkv
+    blocks = 64 if gqa * qL >= 4 else 32
+    partials = torch.empty(B, H, qL, blocks, V, dtype=q.dtype)
+    sums = torch.empty(B, H, qL, blocks, dtype=torch.float32)
+    maxs = torch.empty(B, H, qL, blocks, dtype=torch.float32)
+    one = vector_launch(q, k, v, out, scale, causal, mask)
+    # The one-pass kernel's bindings from buffer 5 on move up by two (kL at 7: buffer 6 is
+    # unused, the gqa factor comes from the threadgroup's height).
+    buffers = {0: q, 1: k, 2: v, 3: partials, 4: sums, 5: maxs}
+    buffers.update({i + 2: b for i, b in one["buffers"].items() if i >= 5})
+    first = {
+        **one,
+        "name": f"sdpa_vector_2pass_1_{VECTOR_NAMES[q.dtype]}_{q.shape[-1]}_{V}",
+        "sources": [KERNELS / "mlx_sdpa_vector_2pass.metal"],
+        "grid": (Hkv, B, blocks),
+        "threads": (32, gqa, qL),
+        "buffers": buffers,
+        "constants": {**one["constants"], 26: blocks},
+    }
+    second = {
+        "name": f"sdpa_vector_2pass_2_{VECTOR_NAMES[q.dtype]}_{V}",
+        "sources": [KERNELS / "mlx_sdpa_vector_2pass.metal"],
+        "include_dirs": [include_dir()],
+        "grid": (B * H, qL, 1),
+        "threads": (1024,),
+        "buffers": {0: partials, 1: sums, 2: maxs, 3: out, 4: struct.pack("<i", blocks)},
+    }
+    return [first, second]
 
 
 def run(launch: dict, *, counters: bool = False, checkers: bool | None = None, **options):

@@ -1,11 +1,11 @@
 """MLX's production Metal as a standing corpus (issue 26, deliverable 3).
 
-MLX's steel GEMM (steel_gemm_fused.h), steel attention (steel_attention.h) and one-pass vector
-attention (sdpa_vector.h), from the pinned mlx-metal wheel (bench/corpora.MLX, fetched at test
-time and cached beside the simulator's build), compiled unmodified (tests/sim/kernels/mlx_*.metal
-only include them and instantiate the templates, as MLX's .metal files do) and run with the
-arguments MLX's host code binds (bench/mlx_metal.py restates them), checkers on, against
-float64 math on ragged sizes. Offline the tests skip and say why.
+MLX's steel GEMM (steel_gemm_fused.h), steel attention (steel_attention.h) and one- and
+two-pass vector attention (sdpa_vector.h), from the pinned mlx-metal wheel (bench/corpora.MLX,
+fetched at test time and cached beside the simulator's build), compiled unmodified
+(tests/sim/kernels/mlx_*.metal only include them and instantiate the templates, as MLX's .metal
+files do) and run with the arguments MLX's host code binds (bench/mlx_metal.py restates them),
+checkers on, against float64 math on ragged sizes. Offline the tests skip and say why.
 
 The first case of each kernel runs by default; the rest are slow.
 """
@@ -244,3 +244,39 @@ def test_sdpa_vector(dtype, D, B, H, Hkv, qL, kL, causal, mask):
         dtype,
         factor=8 if dtype == torch.float32 else 2,
     )
+
+
+VECTOR_2PASS_CASES = [
+    # dtype, D, B, H, Hkv, qL, kL, causal, mask. 32 blocks (gqa * qL < 4) over 150 keys: every
+    # block takes one 4-key prefetch step (keys b + 32t), then blocks 0-21 one key more. 64
+    # blocks over 301 keys: one step each, then blocks 0-44 one more.
+    pytest.param(torch.float16, 128, 1, 4, 2, 1, 150, False, None, id="float16-d128-gqa"),
+    pytest.param(
+        torch.bfloat16,
+        64,
+        2,
+        4,
+        2,
+        2,
+        301,
+        True,
+        None,
+        id="bfloat16-d64-gqa-causal",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype,D,B,H,Hkv,qL,kL,causal,mask", VECTOR_2PASS_CASES)
+def test_sdpa_vector_2pass(dtype, D, B, H, Hkv, qL, kL, causal, mask):
+    q, k, v, _ = _inputs(B, H, Hkv, qL, kL, D, dtype, seed=D + kL)
+    out = torch.full((B, H, qL, D), float("nan"), dtype=dtype)
+    scale = D**-0.5
+    first, second = mlx_metal.vector_2pass_launches(q, k, v, out, scale, causal)
+    _run(first)
+    _run(second)
+    # Scores, sums and maxs stay in float32 (far below the storage roundoff); two roundings to
+    # the storage type: the output's, and the partial outputs' between the passes (each partial
+    # is block b's exp-weighted sum of V rows, and pass 2 divides their weighted sum by the
+    # total weight, so their rounding errors add up to one roundoff of max |V|).
+    _check(out, _reference(q, k, v, scale, causal), v, dtype, factor=2)
