@@ -65,6 +65,18 @@ def rand(*shape, dtype, gen, scale=1.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
 
+# The C operand's shapes by kind for an m x n output: none, full, a row (broadcast down the
+# rows), a column, a scalar; each broadcasts against the output as torch's addmm does.
+C_KINDS = [None, "full", "row", "col", "scalar"]
+
+
+def epilogue_operands(m, n, c_kind, use_bias, dtype, gen):
+    """(bias or None, c or None) of an epilogue test, drawn from `gen` in that order."""
+    bias = rand(n, dtype=dtype, gen=gen) if use_bias else None
+    c = {None: None, "full": (m, n), "row": (n,), "col": (m, 1), "scalar": ()}[c_kind]
+    return bias, None if c is None else rand(*c, dtype=dtype, gen=gen)
+
+
 def reference(a, b, bias=None, c=None, alpha=1.0, beta=1.0, activation="none"):
     """act(alpha * a @ b + beta * c + bias) in float64; also returns alpha * |a| @ |b|, the scale
     of the fp32 accumulation error."""

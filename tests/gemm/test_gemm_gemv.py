@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_helpers import DTYPES, assert_close, rand, reference, requires_simulator
+from gemm_helpers import (
+    C_KINDS,
+    DTYPES,
+    assert_close,
+    epilogue_operands,
+    rand,
+    reference,
+    requires_simulator,
+)
 
 from torch_steel import sim
 
@@ -77,15 +85,13 @@ def test_gemm_gemv_cols_shapes(m, n, k, dtype):
 @pytest.mark.parametrize("kernel", ["rows", "cols"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("c_kind", [None, "full", "row", "col", "scalar"])
+@pytest.mark.parametrize("c_kind", C_KINDS)
 def test_gemm_gemv_epilogue(c_kind, use_bias, activation, kernel):
     dtype = torch.float32
     gen = torch.Generator().manual_seed(ACTIVATIONS.index(activation) * 10 + use_bias)
     m, n, k = (6, 23, 19) if kernel == "rows" else (23, 6, 19)
     a, b = rand(m, k, dtype=dtype, gen=gen), weight_t(k, n, dtype=dtype, gen=gen)
-    bias = rand(n, dtype=dtype, gen=gen) if use_bias else None
-    c = {None: None, "full": (m, n), "row": (n,), "col": (m, 1), "scalar": ()}[c_kind]
-    c = None if c is None else rand(*c, dtype=dtype, gen=gen)
+    bias, c = epilogue_operands(m, n, c_kind, use_bias, dtype, gen)
     check(a, b, bias, c, 0.75, -1.5 if c is not None else 1.0, activation, kernel)
 
 

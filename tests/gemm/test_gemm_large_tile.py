@@ -16,7 +16,15 @@ import itertools
 
 import pytest
 import torch
-from gemm_helpers import DTYPES, assert_close, rand, reference, requires_simulator
+from gemm_helpers import (
+    C_KINDS,
+    DTYPES,
+    assert_close,
+    epilogue_operands,
+    rand,
+    reference,
+    requires_simulator,
+)
 
 from torch_steel import sim
 
@@ -111,7 +119,7 @@ def test_large_tile_unaligned_rows(dtype, tile):
 # Every epilogue combination on kLarge; kLarge4 runs the same epilogue code (gemm.h) over its own
 # fragment grid, so each activation with bias and a full c there.
 EPILOGUES = [
-    *(("large", c, bias, act) for c in (None, "full", "row", "col", "scalar")
+    *(("large", c, bias, act) for c in C_KINDS
       for bias in (False, True) for act in ACTIVATIONS),
     *(("large4 (max_threads 128)", "full", True, act) for act in ACTIVATIONS),
 ]  # fmt: skip
@@ -124,9 +132,7 @@ def test_large_tile_epilogue(c_kind, use_bias, activation, tile):
     gen = torch.Generator().manual_seed(ACTIVATIONS.index(activation) * 10 + use_bias)
     m, n, k = 67, 75, 37
     a, b = rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen)
-    bias = rand(n, dtype=dtype, gen=gen) if use_bias else None
-    c = {None: None, "full": (m, n), "row": (n,), "col": (m, 1), "scalar": ()}[c_kind]
-    c = None if c is None else rand(*c, dtype=dtype, gen=gen)
+    bias, c = epilogue_operands(m, n, c_kind, use_bias, dtype, gen)
     check(tile, a, b, bias, c, alpha=0.75, beta=-1.5 if c is not None else 1.0,
           activation=activation)  # fmt: skip
 
