@@ -286,7 +286,7 @@ def _gemm_cost(batch, M, N, K):
     return math.prod(batch) * pad(M, 32) * pad(N, 32) * pad(K, 16)
 
 
-GEMM_REGIMES = ("edges", "edges", "edges", "batched", "splitk", "thin", "tall", "large")
+GEMM_REGIMES = ("edges", "edges", "edges", "batched", "splitk", "thin", "tall", "large", "gemv")
 
 
 @st.composite
@@ -326,6 +326,16 @@ def _gemm_shape(draw, regimes=GEMM_REGIMES):
         lo = -(-64 // B) * 128 - 127
         M = draw(st.integers(lo, max(lo, 11000 // B)))
         return regime, (B,), M, draw(sizes((8, 16, 32), 32)), draw(sizes((16,), 24))
+    if regime == "gemv":  # at most 8 rows (or columns): the GEMV kernels, never split-K
+        rows, lines = draw(st.integers(1, 8)), draw(sizes(GEMM_TILES, 700))
+        batch = draw(st.sampled_from([(), (), (), (2,), (3, 2)]))
+        K = draw(sizes(GEMM_TILES, 1300))
+        while math.prod(batch) * rows * lines * K > GEMM_BUDGET and K > 16:
+            K = max(16, K // 2)
+        if not batch and _ceil(lines, 32) <= 16 and K >= 512 and K >= 8 * lines:
+            K = 511  # the plan would split K (gemm_plan.cpp: split-K wins over few lines)
+        M, N = (rows, lines) if draw(st.booleans()) else (lines, rows)
+        return regime, batch, M, N, K
     # large: >= 128 64x64 blocks over the batch, M and N > 32; about 8M padded multiply-adds
     # whatever the shape (the minimum of this tile), K <= 32
     B = draw(st.integers(8, 16))
@@ -334,6 +344,15 @@ def _gemm_shape(draw, regimes=GEMM_REGIMES):
     lo = max(33, (col_blocks - 1) * 64 + 1)
     N = draw(st.integers(lo, max(lo + 63, 260)))
     return regime, (B,), M, N, draw(sizes((16,), 32))
+
+
+def _along_k(layout, order):
+    """layout with memory order `order` and K (its innermost dim) unit-stride and stored, the
+    rest (pads, steps of the outer dims, offset, batch expansion) as drawn."""
+    k = order[-1]
+    step = tuple(1 if d == k else s for d, s in enumerate(layout.step))
+    expand = tuple(e and d < len(order) - 2 for d, e in enumerate(layout.expand))
+    return Layout(order, step, layout.pad, layout.offset, expand)
 
 
 def _operand_batch(draw, batch):
@@ -355,11 +374,14 @@ def gemm_calls(draw, dtypes=DTYPES, regimes=GEMM_REGIMES):
         a_batch, b_batch = _operand_batch(draw, batch), _operand_batch(draw, batch)
         # the output batch is what a and b broadcast to (a dim both drop disappears)
     out_batch = torch.broadcast_shapes(a_batch, b_batch)
-    while _gemm_cost(out_batch, M, N, K) > GEMM_BUDGET and K > 16:
+    while regime != "gemv" and _gemm_cost(out_batch, M, N, K) > GEMM_BUDGET and K > 16:
         K = max(16, K // 2)
     na, nb = len(a_batch) + 2, len(b_batch) + 2
     a_layout = draw(layouts(na, orders=[(*range(na - 2), na - 1, na - 2)]))
     b_layout = draw(layouts(nb, orders=[(*range(nb - 2), nb - 1, nb - 2)]))
+    if regime == "gemv":  # the GEMV kernels' layout: a row-major, b column by column (x @ W^T)
+        a_layout = _along_k(a_layout, (*range(na - 2), na - 2, na - 1))
+        b_layout = _along_k(b_layout, (*range(nb - 2), nb - 1, nb - 2))
     bias_layout = draw(st.one_of(st.none(), layouts(1)))
     alpha = draw(st.sampled_from([1.0, 1.0, 0.5, -2.0, 0.0, 1.7]))
     beta = draw(st.sampled_from([0.0, 1.0, 1.0, 0.5, -1.5]))

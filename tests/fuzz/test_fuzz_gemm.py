@@ -46,6 +46,16 @@ def check_result(call, t, guards, out):
         g.check()
 
 
+def gemm_kernel_family(call):
+    """The campaign's kernel name for a call: "gemv" where the plan serves it with a GEMV
+    kernel, else "gemm" (calls of the gemv regime that fold a batch into M, or whose size-1 dim
+    leaves the layout ambiguous, go to the tiled kernels)."""
+    t, _ = call.build()
+    options = {"alpha": call.alpha, "beta": call.beta, "activation": call.activation}
+    kernel = sim.plan("gemm", [t["a"], t["b"], t["bias"], t["c"]], options).dispatches[0].kernel
+    return "gemv" if kernel.startswith("steel_gemv") else "gemm"
+
+
 @fixed(100)
 @given(gemm_calls())
 def test_gemm_matches_float64(call):
@@ -63,10 +73,20 @@ def test_gemm_refusals_have_a_reason(case):
 
 
 @fuzz_mark
-@fuzz(lambda call: ["gemm"])
+@fuzz(lambda call: [gemm_kernel_family(call)])
 @given(gemm_calls())
 def test_fuzz_gemm(call):
     """-m fuzz: random calls agree with float64 math and leave their guard buffers untouched."""
+    check_gemm(call)
+
+
+@fuzz_mark
+@fuzz(lambda call: [gemm_kernel_family(call)])
+@given(gemm_calls(regimes=("gemv",)))
+def test_fuzz_gemv(call):
+    """-m fuzz: random decode-shaped calls (at most 8 rows or columns, the GEMV kernels' layout,
+    ragged K and line counts, batches, offsets and padded lines) agree with float64 math and
+    leave their guard buffers untouched."""
     check_gemm(call)
 
 
@@ -82,7 +102,8 @@ def test_fuzz_gemm_refusals(case):
 @pytest.mark.parametrize(
     "regime,tile",
     [("edges", "bm32_bn32"), ("large", "bm64_bn64"), ("thin", "bm32_bn128"),
-     ("tall", "bm128_bn32"), ("splitk", "splitk")],
+     ("tall", "bm128_bn32"), ("splitk", "splitk"), ("gemv", "gemv_rows"),
+     ("gemv", "gemv_cols")],
 )  # fmt: skip
 def test_strategy_reaches_every_tile(regime, tile):
     """Each regime of gemm_calls() reaches the kernel of the tile table it aims at (a strategy
