@@ -99,6 +99,17 @@ def test_fuzz_sdpa(call):
 
 
 @fuzz_mark
+@fuzz(lambda call: sorted({"decode" if f == "merge" else f for f in families(call)}))
+@given(sdpa_calls(max_L=8, max_S=1100))
+def test_fuzz_sdpa_decode(call):
+    """-m fuzz: random decode-shaped calls (at most 8 query rows, up to 1,100 keys, so that the
+    decode plan's vector and MMA kernels, GQA packing and split-K all come up) agree with
+    float64 math and leave their guard buffers untouched. test_fuzz_sdpa draws such calls in
+    about 1 in 6."""
+    check_sdpa(call)
+
+
+@fuzz_mark
 @fuzz(lambda case: ["refusals"])
 @given(sdpa_refusals())
 def test_fuzz_sdpa_refusals(case):

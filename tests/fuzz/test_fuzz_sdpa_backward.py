@@ -211,6 +211,17 @@ def test_fuzz_sdpa_backward(call, dropout, mask_grad):
     check_backward(call, dropout, mask_grad)
 
 
+@fuzz_mark
+@fuzz(backward_kernels)
+@given(CALLS[0].filter(lambda c: c.mask is not None and c.mask.dtype != torch.bool), CALLS[1],
+       st.just(True))  # fmt: skip
+def test_fuzz_sdpa_backward_dmask(call, dropout, mask_grad):
+    """-m fuzz: random calls with an additive mask that requires grad (the dmask kernel, which
+    test_fuzz_sdpa_backward reaches in about 1 call in 8): every gradient, the mask's included,
+    agrees with float64 autograd."""
+    check_backward(call, dropout, mask_grad)
+
+
 def test_dsinks_of_rows_that_see_no_key():
     """Issue 31's backward case: f16, L = 127, S = 1, E = 192, Ev = 128, a bool mask [1, 1]
     hiding the key, f16 sinks. Every row's softmax is its sink alone, O = 0, so delta =
