@@ -213,7 +213,8 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
         kind, dt, de, dv = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
         td, tv, tk = de // 8, dv // 8, _attn_bk(de, dv, _ELEM_BYTES[dt]) // 8
         if kind == "bwd_dkdv":
-            frags, what = 2 * td + 2 * tv + 4 * tk, "K, V, dK, dV rows and 4 score-tile fragments"
+            # S^T and dP^T, then (P o Z)^T and dS^T in their place (backward.h)
+            frags, what = 2 * td + 2 * tv + 2 * tk, "K, V, dK, dV rows and 2 score-tile fragments"
         elif kind == "bwd_dq":
             frags, what = 2 * td + tv + 2 * tk, "Q, dO, dQ rows and 2 score-tile fragments"
         elif kind == "tensor":

@@ -10,8 +10,9 @@
 //      query tiles (BK rows of Q and dO through threadgroup memory) of every query head of the
 //      KV head's group: the group's sum happens in registers (GQA without expanded copies).
 //      The tile's rows' lse, delta and 1 / normaliser are staged beside it once per tile.
-//      Per tile: S^T = K Q^T, P^T = exp(S^T - lse), dV += (P o Z)^T dO, dP^T = V dO^T,
-//      dS^T = P^T (dP^T o Z^T - delta), dK += dS^T Q (Z: dropout's factors, dropout.h).
+//      Per tile: S^T = K Q^T, dP^T = V dO^T, then per element P^T = exp(S^T - lse) and
+//      dS^T = P^T (dP^T o Z^T - delta), dV += (P o Z)^T dO, dK += dS^T Q (Z: dropout's
+//      factors, dropout.h); two score tiles live, not four.
 //      Where Q and dO tiles share one buffer (float32 at head dim 512), dO replaces Q after
 //      S^T and Q is read again for dK: no order of these products needs each tile only once.
 //   3. dQ: a threadgroup owns BQ = 32 query rows (as the forward), Q, dO and dQ in registers,
@@ -266,6 +267,9 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   threadgroup float* delta_s = stats + A::BK;
   threadgroup float* norm_s = stats + 2 * A::BK;
   const ushort thread_index = simdgroup * 32 + lane;
+  // Read once rather than once per score (m_rs only with a mask, as the forward does).
+  const float q_scale = p.q_scale;
+  const steel_i64 m_rs = attn_mask != kSteelAttnMaskNone ? p.m_rs : 0;
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
@@ -275,6 +279,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
     const device float* delta_h = delta + sq.rows + steel_i64(h) * p.L;
     const device float* norm_h = delta_h + attn_rows(bp);
     const steel_i64 mask_key = sq.m + h * p.m_hs + key * p.m_cs;
+    const uint bh = uint(zb) * uint(p.Hq) + uint(h);  // dropout's batch-head index
     for (int t = t_begin; t < t_end; ++t) {
       const int row0 = t * A::BK;
       const short valid = short(min(int(A::BK), ext.L - row0));
@@ -305,51 +310,18 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
-      // S^T = K Q^T (8 keys x BK rows), then P^T from the saved lse.
+      // S^T = K Q^T (8 keys x BK rows) and dP^T = V dO^T first, then one pass over the
+      // elements turns them into (P o Z)^T and dS^T: only these two score tiles are live
+      // across the products (the softcap's slope and dropout's factors are per element).
       FragTile<1, A::TK> pt;
       pt.clear();
       attn_mma_bt<T, A::kLdE>(pt, kf, Qs, lane);
-      FragTile<1, A::TK> slope;  // d score / d (scaled q.k): 1 - tanh^2 under softcap
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-#pragma clang loop unroll(full)
-        for (short e = 0; e < 2; ++e) {
-          const short r = j * 8 + fc + e;
-          const int row = row0 + r;
-          const bool row_ok = row < ext.L;
-          float th = 0.0f;
-          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * p.q_scale, p, ext, row, key,
-                                        row_ok, mask, mask_key + row * p.m_rs, edge, th);
-          pt.frag[j].thread_elements()[e] =
-              row_ok ? attn_probability(s, lse_s[r]) * norm_s[r] : 0.0f;
-          slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
-        }
-      }
-
-      // Dropout: Z^T, the kept weights' factors (this lane's two elements are two rows).
-      FragTile<1, A::TK> keep;
-      FragTile<1, A::TK> ptz;  // (P o Z)^T, what dV sees
-#pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
-#pragma clang loop unroll(full)
-        for (short e = 0; e < 2; ++e) {
-          const int row = row0 + j * 8 + fc + e;
-          const float z = attn_dropout ? attn_dropout_one(p, uint(zb) * uint(p.Hq) + uint(h),
-                                                          row, key)
-                                       : 1.0f;
-          keep.frag[j].thread_elements()[e] = z;
-          ptz.frag[j].thread_elements()[e] = pt.frag[j].thread_elements()[e] * z;
-        }
-      }
       if (A::kShared) {  // dO takes Q's place once every simdgroup has its scores
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
                          whole && attn_align_ev, false, thread_index);
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
-      // dV += (P o Z)^T dO.
-      attn_mma_b<T, A::kLdV>(dvf, ptz, Gs, lane);
-      // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) times the softcap slope.
       FragTile<1, A::TK> ds;
       ds.clear();
       attn_mma_bt<T, A::kLdV>(ds, vf, Gs, lane);
@@ -357,12 +329,23 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
         for (short e = 0; e < 2; ++e) {
-          const float d_row = delta_s[j * 8 + fc + e];
-          const float pv = pt.frag[j].thread_elements()[e];
-          const float dp = ds.frag[j].thread_elements()[e] * keep.frag[j].thread_elements()[e];
-          ds.frag[j].thread_elements()[e] = pv * (dp - d_row) * slope.frag[j].thread_elements()[e];
+          const short r = j * 8 + fc + e;
+          const int row = row0 + r;
+          const bool row_ok = row < ext.L;
+          float th = 0.0f;  // tanh of the scaled score under softcap: d score = 1 - th^2
+          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * q_scale, p, ext, row,
+                                        key, row_ok, mask, mask_key + row * m_rs, edge, th);
+          const float pv = row_ok ? attn_probability(s, lse_s[r]) * norm_s[r] : 0.0f;
+          // Dropout's factor Z^T of this element (0 or 1 / (1 - p)).
+          const float z = attn_dropout ? attn_dropout_one(p, bh, row, key) : 1.0f;
+          const float dp = ds.frag[j].thread_elements()[e] * z;
+          const float slope = attn_softcap ? 1.0f - th * th : 1.0f;
+          ds.frag[j].thread_elements()[e] = pv * (dp - delta_s[r]) * slope;
+          pt.frag[j].thread_elements()[e] = pv * z;  // (P o Z)^T, what dV sees
         }
       }
+      // dV += (P o Z)^T dO.
+      attn_mma_b<T, A::kLdV>(dvf, pt, Gs, lane);
       if (A::kShared) {  // and Q comes back for dK (a second read of the tile)
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E),
