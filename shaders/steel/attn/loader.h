@@ -34,11 +34,14 @@ struct AttnKvRows {
   int pages;
   steel_i64 page_stride;
 
-  steel_i64 at(short r) const {
+  steel_i64 at(short r) const { return at(r, paged ? page(r) : 0); }
+
+  // at() in two steps, so that lanes can share a row's table entry: the page of row r (paged
+  // only: one read of the table), and the row's offset given its page.
+  int page(short r) const { return clamp(table[(key0 + r) / page_size], 0, pages - 1); }
+  steel_i64 at(short r, int page) const {
     if (!paged) return steel_i64(r) * ld;
-    const int key = key0 + r;
-    const int page = clamp(table[key / page_size], 0, pages - 1);
-    return steel_i64(page) * page_stride + steel_i64(key % page_size) * ld;
+    return steel_i64(page) * page_stride + steel_i64((key0 + r) % page_size) * ld;
   }
 };
 
@@ -101,66 +104,116 @@ struct AttnQuantFormat {
   bool scale_f32;  // scales and mins are float, else half
 };
 
-inline float attn_read_scale(const device uchar* p, bool f32, steel_i64 i) {
-  return f32 ? ((const device float*)p)[i] : float(((const device half*)p)[i]);
-}
-
 // Byte j (0 .. 15) of a 16-byte chunk read as four words (Apple GPUs are little-endian).
 inline uint attn_chunk_byte(uint4 w, short j) { return (w[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
 
+// The least power of two >= x (x >= 1).
+inline int attn_pow2_ceil(int x) { return x <= 1 ? 1 : 1 << (32 - int(clz(uint(x - 1)))); }
+
+// Eight values of T at a 16-byte aligned d: one 16-byte store for 2-byte types, two for float.
+template <typename T, int kSize = sizeof(T)>
+struct AttnStore8 {
+  static void store(threadgroup T* d, vec<T, 4> a, vec<T, 4> b) {
+    ((threadgroup vec<T, 4>*)d)[0] = a;
+    ((threadgroup vec<T, 4>*)d)[1] = b;
+  }
+};
+template <typename T>
+struct AttnStore8<T, 2> {
+  static void store(threadgroup T* d, vec<T, 4> a, vec<T, 4> b) {
+    *((threadgroup uint4*)d) = uint4(as_type<uint2>(a), as_type<uint2>(b));
+  }
+};
+
+// Eight 4-bit codes of a word (value 2j in byte j's low nibble) into values 0-3 (a) and 4-7
+// (b), x = q * s + m by one fma in C, rounded once into T. In float: the codes' bytes converted
+// (a word's low nibbles are values 0, 2, 4, 6, its high ones 1, 3, 5, 7).
+template <typename T, typename C>
+struct AttnDequant4 {
+  static void eight(uint w, C s, C m, thread vec<T, 4>& a, thread vec<T, 4>& b) {
+    const vec<C, 4> lo = fma(vec<C, 4>(as_type<uchar4>(w & 0x0F0F0F0Fu)), vec<C, 4>(s), vec<C, 4>(m));
+    const vec<C, 4> hi = fma(vec<C, 4>(as_type<uchar4>((w >> 4) & 0x0F0F0F0Fu)), vec<C, 4>(s),
+                                vec<C, 4>(m));
+    a = vec<T, 4>(vec<C, 4>(lo.x, hi.x, lo.y, hi.y));
+    b = vec<T, 4>(vec<C, 4>(lo.z, hi.z, lo.w, hi.w));
+  }
+};
+// In half, with no conversion: nibbles t and 4 + t of the word, moved to bits 0-3 of its two
+// halves under the exponent of 1024 (0x6400), are the half2 (1024 + q_t, 1024 + q_{4+t}), and
+// subtracting 1024 is exact.
+template <>
+struct AttnDequant4<half, half> {
+  static void eight(uint w, half s, half m, thread half4& a, thread half4& b) {
+    half2 x[4];
+#pragma clang loop unroll(full)
+    for (short t = 0; t < 4; ++t) {
+      const half2 q = as_type<half2>(((w >> (4 * t)) & 0x000F000Fu) | 0x64006400u) - half2(1024);
+      x[t] = fma(q, half2(s), half2(m));
+    }
+    a = half4(x[0].x, x[1].x, x[2].x, x[3].x);
+    b = half4(x[0].y, x[1].y, x[2].y, x[3].y);
+  }
+};
+
 // AttnTileLoader's tile, dequantized on the way in: the tile in threadgroup memory holds the
-// compute dtype T, so everything after the load is the unquantized path's. A thread takes one
-// scale group of a row (the whole row for one scale per row): it reads the group's scale (and
-// min) once, so that each is read from device memory once per tile (the K/V bytes of a decode
-// step are the codes plus the scales), and then its codes in 16-byte chunks (16 int8 or 32
-// 4-bit values; groups are multiples of a chunk, or the whole row). Columns past `valid_cols`
-// and rows past `valid_rows` are zeros, as in AttnTileLoader.
+// compute dtype T, so everything after the load is the unquantized path's.
+//
+// The work unit is one 16-byte chunk of codes (16 int8 or 32 4-bit values), consecutive
+// threads along a row as in AttnTileLoader, so all 128 threads take part whatever the format.
+// A scale group's chunks (a group: 32, 64 or 128 values, or a row's valid columns when there
+// is one scale per row) lie on consecutive lanes, `lanes` of them (the next power of two, so a
+// group never straddles two simdgroups): its first lane alone reads the group's scale and min
+// (and, in a paged cache, the row's table entry) and the others take them by a shuffle, so each
+// is read from device memory once per tile (the K/V bytes of a decode step are the codes plus
+// the scales). A code is converted once, straight into the type the value is computed in, and
+// the value rounded once into T (no step through float where T and the scales are half).
+// Columns past `valid_cols` and rows past `valid_rows` are zeros, as in AttnTileLoader.
 template <typename T, short kRows, short kCols, short kLd, short kThreads>
 struct AttnQuantTileLoader {
   static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
+  static_assert(kCols % 8 == 0, "head dims are multiples of 8");
+  // A row's units (below) are at most 128 for head dims up to 576: a pass covers whole rows.
+  static_assert(kThreads >= 128 && kThreads % 32 == 0 && kCols <= 576, "a pass: whole rows");
+  // Chunks a lane holds: one, but an int8 row of more than 32 chunks under one scale (head dim
+  // 576) is held by 32 lanes, some of which take a second chunk 32 on.
+  static constant constexpr short kLaneChunks = (kCols + 16 * 32 - 1) / (16 * 32);
 
-  // Values [0, n) of one chunk of codes at `s` into `d`, the first `valid` of them dequantized
-  // with scale and low (the min; 0 for int8), the rest zeros. `aligned`: `s` is 16-byte aligned.
-  static void chunk(threadgroup T* d, const device uchar* s, short n, short valid, float scale,
-                    float low, short bits, bool aligned) {
-    const short per_chunk = bits == 8 ? 16 : 32;
-    uint4 w = uint4(0);
-    if (aligned && valid == per_chunk) {
-      w = *((const device uint4*)s);
-    } else {
-      const short bytes = bits == 8 ? valid : (valid + 1) / 2;
-      for (short j = 0; j < bytes; ++j) w[j >> 2] |= uint(s[j]) << (8 * (j & 3));
-    }
-    if (bits == 8 && n == 16 && valid == 16) {
-      // A whole int8 chunk: no bounds, and four 4-wide stores (d starts a multiple of 16 values
-      // into a 16-byte aligned row, so it is 16-byte aligned). (4-bit chunks keep the scalar
-      // loop below: this form's nibble selects cost the model more than the stores save.)
-      threadgroup vec<T, 4>* d4 = (threadgroup vec<T, 4>*)d;
-#pragma clang loop unroll(full)
-      for (short j = 0; j < 4; ++j) {
-        vec<T, 4> x;
-#pragma clang loop unroll(full)
-        for (short e = 0; e < 4; ++e) {
-          const int code = int(attn_chunk_byte(w, 4 * j + e) ^ 0x80u) - 128;  // two's complement
-          x[e] = T(float(code) * scale);
-        }
-        d4[j] = x;
-      }
+  // Four codes into four values in C, rounded once into T: int8 q * s, 4-bit q * s + m (one
+  // fma). C is half where T and the scales are half (a code is exact in half and an int8 code
+  // times a half scale, or a 4-bit one's fma with a half min, rounds once), float otherwise.
+  template <typename C>
+  static vec<T, 4> int8x4(uint codes, C s) {
+    return vec<T, 4>(vec<C, 4>(as_type<char4>(codes)) * s);
+  }
+  // A whole chunk `w` (16 int8 or 32 4-bit values) into d (16-byte aligned: a multiple of 16
+  // values into a 16-byte aligned row), in 16-byte stores.
+  template <typename C, short kBits>
+  static void whole(threadgroup T* d, uint4 w, C s, C m) {
+    if (kBits == 8) {
+      AttnStore8<T>::store(d, int8x4<C>(w.x, s), int8x4<C>(w.y, s));
+      AttnStore8<T>::store(d + 8, int8x4<C>(w.z, s), int8x4<C>(w.w, s));
       return;
     }
-    if (bits == 8) {
 #pragma clang loop unroll(full)
-      for (short j = 0; j < 16; ++j) {
-        const int code = int(attn_chunk_byte(w, j) ^ 0x80u) - 128;  // two's complement
-        const float x = float(code) * scale;
+    for (short i = 0; i < 4; ++i) {  // word i: values 8i .. 8i + 7
+      vec<T, 4> a, b;
+      AttnDequant4<T, C>::eight(w[i], s, m, a, b);
+      AttnStore8<T>::store(d + 8 * i, a, b);
+    }
+  }
+
+  // Values [0, n) of a chunk whose first `valid` ones are codes (the rest zeros): a head dim's
+  // ragged edge. Element by element, bounded.
+  template <typename C, short kBits>
+  static void ragged(threadgroup T* d, uint4 w, short n, short valid, C s, C m) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < 16; ++j) {
+      const uint b = attn_chunk_byte(w, j);
+      if (kBits == 8) {
+        const C x = C(as_type<char>(uchar(b))) * s;
         if (j < n) d[j] = j < valid ? T(x) : T(0);
-      }
-    } else {
-#pragma clang loop unroll(full)
-      for (short j = 0; j < 16; ++j) {
-        const uint b = attn_chunk_byte(w, j);
-        const float x0 = float(b & 0xFu) * scale + low;
-        const float x1 = float(b >> 4) * scale + low;
+      } else {
+        const C x0 = fma(C(b & 0xFu), s, m), x1 = fma(C(b >> 4), s, m);
         if (2 * j < n) d[2 * j] = 2 * j < valid ? T(x0) : T(0);
         if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? T(x1) : T(0);
       }
@@ -172,27 +225,130 @@ struct AttnQuantTileLoader {
                    const device uchar* scales, const device uchar* mins, AttnKvRows scale_rows,
                    short valid_rows, short valid_cols, AttnQuantFormat f, bool vec,
                    ushort thread_index) {
-    const short per_chunk = f.bits == 8 ? 16 : 32;
-    const short groups_per_row = (kCols + f.group - 1) / f.group;
-    for (short u = short(thread_index); u < kRows * groups_per_row; u += kThreads) {
-      const short r = u / groups_per_row;
-      const short col0 = (u - r * groups_per_row) * f.group;
-      threadgroup T* d = dst + r * kLd + col0;
-      const short n = min(f.group, short(kCols - col0));  // the tile's columns in this group
-      const short valid = r < valid_rows ? max(short(0), min(n, short(valid_cols - col0))) : 0;
-      if (valid == 0) {  // nothing of it is read, its scale included
-        for (short j = 0; j < n; ++j) d[j] = T(0);
-        continue;
+    // The format's bits, the compute type and paged rows are template arguments: Metal's
+    // compiler folds the function constants they come from, and the simulator's counters then
+    // see the same straight code.
+    if (rows.paged) {
+      load_as_bits<true>(dst, src, rows, scales, mins, scale_rows, valid_rows, valid_cols, f, vec,
+                         thread_index);
+    } else {
+      load_as_bits<false>(dst, src, rows, scales, mins, scale_rows, valid_rows, valid_cols, f,
+                          vec, thread_index);
+    }
+  }
+
+  template <bool kPaged>
+  static void load_as_bits(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+                           const device uchar* scales, const device uchar* mins,
+                           AttnKvRows scale_rows, short valid_rows, short valid_cols,
+                           AttnQuantFormat f, bool vec, ushort thread_index) {
+    using CH = conditional_t<is_same<T, half>::value, half, float>;
+    if (f.bits == 8 && f.scale_f32) {
+      load_as<float, float, 8, kPaged>(dst, src, rows, scales, mins, scale_rows, valid_rows,
+                                       valid_cols, f.group, vec, thread_index);
+    } else if (f.bits == 8) {
+      load_as<CH, half, 8, kPaged>(dst, src, rows, scales, mins, scale_rows, valid_rows,
+                                   valid_cols, f.group, vec, thread_index);
+    } else if (f.scale_f32) {
+      load_as<float, float, 4, kPaged>(dst, src, rows, scales, mins, scale_rows, valid_rows,
+                                       valid_cols, f.group, vec, thread_index);
+    } else {
+      load_as<CH, half, 4, kPaged>(dst, src, rows, scales, mins, scale_rows, valid_rows,
+                                   valid_cols, f.group, vec, thread_index);
+    }
+  }
+
+  // C: the type values are computed in; S: the scales' and mins' type.
+  template <typename C, typename S, short kBits, bool kPaged>
+  static void load_as(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+                      const device uchar* scales, const device uchar* mins,
+                      AttnKvRows scale_rows, int valid_rows, int valid_cols, int group, bool vec,
+                      ushort thread_index) {
+    constexpr int kPer = kBits == 8 ? 16 : 32;  // values of a 16-byte chunk
+    constexpr int kRowChunks = (kCols + kPer - 1) / kPer;
+    // A group's chunks (with one scale per row: those of the row's valid columns; the chunks
+    // past them make a second group, never read), the lanes that hold it (a power of two), and
+    // a row's units, padded to a power of two so that a pass covers whole rows.
+    const int group_chunks = min((group + kPer - 1) / kPer, kRowChunks);
+    const int lanes = min(32, attn_pow2_ceil(group_chunks));
+    const int groups = (kRowChunks + group_chunks - 1) / group_chunks;
+    const int row_units = attn_pow2_ceil(groups * lanes);
+    const int rows_per_pass = kThreads / row_units;
+    const int passes = (kRows + rows_per_pass - 1) / rows_per_pass;
+    // This thread's unit: chunk k0 (and k0 + 32) of rows row0, row0 + rows_per_pass, ...
+    const int tid = thread_index;
+    const int row0 = tid / row_units;
+    const int g = (tid % row_units) / lanes;  // the group of the row
+    const int j = tid % lanes;                // the lane's place in it
+    const int k0 = g * group_chunks + j;
+    const ushort lead_lane = ushort((tid % 32) & ~(lanes - 1));
+    const bool lead = j == 0 && g < groups && k0 * kPer < valid_cols;
+    // Dense rows: the row's codes, scale and tile row advance by a pass's rows.
+    const device uchar* code = src + k0 * kPer * kBits / 8;
+    steel_i64 scale_at = g;
+    if (!kPaged) {
+      code += row0 * rows.ld;
+      scale_at += row0 * scale_rows.ld;
+    }
+    threadgroup T* d = dst + row0 * kLd + k0 * kPer;
+    // Every thread takes every pass, so each group's lanes shuffle together.
+    for (int pass = 0; pass < passes; ++pass) {
+      const int r = row0 + pass * rows_per_pass;
+      const bool row_read = r < valid_rows;
+      C s = C(0), m = C(0);
+      int page = 0;
+      if (lead && row_read) {
+        if (kPaged) {
+          page = rows.page(short(r));
+          scale_at = scale_rows.at(short(r), page) + g;
+        }
+        s = C(((const device S*)scales)[scale_at]);
+        if (kBits == 4) m = C(((const device S*)mins)[scale_at]);
       }
-      const steel_i64 g = scale_rows.at(r) + col0 / f.group;
-      const float scale = attn_read_scale(scales, f.scale_f32, g);
-      const float low = f.bits == 4 ? attn_read_scale(mins, f.scale_f32, g) : 0.0f;
-      const device uchar* s = src + rows.at(r) + (f.bits == 8 ? col0 : col0 / 2);
-      for (short c = 0; c < n; c += per_chunk) {
-        const short cn = min(per_chunk, short(n - c));
-        const short cv = max(short(0), min(cn, short(valid - c)));
-        chunk(d + c, s + (f.bits == 8 ? c : c / 2), cn, cv, scale, low, f.bits, vec);
+      if (lanes > 1) {
+        s = simd_shuffle(s, lead_lane);
+        if (kBits == 4) m = simd_shuffle(m, lead_lane);
+        if (kPaged) page = simd_shuffle(page, lead_lane);
       }
+      if (kPaged && row_read) code = src + rows.at(short(r), page) + k0 * kPer * kBits / 8;
+      if (r < kRows && g < groups) {
+#pragma clang loop unroll(full)
+        for (int c = 0; c < kLaneChunks; ++c) {
+          const int k = k0 + 32 * c;  // the chunk of the row
+          if (j + 32 * c >= group_chunks || k >= kRowChunks) continue;
+          const int n = min(kPer, kCols - k * kPer);  // the tile's columns in it
+          const int valid = row_read ? clamp(valid_cols - k * kPer, 0, n) : 0;
+          chunk<C, kBits>(d + 32 * c * kPer, code + 32 * c * kPer * kBits / 8, n, valid, vec, s, m);
+        }
+      }
+      if (!kPaged) {
+        code += rows_per_pass * rows.ld;
+        scale_at += rows_per_pass * scale_rows.ld;
+      }
+      d += rows_per_pass * kLd;
+    }
+  }
+
+  // One chunk: `n` tile columns at d, of which the first `valid` are the codes at p.
+  template <typename C, short kBits>
+  static void chunk(threadgroup T* d, const device uchar* p, int n, int valid, bool vec, C s,
+                    C m) {
+    constexpr int kPer = kBits == 8 ? 16 : 32;
+    if (valid == 0) {  // nothing of it is read
+      for (int e = 0; e < n; e += 8) AttnStore8<T>::store(d + e, vec<T, 4>(0), vec<T, 4>(0));
+      return;
+    }
+    uint4 w = uint4(0);
+    if (vec && valid == kPer) {
+      w = *((const device uint4*)p);
+    } else {  // each byte of the chunk's codes read once
+      const int bytes = valid * kBits / 8;
+      for (int b = 0; b < bytes; ++b) w[b >> 2] |= uint(p[b]) << (8 * (b & 3));
+    }
+    if (valid == kPer) {
+      whole<C, kBits>(d, w, s, m);
+    } else {
+      ragged<C, kBits>(d, w, short(n), short(valid), s, m);
     }
   }
 };
