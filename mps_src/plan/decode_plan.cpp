@@ -64,14 +64,16 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
 // estimate (timing.steel_kernel_info). decode.h keeps 8x8 fp32 fragments live across its key
 // loop (the Q and O rows, de / 8 and dv / 8, the score tile, key tile / 8, and one operand), two
 // registers a lane each; decode_vector.h keeps per lane, for each of its rows
-// (STEEL_ATTN_DECODE_VECTOR_ROWS / 4), its ceil(de / 32) q and ceil(dv / 32) o elements, the
-// running max and sum, the score, and the row's head, index and flag. Both add 24 scalars
-// (indices, pointers). tests/plan/test_decode_plan.py checks the split against timing.py's
-// residency so the two agree.
+// (STEEL_ATTN_DECODE_VECTOR_ROWS / row sets, params.h), its q and o elements
+// (steel_attn_decode_vector_elems), the running max and sum and the score. Both add 24 scalars
+// (indices, pointers, the rows' heads and indices). tests/plan/test_decode_plan.py checks the
+// split against timing.py's residency so the two agree.
 int64_t decode_registers(const Common& c, bool vector) {
   if (vector) {
-    return STEEL_ATTN_DECODE_VECTOR_ROWS / STEEL_ATTN_SIMDGROUPS *
-               (ceil_div(c.kernel.de, 32) + ceil_div(c.kernel.dv, 32) + 6) +
+    return STEEL_ATTN_DECODE_VECTOR_ROWS /
+               steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                                 static_cast<int>(dtype_size(c.dtype))) *
+               steel_attn_decode_vector_row_registers(c.kernel.de, c.kernel.dv) +
            24;
   }
   return 2 * (c.kernel.de / 8 + c.kernel.dv / 8 + key_tile(c) / 8 + 1) + 24;
@@ -186,11 +188,14 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   }
 
   Dispatch k;
-  k.kernel = std::string(decode_vector(group, dec.rows, options) ? "steel_attention_decode_vector_"
-                                                                 : "steel_attention_decode_") +
-             dtype_tag(c.dtype) + "_e" +
-             std::to_string(c.kernel.de) + "_v" + std::to_string(c.kernel.dv);
+  const bool vector = decode_vector(group, dec.rows, options);
+  k.kernel = std::string(vector ? "steel_attention_decode_vector_" : "steel_attention_decode_") +
+             dtype_tag(c.dtype) + "_e" + std::to_string(c.kernel.de) + "_v" +
+             std::to_string(c.kernel.dv);
   k.constants = constants;
+  if (vector) {
+    k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
+  }
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {
       k.bindings.push_back(params);

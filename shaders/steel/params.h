@@ -359,6 +359,7 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 // decode.h; they share alignment, mask, diagonals, sinks, softcap, batch and varlen).
 #define STEEL_ATTN_FC_SPLIT 322  // bool: the keys are split; partials go to the merge kernel
 #define STEEL_ATTN_FC_PAGED 323  // bool: K and V are page pools read through a block table
+#define STEEL_ATTN_FC_DECODE_ROWS 340  // int: the vector decode kernel's packed rows, heads x L
 
 // Buffer indices of the decode kernels beyond the forward's (q .. cu_seqlens_k as there; the
 // decode kernels take AttnDecodeParams at STEEL_ATTN_BUF_PARAMS).
@@ -376,6 +377,39 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 // The vector decode kernel (attn/decode_vector.h): packed rows per threadgroup, two per
 // simdgroup; the planner takes it where the GQA group's rows fit (attn::decode_vector).
 #define STEEL_ATTN_DECODE_VECTOR_ROWS 8
+// Its layout: the 4 simdgroups form row sets (rows r = set + sets * n of the 8) x key sets (a
+// simdgroup takes 1 / key sets of every key tile); each simdgroup converts a K or V element it
+// reads once for all its rows, so fewer row sets convert less. Per lane a row keeps its q and o
+// elements (steel_attn_decode_vector_elems: ceil(d / 32) in whole chunks of
+// steel_attn_decode_vector_vec) and 3 scalars. The row sets are the fewest (1, 2, 4) whose rows'
+// registers, with 24 scalars, still let a GPU core hold as many threadgroups of 128 threads as
+// the K/V tiles do (a core's 3072 threads, 61440 bytes of threadgroup memory and 212992 bytes of
+// registers: torch_steel/sim/chips.json, mirrored in timing.py): registers never cost residency.
+constexpr int steel_attn_decode_vector_vec(int d) { return d % 128 == 0 ? 4 : d % 64 == 0 ? 2 : 1; }
+constexpr int steel_attn_decode_vector_elems(int d) {
+  return (d + 32 * steel_attn_decode_vector_vec(d) - 1) / (32 * steel_attn_decode_vector_vec(d)) *
+         steel_attn_decode_vector_vec(d);
+}
+constexpr int steel_attn_decode_vector_row_registers(int de, int dv) {
+  return steel_attn_decode_vector_elems(de) + steel_attn_decode_vector_elems(dv) + 3;
+}
+constexpr int steel_attn_decode_vector_budget(int de, int dv, int elem_bytes) {
+  return 212992 / 4 /
+             ((61440 / steel_attn_threadgroup_bytes(de, dv, elem_bytes) < 24
+                   ? 61440 / steel_attn_threadgroup_bytes(de, dv, elem_bytes)
+                   : 24) *
+              128) -
+         24;
+}
+constexpr int steel_attn_decode_vector_row_sets(int de, int dv, int elem_bytes) {
+  return STEEL_ATTN_DECODE_VECTOR_ROWS * steel_attn_decode_vector_row_registers(de, dv) <=
+                 steel_attn_decode_vector_budget(de, dv, elem_bytes)
+             ? 1
+         : STEEL_ATTN_DECODE_VECTOR_ROWS / 2 * steel_attn_decode_vector_row_registers(de, dv) <=
+                 steel_attn_decode_vector_budget(de, dv, elem_bytes)
+             ? 2
+             : 4;
+}
 
 // The decode kernels' run-time values: the forward's, the split of the keys, and the paged
 // cache. Partials of query row i of head h of batch entry (or sequence) zb, partition s, are

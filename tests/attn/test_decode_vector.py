@@ -24,6 +24,7 @@ from attn_helpers import (
 )
 
 from torch_steel import ops, sim
+from torch_steel.sim import timing
 
 pytestmark = requires_simulator
 
@@ -77,6 +78,20 @@ def test_head_dims(E, Ev):
     q, k, v = qkv(1, 4, 1, 97, E, Ev, Hkv=1, dtype=torch.bfloat16)
     kernel, _ = check(q, k, v, num_splits=2)
     assert kernel == f"steel_attention_decode_vector_bf16_e{E}_v{Ev}"
+
+
+# The kernel's 4 simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets,
+# mirrored by timing._decode_vector_row_sets): at 2 row sets an odd row count leaves set 1 a
+# slot short (the tested slots), and 2 or 4 key sets meet in the combining rounds. Each head dim
+# here takes a different split at f16: d64 and d256 2 row sets x 2 key sets, d128 1 x 4.
+@pytest.mark.parametrize("E,row_sets", [(64, 2), (128, 1), (256, 2)])
+@pytest.mark.parametrize("group,L", [(1, 3), (3, 1), (1, 1)])
+def test_row_and_key_sets(E, row_sets, group, L):
+    assert timing._decode_vector_row_sets(E, E, 2) == row_sets
+    q, k, v = qkv(1, 2 * group, L, 95, E, Hkv=2, dtype=torch.float16)
+    kernel, _ = check(q, k, v, num_splits=1, is_causal=True, causal_align="bottom_right")
+    assert kernel == f"steel_attention_decode_vector_f16_e{E}_v{E}"
+    check(q, k, v, num_splits=2, sinks=torch.randn(2 * group))
 
 
 def test_strided_views_and_masks():

@@ -67,8 +67,24 @@ _REDUCTION_SHUFFLES = 5
 # loop bounds, a row's softmax statistics): an assumption, see steel_kernel_info.
 _BASE_REGISTERS = 24
 # STEEL_ATTN_DECODE_VECTOR_ROWS of shaders/steel/params.h: the vector decode kernel's packed rows,
-# over its 4 simdgroups.
+# over its row sets (1, 2 or 4: the fewest whose rows' registers let a core hold as many
+# threadgroups as the K/V tiles do; steel_attn_decode_vector_row_sets), and a row's q or o
+# elements per lane (steel_attn_decode_vector_elems).
 _DECODE_VECTOR_ROWS = 8
+
+
+def _decode_vector_elems(d: int) -> int:
+    vec = 4 if d % 128 == 0 else 2 if d % 64 == 0 else 1
+    return -(-d // (32 * vec)) * vec
+
+
+def _decode_vector_row_sets(de: int, dv: int, elem_bytes: int) -> int:
+    row = _decode_vector_elems(de) + _decode_vector_elems(dv) + 3
+    by_tiles = min(24, 61440 // _attn_threadgroup_bytes(de, dv, elem_bytes))
+    budget = 212992 // 4 // (by_tiles * 128) - _BASE_REGISTERS
+    return next((s for s in (1, 2) if _DECODE_VECTOR_ROWS // s * row <= budget), 4)
+
+
 BOUNDS = ("compute", "threadgroup_memory", "cache", "dram")
 
 
@@ -199,10 +215,11 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
     m = re.match(r"steel_attention_decode_vector_(f16|bf16|f32)_e(\d+)_v(\d+)$", kernel)
     if m:
         dt, de, dv = m.group(1), int(m.group(2)), int(m.group(3))
-        rows, qe, qv = _DECODE_VECTOR_ROWS // 4, -(-de // 32), -(-dv // 32)
-        registers = rows * (qe + qv + 6) + _BASE_REGISTERS
+        qe, qv = _decode_vector_elems(de), _decode_vector_elems(dv)
+        rows = _DECODE_VECTOR_ROWS // _decode_vector_row_sets(de, dv, _ELEM_BYTES[dt])
+        registers = rows * (qe + qv + 3) + _BASE_REGISTERS
         basis = (f"{rows} rows a lane x ({qe} q + {qv} o elements + the running max and sum, the "
-                 f"score, the row's head, index and flag) + {_BASE_REGISTERS} scalars")  # fmt: skip
+                 f"score) + {_BASE_REGISTERS} scalars")  # fmt: skip
         return {"registers": registers, "register_basis": basis, "mma_dtype": "float",
                 "threadgroup_memory": _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])}  # fmt: skip
     m = re.match(

@@ -1,17 +1,23 @@
 // The vector decode kernel: decode.h's launch (grid, GQA packing, split-K partials, dense,
 // varlen and paged addressing, quantized K/V: AttnDecodeBlock and AttnDecodeParams) with no MMA.
 // With one token per query head a GQA-packed block of decode.h holds group x L real rows of its
-// 32, and its 8x8 MMAs run on all 32: 4 in 32 real at GQA 4, 1 in 32 at MHA. Here each
-// simdgroup owns up to kRows packed rows (head h0 + g, query row i0 + i, as decode.h packs
-// them) and the threadgroup's STEEL_ATTN_DECODE_VECTOR_ROWS rows share every K and V tile, still
-// staged once per KV head in threadgroup memory by the shared tile loader (the dequantizing one
-// for quantized K/V), so the device bytes are decode.h's.
-//   - lane c holds dims c, c + 32, ... of its rows' q (prescaled, fp32) and o accumulators;
-//   - a key's score is one simd_sum of the lanes' partial dots; lane j keeps key j's score of
-//     the tile (BK <= 32), so the transforms (score.h), the tile max and sum are one lane per
-//     key, and the online softmax's max correction is a simd_max across the lanes;
-//   - o += p_j V_j reads p_j from lane j by a shuffle and V_j's row from the tile.
-// Rows beyond the packed ones (simdgroups without a row) load tiles and compute nothing.
+// 32, and its 8x8 MMAs run on all 32: 4 in 32 real at GQA 4, 1 in 32 at MHA. Here the
+// threadgroup's STEEL_ATTN_DECODE_VECTOR_ROWS packed rows (head h0 + g, query row i0 + i, as
+// decode.h packs them) share every K and V tile, staged once per KV head in threadgroup memory
+// by the shared tile loader (the dequantizing one for quantized K/V), so the device bytes are
+// decode.h's. The 4 simdgroups are row sets x key sets (params.h,
+// steel_attn_decode_vector_row_sets): a simdgroup holds the rows r = set + sets * n and takes
+// its key set's 1 / key sets of every tile, so each K and V element it reads (one vector load
+// of steel_attn_decode_vector_vec elements) is converted to fp32 once for all its rows:
+//   - lane c holds elements (32 * k + c) * vec + e of its rows' q (prescaled, fp32) and o;
+//   - a key's score is one simd_sum of the lanes' partial dots; lane j keeps the score of the
+//     simdgroup's key j of the tile, so the transforms (score.h), the tile max and sum are one
+//     lane per key, and the online softmax's max correction is a simd_max across the lanes;
+//   - o += p_j V_j reads p_j from lane j by a shuffle and V_j's row from the tile;
+//   - after the last tile the key sets' (max, sum, o) of each row are combined in threadgroup
+//     memory, half of the sets into the other half per round (log-sum-exp, in set order), and
+//     key set 0 stores the rows (or their partials, split).
+// Rows beyond the packed ones compute nothing; every simdgroup loads tiles.
 #pragma once
 
 #include <metal_stdlib>
@@ -21,16 +27,70 @@
 
 using namespace metal;
 
+// The packed rows of every threadgroup of the dispatch (heads_per_tg x row_block <=
+// STEEL_ATTN_DECODE_VECTOR_ROWS): the rows a simdgroup runs are known when the pipeline is made,
+// so a dense call tests no row in its key loops.
+constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
+
 namespace steel {
 
 template <typename T, short DE, short DV>
 struct AttnDecodeVector {
   using A = AttnForward<T, DE, DV>;
-  static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / STEEL_ATTN_SIMDGROUPS;
-  static constant constexpr short QE = (DE + 31) / 32;  // q elements per lane and row
-  static constant constexpr short QV = (DV + 31) / 32;  // o elements per lane and row
-  static_assert(A::BK <= 32, "one key of the tile per lane");
+  static constant constexpr short kRowSets = short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T))));
+  static constant constexpr short kKeySets = STEEL_ATTN_SIMDGROUPS / kRowSets;
+  static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / kRowSets;
+  static constant constexpr short kKeys = A::BK / kKeySets;  // a simdgroup's keys of a tile
+  static constant constexpr short kVecE = short(steel_attn_decode_vector_vec(DE));
+  static constant constexpr short kVecV = short(steel_attn_decode_vector_vec(DV));
+  static constant constexpr short QE = short(steel_attn_decode_vector_elems(DE));  // per lane
+  static constant constexpr short QV = short(steel_attn_decode_vector_elems(DV));
+  // One combining round's slots (half the key sets), each the rows' o, then their max and sum.
+  static constant constexpr int kSlotFloats = kRows * (DV + 2);
+  static_assert(kKeys >= 1 && kKeys <= 32, "one key of the simdgroup's share per lane");
+  // Slot n of row set `set` is packed row set + kRowSets * n: slots past the dispatch's rows
+  // exist in no threadgroup (compile time), and the others are all real unless a sequence
+  // (varlen, paged) has fewer query rows than the dispatch or the row sets split the rows
+  // unevenly; only then is each slot tested.
+  static bool live(short n) { return n < (attn_decode_rows + kRowSets - 1) / kRowSets; }
+  static bool tested() { return attn_varlen || attn_decode_rows % kRowSets != 0; }
+  static_assert(kKeySets == 1 || kKeySets / 2 * kSlotFloats * 4 <= A::kTileElems * int(sizeof(T)),
+                "the combining round fits the K/V tiles' threadgroup memory");
 };
+
+// N consecutive elements of a tile row as fp32, in one load where N is 2 or 4 (the address is
+// N elements aligned: tile rows start 16-byte aligned and lanes start N elements apart).
+template <typename T, short N>
+inline void attn_vector_read(thread float* dst, const threadgroup T* src) {
+  if (N == 4) {
+    const vec<T, 4> x = *((const threadgroup vec<T, 4>*)src);
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 4; ++e) dst[e] = float(x[e]);
+  } else if (N == 2) {
+    const vec<T, 2> x = *((const threadgroup vec<T, 2>*)src);
+    dst[0] = float(x[0]);
+    dst[1] = float(x[1]);
+  } else {
+    dst[0] = float(src[0]);
+  }
+}
+
+// This lane's elements of one tile row (D columns, vec N): element c * N + e of the lane's
+// share is column (32 * c + lane) * N + e; past D (only where D is not whole 32-lane chunks,
+// compile time) they read as 0.
+template <typename T, short D, short N, short Q>
+inline void attn_vector_row(thread float* dst, const threadgroup T* row, ushort lane) {
+#pragma clang loop unroll(full)
+  for (short c = 0; c < Q / N; ++c) {
+    const int col = (32 * c + int(lane)) * N;
+    if (D % (32 * N) == 0 || col < D) {
+      attn_vector_read<T, N>(dst + c * N, row + col);
+    } else {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < N; ++e) dst[c * N + e] = 0.0f;
+    }
+  }
+}
 
 template <typename T, short DE, short DV>
 inline void attention_decode_vector_block(
@@ -48,27 +108,36 @@ inline void attention_decode_vector_block(
   const int i0 = b.i0, last_row = b.last_row, split = b.split, zb = b.zb, h0 = b.h0;
   const AttnDecodeQueries xq = b.xq;
   const AttnExtent ext = b.ext;
+  const short row_set = short(simdgroup) % V::kRowSets;
+  const short key_set = short(simdgroup) / V::kRowSets;
 
-  // This simdgroup's rows: packed row r = simdgroup + 4 * n. A row that is not real keeps a
-  // head and query row of the block for its addresses and reads nothing through them.
+  // This simdgroup's rows: slot s = row_set + kRowSets * n is head h0 + s / R, query row
+  // i0 + s % R, for the R = last_row - i0 + 1 rows of the block (so the real slots come first,
+  // heads_per_tg x R of them). A slot that is not real keeps a head and query row of the block
+  // for its addresses and reads nothing through them.
+  const int block_rows = last_row - i0 + 1;
   int rh[V::kRows], ri[V::kRows];
   bool rok[V::kRows];
   float qv[V::kRows][V::QE], ov[V::kRows][V::QV];
   OnlineSoftmax sm[V::kRows];
   const short E = short(p.E), Ev = short(p.Ev);
-  // Split partitions leave the sink to the merge, which must count it once.
-  const bool sink_here = attn_sinks != kSteelAttnOperandNone && !attn_split;
+  // Split partitions leave the sink to the merge, which must count it once; of the key sets,
+  // set 0 counts it.
+  const bool sink_here = attn_sinks != kSteelAttnOperandNone && !attn_split && key_set == 0;
+  #pragma clang loop unroll(full)
   for (short n = 0; n < V::kRows; ++n) {
-    const int r = simdgroup + STEEL_ATTN_SIMDGROUPS * n;
-    const int g = r / dp.row_block;
-    rok[n] = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
-    ri[n] = min(i0 + r - g * dp.row_block, last_row);
+    const int r = row_set + V::kRowSets * n;
+    const int g = r / block_rows;
+    rok[n] = V::live(n) && g < dp.heads_per_tg;
+    ri[n] = i0 + r - g * block_rows;
     rh[n] = h0 + min(g, dp.heads_per_tg - 1);
     const device T* qrow = q + xq.q_off + rh[n] * p.q_hs + ri[n] * p.q_rs;
+    #pragma clang loop unroll(full)
     for (short c = 0; c < V::QE; ++c) {
-      const int d = c * 32 + lane;
+      const int d = (32 * (c / V::kVecE) + lane) * V::kVecE + c % V::kVecE;
       qv[n][c] = rok[n] && d < E ? float(qrow[d]) * p.q_scale : 0.0f;
     }
+    #pragma clang loop unroll(full)
     for (short c = 0; c < V::QV; ++c) ov[n][c] = 0.0f;
     if (sink_here) {
       const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, rh[n]);
@@ -88,6 +157,7 @@ inline void attention_decode_vector_block(
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
+  const short j0 = key_set * V::kKeys;  // this simdgroup's first key of every tile
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
@@ -99,36 +169,44 @@ inline void attention_decode_vector_block(
     if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Scores: lane j ends with key key0 + j's score of each row (-inf past the tile).
+    // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past kKeys). Each
+    // key row is read and converted once, for all rows.
     float s[V::kRows];
-    const int key = key0 + lane;
-    for (short n = 0; n < V::kRows; ++n) {
-      s[n] = -INFINITY;
-      if (!rok[n]) continue;  // uniform over the simdgroup
-      // Key j's row from this lane's first dim. A bound only where the head dim is not whole
-      // 32-lane chunks (compile time), and a select, not a branch, for the lane that keeps it.
-      const threadgroup T* kj = Ks + lane;
-      for (short j = 0; j < A::BK; ++j, kj += A::kLdK) {
+    #pragma clang loop unroll(full)
+    for (short n = 0; n < V::kRows; ++n) s[n] = -INFINITY;
+    const threadgroup T* kj = Ks + j0 * A::kLdK;
+    for (short j = 0; j < V::kKeys; ++j, kj += A::kLdK) {
+      float kf[V::QE];
+      attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
+      #pragma clang loop unroll(full)
+      for (short n = 0; n < V::kRows; ++n) {
+        if (!V::live(n) || (V::tested() && !rok[n])) continue;  // uniform
         float dot = 0.0f;
-        for (short c = 0; c < V::QE; ++c) {
-          if (DE % 32 == 0 || c * 32 + int(lane) < DE) dot += qv[n][c] * float(kj[c * 32]);
-        }
+        #pragma clang loop unroll(full)
+        for (short c = 0; c < V::QE; ++c) dot += qv[n][c] * kf[c];
         dot = simd_sum(dot);
         s[n] = short(lane) == j ? dot : s[n];
       }
-      if (lane < A::BK) {
-        const steel_i64 mask_row = b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs;
+    }
+    const int key = key0 + j0 + lane;
+    #pragma clang loop unroll(full)
+    for (short n = 0; n < V::kRows; ++n) {
+      if (!V::live(n) || (V::tested() && !rok[n])) continue;
+      if (lane < V::kKeys) {
+        const steel_i64 mask_row =
+            attn_mask != kSteelAttnMaskNone ? b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs : 0;
         float th = 0.0f;
         s[n] = attn_score<T>(s[n], p, ext, ri[n], key, true, mask, mask_row + key * m_cs, edge,
                              th);
       }
-      // The online softmax across the tile's lanes: m' = max(m, max_j s_j).
+      // The online softmax across the simdgroup's lanes: m' = max(m, max_j s_j).
       const float m_new = max(sm[n].m, simd_max(s[n]));
       const float shift = m_new == -INFINITY ? 0.0f : m_new;
       const float factor = exp2((sm[n].m - shift) * attn_exp_unit);
       s[n] = exp2((s[n] - shift) * attn_exp_unit);
       sm[n].l = sm[n].l * factor + simd_sum(s[n]);
       sm[n].m = m_new;
+      #pragma clang loop unroll(full)
       for (short c = 0; c < V::QV; ++c) ov[n][c] *= factor;
     }
 
@@ -137,27 +215,77 @@ inline void attention_decode_vector_block(
       b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    const threadgroup T* Vt = A::alias() ? Ks : Vs;
     const short ldv = A::alias() ? A::kLdK : A::kLdV;
-    for (short n = 0; n < V::kRows; ++n) {
-      if (!rok[n]) continue;
-      const threadgroup T* vj = Vt + lane;
-      for (short j = 0; j < A::BK; ++j, vj += ldv) {
+    const threadgroup T* vj = (A::alias() ? Ks : Vs) + j0 * ldv;
+    for (short j = 0; j < V::kKeys; ++j, vj += ldv) {
+      float vf[V::QV];
+      attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
+      #pragma clang loop unroll(full)
+      for (short n = 0; n < V::kRows; ++n) {
+        if (!V::live(n) || (V::tested() && !rok[n])) continue;
         const float pj = simd_shuffle(s[n], ushort(j));
-        for (short c = 0; c < V::QV; ++c) {
-          if (DV % 32 == 0 || c * 32 + int(lane) < DV) ov[n][c] += pj * float(vj[c * 32]);
-        }
+        #pragma clang loop unroll(full)
+        for (short c = 0; c < V::QV; ++c) ov[n][c] += pj * vf[c];
       }
     }
   }
 
+  // The key sets' rows, combined: in each round sets [half, 2 half) leave (o, m, l) of their
+  // rows in slot set - half and sets [0, half) fold slot set in. Uniform loop: every simdgroup
+  // meets every barrier.
+  threadgroup float* slots = (threadgroup float*)smem;
+  for (short half = V::kKeySets / 2; half > 0; half /= 2) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tiles' (or the last round's) reads
+    if (key_set >= half && key_set < 2 * half) {
+      threadgroup float* slot = slots + ((key_set - half) * V::kRowSets + row_set) * V::kSlotFloats;
+      #pragma clang loop unroll(full)
+      for (short n = 0; n < V::kRows; ++n) {
+        if (!V::live(n) || (V::tested() && !rok[n])) continue;
+        #pragma clang loop unroll(full)
+        for (short c = 0; c < V::QV; ++c) {
+          const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
+          if (DV % (32 * V::kVecV) == 0 || d < DV) slot[n * DV + d] = ov[n][c];
+        }
+        if (lane == 0) {
+          slot[V::kRows * DV + 2 * n] = sm[n].m;
+          slot[V::kRows * DV + 2 * n + 1] = sm[n].l;
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (key_set < half) {
+      const threadgroup float* slot = slots + (key_set * V::kRowSets + row_set) * V::kSlotFloats;
+      #pragma clang loop unroll(full)
+      for (short n = 0; n < V::kRows; ++n) {
+        if (!V::live(n) || (V::tested() && !rok[n])) continue;
+        const float m_b = slot[V::kRows * DV + 2 * n], l_b = slot[V::kRows * DV + 2 * n + 1];
+        const float m_new = max(sm[n].m, m_b);
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;
+        const float fa = exp2((sm[n].m - shift) * attn_exp_unit);
+        const float fb = exp2((m_b - shift) * attn_exp_unit);
+        sm[n].l = sm[n].l * fa + l_b * fb;
+        sm[n].m = m_new;
+        #pragma clang loop unroll(full)
+        for (short c = 0; c < V::QV; ++c) {
+          const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
+          const float o_b = DV % (32 * V::kVecV) == 0 || d < DV ? slot[n * DV + d] : 0.0f;
+          ov[n][c] = ov[n][c] * fa + o_b * fb;
+        }
+      }
+    }
+  }
+  if (key_set != 0) return;  // no barrier follows
+
+  #pragma clang loop unroll(full)
+
   for (short n = 0; n < V::kRows; ++n) {
-    if (!rok[n]) continue;  // no barrier follows
+    if (!V::live(n) || (V::tested() && !rok[n])) continue;
     const int h = rh[n], i = ri[n];
     if (attn_split) {
       const steel_i64 pr = attn_partial_row(dp, zb, h, i) + split;
+      #pragma clang loop unroll(full)
       for (short c = 0; c < V::QV; ++c) {
-        const int d = c * 32 + lane;
+        const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
         if (d < Ev) part_o[pr * p.Ev + d] = ov[n][c];
       }
       if (lane == 0) {
@@ -167,8 +295,9 @@ inline void attention_decode_vector_block(
     } else {
       const float inv = sm[n].inverse_sum();
       device T* orow = out + xq.o_off + h * p.o_hs + i * p.o_rs;
+      #pragma clang loop unroll(full)
       for (short c = 0; c < V::QV; ++c) {
-        const int d = c * 32 + lane;
+        const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
         if (d < Ev) orow[d] = T(ov[n][c] * inv);
       }
       if (attn_lse && lane == 0) lse[xq.lse_off + h * xq.lse_hs + i] = sm[n].lse();
