@@ -55,6 +55,22 @@ def test_lengths(L, S, dtype):
     check(q, k, v)
 
 
+# Keys one past and one short of a whole number of 32-key tiles (S % 32 in {1, 31}; 16-key
+# tiles see 1 and 15) behind interior tiles: the forward loads and scores a tile that crosses no
+# boundary without bounds or element tests (forward.h), so the tile that does cross one must be
+# told apart exactly. Query rows likewise 1 past and 1 short of the 32-row blocks.
+@pytest.mark.parametrize("L,S", [(97, 95), (95, 97), (64, 129)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "D,dtype",
+    [(64, torch.float16), (128, torch.float16), (128, torch.bfloat16), (64, torch.float32)],
+    ids=str,
+)
+def test_interior_and_edge_key_tiles(L, S, causal, D, dtype):
+    q, k, v = qkv(1, 4, L, S, D, Hkv=2, dtype=dtype)
+    check(q, k, v, is_causal=causal, causal_align="bottom_right", enable_gqa=True)
+
+
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("L,S", [(1, 100), (7, 7), (33, 100), (100, 33), (257, 257)])
 def test_causal(L, S, align):

@@ -60,6 +60,14 @@ constant bool attn_v_scale_f32 [[function_constant(STEEL_ATTN_FC_V_SCALE_F32)]];
 
 namespace steel {
 
+// The lane's element of fragment (0, 0) of a tile read by attn_mma_bt (lane element (d, j) at
+// tile[j * kLd + d]) and by attn_mma_b (element (j, n) at tile[j * kLd + n]): the offset is the
+// same for every tile, so a loop over tiles forms it once.
+template <short kLd>
+inline short attn_bt_offset(ushort lane) { return frag_col(lane) * kLd + frag_row(lane); }
+template <short kLd>
+inline short attn_b_offset(ushort lane) { return frag_row(lane) * kLd + frag_col(lane); }
+
 // Tile sizes of the kernel for head dims DE (q, k) and DV (v, out); params.h has the rules.
 template <typename T, short DE, short DV>
 struct AttnForward {
@@ -91,9 +99,21 @@ struct AttnForward {
   // rows; the planner sets the constant only then (attn::kv_alias).
   static constant constexpr bool kCanAlias = DV <= DE;
   static bool alias() { return kCanAlias && attn_kv_alias; }
-  // O += P V, V from its own tile or from the K tile.
+  // O += P V, V from its own tile or from the K tile: `Vb` is the lane's element of fragment
+  // (0, 0) of that tile (attn_b_offset).
   static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
-                     const threadgroup T* Ks, const threadgroup T* Vs, ushort lane);
+                     const threadgroup T* Vb);
+  static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
+                     const threadgroup T* Ks, const threadgroup T* Vs, ushort lane) {
+    mma_pv(o, s, pv_tile(Ks, Vs) + pv_offset(lane));
+  }
+  // The tile P V reads.
+  static const threadgroup T* pv_tile(const threadgroup T* Ks, const threadgroup T* Vs) {
+    return alias() ? Ks : Vs;
+  }
+  static short pv_offset(ushort lane) {
+    return alias() ? attn_b_offset<kLdK>(lane) : attn_b_offset<kLdV>(lane);
+  }
 };
 
 // The scale and min buffers of a quantized pipeline and where their rows lie (absent, never
@@ -190,13 +210,12 @@ inline void attn_load_row_frags(thread FragTile<1, N>& f, const device T* row_pt
 
 // acc[j] += a[d] * tile^T over d < TA, j < TC: tile (threadgroup memory, rows of kLd) holds
 // the B operand transposed, as K holds K^T for Q K^T (lane element (d, j) at tile[j * kLd + d]).
-// Every product of the kernels' loops is one of these two shapes, in this order.
+// Every product of the kernels' loops is one of these two shapes, in this order. `base` is the
+// lane's element of fragment (0, 0) (attn_bt_offset); every other fragment is a compile-time
+// offset from it once both loops are unrolled, so the loop forms no addresses per product.
 template <typename T, short kLd, short TA, short TC>
-inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
-                        const threadgroup T* tile, ushort lane) {
-  // The lane's element of fragment (0, 0); every other fragment is a compile-time offset from
-  // it once both loops are unrolled, so the loop forms no addresses per product.
-  const threadgroup T* base = tile + frag_col(lane) * kLd + frag_row(lane);
+inline void attn_mma_bt_at(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                           const threadgroup T* base) {
 #pragma clang loop unroll(full)
   for (short d = 0; d < TA; ++d) {
 #pragma clang loop unroll(full)
@@ -208,11 +227,17 @@ inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA
   }
 }
 
-// acc[n] += a[j] * tile over j < TA, n < TC: tile holds the B operand as it lies (V for P V).
 template <typename T, short kLd, short TA, short TC>
-inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
-                       const threadgroup T* tile, ushort lane) {
-  const threadgroup T* base = tile + frag_row(lane) * kLd + frag_col(lane);  // as attn_mma_bt
+inline void attn_mma_bt(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                        const threadgroup T* tile, ushort lane) {
+  attn_mma_bt_at<T, kLd>(acc, a, tile + attn_bt_offset<kLd>(lane));
+}
+
+// acc[n] += a[j] * tile over j < TA, n < TC: tile holds the B operand as it lies (V for P V);
+// `base` as attn_mma_bt_at's (attn_b_offset).
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_b_at(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                          const threadgroup T* base) {
 #pragma clang loop unroll(full)
   for (short j = 0; j < TA; ++j) {
 #pragma clang loop unroll(full)
@@ -224,15 +249,20 @@ inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>
   }
 }
 
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                       const threadgroup T* tile, ushort lane) {
+  attn_mma_b_at<T, kLd>(acc, a, tile + attn_b_offset<kLd>(lane));
+}
+
 template <typename T, short DE, short DV>
 inline void AttnForward<T, DE, DV>::mma_pv(thread FragTile<1, TV>& o,
                                            thread const FragTile<1, TK>& s,
-                                           const threadgroup T* Ks, const threadgroup T* Vs,
-                                           ushort lane) {
+                                           const threadgroup T* Vb) {
   if (alias()) {
-    attn_mma_b<T, kLdK>(o, s, Ks, lane);
+    attn_mma_b_at<T, kLdK>(o, s, Vb);
   } else {
-    attn_mma_b<T, kLdV>(o, s, Vs, lane);
+    attn_mma_b_at<T, kLdV>(o, s, Vb);
   }
 }
 
@@ -392,6 +422,10 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   // the loop would read its bytes again per lane and per key tile.
   const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
   const short E = short(p.E), Ev = short(p.Ev);
+  const threadgroup T* Kb = Ks + attn_bt_offset<A::kLdK>(lane);  // the lane's fragment bases
+  const threadgroup T* Vb = A::pv_tile(Ks, Vs) + A::pv_offset(lane);
+  const typename A::LoaderK::Place k_place = A::LoaderK::whole_place(k_rs, thread_index);
+  const typename A::LoaderV::Place v_place = A::LoaderV::whole_place(v_rs, thread_index);
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
@@ -402,16 +436,16 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     if (attn_quant) {
       kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k, thread_index);
     } else {
-      A::LoaderK::load(Ks, k + key0 * k_rs, k_rs, valid, E, whole && attn_align_e,
-                       attn_vec_k, thread_index);
+      A::LoaderK::load_tile(Ks, k + key0 * k_rs, k_rs, k_place, valid, E, whole && attn_align_e,
+                            attn_vec_k, thread_index);
     }
     if (!A::kShared && !A::alias()) {
       if (attn_quant) {
         vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
                                                     thread_index);
       } else {
-        A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev, whole && attn_align_ev,
-                         attn_vec_v, thread_index);
+        A::LoaderV::load_tile(Vs, v + key0 * v_rs, v_rs, v_place, valid, Ev, whole && attn_align_ev,
+                              attn_vec_v, thread_index);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -419,9 +453,13 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     // S = Q K^T: the K tile read transposed (lane element (d, key) at Ks[key * ld + d]).
     FragTile<1, A::TK> s;
     s.clear();
-    attn_mma_bt<T, A::kLdK>(s, qf, Ks, lane);
+    attn_mma_bt_at<T, A::kLdK>(s, qf, Kb);
 
-    attn_transform_scores<T, A::TK>(s, p, ext, row, key0, row_ok, mask, mask_row, edge, lane);
+    // A tile that crosses no boundary, without softcap or mask, has nothing to transform:
+    // skipping the call skips its per-element key and mask offsets too.
+    if (attn_softcap || attn_mask != kSteelAttnMaskNone || edge) {
+      attn_transform_scores<T, A::TK>(s, p, ext, row, key0, row_ok, mask, mask_row, edge, lane);
+    }
     const float factor = sm.update<A::TK>(s);
     for (short n = 0; n < A::TV; ++n) {
       o.frag[n].thread_elements()[0] *= factor;
@@ -438,14 +476,14 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
         vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
                                                     thread_index);
       } else {
-        A::LoaderV::load(Vs, v + key0 * v_rs, v_rs, valid, Ev, whole && attn_align_ev,
-                         attn_vec_v, thread_index);
+        A::LoaderV::load_tile(Vs, v + key0 * v_rs, v_rs, v_place, valid, Ev, whole && attn_align_ev,
+                              attn_vec_v, thread_index);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
     // O += P V: the probabilities are already in the A-operand layout of a fragment.
-    A::mma_pv(o, s, Ks, Vs, lane);
+    A::mma_pv(o, s, Vb);
   }
 
   if (!row_ok) return;  // no barrier follows

@@ -92,6 +92,68 @@ struct AttnTileLoader {
                    short valid_cols, bool full, bool vec, ushort thread_index) {
     load(dst, src, attn_dense_rows(src_ld), valid_rows, valid_cols, full, vec, thread_index);
   }
+
+  // A thread's chunks of a whole tile (every row and column valid) of dense rows, for the
+  // key tiles of the prefill forward: found once, before the loop over tiles (whole_place),
+  // they are the same for every tile. Where the threads cover whole rows (kThreads a multiple
+  // of kChunksPerRow) a thread's chunks stay in one column, kStep rows apart, so that the tile
+  // offsets of its chunks are compile-time steps from its first and the device pointer moves by
+  // one add per chunk, with no bound tested (load() forms both addresses and tests the bounds
+  // per chunk). Otherwise load_whole is load() with `full`.
+  static constant constexpr bool kColumns = kThreads % kChunksPerRow == 0;
+  static constant constexpr short kStep = kColumns ? kThreads / kChunksPerRow : 1;
+  static constant constexpr short kPer = (kChunks + kThreads - 1) / kThreads;
+  struct Place {
+    short r;            // the thread's first row
+    short dst;          // its first chunk's tile offset
+    steel_i64 src;      // and device offset
+    steel_i64 step;     // device elements from one of its chunks to the next (kStep rows)
+  };
+  static Place whole_place(steel_i64 src_ld, ushort thread_index) {
+    Place w;
+    w.r = kColumns ? short(thread_index) / kChunksPerRow : 0;
+    const short col = (short(thread_index) - w.r * kChunksPerRow) * kVec;
+    w.dst = w.r * kLd + col;
+    w.src = w.r * src_ld + col;
+    w.step = kStep * src_ld;
+    return w;
+  }
+
+  // `src`: the tile's first row (as load()'s).
+  static void load_whole(threadgroup T* dst, const device T* src, steel_i64 src_ld, Place w,
+                         bool vec, ushort thread_index) {
+    if (!kColumns) {
+      load(dst, src, src_ld, kRows, kCols, true, vec, thread_index);
+      return;
+    }
+    threadgroup T* d = dst + w.dst;
+    const device T* s = src + w.src;
+#pragma clang loop unroll(full)
+    for (short i = 0; i < kPer; ++i) {
+      // Only when the chunks do not divide among the threads: the last round's spare threads.
+      if (kChunks % kThreads == 0 || w.r + i * kStep < kRows) {
+        threadgroup T* di = d + i * kStep * kLd;
+        if (vec) {
+          *((threadgroup Chunk*)di) = *((const device Chunk*)s);
+        } else {
+#pragma clang loop unroll(full)
+          for (short j = 0; j < kVec; ++j) di[j] = s[j];
+        }
+      }
+      if (i + 1 < kPer) s += w.step;
+    }
+  }
+
+  // load() of dense rows, through load_whole() when `full`.
+  static void load_tile(threadgroup T* dst, const device T* src, steel_i64 src_ld, Place w,
+                        short valid_rows, short valid_cols, bool full, bool vec,
+                        ushort thread_index) {
+    if (full) {
+      load_whole(dst, src, src_ld, w, vec, thread_index);
+    } else {
+      load(dst, src, src_ld, valid_rows, valid_cols, false, vec, thread_index);
+    }
+  }
 };
 
 // Quantized K/V (torch_steel.kv): int8 codes (x = q * s) or two 4-bit codes per byte, element
