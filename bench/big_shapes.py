@@ -18,16 +18,19 @@ tests/sim/test_bench_predict.py (test_fitted_counters_*, test_reuse_model_*):
      the big grid's threadgroups over the small one's.
    The test checks the fit against a whole run of a mid-size shape: equal counters.
 2. DRAM bytes, from a reuse model (reuse_dram) instead of the cache model's replay: each
-   threadgroup reads pieces of its tensors (attention: its own query rows, and K/V in chunks of
-   key rows, the causal ones up to its diagonal; the backward's dK/dV blocks the query-side
-   rows after theirs; GEMM: its band of A rows and of B columns). Threadgroups are resident in
-   waves in dispatch order as in the cache model; within a wave they run in lockstep, so a
-   piece that several of them read is read from DRAM once; across waves, the pieces live in an
-   LRU of the system-level cache's size, and a wave whose pieces exceed it streams through it
-   and leaves nothing that the next wave, starting over from the first key, can use (LRU's
-   streaming pattern). Bytes written reach DRAM once (the fitted counters' written bytes).
-   The test compares it with the cache model's replay of a whole mid-size run, with caches
-   small enough for K/V to be re-read, and bounds the error (the bound is stated there).
+   threadgroup reads pieces of its tensors in order (attention: its own query rows, and K/V in
+   chunks of key rows, the causal ones up to its diagonal; the backward's dK/dV blocks the
+   query-side rows after theirs; GEMM: its band of A rows and of B columns, in steps of K),
+   then writes its share of the dispatch's written bytes. Threadgroups are resident in waves
+   in dispatch order as in the cache model; within a wave they run in lockstep, their traces
+   interleaved piece by piece, through one LRU of the system-level cache's size: a piece it
+   holds is not read again (so one that several threadgroups of a wave read comes from DRAM
+   once), written bytes take room as the replay's write-allocate lines do (and are counted
+   once, as written), and a wave whose footprint passes the LRU's size loses what LRU loses
+   (a cyclic walk over more than it holds misses throughout). The tests compare it with the
+   cache model's replay of whole mid-size runs of the forward, the backward's kernels and a
+   GEMM, with caches small enough for K/V to be re-read, and bound the error (the bounds and
+   the measured errors are stated there).
 """
 
 from __future__ import annotations
@@ -114,34 +117,44 @@ def reuse_dram(
     resident: int,
     capacity: int,
     pieces_of: Callable[[int], Iterable[Piece]],
+    written: float = 0,
 ) -> int:
     """Bytes read from DRAM: threadgroups in waves of `resident` in linear-id order, each
-    reading pieces_of(id); a wave reads each distinct piece once, unless the LRU of `capacity`
-    bytes holds it from an earlier wave (see the module's docstring)."""
+    reading pieces_of(id) in that order and then writing `written` bytes (the dispatch's
+    written bytes over its threadgroups). A wave's threadgroups run in lockstep: their traces
+    are interleaved piece by piece (the first piece of each, then the second, ...; a trace that
+    ends drops out), through one LRU of `capacity` bytes that lasts the dispatch. A piece it
+    holds is not read again (so one that several threadgroups of a wave read comes from DRAM
+    once); written bytes are read from nowhere but take room, as the cache model's
+    write-allocate lines do (see the module's docstring)."""
     cache: OrderedDict[Any, int] = OrderedDict()
     held = total = 0
     for start in range(0, threadgroups, resident):
-        wave: dict[Any, int] = {}
-        for t in range(start, min(start + resident, threadgroups)):
-            for key, size in pieces_of(t):
-                wave[key] = size
-        for key, size in wave.items():
-            if key in cache:
-                cache.move_to_end(key)
-            else:
-                total += size
-        if sum(wave.values()) > capacity:
-            cache.clear()
-            held = 0
-            continue
-        for key, size in wave.items():
-            if key not in cache:
+        ids = range(start, min(start + resident, threadgroups))
+        traces = [list(pieces_of(t)) for t in ids]
+        if written:
+            for t, trace in zip(ids, traces, strict=True):
+                trace.append(((_WRITTEN, t), round(written)))
+        for step in range(max(map(len, traces), default=0)):
+            for trace in traces:
+                if step >= len(trace):
+                    continue
+                key, size = trace[step]
+                if key in cache:
+                    cache.move_to_end(key)
+                    continue
+                if key[0] != _WRITTEN:
+                    total += size
                 cache[key] = size
                 held += size
-        while held > capacity:
-            _, size = cache.popitem(last=False)
-            held -= size
+                while held > capacity:
+                    _, out = cache.popitem(last=False)
+                    held -= out
     return total
+
+
+# the key of a threadgroup's written bytes in reuse_dram
+_WRITTEN = "written"
 
 
 def _chunks(lo: int, hi: int, rows: int) -> range:
@@ -161,7 +174,7 @@ def attention_pieces(
     L, S, D, es = shape["L"], shape["S"], shape["D"], shape["es"]
     group = shape["Hq"] // shape["Hkv"]
     causal = shape["causal"]
-    chunk = max(64, S // 64)  # key (or query) rows per piece: at most ~64 pieces per block
+    chunk = max(32, S // 64)  # key (or query) rows per piece: at most ~64 pieces per block
 
     def where(t):
         x, rest = t % nx, t // nx
@@ -219,7 +232,9 @@ def gemm_pieces(
 ) -> Callable[[int], list[Piece]] | None:
     """pieces_of(threadgroup id) for steel's GEMM (shaders/steel/gemm/gemm.h: the grid is
     (tiles_n << swizzle, ceil(tiles_m >> swizzle), batch); tile_n = x >> swizzle, tile_m =
-    (y << swizzle) + (x & (2^swizzle - 1))): its bm x K band of A and K x bn band of B."""
+    (y << swizzle) + (x & (2^swizzle - 1))): its bm x K band of A and K x bn band of B, in
+    pieces of `chunk` steps of K, the two bands' pieces of one step together (the order the
+    kernel walks them)."""
     m = re.search(r"_bm(\d+)_bn(\d+)_", kernel)
     if not kernel.startswith("steel_gemm_") or not m:
         return None
@@ -227,6 +242,7 @@ def gemm_pieces(
     M, N, K, es = shape["M"], shape["N"], shape["K"], shape["es"]
     gx, gy = int(grid[0]), int(grid[1])
     swizzle = int(math.log2(gx // -(-N // bn)))
+    chunk = max(64, K // 64)  # K per piece: at most ~64 steps of each band
 
     def pieces(t):
         x, rest = t % gx, t // gx
@@ -236,6 +252,13 @@ def gemm_pieces(
             return []
         rows = min(bm, M - tile_m * bm)
         cols = min(bn, N - tile_n * bn)
-        return [(("a", batch, tile_m), rows * K * es), (("b", tile_n), cols * K * es)]
+        out = []
+        for c in _chunks(0, K, chunk):  # both bands, walked along K together
+            depth = min(chunk, K - c * chunk)
+            out += [
+                (("a", batch, tile_m, c), rows * depth * es),
+                (("b", tile_n, c), cols * depth * es),
+            ]
+        return out
 
     return pieces

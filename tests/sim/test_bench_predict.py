@@ -119,6 +119,36 @@ def test_head_reduction_is_exact(dtype):
     assert math.prod(whole["grid"]) == Hkv * math.prod(part["grid"])
 
 
+@pytest.mark.parametrize(("tokens", "hq", "hkv"), [(4, 16, 4), (1, 8, 8)])
+def test_decode_head_reduction_pins_the_split(tokens, hq, hkv):
+    """Decode's split is chosen from the whole grid, so one KV group alone plans more key
+    partitions (here 3 on one core, 4 for one group); the bench then pins the full shape's
+    count (side_by_side._reduced_options) and the reduced run's counters times Hkv equal the
+    full run's, every counter, for the MMA decode (4 tokens, GQA 16/4) and the vector one (one
+    token, MHA), S = 1000 (not a multiple of the key tile)."""
+    import attention_predict
+    import side_by_side
+
+    D, S = 64, 1000
+    opts = {**attention_predict._options(D, False), "gpu_cores": 1}
+
+    def make(device, reduced):
+        dims = (1, hq // hkv, 1) if reduced else (1, hq, hkv)
+        return [*attention_predict._qkv(*dims, tokens, S, D, torch.float16, device), None, None]
+
+    full = sim.plan("sdpa", make("meta", False), opts)
+    unpinned = sim.plan("sdpa", make("meta", True), opts)
+    assert not side_by_side._same_kernels(full, unpinned, hkv)  # the case the pinning is for
+    pinned, ok = side_by_side._reduced_options("sdpa", make, opts, full, hkv)
+    assert ok and pinned["num_splits"] > 1
+    _, whole = sim.run_op("sdpa", make("cpu", False), opts, counters=True)
+    _, one = sim.run_op("sdpa", make("cpu", True), pinned, counters=True)
+    assert len(whole) == 2  # the split pass and its merge
+    assert ("vector" in whole[0]["kernel"]) == (tokens == 1)
+    scaled = [side_by_side.scale_counters(c, hkv) for c in one]
+    assert [_strip(c) for c in scaled] == [_strip(c) for c in whole]
+
+
 def test_composite_training_ops_follow_torch():
     """The composite path's kernels, traced from torch's _scaled_dot_product_attention_math
     (pytorch_composite.py): the four products of the backward and the two of the forward, each
@@ -206,33 +236,74 @@ def test_fitted_counters_equal_a_whole_run(causal, kernels):
         assert f == w
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(
-    ("slc_kb", "resident"),
-    [(48, 4), (64, 2), (1024, 8)],  # K/V re-read per wave (thrash), and K/V kept (fits)
-)
-def test_reuse_model_against_the_cache_model(causal, slc_kb, resident):
-    """big_shapes.reuse_dram beside the cache model's replay of a whole run (steel's forward,
-    L = S = 512, d64, one head: K and V 128 KB, 16 query blocks), with an L2 of 16 KB and an SLC
-    below or far above a wave's footprint. Bound: the reuse model is within 15% of the replay
-    (measured -0.2% to -12.5%: it counts no partial reuse of lines the replay keeps across
-    waves). Near the boundary (a wave's footprint about the SLC's size) it is worse: at 160 KB
-    and 8 resident it gives -40% (it keeps K/V whole, the replay's LRU loses part of them);
-    the bench's shapes are far from it (their SLCs of 8-96 MB against K/V of 1-4 MB per head)."""
-    import attention_predict
+def _reuse_against_replay(op, tensors, meta, opts, shape, slc_kb, resident):
+    """[(kernel, reuse model's DRAM reads / the cache model's replay - 1)] of each dispatch of
+    one whole run, with an L2 of 16 KB and an SLC of slc_kb (small enough for a wave of a
+    tiny shape to spill it)."""
     import big_shapes
+
+    plan = sim.plan(op, meta, opts)
+    cache = {"l2_bytes": 16 << 10, "slc_bytes": slc_kb << 10, "resident_threadgroups": resident}
+    _, counters = sim.run_op(op, tensors, opts, counters=True, checkers=False, cache=cache)
+    out = []
+    for d, c in zip(plan.dispatches, counters, strict=True):
+        pieces = big_shapes.attention_pieces(d.kernel, d.grid, shape)
+        assert pieces is not None, d.kernel
+        groups = math.prod(d.grid)
+        inline = {b.index for b in d.bindings if b.kind == "bytes"}
+        written = sum(int(b["written"]) for i, b in c["buffers"].items() if int(i) not in inline)
+        estimate = big_shapes.reuse_dram(groups, resident, slc_kb << 10, pieces, written / groups)
+        out.append((d.kernel, estimate / c["dram_read"] - 1))
+    return out
+
+
+# (SLC KB, resident threadgroups) against L = S = 512 d64 of one head (K and V 128 KB, 16 blocks
+# of 32 rows): K/V re-read every wave (48/4, 64/2), a wave's footprint about the SLC's (160/8,
+# 128/4: the replay's LRU keeps part of it), and kept whole (256/8, 1024/8).
+_CACHES = [(48, 4), (64, 2), (128, 4), (160, 8), (256, 8), (1024, 8)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("slc_kb", "resident"), _CACHES)
+def test_reuse_model_against_the_cache_model(causal, slc_kb, resident):
+    """big_shapes.reuse_dram beside the cache model's replay of a whole run of steel's forward.
+    Bound 3%: measured -0.4% to -0.2% (the replay's extra lines are the params struct's and
+    the lse's partial lines). The wave's traces interleaved piece by piece through one LRU, with
+    the written rows taking room as the replay's write-allocate lines do, are what brought the
+    boundary cases in: the earlier model (a wave's distinct pieces read once, the LRU cleared
+    when they overflow it, writes ignored) gave -40% at 160/8 and -27% at 128/4 causal."""
+    import attention_predict
 
     L, D = 512, 64
     make = attention_predict._maker(1, 1, 1, 1, 1, 1, L, D, torch.float16)
     opts = attention_predict._options(D, causal)
-    (d,) = sim.plan("sdpa", make("meta", False), opts).dispatches
-    cache = {"l2_bytes": 16 << 10, "slc_bytes": slc_kb << 10, "resident_threadgroups": resident}
-    _, (c,) = sim.run_op("sdpa", make("cpu", False), opts, counters=True, checkers=False,
-                         cache=cache)  # fmt: skip
     shape = {"B": 1, "Hq": 1, "Hkv": 1, "L": L, "S": L, "D": D, "causal": causal, "es": 2}
-    pieces = big_shapes.attention_pieces(d.kernel, d.grid, shape)
-    estimate = big_shapes.reuse_dram(math.prod(d.grid), resident, slc_kb << 10, pieces)
-    assert abs(estimate / c["dram_read"] - 1) <= 0.15, (estimate, c["dram_read"])
+    errors = _reuse_against_replay("sdpa", make("cpu", False), make("meta", False), opts,
+                                   shape, slc_kb, resident)  # fmt: skip
+    assert all(abs(e) <= 0.03 for _, e in errors), errors
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("slc_kb", "resident"), [(48, 4), (128, 4), (160, 8), (256, 8)])
+def test_backward_reuse_model_against_the_cache_model(causal, slc_kb, resident):
+    """The same for steel's backward (delta, dK/dV and dQ kernels: the fitted training rows'
+    DRAM). Bound 15%: measured within 2% on every kernel but the causal dK/dV, -11.4% (48/4),
+    +9.9% (128/4), +12.3% (160/8). Its key block x reads the query-side rows from x's diagonal
+    on, so a wave's threadgroups start at different rows and the model's 32-row pieces (the
+    replay's are 128-byte lines) and single LRU (the replay's L2 of 16 KB is a second level
+    beside the SLC, not in the model) decide more of the overlap; a full-size chip's L2 is
+    small beside its SLC, so that difference shrinks there. Non-causal dK/dV at 256/8 was -34%
+    before the written bytes took room (test_reuse_model_against_the_cache_model)."""
+    import attention_predict
+
+    L, D = 512, 64
+    opts = attention_predict._options(D, causal)
+    shape = {"B": 1, "Hq": 1, "Hkv": 1, "L": L, "S": L, "D": D, "causal": causal, "es": 2}
+    tensors = attention_predict._backward_inputs(1, 1, 1, L, D, torch.float16, "cpu")
+    meta = attention_predict._backward_inputs(1, 1, 1, L, D, torch.float16, "meta")
+    errors = _reuse_against_replay("sdpa_backward", tensors, meta, opts, shape, slc_kb, resident)
+    assert [k.split("_")[3] for k, _ in errors] == ["delta", "dkdv", "dq"]
+    assert all(abs(e) <= 0.15 for _, e in errors), errors
 
 
 def test_fitted_gemm_counters_equal_a_whole_run():
@@ -258,6 +329,38 @@ def test_fitted_gemm_counters_equal_a_whole_run():
     assert fitted == whole
 
 
+def test_fitted_gemm_keeps_a_narrow_output_whole():
+    """A narrow output (M = 32, as the MLP row's 32 x 11008) is fitted on its whole grid, so the
+    plan keeps its tile (cut to a corner it would plan a smaller one): the fit's runs at K = 128
+    and 256 plan the big shape's kernel, and the fitted counters at K = 512 equal its whole
+    run's, every counter."""
+    import big_shapes
+    import gemm_predict
+
+    m, n, k = 32, 640, 512
+    fit = gemm_predict._fit(("t", 1, m, n, k), torch.float16)
+
+    def make(device, reduced):
+        g = torch.Generator().manual_seed(k)
+        a, b = torch.randn(m, k, generator=g).half(), torch.randn(k, n, generator=g).half()
+        return [a.to(device), b.to(device), None, None]
+
+    full = sim.plan("gemm", make("meta", False), {})
+    for k0 in fit["points"]:
+        small = sim.plan("gemm", fit["make_at"](k0)("meta", False), {})
+        assert [d.grid for d in small.dispatches] == [d.grid for d in full.dispatches]
+        assert [d.kernel for d in small.dispatches] == [d.kernel for d in full.dispatches]
+    runs = [
+        sim.run_op("gemm", fit["make_at"](k0)("cpu", False), {}, counters=True, checkers=False)[1]
+        for k0 in fit["points"]
+    ]
+    (fitted,) = big_shapes.fit_counters(runs, fit["points"], k, fit["scale"](full, small))
+    (whole,) = sim.run_op("gemm", make("cpu", False), {}, counters=True, checkers=False)[1]
+    fitted.pop("sampled")
+    whole.pop("sampled", None)
+    assert fitted == whole
+
+
 def _gemm_maker(k, mn=128):
     def make(device, reduced):
         g = torch.Generator().manual_seed(k)
@@ -267,11 +370,13 @@ def _gemm_maker(k, mn=128):
     return make
 
 
-@pytest.mark.parametrize(("slc_kb", "resident"), [(64, 8), (256, 4), (4096, 16)])
+@pytest.mark.parametrize(("slc_kb", "resident"), [(64, 8), (128, 8), (256, 4), (4096, 16)])
 def test_gemm_reuse_model_against_the_cache_model(slc_kb, resident):
     """big_shapes.gemm_pieces + reuse_dram beside the cache model's replay of a whole 512^3
-    GEMM (A and B 512 KB each; L2 16 KB): within 1% (measured 0.0-0.1%, the replay's lines of
-    the params and the partial last line)."""
+    GEMM (A and B 512 KB each; L2 16 KB), C's written bytes taking room as in the bench: within
+    1% (measured 0.0-0.1%, the replay's lines of the params and the partial last line). The
+    bands are pieces of K (the kernel walks both along K): as whole bands, the LRU of 64 KB
+    dropped bands the replay keeps in part and the model gave +67% at 64/8."""
     import big_shapes
 
     a, b = torch.randn(512, 512).half(), torch.randn(512, 512).half()
@@ -280,7 +385,9 @@ def test_gemm_reuse_model_against_the_cache_model(slc_kb, resident):
     _, (c,) = sim.run_op("gemm", [a, b, None, None], {}, counters=True, checkers=False,
                          cache=cache)  # fmt: skip
     pieces = big_shapes.gemm_pieces(d.kernel, d.grid, {"M": 512, "N": 512, "K": 512, "es": 2})
-    estimate = big_shapes.reuse_dram(math.prod(d.grid), resident, slc_kb << 10, pieces)
+    groups = math.prod(d.grid)
+    written = 512 * 512 * 2 / groups
+    estimate = big_shapes.reuse_dram(groups, resident, slc_kb << 10, pieces, written)
     assert abs(estimate / c["dram_read"] - 1) <= 0.01, (estimate, c["dram_read"])
 
 
