@@ -37,7 +37,8 @@ namespace steel {
 template <typename T, short DE, short DV>
 struct AttnDecodeVector {
   using A = AttnForward<T, DE, DV>;
-  static constant constexpr short kRowSets = short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T))));
+  static constant constexpr short kRowSets =
+      short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T))));
   static constant constexpr short kKeySets = STEEL_ATTN_SIMDGROUPS / kRowSets;
   static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / kRowSets;
   static constant constexpr short kKeys = A::BK / kKeySets;  // a simdgroup's keys of a tile

@@ -193,9 +193,10 @@ struct AttnStore8<T, 2> {
 template <typename T, typename C>
 struct AttnDequant4 {
   static void eight(uint w, C s, C m, thread vec<T, 4>& a, thread vec<T, 4>& b) {
-    const vec<C, 4> lo = fma(vec<C, 4>(as_type<uchar4>(w & 0x0F0F0F0Fu)), vec<C, 4>(s), vec<C, 4>(m));
-    const vec<C, 4> hi = fma(vec<C, 4>(as_type<uchar4>((w >> 4) & 0x0F0F0F0Fu)), vec<C, 4>(s),
-                                vec<C, 4>(m));
+    const vec<C, 4> lo =
+        fma(vec<C, 4>(as_type<uchar4>(w & 0x0F0F0F0Fu)), vec<C, 4>(s), vec<C, 4>(m));
+    const vec<C, 4> hi =
+        fma(vec<C, 4>(as_type<uchar4>((w >> 4) & 0x0F0F0F0Fu)), vec<C, 4>(s), vec<C, 4>(m));
     a = vec<T, 4>(vec<C, 4>(lo.x, hi.x, lo.y, hi.y));
     b = vec<T, 4>(vec<C, 4>(lo.z, hi.z, lo.w, hi.w));
   }
