@@ -663,14 +663,14 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
 
 
 def decode_model(plan, seqs, es, mask_es, sinks_es):
-    """Per dispatch of a decode plan, ({binding: {"read", "written"}}, MMAs), from decode.h's
-    loops (decode_vector.h's move the same bytes and run no MMA). `seqs` lists (L, S) per batch
-    entry or sequence. Every threadgroup of the partial kernel reads its rows' q (each split
-    again: q is small), the K and V rows of the key tiles of its partition that some row may see
-    (bounded at S and the head dims), the mask of its rows there, one block-table entry per
-    16-byte chunk it loads (paged), and writes out and lse (one pass) or the fp32 partials; the
-    merge reads each row's partials once. Every lane reads the cu_seqlens / seqused_k entries and
-    the sink it needs."""
+    """Per dispatch of a decode plan, ({binding: {"read", "written"}}, MMAs), from decode.h's loops
+    (decode_vector.h's move the same bytes but q and run no MMA). `seqs` lists (L, S) per batch
+    entry or sequence. Every threadgroup of the partial kernel reads its rows' q (each split again,
+    and in the vector kernel each key set again: q is small), the K and V rows of the key tiles
+    of its partition that some row may see (bounded at S and the head dims), the mask of its
+    rows there, one block-table entry per 16-byte chunk it loads (paged), and writes out and lse
+    (one pass) or the fp32 partials; the merge reads each row's partials once. Every lane reads
+    the cu_seqlens / seqused_k entries and the sink it needs."""
     d = plan.dispatches[0]
     p = decode_params(d)
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
@@ -698,6 +698,10 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
     mma = tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
     if d.kernel.startswith("steel_attention_decode_vector_"):
         mma = 0
+        # Its simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets):
+        # each key set loads its rows' q into registers, so q is read once per key set.
+        key_sets = THREADS // 32 // timing._decode_vector_row_sets(de, dv, es)
+        buffers[BUF_Q]["read"] *= key_sets
     models = [(buffers, mma)]
     if split:
         merge: dict[int, dict[str, int]] = {}
