@@ -17,6 +17,7 @@ from fuzz_helpers import (
     fixed,
     fuzz,
     fuzz_mark,
+    loss_weights,
     reference_scores,
     requires_simulator,
     row_score_error,
@@ -60,9 +61,7 @@ def gradients(t, kwargs, dropout, backend, dtype, mask_grad=False, mask=None, ls
         out, lse = torch_steel.sdpa(inputs["q"], inputs["k"], inputs["v"], mask,
                                     sinks=inputs.get("sinks"), return_lse=True, dropout_p=dropout,
                                     seed=1234, **kwargs)  # fmt: skip
-        gen = torch.Generator().manual_seed(5)
-        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-        w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
+        g, w = loss_weights(out.shape, lse.shape[-1], t["q"].dtype)
         finite = torch.isfinite(lse)
         loss = (out * g.to(out.dtype)).sum()
         if lse_grad:
@@ -240,6 +239,27 @@ def test_dsinks_of_rows_that_see_no_key():
     assert set(got) == {"dq", "dk", "dv", "dsinks"}
     for name, x in got.items():
         assert bool((x == 0).all()), f"{name}: {x.abs().max()}"
+
+
+def test_dv_of_one_key_seen_by_every_row():
+    """The eighth fuzz campaign's case (issue 31, test_fuzz_sdpa_backward_dmask): f16, L = 128,
+    S = 1, E = 32, Ev = 1 with V a prefix view of K, an f16 mask [1, 1] (-1.31, the key
+    visible) that requires grad. Every row's softmax is the key alone, P = 1, so dv is the
+    sum of dO's 128 rows, 0.168 out of a sum of |dO| of 97. The kernel was exact to its
+    output's rounding; the oracle differentiated a float64 dO where the kernel receives the
+    float16 one (loss_weights), 6.6e-4 apart in that cancelling sum."""
+    c = Layout.contiguous(4)
+    mask = MaskSpec(torch.float16, (1, 1), Layout.contiguous(2), "random", 0.0, "-inf")
+    call = SdpaCall(torch.float16, (1,), (1,), 1, 1, 128, 1, 32, 1, c, c, c, mask, False,
+                    "top_left", None, None, None, None, 0, False, True)  # fmt: skip
+    t, _ = call.build()
+    assert float(t["attn_mask"]) > -2  # the key is visible to every row
+    assert backward_serves(call, 0.0)
+    compare_backward(call, 0.0, True)
+    with strict_sim():
+        out, g, got, _ = gradients(t, call.kwargs(), 0.0, "sim", torch.float16, True)
+    want = g.sum(-2)  # P = 1: dv is the sum of the dO the kernel received, rounded to f16
+    assert float((got["dv"].double() - want).abs().max()) <= 2.0**-11 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("L,S,packed", [(0, 0, True), (0, 5, False), (5, 0, False)])

@@ -13,7 +13,7 @@ byte changed.
 from __future__ import annotations
 
 import torch
-from fuzz_helpers import fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
+from fuzz_helpers import fixed, fuzz, fuzz_mark, loss_weights, requires_simulator, strict_sim
 from hypothesis import assume, given
 from strategies import MAX_BACKWARD_HEAD_DIM, varlen_calls
 from test_fuzz_sdpa_backward import assert_gradients_close, sink_terms
@@ -36,8 +36,7 @@ def gradients(call, t, backend, dtype):
         out, lse = torch_steel.sdpa_varlen(inputs["q"], inputs["k"], inputs["v"], cu_q, cu_k,
                                            max_q, max_k, sinks=inputs.get("sinks"),
                                            return_lse=True, **call.kwargs())  # fmt: skip
-        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        w = torch.linspace(-1, 1, lse.shape[-1], dtype=torch.float64)
+        g, w = loss_weights(out.shape, lse.shape[-1], call.dtype)
         finite = torch.where(torch.isfinite(lse), lse, 0)
         loss = (out * g.to(out.dtype)).sum() + (finite * w.to(lse.dtype)).sum()
         grads = torch.autograd.grad(loss, list(inputs.values()))
