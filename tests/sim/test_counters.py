@@ -241,6 +241,26 @@ def test_instructions_conversions_compare_select():
     assert mem == memory(device_loads=2, device_stores=2)
 
 
+def test_instructions_reductions_issue_no_alu():
+    """A simd reduction is one operation of its own (the reductions counter), not the shim's
+    fold over the lanes: simd_max and simd_min once counted 31 max instructions per call,
+    through the marker of the metal::max they folded with."""
+    x = torch.randn(32)
+    h = x.half().float()
+    want = x.max() + x.min() + x.sum()
+    want_h = (h.max().half() + h.min().half() + h.half().sum(dtype=torch.float32).half()).float()
+    out = x.clone()
+    c, mem = run_mix("exec_mix_reductions", buffers={0: out})
+    # The half sum runs in half precision lane by lane: 32 roundings of at most 2^-11 of a
+    # partial sum, each under sum |x|.
+    assert bool(((out - (want + want_h)).abs() <= 32 * 2.0**-11 * float(x.abs().sum())).all())
+    assert c["reductions"] == 6
+    # fp32: 2 adds; half: 2 adds; conversions: float to half once, the half sum back once;
+    # the zext and one address.
+    assert c["instructions"] == mix(fp32=3, half=2, convert=2, int=2)
+    assert mem == memory(device_loads=1, device_stores=1)
+
+
 def test_instructions_transcendentals():
     x = torch.rand(32) + 1
     v = torch.rand(32, 4) + 1

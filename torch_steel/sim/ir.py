@@ -548,14 +548,19 @@ def _function_hists(
     blocks[-1][1] = len(lines) - 1
     # Defs and uses of local values, for function-constant folding and check slices.
     defs: dict[str, str] = {}
+    def_line: dict[str, int] = {}
     uses: dict[str, int] = {}
-    for line in lines[1:-1]:
+    users: dict[str, list[int]] = {}
+    for i in range(1, len(lines) - 1):
+        line = lines[i]
         a = _ASSIGN.match(line)
         body = a.group(2) if a else line
         if a:
             defs[a.group(1)] = body
+            def_line[a.group(1)] = i
         for v in _LOCAL.findall(body.split(", !")[0]):
             uses[v] = uses.get(v, 0) + 1
+            users.setdefault(v, []).append(i)
     # Values Metal's compiler knows when it builds the pipeline: function constants and what is
     # computed from them alone (in order: SSA defs precede their uses outside phis).
     folded: set[str] = set()
@@ -615,7 +620,27 @@ def _function_hists(
         d = _DBG.search(line)
         if d is not None:
             return not debug.in_shim(debug.frames(d.group(1)))
-        return not fn_shim
+        return not fn_shim and not (a and unlocated_shim(i, a.group(1)))
+
+    def located_in_shim(i: int) -> bool | None:
+        """Whether line i's location is the shim's (None: it has no location, or is a phi)."""
+        a = _ASSIGN.match(lines[i])
+        d = _DBG.search(lines[i])
+        if d is None or (a and a.group(2).startswith("phi")):
+            return None
+        return debug.in_shim(debug.frames(d.group(1)))
+
+    def unlocated_shim(i: int, name: str) -> bool:
+        """An instruction without a location whose users are all the shim's and whose located
+        operands are the shim's only: shim code whose location the optimizer dropped when it
+        speculated it (the `first ? v : op(acc, v)` of steel_shim::fold became an op beside a
+        select, and a half simd_sum counted 31 half adds)."""
+        outs = [located_in_shim(u) for u in users.get(name, [])]
+        if not outs or not all(outs):
+            return False
+        ins = [located_in_shim(def_line[v]) for v in _LOCAL.findall(
+            lines[i].split(" = ", 1)[1].split(", !")[0]) if v in def_line]  # fmt: skip
+        return any(ins) and not any(x is False for x in ins)
 
     contracted = _contracted(lines, blocks, counted)
     out = []

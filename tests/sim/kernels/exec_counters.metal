@@ -52,6 +52,17 @@ kernel void exec_tg_and_simd_traffic(device float* out [[buffer(0)]],
   out[tid] = v + (ulong(simd_ballot(v > 0.0f)) != 0 ? 1.0f : 0.0f);
 }
 
+// Reductions: each of simd_max, simd_min and simd_sum on a float and on a half is one reduction
+// (test_instructions_reductions_issue_no_alu); the one add joining each pair and the
+// conversions in and out are the kernel's own instructions.
+kernel void exec_mix_reductions(device float* x [[buffer(0)]],
+                                uint i [[thread_position_in_grid]]) {
+  const float v = x[i];
+  const half h = half(v);
+  x[i] = simd_max(v) + simd_min(v) + simd_sum(v) +
+         float(simd_max(h) + simd_min(h) + simd_sum(h));
+}
+
 // The instruction counters (test_counters.py, test_instructions_*): small kernels whose
 // simdgroup-issued instructions per class are known by hand. Each simdgroup issues each of its
 // basic blocks once per run of the block by any of its lanes (the most runs of one lane).

@@ -517,6 +517,34 @@ inline float fma_rounding_once_to(float x, float y, float z) {
 }
 }  // namespace steel_shim
 
+namespace steel_shim {
+
+// metal::max / min's values without their instruction marker (steel_shim/count.h): simd_max and
+// simd_min fold their lanes with these, and the runtime counts the whole reduction as one
+// (reductions), where the marked metal::max would add 31 max instructions per call.
+template <typename T>
+inline T max_num(T x, T y) {
+  if constexpr (is_fp<T>) {
+    return map2(x, y, [](float a, float b) -> float { return __builtin_fmaxf(a, b); });
+  } else if constexpr (vinfo<T>::is_vector) {
+    return __builtin_elementwise_max(x, y);
+  } else {
+    return x < y ? y : x;
+  }
+}
+template <typename T>
+inline T min_num(T x, T y) {
+  if constexpr (is_fp<T>) {
+    return map2(x, y, [](float a, float b) -> float { return __builtin_fminf(a, b); });
+  } else if constexpr (vinfo<T>::is_vector) {
+    return __builtin_elementwise_min(x, y);
+  } else {
+    return y < x ? y : x;
+  }
+}
+
+}  // namespace steel_shim
+
 namespace metal {
 
 template <typename T, STEEL_SHIM_IF(steel_shim::is_fp<T>)>
@@ -542,24 +570,12 @@ inline T mix(T x, T y, steel_shim::elem_t<T> a) {
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T max(T x, T y) {
   STEEL_SHIM_OP("max", T);
-  if constexpr (steel_shim::is_fp<T>) {
-    return fmax(x, y);
-  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
-    return __builtin_elementwise_max(x, y);
-  } else {
-    return x < y ? y : x;
-  }
+  return steel_shim::max_num(x, y);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T>)>
 inline T min(T x, T y) {
   STEEL_SHIM_OP("min", T);
-  if constexpr (steel_shim::is_fp<T>) {
-    return fmin(x, y);
-  } else if constexpr (steel_shim::vinfo<T>::is_vector) {
-    return __builtin_elementwise_min(x, y);
-  } else {
-    return y < x ? y : x;
-  }
+  return steel_shim::min_num(x, y);
 }
 template <typename T, STEEL_SHIM_IF(steel_shim::is_num<T> && steel_shim::vinfo<T>::is_vector)>
 inline T max(T x, steel_shim::elem_t<T> y) {

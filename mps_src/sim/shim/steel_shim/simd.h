@@ -221,8 +221,8 @@ STEEL_CONVERGENT inline T simd_shuffle_and_fill_up(T data, T filling, ushort del
   }
 STEEL_SHIM_REDUCE(simd_sum, steel_shim::plus<T>)
 STEEL_SHIM_REDUCE(simd_product, steel_shim::times<T>)
-STEEL_SHIM_REDUCE(simd_max, [](T a, T b) { return metal::max(a, b); })
-STEEL_SHIM_REDUCE(simd_min, [](T a, T b) { return metal::min(a, b); })
+STEEL_SHIM_REDUCE(simd_max, steel_shim::max_num<T>)
+STEEL_SHIM_REDUCE(simd_min, steel_shim::min_num<T>)
 #undef STEEL_SHIM_REDUCE
 
 // The bitwise reductions: MSL declares them for integer scalars and vectors only, so a call on
