@@ -656,7 +656,11 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
                 add(BUF_PART_ML, "written", rows * 2 * 4)
             else:
                 if d.constants[FC_SINKS]:
-                    add(BUF_SINKS, "read", THREADS * sinks_es)
+                    # decode.h: every lane of the block; decode_vector.h: each lane of key set
+                    # 0 (its row sets' simdgroups), once for each of its 8 / row sets row slots:
+                    # 32 x 8 reads a block whatever its width
+                    vector = d.kernel.startswith("steel_attention_decode_vector_")
+                    add(BUF_SINKS, "read", (32 * 8 if vector else THREADS) * sinks_es)
                 add(BUF_OUT, "written", rows * p["Ev"] * es)
                 add(BUF_LSE, "written", rows * 4)
     return tiles
@@ -683,12 +687,13 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         entry = buffers.setdefault(index, {"read": 0, "written": 0})
         entry[kind] += n
 
+    threads = d.threads[0]  # the vector kernel's 4, 8 or 16 simdgroups (decode_simdgroups)
     tiles = 0
     for L, S in seqs:
         if varlen:
-            add(BUF_CU_Q, "read", d.grid[0] * d.grid[1] * THREADS * 2 * 4)
+            add(BUF_CU_Q, "read", d.grid[0] * d.grid[1] * threads * 2 * 4)
             add(BUF_SEQUSED if paged else BUF_CU_K, "read",
-                d.grid[0] * d.grid[1] * THREADS * (1 if paged else 2) * 4)  # fmt: skip
+                d.grid[0] * d.grid[1] * threads * (1 if paged else 2) * 4)  # fmt: skip
         if L == 0:
             continue
         shift = (S - L if d.constants[FC_VARLEN_BR] else 0) if varlen else p["shift"]
@@ -700,7 +705,7 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         mma = 0
         # Its simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets):
         # each key set loads its rows' q into registers, so q is read once per key set.
-        key_sets = THREADS // 32 // timing._decode_vector_row_sets(de, dv, es)
+        key_sets = threads // 32 // timing._decode_vector_row_sets(de, dv, es)
         buffers[BUF_Q]["read"] *= key_sets
     models = [(buffers, mma)]
     if split:

@@ -182,6 +182,17 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
 // of the batch), and "decode" = 0 keeps the prefill kernel (the backward's plan builds on it).
 constexpr int64_t kDecodeDefaultCores = 10;
 constexpr int64_t kDecodeMinSplitKeys = 256;
+// The vector decode's one-pass wide threadgroups against a split (decode_plan.cpp
+// decode_simdgroups), from the simulator's counters of the vector kernel (f16, S = 512, one pass;
+// the fp pipe's cycles, which bind there): each key set a block adds costs kDecodeKeySetWork per
+// mille of a 4-simdgroup block's work (d128 1 x 4 row x key sets, 1 row: 8 and 16 simdgroups
+// 1.137x and 1.426x the 4-simdgroup block's; 4 rows 1.173x, 1.528x; d64 2 x 2, 1 row 1.080x,
+// 1.247x; 4 rows 1.097x, 1.294x: 4.0%, 3.6%, 4.4%, 3.5%, 4.0%, 4.1%, 4.9%, 4.9% a key set).
+// The merge dispatch's 10 us of overhead (chips.json dispatch_overhead_s) is kDecodeMergeKeys
+// keys of one 4-simdgroup block at full ALU efficiency: 12.8k to 15.8k core cycles at the
+// table's clocks, at 17.5 (d128, 1 row) to 30 (d64, 4 rows) fp-pipe cycles a key, 430 to 900.
+constexpr int64_t kDecodeKeySetWork = 40;
+constexpr int64_t kDecodeMergeKeys = 640;
 
 // Whether the decode kernels serve `rows` query rows per (batch entry, head): at most
 // STEEL_ATTN_DECODE_MAX_L rows and no dropout. A call they do not serve is not refused: a
@@ -199,9 +210,15 @@ struct Decode {
   int64_t page_size = 0, pages = 0, max_pages = 0, table_stride = 0, k_ps = 0, v_ps = 0;
 };
 
-// The partition count and keys per partition (a multiple of the key tile) for `dec`.
-void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
-                  int64_t* split_keys);
+// How a decode call is laid out: the partitions of the keys, the keys per partition (a
+// multiple of the key tile), and the vector kernel's simdgroups a threadgroup
+// (STEEL_ATTN_FC_DECODE_SIMDGROUPS; STEEL_ATTN_SIMDGROUPS for the MMA kernel).
+struct DecodeSplit {
+  int64_t splits = 1;
+  int64_t split_keys = 0;
+  int64_t simdgroups = STEEL_ATTN_SIMDGROUPS;
+};
+DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& options);
 
 // Appends the decode dispatches to `plan` (whose allocations hold out and lse, in the slots of
 // `l`): one pass, or the partial kernel and the merge with their fp32 scratch of

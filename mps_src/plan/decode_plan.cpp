@@ -63,45 +63,134 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
 // read off the kernel (Apple's compiler cannot be asked off a Mac). It is the timing model's
 // estimate (timing.steel_kernel_info). decode.h keeps 8x8 fp32 fragments live across its key
 // loop (the Q and O rows, de / 8 and dv / 8, the score tile, key tile / 8, and one operand), two
-// registers a lane each; decode_vector.h keeps per lane, for each of its rows
-// (STEEL_ATTN_DECODE_VECTOR_ROWS / row sets, params.h), its q and o elements
+// registers a lane each; decode_vector.h keeps per lane, for each of its live rows (the packed
+// rows, STEEL_ATTN_FC_DECODE_ROWS, over its row sets, params.h: the rows past them are dead
+// code in the pipeline, whose constants fold them away), its q and o elements
 // (steel_attn_decode_vector_elems), the running max and sum and the score. Both add 24 scalars
 // (indices, pointers, the rows' heads and indices). tests/plan/test_decode_plan.py checks the
 // split against timing.py's residency so the two agree.
-int64_t decode_registers(const Common& c, bool vector) {
+int64_t decode_registers(const Common& c, bool vector, int64_t packed) {
   if (vector) {
-    return STEEL_ATTN_DECODE_VECTOR_ROWS /
-               steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
-                                                 static_cast<int>(dtype_size(c.dtype))) *
+    const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                                           static_cast<int>(dtype_size(c.dtype)));
+    return ceil_div(std::max<int64_t>(packed, 1), sets) *
                steel_attn_decode_vector_row_registers(c.kernel.de, c.kernel.dv) +
            24;
   }
   return 2 * (c.kernel.de / 8 + c.kernel.dv / 8 + key_tile(c) / 8 + 1) + 24;
 }
 
-// Decode threadgroups resident on one core at once: the least of what its threads (kThreads),
-// its threadgroup memory (params.h's K/V tiles, decode.metal's smem) and its registers allow.
-int64_t decode_resident(const Common& c, bool vector) {
+// Decode threadgroups of `simdgroups` simdgroups resident on one core at once: the least of
+// what its threads, its threadgroup memory (params.h's K/V tiles, decode.metal's smem) and its
+// registers allow; 0 when one does not fit a core's registers.
+int64_t decode_resident(const Common& c, bool vector, int64_t packed, int64_t simdgroups) {
   const int64_t tg_bytes = steel_attn_threadgroup_bytes(
       c.kernel.de, c.kernel.dv, static_cast<int>(dtype_size(c.dtype)));
-  const int64_t by_threads = kCoreMaxThreads / kThreads;
+  const int64_t threads = 32 * simdgroups;
+  const int64_t by_threads = kCoreMaxThreads / threads;
   const int64_t by_memory = kCoreThreadgroupBytes / tg_bytes;
-  const int64_t by_registers = kCoreRegisterBytes / (decode_registers(c, vector) * 4 * kThreads);
-  return std::max<int64_t>(1, std::min({by_threads, by_memory, by_registers}));
+  const int64_t by_registers =
+      kCoreRegisterBytes / (decode_registers(c, vector, packed) * 4 * threads);
+  return std::min({by_threads, by_memory, by_registers});
+}
+
+// The timing model's ALU efficiency of a core against the simdgroups resident on it
+// (torch_steel/sim/chips.json's alu_occupancy_efficiency, the same on every chip of its table:
+// 0.364 at 4, 0.625 at 8, 1 from 24), in thousandths.
+int64_t decode_alu_efficiency(int64_t simdgroups) {
+  constexpr int64_t kX[] = {0, 4, 8, 24};
+  constexpr int64_t kY[] = {0, 364, 625, 1000};
+  if (simdgroups >= kX[3]) return kY[3];
+  int64_t i = 1;
+  while (simdgroups > kX[i]) ++i;
+  return kY[i - 1] + (kY[i] - kY[i - 1]) * (simdgroups - kX[i - 1]) / (kX[i] - kX[i - 1]);
+}
+
+// The model's time of a dispatch of `threadgroups` threadgroups of `simdgroups` simdgroups, each
+// doing `work` (in keys of one 4-simdgroup threadgroup's work), `resident` a core, on `cores`:
+// timing.py's per-core time, waves of cores x resident and a short last wave, each wave at the
+// ALU efficiency of the simdgroups it keeps on a core. In keys x 1000 (the efficiency's unit).
+int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resident,
+                          int64_t cores, int64_t work) {
+  const int64_t slots = cores * resident;
+  const int64_t full = threadgroups / slots, rest = threadgroups % slots;
+  int64_t t = full * resident * work * 1000000 / decode_alu_efficiency(resident * simdgroups);
+  if (rest) {
+    const int64_t last = ceil_div(rest, cores);
+    t += last * work * 1000000 / decode_alu_efficiency(last * simdgroups);
+  }
+  return t;
+}
+
+// The vector kernel's simdgroups a threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS), and whether a
+// split's partitions `*n` give way to one pass. A grid below one wave leaves cores idle or
+// holding one or two threadgroups of 4 simdgroups, at the timing model's ALU efficiency of 4
+// (0.364) or 8 (0.625) simdgroups a core; splitting the keys fills more cores, but its merge is
+// a second dispatch and its overhead (dispatch_overhead_s, 10 us on every chip of chips.json)
+// is the whole time of a short cache's decode. A one-pass threadgroup of 8 or 16 simdgroups
+// (more key sets over the same tiles, decode_vector.h) reaches 0.625 or 0.8125 on its own core.
+// Costed in the timing model's terms (decode_model_time): each candidate's per-core time, a wider
+// block's work 1 + kDecodeKeySetWork / 1000 x its added key sets times a 4-simdgroup block's
+// (each key set's per-tile steps: the online softmax's reductions and rescaling, the loop; and
+// the combining rounds), and the merge at kDecodeMergeKeys keys; the
+// cheapest is taken, the 4-simdgroup split on a tie. A wider block must fit a core (registers:
+// decode_registers of its live rows) and the grid one wave of it. Option "decode_simdgroups"
+// (4, 8 or 16) fixes the width (the tests run every one), "num_splits" the partitions (then the
+// width stays 4 unless fixed too).
+int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& options,
+                          int64_t threadgroups, int64_t cores, int64_t* n) {
+  const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                                         static_cast<int>(dtype_size(c.dtype)));
+  // A pipeline may allow fewer threads than the widest block (Apple's compiler lowers
+  // maxTotalThreadsPerThreadgroup for a kernel of many registers): the Metal host plans again
+  // with "max_threads" set to its cap (checked_encoder.h), and no wider block is taken then.
+  const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
+  const int64_t fixed = static_cast<int64_t>(options.number("decode_simdgroups", 0));
+  if ((fixed == 8 || fixed == 16) && 32 * fixed <= max_threads) return fixed;
+  if (fixed != 0 || n == nullptr) return STEEL_ATTN_SIMDGROUPS;
+  const int64_t bk = key_tile(c);
+  const int64_t keys = std::max<int64_t>(dec.keys, 1);
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t packed = decode_heads_per_tg(group, dec.rows) * decode_row_block(dec.rows);
+  const int64_t res4 = std::max<int64_t>(1, decode_resident(c, true, packed, STEEL_ATTN_SIMDGROUPS));
+  if (threadgroups >= cores * res4) return STEEL_ATTN_SIMDGROUPS;  // a wave or more: as planned
+  const int64_t per = ceil_div(ceil_div(keys, *n), bk) * bk;
+  const int64_t parts = ceil_div(keys, per);
+  int64_t best = decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores, per) +
+                 (parts > 1 ? kDecodeMergeKeys * 1000 : 0);
+  int64_t width = STEEL_ATTN_SIMDGROUPS;
+  const int64_t whole = ceil_div(keys, bk) * bk;
+  for (int64_t w = 2 * STEEL_ATTN_SIMDGROUPS; w <= STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; w *= 2) {
+    const int64_t work =
+        whole * (1000 + kDecodeKeySetWork * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
+    const int64_t res = decode_resident(c, true, packed, w);
+    if (res < 1 || w / sets > bk || threadgroups > cores * res || 32 * w > max_threads) continue;
+    const int64_t t = decode_model_time(threadgroups, w, res, cores, work);
+    if (t < best) best = t, width = w;
+  }
+  if (width != STEEL_ATTN_SIMDGROUPS) *n = 1;
+  return width;
 }
 
 }  // namespace
 
-void decode_split(const Common& c, const Decode& dec, const Options& options, int64_t* splits,
-                  int64_t* split_keys) {
+DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& options) {
+  DecodeSplit out;
   const int64_t bk = key_tile(c);
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
   const int64_t group = c.Hq / c.Hkv;
+  const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
+  const int64_t packed = per_tg * decode_row_block(dec.rows);
+  const bool vector = decode_vector(group, dec.rows, options);
   const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
-  const int64_t threadgroups =
-      dec.count * c.Hkv * (group / decode_heads_per_tg(group, dec.rows)) * blocks;
+  const int64_t threadgroups = dec.count * c.Hkv * (group / per_tg) * blocks;
   // Partitions of split_keys keys (a multiple of the key tile): rounding up may leave fewer.
   const auto partition = [&](int64_t n) { return ceil_div(ceil_div(keys, n), bk) * bk; };
+  const int64_t described = device_desc(options).gpu_cores;
+  const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
+  const int64_t resident =
+      std::max<int64_t>(1, decode_resident(c, vector, packed, STEEL_ATTN_SIMDGROUPS));
+  const int64_t wave = cores * resident;
   int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
   if (n <= 0) {
     // The GPU runs the grid in waves of cores x resident threadgroups per core (the timing
@@ -120,9 +209,6 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
     // a second wave of 4 at the whole S: M2 H32/32 S4096 2609 -> 1813 us; docs/attention.md).
     // The core count is the device's (device.h), an 8-core M1 or a 40-core M4 Max,
     // kDecodeDefaultCores where unknown.
-    const int64_t described = device_desc(options).gpu_cores;
-    const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
-    const int64_t wave = cores * decode_resident(c, decode_vector(group, dec.rows, options));
     const int64_t most = std::min<int64_t>(
         {STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, kDecodeMinSplitKeys), ceil_div(keys, bk)});
     n = 1;
@@ -135,16 +221,20 @@ void decode_split(const Common& c, const Decode& dec, const Options& options, in
                                                : waves * (per + 2 * bk) + (parts > 1 ? bk : 0);
       if (best_cost < 0 || cost < best_cost) best_cost = cost, n = parts;
     }
+    if (vector) out.simdgroups = decode_simdgroups(c, dec, options, threadgroups, cores, &n);
+  } else if (vector) {
+    out.simdgroups = decode_simdgroups(c, dec, options, threadgroups, cores, nullptr);
   }
   n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
-  *split_keys = partition(n);
-  *splits = ceil_div(keys, *split_keys);
+  out.split_keys = partition(n);
+  out.splits = ceil_div(keys, out.split_keys);
+  return out;
 }
 
 void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
                 const Decode& dec, const Options& options, Plan* plan) {
-  int64_t splits = 1, split_keys = 0;
-  decode_split(c, dec, options, &splits, &split_keys);
+  const DecodeSplit layout = decode_split(c, dec, options);
+  const int64_t splits = layout.splits, split_keys = layout.split_keys;
   const int64_t group = c.Hq / c.Hkv;
   const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
   AttnDecodeParams dp;
@@ -195,6 +285,7 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   k.constants = constants;
   if (vector) {
     k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
+    k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_SIMDGROUPS, layout.simdgroups));
   }
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {
@@ -218,7 +309,7 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
                                                        decode_row_block(dec.rows)));
   k.grid[1] = static_cast<uint32_t>(c.Hkv * (group / per_tg));
   k.grid[2] = static_cast<uint32_t>(dec.count);
-  k.threads[0] = static_cast<uint32_t>(kThreads);
+  k.threads[0] = static_cast<uint32_t>(32 * layout.simdgroups);
   plan->dispatches.push_back(k);
   if (!split) return;
 
@@ -284,15 +375,15 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   dec.rows = L;
   dec.keys = keys;
   dec.count = count;
-  int64_t splits = 1, split_keys = 0;
-  decode_split(c, dec, options, &splits, &split_keys);
+  const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, L + keys);
   const bool grown = row_major(k) && row_major(v);
   // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a
   // last dim of 1 (at S = 1 too) broadcasts, with a key stride of 0 at every S.
   const int64_t mask_class = !mask ? 0 : mask->sizes.back() == 1 ? 1 : row_major(*mask) ? 2 : 3;
-  const int64_t fields[] = {
-      splits, split_keys, keys % key_tile(c) == 0, diag.has_hi, diag.has_lo, grown, mask_class};
+  const int64_t fields[] = {split.splits, split.split_keys,    split.simdgroups,
+                            keys % key_tile(c) == 0, diag.has_hi, diag.has_lo, grown,
+                            mask_class};
   // Row-major key and value strides above the key dim hold S, but their alignment (what the
   // planner reads of them: vectorized loads) is their row stride's, which does not.
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);

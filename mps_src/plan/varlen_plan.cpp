@@ -275,11 +275,10 @@ bool paged_length_class(const TensorList& tensors, const Options& options, std::
   dec.rows = std::min(max_q, q.sizes[0]);
   dec.keys = std::min(max_k, table.sizes[1] * k.sizes[1]);
   dec.count = tensors[3]->sizes[0] - 1;
-  int64_t splits = 1, split_keys = 0;
-  decode_split(c, dec, options, &splits, &split_keys);
+  const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, max_q + max_k);
-  const int64_t fields[] = {splits,      split_keys,  diag.has_hi,
-                            diag.has_lo, diag.hi_off, diag.lo_off};
+  const int64_t fields[] = {split.splits, split.split_keys, split.simdgroups, diag.has_hi,
+                            diag.has_lo,  diag.hi_off,      diag.lo_off};
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
   *max_keys = max_k;
   return true;

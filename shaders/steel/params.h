@@ -360,6 +360,9 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 #define STEEL_ATTN_FC_SPLIT 322  // bool: the keys are split; partials go to the merge kernel
 #define STEEL_ATTN_FC_PAGED 323  // bool: K and V are page pools read through a block table
 #define STEEL_ATTN_FC_DECODE_ROWS 340  // int: the vector decode kernel's packed rows, heads x L
+// int: the vector decode kernel's simdgroups a threadgroup, STEEL_ATTN_SIMDGROUPS (4) or a
+// wider one-pass block of 8 or 16 (more key sets over the same tiles; attn::decode_simdgroups)
+#define STEEL_ATTN_FC_DECODE_SIMDGROUPS 341
 
 // Buffer indices of the decode kernels beyond the forward's (q .. cu_seqlens_k as there; the
 // decode kernels take AttnDecodeParams at STEEL_ATTN_BUF_PARAMS).
@@ -377,6 +380,8 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 // The vector decode kernel (attn/decode_vector.h): packed rows per threadgroup, two per
 // simdgroup; the planner takes it where the GQA group's rows fit (attn::decode_vector).
 #define STEEL_ATTN_DECODE_VECTOR_ROWS 8
+// Its widest threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS): 16 simdgroups, 512 threads.
+#define STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS 16
 // Its layout: the 4 simdgroups form row sets (rows r = set + sets * n of the 8) x key sets (a
 // simdgroup takes 1 / key sets of every key tile); each simdgroup converts a K or V element it
 // reads once for all its rows, so fewer row sets convert less. Per lane a row keeps its q and o

@@ -28,9 +28,12 @@ from torch_steel.sim import timing
 
 pytestmark = requires_simulator
 
+FC_DECODE_SIMDGROUPS = 341  # params.h STEEL_ATTN_FC_DECODE_SIMDGROUPS
 
-def _run(q, k, v, mask=None, num_splits=0, vector=True, **kwargs):
-    """(out, lse, kernel, splits) of sdpa on the simulator with the vector rule on or off."""
+
+def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
+    """(out, lse, kernel, splits) of sdpa on the simulator with the vector rule on or off;
+    width: the vector kernel's simdgroups (decode_simdgroups: 4, 8 or 16; 0 the plan's)."""
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
                                  kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
                                  kwargs.pop("softcap", None), kwargs.pop("window", None),
@@ -38,15 +41,20 @@ def _run(q, k, v, mask=None, num_splits=0, vector=True, **kwargs):
     assert not kwargs, kwargs
     attn = ops.Attn(*inputs[4:])._replace(num_splits=num_splits)
     options = {**attn.run_options(), "decode_vector": 1 if vector else 0}
+    if width:
+        options["decode_simdgroups"] = width
     tensors = [*inputs[:4], attn.sinks]
     p = sim.plan("sdpa", tensors, options)
     assert p.ok, p.reason
+    if width and vector:
+        assert p.dispatches[0].threads == (32 * width, 1, 1)
+        assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == width
     out, lse = sim.run_op("sdpa", tensors, options, checkers=True)[:2]
     return out, lse, p.dispatches[0].kernel, p.dispatches[0].grid[0]
 
 
-def check(q, k, v, mask=None, num_splits=0, vector=True, **kwargs):
-    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, **dict(kwargs))
+def check(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
+    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, width, **dict(kwargs))
     ref_out, ref_lse = oracle(q, k, v, mask, enable_gqa=True, **kwargs)
     v_max = float(v.double().abs().max()) if v.numel() else 0.0
     err = score_error(q, k, kwargs.get("scale"))
@@ -94,6 +102,34 @@ def test_row_and_key_sets(E, row_sets, group, L):
     check(q, k, v, num_splits=2, sinks=torch.randn(2 * group))
 
 
+# The one-pass wide blocks (decode_plan.cpp decode_simdgroups): 8 or 16 simdgroups are 2 or 4
+# times the key sets over the same tiles (f16 d128: 8 or 16 key sets of 4 or 2 keys a tile;
+# d64, d256: 2 row sets x 4 or 8), only the first 4 simdgroups loading the tiles, and the key
+# sets meet in steps of the slots the tile memory holds (d128: 4 of the 8 writers of a 16-wide
+# block's first round). Ragged keys (S % 32 in {1, 31}, one key: key sets with no key), every
+# dtype, GQA rows and the row sets' tested slots, causal, sinks, softcap, and a wide split.
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("S", [1, 31, 65])
+def test_wide_blocks_ragged_every_dtype(width, dtype, S):
+    q, k, v = qkv(1, 1, 1, S, 128, Hkv=1, dtype=dtype)
+    kernel, splits = check(q, k, v, num_splits=1, width=width)
+    assert kernel.startswith("steel_attention_decode_vector_") and splits == 1
+    q, k, v = qkv(1, 4, 1, S, 64, Hkv=1, dtype=dtype)
+    check(q, k, v, num_splits=1, width=width, is_causal=True, causal_align="bottom_right")
+
+
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("E", [64, 128, 256])
+@pytest.mark.parametrize("group,L", [(1, 3), (3, 1), (8, 1)])
+def test_wide_blocks_rows_and_options(width, E, group, L):
+    q, k, v = qkv(1, 2 * group, L, 161, E, Hkv=2, dtype=torch.float16)
+    check(q, k, v, num_splits=1, width=width, sinks=torch.randn(2 * group), softcap=4.0)
+    _, splits = check(q, k, v, num_splits=2, width=width, is_causal=True,
+                      causal_align="bottom_right")  # fmt: skip
+    assert splits == 2
+
+
 def test_strided_views_and_masks():
     """A slice of a longer [B, S, H, D] cache, a bool mask and an additive float mask."""
     gen = torch.Generator().manual_seed(5)
@@ -105,6 +141,7 @@ def test_strided_views_and_masks():
     assert kernel.startswith("steel_attention_decode_vector_")
     check(q, k, v, torch.rand(1, 257, generator=gen) > 0.4, num_splits=1)
     check(q, k, v, torch.randn(2, 8, 1, 257, generator=gen), num_splits=3, window=(100, 0))
+    check(q, k, v, torch.rand(1, 257, generator=gen) > 0.4, num_splits=1, width=8)
 
 
 CHOICES = [(1, 1, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 3, False), (1, 9, False)]

@@ -21,6 +21,7 @@ from gemm_helpers import requires_planner, simulator_ready  # noqa: E402
 pytestmark = requires_planner
 
 SPLIT, PAGED, VARLEN = 322, 323, 316
+FC_DECODE_ROWS, FC_DECODE_SIMDGROUPS = 340, 341
 BUF_PARAMS, BUF_CU_Q, BUF_CU_K, BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = (
     7, 8, 9, 10, 11, 12, 13)  # fmt: skip
 DECODE_PARAMS_SIZE = 368
@@ -54,7 +55,19 @@ def test_up_to_eight_rows_take_the_decode_kernel(L):
     p = dense(1, 4, 4, L, 100)  # MHA: L packed rows, at most 8: the vector kernel's
     assert p.ok, p.reason
     assert [d.kernel for d in p.dispatches] == ["steel_attention_decode_vector_f16_e64_v64"]
-    assert p.dispatches[0].threads == (128, 1, 1)
+    # 4 threadgroups on 10 cores, 4 tiles each: one pass in 16 simdgroups (decode_simdgroups;
+    # d64: 2 row sets, 8 key sets, 1.24x the work at 0.8125 ALU efficiency against 8
+    # simdgroups' 1.08x at 0.625)
+    assert p.dispatches[0].threads == (512, 1, 1)
+    assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == 16
+    four = dense(1, 4, 4, L, 100, decode_simdgroups=4).dispatches[0]
+    assert four.threads == (128, 1, 1) and four.constants[FC_DECODE_SIMDGROUPS] == 4
+    # A pipeline capped below 256 threads (the Metal host plans again under max_threads): 4.
+    for options in ({"max_threads": 255}, {"max_threads": 255, "decode_simdgroups": 8}):
+        capped = dense(1, 4, 4, L, 100, **options).dispatches[0]
+        assert capped.threads == (128, 1, 1) and capped.constants[FC_DECODE_SIMDGROUPS] == 4
+    assert dense(1, 4, 4, L, 100, max_threads=511, decode_simdgroups=16).dispatches[0].threads == (
+        128, 1, 1)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -150,6 +163,52 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+EFFICIENCY = [(0, 0), (4, 364), (8, 625), (24, 1000)]  # decode_plan.cpp, in thousandths
+KEY_SET_WORK, MERGE_KEYS = 40, 640  # attention_plan.h kDecodeKeySetWork, kDecodeMergeKeys
+
+
+def efficiency(simdgroups):
+    """chips.json's alu_occupancy_efficiency in thousandths, as decode_plan.cpp truncates it."""
+    for (x0, y0), (x1, y1) in zip(EFFICIENCY, EFFICIENCY[1:]):
+        if simdgroups <= x1:
+            return y0 + (y1 - y0) * (simdgroups - x0) // (x1 - x0)
+    return EFFICIENCY[-1][1]
+
+
+def model_time(threadgroups, simdgroups, resident, cores, work):
+    """timing.py's per-core time in keys x 1000: waves of cores x resident, a short last one."""
+    full, rest = divmod(threadgroups, cores * resident)
+    t = full * resident * work * 1_000_000 // efficiency(resident * simdgroups)
+    if rest:
+        last = cdiv(rest, cores)
+        t += last * work * 1_000_000 // efficiency(last * simdgroups)
+    return t
+
+
+def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets):
+    """decode_simdgroups restated: (simdgroups, splits). resident(w): threadgroups of w
+    simdgroups a core (timing.py's occupancy). Below one wave of 4-simdgroup blocks, the
+    whole-wave split (plus the merge's MERGE_KEYS) against one pass in 8 or 16 simdgroups, whose
+    work is 1 + KEY_SET_WORK / 1000 x its (w - 4) / sets added key sets times a 4-simdgroup
+    block's; the cheapest, the split on a tie."""
+    keys = max(keys, 1)
+    if threadgroups >= cores * resident(4):
+        return 4, splits
+    per = cdiv(cdiv(keys, splits), bk) * bk
+    parts = cdiv(keys, per)
+    best = model_time(threadgroups * parts, 4, resident(4), cores, per)
+    best += MERGE_KEYS * 1000 if parts > 1 else 0
+    choice = (4, splits)
+    for w in (8, 16):
+        work = cdiv(keys, bk) * bk * (1000 + KEY_SET_WORK * (w - 4) // sets) // 1000
+        if resident(w) < 1 or w // sets > bk or threadgroups > cores * resident(w):
+            continue
+        t = model_time(threadgroups, w, resident(w), cores, work)
+        if t < best:
+            best, choice = t, (w, 1)
+    return choice
+
+
 def whole_wave_splits(threadgroups, keys, bk, wave):
     """The rule, restated: of 1 .. min(32, keys / 256, keys / bk) partitions (rounded to the key
     tile), the fewest waves x keys a partition below one wave; from one wave, the least
@@ -186,10 +245,27 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
                  {"scale": 0.125, "gpu_cores": cores, "decode_vector": vector})  # fmt: skip
     d = p.dispatches[0]
     assert d.kernel.startswith("steel_attention_decode_vector_") == bool(vector), d.kernel
-    wave = timing.resident_threadgroups(d, chip)
     threadgroups = B * Hkv * (Hq // Hkv // decode_params(d)["heads_per_tg"])
     bk = timing._attn_bk(E, E, dtype.itemsize)  # params.h's key tile, as the model states it
-    assert decode_params(d)["splits"] == whole_wave_splits(threadgroups, S, bk, wave)
+    width = d.constants.get(FC_DECODE_SIMDGROUPS, 4)
+    assert d.threads == (32 * width, 1, 1)
+
+    info = timing.steel_kernel_info(d.kernel, d.constants)
+    record = timing.chip(chip)
+
+    def resident(w):  # the model's threadgroups a core at w simdgroups (0: one does not fit)
+        limits, limiter, _ = timing._occupancy(record, w, info["threadgroup_memory"],
+                                               info["registers"])  # fmt: skip
+        return limits[limiter]
+
+    assert timing.resident_threadgroups(d, chip) == cores * max(1, resident(width))
+
+    splits = whole_wave_splits(threadgroups, S, bk, cores * max(1, resident(4)))
+    if vector:
+        sets = timing._decode_vector_row_sets(E, E, dtype.itemsize)
+        w, splits = wide_choice(threadgroups, S, bk, cores, resident, splits, sets)
+        assert width == w
+    assert decode_params(d)["splits"] == splits
 
 
 @pytest.mark.parametrize(
@@ -202,7 +278,8 @@ def test_resident_decode_threadgroups_per_head_dim(vector, E, per_core):
     """The residency docs/attention.md states, f16 decode threadgroups a core: 6 at d64, 3 at
     d128 (threadgroup memory); at d256 2 for the MMA kernel (its registers), 3 for the vector
     kernel (threadgroup memory), on every chip of the table."""
-    d = dense(1, 32, 8, 1, 4096, E=E, gpu_cores=8, decode_vector=vector).dispatches[0]
+    d = dense(1, 32, 8, 1, 4096, E=E, gpu_cores=8, decode_vector=vector,
+              decode_simdgroups=4).dispatches[0]  # fmt: skip
     assert d.kernel.startswith("steel_attention_decode_vector_") == bool(vector), d.kernel
     for chip in timing.chips():
         cores = timing.chip(chip)["gpu_cores"]
@@ -224,7 +301,11 @@ def test_sim_device_block_describes_the_core_count():
         # d64: 6 resident per core.
         ("M1", {}, 6),  # 8 cores: one wave of 48
         ("M4 Max", {}, 8),  # 40 cores: waves of 240, 8 at most
-        ("M4 Max", {"gpu_cores": 2}, 3),  # the call's count takes precedence: 24 = 2 waves of 12
+        # The call's count takes precedence: 2 cores. 3 partitions are 2 waves of 12 (8448 keys
+        # a core, 9088 with the merge's 640); one pass of 8-simdgroup blocks, 4 a core (32
+        # simdgroups: ALU efficiency 1), 2048 keys x 1.08 each: 8844, is cheaper
+        # (decode_simdgroups).
+        ("M4 Max", {"gpu_cores": 2}, 1),
     ],
 )  # fmt: skip
 def test_predict_plans_for_the_chips_core_count(chip, options, splits):
@@ -233,9 +314,8 @@ def test_predict_plans_for_the_chips_core_count(chip, options, splits):
     q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.float16) for n in (1, 2048, 2048))
     predicted = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.125, **options}, chip=chip)
     kernels = [d["kernel"] for d in predicted["dispatches"]]
-    assert kernels == [
-        "steel_attention_decode_vector_f16_e64_v64", "steel_attention_decode_merge_f16"
-    ]  # fmt: skip
+    merge = ["steel_attention_decode_merge_f16"] if splits > 1 else []
+    assert kernels == ["steel_attention_decode_vector_f16_e64_v64", *merge]
     assert predicted["dispatches"][0]["occupancy"]["threadgroups"] == splits * 8
 
 

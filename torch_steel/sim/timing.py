@@ -71,6 +71,9 @@ _BASE_REGISTERS = 24
 # threadgroups as the K/V tiles do; steel_attn_decode_vector_row_sets), and a row's q or o
 # elements per lane (steel_attn_decode_vector_elems).
 _DECODE_VECTOR_ROWS = 8
+# STEEL_ATTN_FC_DECODE_ROWS: the packed rows the vector decode pipeline runs (its rows past them
+# are dead code the pipeline's constants fold away, so they hold no registers).
+_FC_DECODE_ROWS = 340
 
 
 def _decode_vector_elems(d: int) -> int:
@@ -196,8 +199,9 @@ def attn_tensor_bwd_registers(kind: str, d: int, rows: int) -> tuple[int, str]:
     return regs + _BASE_REGISTERS, basis
 
 
-def steel_kernel_info(kernel: str) -> dict[str, Any]:
-    """The register estimate of one of steel's kernels, from its host name.
+def steel_kernel_info(kernel: str, constants: Mapping[int, Any] | None = None) -> dict[str, Any]:
+    """The register estimate of one of steel's kernels, from its host name (and, for the vector
+    decode kernel, the dispatch's function constants: its live rows).
 
     Apple's compiler cannot be asked here, so the estimate counts the 8x8 fp32 fragments
     (simdgroup_matrix<float, 8, 8>: 2 registers per lane) that the kernel keeps live across its
@@ -216,7 +220,9 @@ def steel_kernel_info(kernel: str) -> dict[str, Any]:
     if m:
         dt, de, dv = m.group(1), int(m.group(2)), int(m.group(3))
         qe, qv = _decode_vector_elems(de), _decode_vector_elems(dv)
-        rows = _DECODE_VECTOR_ROWS // _decode_vector_row_sets(de, dv, _ELEM_BYTES[dt])
+        sets = _decode_vector_row_sets(de, dv, _ELEM_BYTES[dt])
+        packed = int((constants or {}).get(_FC_DECODE_ROWS, _DECODE_VECTOR_ROWS) or 1)
+        rows = -(-min(packed, _DECODE_VECTOR_ROWS) // sets)
         registers = rows * (qe + qv + 3) + _BASE_REGISTERS
         basis = (f"{rows} rows a lane x ({qe} q + {qv} o elements + the running max and sum, the "
                  f"score) + {_BASE_REGISTERS} scalars")  # fmt: skip
@@ -298,7 +304,9 @@ def resident_threadgroups(geometry: Any, chip: str | Mapping, kernel_info=None) 
     kernel = getattr(geometry, "kernel", None) or (
         geometry.get("kernel", "") if isinstance(geometry, Mapping) else ""
     )
-    info = kernel_info if kernel_info is not None else steel_kernel_info(kernel)
+    info = (
+        kernel_info if kernel_info is not None else steel_kernel_info(kernel, _constants(geometry))
+    )
     tgmem = max(tgmem, int(info.get("threadgroup_memory", 0) or 0))
     simdgroups = max(1, math.ceil(math.prod(threads) / _LANES))
     return int(c["gpu_cores"]) * _occupancy(c, simdgroups, tgmem, info.get("registers"))[2]
@@ -319,6 +327,13 @@ def _geometry(geometry: Any) -> tuple[tuple[int, int, int], tuple[int, int, int]
     if isinstance(tgmem, Mapping):
         tgmem = sum(tgmem.values())
     return grid[:3], threads[:3], int(tgmem), get("bindings", None)
+
+
+def _constants(geometry: Any) -> dict[int, Any] | None:
+    """The dispatch's function constants {index: value}, where the geometry carries them."""
+    if isinstance(geometry, Mapping):
+        return geometry.get("constants")
+    return getattr(geometry, "constants", None)
 
 
 def _device_bytes(counters: Mapping, bindings) -> tuple[int, int]:
@@ -365,7 +380,7 @@ def predict_dispatch(
     info = (
         dict(kernel_info)
         if kernel_info is not None
-        else steel_kernel_info(counters.get("kernel", ""))
+        else steel_kernel_info(counters.get("kernel", ""), _constants(geometry))
     )
     grid, threads, dispatch_tgmem, bindings = _geometry(geometry)
     notes: list[str] = []

@@ -5,7 +5,7 @@
 // threadgroup's STEEL_ATTN_DECODE_VECTOR_ROWS packed rows (head h0 + g, query row i0 + i, as
 // decode.h packs them) share every K and V tile, staged once per KV head in threadgroup memory
 // by the shared tile loader (the dequantizing one for quantized K/V), so the device bytes are
-// decode.h's. The 4 simdgroups are row sets x key sets (params.h,
+// decode.h's. The simdgroups are row sets x key sets (params.h,
 // steel_attn_decode_vector_row_sets): a simdgroup holds the rows r = set + sets * n and takes
 // its key set's 1 / key sets of every tile, so each K and V element it reads (one vector load
 // of steel_attn_decode_vector_vec elements) is converted to fp32 once for all its rows:
@@ -17,7 +17,12 @@
 //   - after the last tile the key sets' (max, sum, o) of each row are combined in threadgroup
 //     memory, half of the sets into the other half per round (log-sum-exp, in set order), and
 //     key set 0 stores the rows (or their partials, split).
-// Rows beyond the packed ones compute nothing; every simdgroup loads tiles.
+// Rows beyond the packed ones compute nothing. The threadgroup has STEEL_ATTN_SIMDGROUPS (4)
+// simdgroups, or 8 or 16 (function constant STEEL_ATTN_FC_DECODE_SIMDGROUPS): the extra ones are
+// more key sets over the same tiles, for a one-pass block that fills a GPU core on its own where
+// the grid is too small for the cores and a split's merge dispatch costs more than it saves
+// (decode_plan.cpp decode_simdgroups). The first STEEL_ATTN_SIMDGROUPS load the tiles (the tile
+// loaders' threads); every simdgroup meets every barrier.
 #pragma once
 
 #include <metal_stdlib>
@@ -31,6 +36,9 @@ using namespace metal;
 // STEEL_ATTN_DECODE_VECTOR_ROWS): the rows a simdgroup runs are known when the pipeline is made,
 // so a dense call tests no row in its key loops.
 constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
+// The threadgroup's simdgroups (a multiple of the row sets, at most
+// STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; the plan sets it, and the dispatch's threads match).
+constant int attn_decode_simdgroups [[function_constant(STEEL_ATTN_FC_DECODE_SIMDGROUPS)]];
 
 namespace steel {
 
@@ -39,24 +47,29 @@ struct AttnDecodeVector {
   using A = AttnForward<T, DE, DV>;
   static constant constexpr short kRowSets =
       short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T))));
-  static constant constexpr short kKeySets = STEEL_ATTN_SIMDGROUPS / kRowSets;
   static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / kRowSets;
-  static constant constexpr short kKeys = A::BK / kKeySets;  // a simdgroup's keys of a tile
+  // Key sets, and a simdgroup's keys of every tile: constants of the pipeline.
+  static short key_sets() { return short(attn_decode_simdgroups) / kRowSets; }
+  static short keys() { return A::BK / key_sets(); }
   static constant constexpr short kVecE = short(steel_attn_decode_vector_vec(DE));
   static constant constexpr short kVecV = short(steel_attn_decode_vector_vec(DV));
   static constant constexpr short QE = short(steel_attn_decode_vector_elems(DE));  // per lane
   static constant constexpr short QV = short(steel_attn_decode_vector_elems(DV));
-  // One combining round's slots (half the key sets), each the rows' o, then their max and sum.
+  // A combining slot: the rows' o, then their max and sum. The tiles' threadgroup memory holds
+  // kSlots of them a row set, the writers of one combining step (a round of more key sets takes
+  // several steps).
   static constant constexpr int kSlotFloats = kRows * (DV + 2);
-  static_assert(kKeys >= 1 && kKeys <= 32, "one key of the simdgroup's share per lane");
+  static constant constexpr short kSlots =
+      short(A::kTileElems * int(sizeof(T)) / (kRowSets * kSlotFloats * 4));
+  static_assert(A::BK / (STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS / kRowSets) >= 1,
+                "a key of every tile for each key set of the widest threadgroup");
+  static_assert(kSlots >= 1, "one combining slot a row set fits the K/V tiles' memory");
   // Slot n of row set `set` is packed row set + kRowSets * n: slots past the dispatch's rows
   // exist in no threadgroup (compile time), and the others are all real unless a sequence
   // (varlen, paged) has fewer query rows than the dispatch or the row sets split the rows
   // unevenly; only then is each slot tested.
   static bool live(short n) { return n < (attn_decode_rows + kRowSets - 1) / kRowSets; }
   static bool tested() { return attn_varlen || attn_decode_rows % kRowSets != 0; }
-  static_assert(kKeySets == 1 || kKeySets / 2 * kSlotFloats * 4 <= A::kTileElems * int(sizeof(T)),
-                "the combining round fits the K/V tiles' threadgroup memory");
 };
 
 // N consecutive elements of a tile row as fp32, in one load where N is 2 or 4 (the address is
@@ -157,8 +170,10 @@ inline void attention_decode_vector_block(
   threadgroup T* Ks = smem;
   threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
   const ushort thread_index = simdgroup * 32 + lane;
+  const bool loads = simdgroup < STEEL_ATTN_SIMDGROUPS;  // the tile loaders' threads
   const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
-  const short j0 = key_set * V::kKeys;  // this simdgroup's first key of every tile
+  const short n_keys = V::keys();
+  const short j0 = key_set * n_keys;  // this simdgroup's first key of every tile
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
@@ -166,17 +181,19 @@ inline void attention_decode_vector_block(
     const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
 
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    b.load_k(Ks, key0, valid, E, whole, thread_index);
-    if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
+    if (loads) {
+      b.load_k(Ks, key0, valid, E, whole, thread_index);
+      if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past kKeys). Each
+    // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past n_keys). Each
     // key row is read and converted once, for all rows.
     float s[V::kRows];
     #pragma clang loop unroll(full)
     for (short n = 0; n < V::kRows; ++n) s[n] = -INFINITY;
     const threadgroup T* kj = Ks + j0 * A::kLdK;
-    for (short j = 0; j < V::kKeys; ++j, kj += A::kLdK) {
+    for (short j = 0; j < n_keys; ++j, kj += A::kLdK) {
       float kf[V::QE];
       attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
       #pragma clang loop unroll(full)
@@ -193,7 +210,7 @@ inline void attention_decode_vector_block(
     #pragma clang loop unroll(full)
     for (short n = 0; n < V::kRows; ++n) {
       if (!V::live(n) || (V::tested() && !rok[n])) continue;
-      if (lane < V::kKeys) {
+      if (lane < n_keys) {
         const steel_i64 mask_row =
             attn_mask != kSteelAttnMaskNone ? b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs : 0;
         float th = 0.0f;
@@ -213,12 +230,12 @@ inline void attention_decode_vector_block(
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      b.load_v(Vs, key0, valid, Ev, whole, thread_index);
+      if (loads) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     const short ldv = A::alias() ? A::kLdK : A::kLdV;
     const threadgroup T* vj = (A::alias() ? Ks : Vs) + j0 * ldv;
-    for (short j = 0; j < V::kKeys; ++j, vj += ldv) {
+    for (short j = 0; j < n_keys; ++j, vj += ldv) {
       float vf[V::QV];
       attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
       #pragma clang loop unroll(full)
@@ -232,45 +249,49 @@ inline void attention_decode_vector_block(
   }
 
   // The key sets' rows, combined: in each round sets [half, 2 half) leave (o, m, l) of their
-  // rows in slot set - half and sets [0, half) fold slot set in. Uniform loop: every simdgroup
-  // meets every barrier.
+  // rows in a slot and sets [0, half) fold in the slot of set + half, in steps of at most
+  // kSlots writers (the tiles' memory). Uniform loops: every simdgroup meets every barrier.
   threadgroup float* slots = (threadgroup float*)smem;
-  for (short half = V::kKeySets / 2; half > 0; half /= 2) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tiles' (or the last round's) reads
-    if (key_set >= half && key_set < 2 * half) {
-      threadgroup float* slot = slots + ((key_set - half) * V::kRowSets + row_set) * V::kSlotFloats;
-      #pragma clang loop unroll(full)
-      for (short n = 0; n < V::kRows; ++n) {
-        if (!V::live(n) || (V::tested() && !rok[n])) continue;
+  for (short half = V::key_sets() / 2; half > 0; half /= 2) {
+    for (short first = half; first < 2 * half; first += V::kSlots) {
+      const short w = key_set - first;  // this set's slot, if it writes in this step
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the tiles' (or the last step's) reads
+      if (w >= 0 && w < V::kSlots && key_set < 2 * half) {
+        threadgroup float* slot = slots + (w * V::kRowSets + row_set) * V::kSlotFloats;
         #pragma clang loop unroll(full)
-        for (short c = 0; c < V::QV; ++c) {
-          const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
-          if (DV % (32 * V::kVecV) == 0 || d < DV) slot[n * DV + d] = ov[n][c];
-        }
-        if (lane == 0) {
-          slot[V::kRows * DV + 2 * n] = sm[n].m;
-          slot[V::kRows * DV + 2 * n + 1] = sm[n].l;
+        for (short n = 0; n < V::kRows; ++n) {
+          if (!V::live(n) || (V::tested() && !rok[n])) continue;
+          #pragma clang loop unroll(full)
+          for (short c = 0; c < V::QV; ++c) {
+            const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
+            if (DV % (32 * V::kVecV) == 0 || d < DV) slot[n * DV + d] = ov[n][c];
+          }
+          if (lane == 0) {
+            slot[V::kRows * DV + 2 * n] = sm[n].m;
+            slot[V::kRows * DV + 2 * n + 1] = sm[n].l;
+          }
         }
       }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (key_set < half) {
-      const threadgroup float* slot = slots + (key_set * V::kRowSets + row_set) * V::kSlotFloats;
-      #pragma clang loop unroll(full)
-      for (short n = 0; n < V::kRows; ++n) {
-        if (!V::live(n) || (V::tested() && !rok[n])) continue;
-        const float m_b = slot[V::kRows * DV + 2 * n], l_b = slot[V::kRows * DV + 2 * n + 1];
-        const float m_new = max(sm[n].m, m_b);
-        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float fa = exp2((sm[n].m - shift) * attn_exp_unit);
-        const float fb = exp2((m_b - shift) * attn_exp_unit);
-        sm[n].l = sm[n].l * fa + l_b * fb;
-        sm[n].m = m_new;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      const short r = key_set + half - first;  // the slot this set folds in, if any
+      if (key_set < half && r >= 0 && r < V::kSlots) {
+        const threadgroup float* slot = slots + (r * V::kRowSets + row_set) * V::kSlotFloats;
         #pragma clang loop unroll(full)
-        for (short c = 0; c < V::QV; ++c) {
-          const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
-          const float o_b = DV % (32 * V::kVecV) == 0 || d < DV ? slot[n * DV + d] : 0.0f;
-          ov[n][c] = ov[n][c] * fa + o_b * fb;
+        for (short n = 0; n < V::kRows; ++n) {
+          if (!V::live(n) || (V::tested() && !rok[n])) continue;
+          const float m_b = slot[V::kRows * DV + 2 * n], l_b = slot[V::kRows * DV + 2 * n + 1];
+          const float m_new = max(sm[n].m, m_b);
+          const float shift = m_new == -INFINITY ? 0.0f : m_new;
+          const float fa = exp2((sm[n].m - shift) * attn_exp_unit);
+          const float fb = exp2((m_b - shift) * attn_exp_unit);
+          sm[n].l = sm[n].l * fa + l_b * fb;
+          sm[n].m = m_new;
+          #pragma clang loop unroll(full)
+          for (short c = 0; c < V::QV; ++c) {
+            const int d = (32 * (c / V::kVecV) + lane) * V::kVecV + c % V::kVecV;
+            const float o_b = DV % (32 * V::kVecV) == 0 || d < DV ? slot[n * DV + d] : 0.0f;
+            ov[n][c] = ov[n][c] * fa + o_b * fb;
+          }
         }
       }
     }
