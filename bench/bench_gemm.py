@@ -118,6 +118,17 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
                 buffers[BUF_C] = {"read": m * n * es, "written": 0}
             if use_bias:
                 buffers[BUF_BIAS] = {"read": m * n * es, "written": 0}
+        elif d.kernel.startswith("steel_gemv_nn_"):
+            # Each threadgroup reads its strip of 32 columns of b over K (every element once) and
+            # all m rows of a once (shared by shuffles); one store per output.
+            strips = -(-n // 32)
+            buffers[BUF_B] = {"read": batch * k * n * es, "written": 0}
+            buffers[BUF_A] = {"read": batch * strips * m * k * es, "written": 0}
+            buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
+            if use_c:
+                buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
+            if use_bias:
+                buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
         elif d.kernel.startswith("steel_gemv_"):
             # Each simdgroup reads its 4 lines of the weight (the last one re-reads its first
             # line in place of the missing ones) and all R <= 8 lines of the other operand over

@@ -194,16 +194,20 @@ struct BatchDim {
   int64_t size, a, b, c;
 };
 
-// Threadgroups of the GEMV kernels: 4 simdgroups of STEEL_GEMV_LINES lines each (gemv.h).
-constexpr int64_t kGemvSimdgroups = 4;
+// Threadgroups of the GEMV kernels: STEEL_GEMV_SIMDGROUPS simdgroups, of STEEL_GEMV_LINES
+// weight lines each (rows, cols), or together a strip of STEEL_GEMV_NN_COLS columns (nn; gemv.h).
+constexpr int64_t kGemvSimdgroups = STEEL_GEMV_SIMDGROUPS;
 constexpr int64_t kGemvCols = STEEL_GEMV_LINES;
 constexpr int64_t kGemvVec = STEEL_GEMV_VEC;  // elements per vector access (gemv_load4)
 
-// The GEMV dispatch (see plan_gemm's rule). `cols`: the N <= 8 kernel, which treats a's rows as
-// the weight lines.
+// The GEMV kernels: rows (M <= 8, b column by column), cols (N <= 8 by transposition: a's rows
+// are the weight lines), nn (M <= 8, b row-major: lanes along N).
+enum class Gemv { Rows, Cols, Nn };
+
+// The GEMV dispatch (see plan_gemm's rule).
 Plan plan_gemv(Plan plan, const TensorDesc& a, const TensorDesc& b, const MatrixLayout& la,
                const MatrixLayout& lb, const std::vector<BatchDim>& merged, int64_t M, int64_t N,
-               int64_t K, int64_t batches, DType dtype, bool cols, bool use_c, int64_t c_rs,
+               int64_t K, int64_t batches, DType dtype, Gemv kind, bool use_c, int64_t c_rs,
                int64_t c_cs, const std::optional<TensorDesc>& bias, double alpha, double beta,
                int activation, int32_t slot_c, int32_t slot_bias, int32_t slot_out) {
   GemmParams p;
@@ -234,16 +238,21 @@ Plan plan_gemv(Plan plan, const TensorDesc& a, const TensorDesc& b, const Matrix
     for (const BatchDim& bd : merged) ok = ok && (is_a ? bd.a : bd.b) % kGemvVec == 0;
     return ok;
   };
-  const int64_t lines = cols ? M : N;
   Dispatch d;
-  d.kernel = std::string(cols ? "steel_gemv_cols_" : "steel_gemv_rows_") + dtype_tag(dtype);
+  d.kernel = std::string(kind == Gemv::Rows   ? "steel_gemv_rows_"
+                         : kind == Gemv::Cols ? "steel_gemv_cols_"
+                                              : "steel_gemv_nn_") +
+             dtype_tag(dtype);
   d.constants = {fc_bool(STEEL_GEMM_FC_HAS_BATCH, batches > 1),
                  fc_bool(STEEL_GEMM_FC_USE_C, use_c),
                  fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
                  fc_int(STEEL_GEMM_FC_ACTIVATION, activation),
                  fc_bool(STEEL_GEMM_FC_VEC_A, vec_ok(a, la, true)),
                  fc_bool(STEEL_GEMM_FC_VEC_B, vec_ok(b, lb, false))};
-  d.grid[0] = static_cast<uint32_t>(ceil_div(lines, kGemvSimdgroups * kGemvCols));
+  d.grid[0] = static_cast<uint32_t>(kind == Gemv::Nn
+                                        ? ceil_div(N, STEEL_GEMV_NN_COLS)
+                                        : ceil_div(kind == Gemv::Cols ? M : N,
+                                                   kGemvSimdgroups * kGemvCols));
   d.grid[1] = 1;
   d.grid[2] = static_cast<uint32_t>(batches);
   d.threads[0] = static_cast<uint32_t>(32 * kGemvSimdgroups);
@@ -494,10 +503,18 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   const bool gemv_layout = !la.transposed && lb_gemv.transposed;
   const bool gemv_rows = !split && gemv_layout && Mk <= STEEL_GEMV_MAX_ROWS;
   const bool gemv_cols = !split && !gemv_rows && gemv_layout && N <= STEEL_GEMV_MAX_ROWS;
-  if (gemv_rows || gemv_cols) {
-    return plan_gemv(plan, a, b, la, lb_gemv, merged, Mk, N, K, batches, dtype, gemv_cols, use_c,
-                     c_rs, use_c ? c_strides[cd - 1] : 0, bias, alpha, beta, activation,
-                     kSlotC, kSlotBias, kSlotOut);
+  // x @ W with W stored [K, N] (a and b row-major, torch.matmul(x, W)): the same waste, and b's
+  // columns are not contiguous along K, so steel_gemv_nn_'s lanes go along N instead: each
+  // threadgroup reads a strip of 32 columns of W once. The model (bench_gemm.py --predict M4 Pro)
+  // put 1 x 4096 x 4096 f16 on the tiled kernel at 253 us, compute-bound, against 133 us for
+  // reading W once.
+  const bool gemv_nn = !split && !gemv_rows && !gemv_cols && !la.transposed && !lb.transposed &&
+                       Mk <= STEEL_GEMV_MAX_ROWS;
+  if (gemv_rows || gemv_cols || gemv_nn) {
+    const Gemv kind = gemv_rows ? Gemv::Rows : gemv_cols ? Gemv::Cols : Gemv::Nn;
+    return plan_gemv(plan, a, b, la, gemv_nn ? lb : lb_gemv, merged, Mk, N, K, batches, dtype,
+                     kind, use_c, c_rs, use_c ? c_strides[cd - 1] : 0, bias, alpha, beta,
+                     activation, kSlotC, kSlotBias, kSlotOut);
   }
 
   const Tile t = split ? small : tile;

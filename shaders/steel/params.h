@@ -21,6 +21,10 @@
 #define STEEL_GEMV_MAX_ROWS 8
 #define STEEL_GEMV_LINES 4
 #define STEEL_GEMV_VEC 4
+// Simdgroups of a GEMV threadgroup (gemv_nn_block sizes its threadgroup memory by it), and the
+// columns of W one threadgroup of steel_gemv_nn_ owns (8 lanes of STEEL_GEMV_VEC columns).
+#define STEEL_GEMV_SIMDGROUPS 4
+#define STEEL_GEMV_NN_COLS 32
 
 // Function-constant indices of the GEMM kernels ([[function_constant(N)]] in gemm.metal).
 #define STEEL_GEMM_FC_HAS_BATCH 100   // bool: batch offsets are computed from tid.z

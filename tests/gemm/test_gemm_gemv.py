@@ -1,9 +1,11 @@
 """The GEMV kernels (shaders/steel/gemm/gemv.h: steel_gemv_rows_*, M <= 8, and steel_gemv_cols_*,
-N <= 8 by transposition) in the Metal simulator against torch.matmul in float64 (issue 25).
+N <= 8 by transposition, and steel_gemv_nn_*, M <= 8 with b row-major) in the Metal simulator
+against torch.matmul in float64 (issue 25).
 
-The plan (mps_src/plan/gemm_plan.cpp) picks them when a is row-major and b is stored column by
-column (x @ W^T, as torch_steel.linear calls it); every case here first asserts that it did, so
-a test cannot silently run the tiled kernel instead. The checkers are on (out-of-bounds reads of
+The plan (mps_src/plan/gemm_plan.cpp) picks rows and cols when a is row-major and b is stored
+column by column (x @ W^T, as torch_steel.linear calls it), nn when both are row-major (x @ W,
+W stored [K, N]); every case here first asserts which it picked, so a test cannot silently run
+the tiled kernel instead. The checkers are on (out-of-bounds reads of
 the ragged K end or of the lines past the last one raise SimulatorError). Tolerances are those of
 gemm_helpers.assert_close: the dtype's rounding of the result plus K fp32 ulps of sum |a||b|
 (the GEMV adds the same products in another order, bounded the same way).
@@ -146,3 +148,62 @@ def test_gemm_gemv_decode_linear_shape():
     a = rand(1, 512, dtype=torch.float16, gen=gen)
     check(a, weight_t(512, 1024, dtype=torch.float16, gen=gen),
           bias=rand(1024, dtype=torch.float16, gen=gen), activation="silu")  # fmt: skip
+
+
+# steel_gemv_nn_: M <= 8 rows, b row-major [K, N] (N = 1 is a K-contiguous line: the rows
+# kernel). N off the 4-column lane and the 32-column threadgroup strip (2, 3, 31, 33, 97); K
+# below a lane's 4 rows, off the 64-row step of the 16 K slots, and long.
+NN_SHAPES = [
+    (1, 2, 1),
+    (1, 3, 5),
+    (2, 31, 63),
+    (3, 33, 64),
+    (4, 32, 65),
+    (8, 97, 257),
+    (7, 160, 1000),  # (7, 64, 1000) is split-K's: few strips, long K
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", NN_SHAPES)
+def test_gemm_gemv_nn_shapes(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    check(rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen), kernel="nn")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("c_kind", C_KINDS)
+def test_gemm_gemv_nn_epilogue(c_kind, use_bias, activation):
+    gen = torch.Generator().manual_seed(ACTIVATIONS.index(activation) * 10 + use_bias + 100)
+    m, n, k = 5, 45, 70
+    a, b = rand(m, k, dtype=torch.float32, gen=gen), rand(k, n, dtype=torch.float32, gen=gen)
+    bias, c = epilogue_operands(m, n, c_kind, use_bias, torch.float32, gen)
+    check(a, b, bias, c, 0.75, -1.5 if c is not None else 1.0, activation, "nn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gemm_gemv_nn_epilogue_half_types(dtype):
+    gen = torch.Generator().manual_seed(12)
+    m, n, k = 3, 40, 37
+    a, b = rand(m, k, dtype=dtype, gen=gen), rand(k, n, dtype=dtype, gen=gen)
+    check(a, b, rand(n, dtype=dtype, gen=gen), rand(m, n, dtype=dtype, gen=gen), 0.5, 2.0,
+          "gelu", "nn")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_gemv_nn_batched_strided_and_offset(dtype):
+    """Batched and broadcast operands (HAS_BATCH offsets per threadgroup z), b shared by a
+    folded batch, row strides past N, and storage offsets that are no multiple of the 4-element
+    vector (scalar loads) or are (vector loads)."""
+    gen = torch.Generator().manual_seed(9)
+    check(rand(3, 2, 40, dtype=dtype, gen=gen), rand(3, 40, 21, dtype=dtype, gen=gen),
+          c=rand(3, 1, 21, dtype=dtype, gen=gen), kernel="nn")  # fmt: skip
+    check(rand(1, 3, 40, dtype=dtype, gen=gen), rand(4, 40, 9, dtype=dtype, gen=gen), kernel="nn")
+    # x[B, T, K] @ W with W shared: the batch folds into M = 6 rows, one dispatch.
+    check(rand(3, 2, 40, dtype=dtype, gen=gen), rand(40, 21, dtype=dtype, gen=gen),
+          bias=rand(21, dtype=dtype, gen=gen), kernel="nn")  # fmt: skip
+    big_a = rand(10, 75, dtype=dtype, gen=gen)
+    big_w = rand(70, 80, dtype=dtype, gen=gen)
+    for off in (0, 1, 3, 4):
+        check(big_a[1:6, off : off + 61], big_w[2:63, off : off + 70], kernel="nn")

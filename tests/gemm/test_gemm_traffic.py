@@ -30,6 +30,8 @@ pytestmark = requires_simulator
         (1, 3, 37, 45, True, True),  # GEMV rows: ragged lines and K
         (2, 3, 37, 45, False, True),  # folded into 6 rows
         (1, 29, 5, 45, True, True),  # GEMV cols
+        (1, 3, 37, 45, True, False),  # GEMV nn: ragged strip and K
+        (2, 3, 37, 45, False, False),  # folded into 6 rows
     ],
 )
 def test_traffic_model_matches_counters(batch, m, n, k, epilogue, weight_t):
@@ -40,7 +42,7 @@ def test_traffic_model_matches_counters(batch, m, n, k, epilogue, weight_t):
     bias = rand(n, dtype=dtype, gen=gen) if epilogue else None
     options = {"activation": "relu" if epilogue else "none"}
     p = sim.plan("gemm", [a, b, bias, None], options)
-    assert p.dispatches[0].kernel.startswith("steel_gemv_") == weight_t
+    assert p.dispatches[0].kernel.startswith("steel_gemv_") == (weight_t or m <= 8)
     predicted = bench_gemm.model(p, batch, m, n, k, 2, use_c=False, use_bias=epilogue)
     _, counters = sim.run_op("gemm", [a, b, bias, None], options, counters=True)
     assert bench_gemm.counted(counters) == predicted

@@ -130,8 +130,8 @@ def test_small_grid_tile_by_core_waves(cores, tile):
     assert f"_{tile}_" in d.kernel, d.kernel
 
 
-def test_decode_shape_uses_small_tile():
-    (d,) = plan(t(1, 4096), t(4096, 4096)).dispatches
+def test_few_rows_past_the_gemv_use_small_tile():
+    (d,) = plan(t(9, 4096), t(4096, 4096)).dispatches
     assert "_bm32_bn32_" in d.kernel
     assert not d.constants[ALIGN_M] and d.constants[ALIGN_N]
 
@@ -359,10 +359,28 @@ def test_gemv_rows_up_to_eight_then_tiled():
     b = t(256, 512).t()
     assert plan(t(8, 512), b).dispatches[0].kernel == "steel_gemv_rows_f16"
     assert plan(t(9, 512), b).dispatches[0].kernel.startswith("steel_gemm_nt_")
-    # A row-major b (lanes along K would read it across rows) keeps the tiled kernel.
-    assert plan(t(8, 512), t(512, 256)).dispatches[0].kernel.startswith("steel_gemm_nn_")
-    # So does a transposed a.
+    # A row-major b (lanes along K would read it across rows) takes the kernel along N.
+    assert plan(t(8, 512), t(512, 256)).dispatches[0].kernel == "steel_gemv_nn_f16"
+    assert plan(t(9, 512), t(512, 256)).dispatches[0].kernel.startswith("steel_gemm_nn_")
+    # A transposed a keeps the tiled kernel.
     assert plan(t(512, 8).t(), b).dispatches[0].kernel.startswith("steel_gemm_tt_")
+
+
+def test_decode_matmul_uses_gemv_nn():
+    # x[1, K] @ W with W stored [K, N] (torch.matmul(x, W)): the tiled kernel is compute-bound at
+    # 1.9x the DRAM bound on M4 Pro by the timing model; steel_gemv_nn_ reads W once, a strip of
+    # 32 columns per threadgroup of 4 simdgroups.
+    meta = {"device": "meta"}
+    (d,) = plan(t(1, 4096, **meta), t(4096, 4096, **meta)).dispatches
+    assert d.kernel == "steel_gemv_nn_f16"
+    assert d.grid == (128, 1, 1) and d.threads == (128, 1, 1)
+    assert d.constants[VEC_A] and d.constants[VEC_B] and not d.constants[HAS_BATCH]
+    assert params(d)["ldb"] == 4096
+    # Columns past a multiple of 32 get one more strip; W's row stride off 4 elements turns the
+    # vector loads off.
+    (d,) = plan(t(3, 64), t(64, 70)[:, :33]).dispatches
+    assert d.kernel == "steel_gemv_nn_f16" and d.grid == (2, 1, 1)
+    assert not d.constants[VEC_B] and params(d)["ldb"] == 70 and params(d)["M"] == 3
 
 
 def test_few_columns_use_gemv_cols():

@@ -3,7 +3,8 @@
 //
 // Host names: steel_gemm_<ta><tb>_<dtype>_bm<BM>_bn<BN>_bk<BK>_wm<WM>_wn<WN>, with <ta>/<tb> n
 // (the operand's rows are contiguous) or t (its columns are); steel_gemm_splitk_... the same;
-// steel_gemm_splitk_reduce_<dtype>; steel_gemv_rows_<dtype> and steel_gemv_cols_<dtype> (gemv.h).
+// steel_gemm_splitk_reduce_<dtype>; steel_gemv_rows_<dtype>, steel_gemv_cols_<dtype> and
+// steel_gemv_nn_<dtype> (gemv.h).
 // mps_src/plan/gemm_plan.cpp builds these names.
 #include <metal_stdlib>
 
@@ -87,6 +88,22 @@ template <typename T, bool kSwap>
   gemv_block<T, kSwap>(a, b, c, bias, out, params, tg, simdgroup, lane, simdgroups);
 }
 
+// GEMV along N (steel_gemv_nn_: at most 8 rows, a and b row-major): the grid is
+// (ceil(N / 32), 1, batch) of STEEL_GEMV_SIMDGROUPS simdgroups.
+template <typename T>
+[[kernel]] void steel_gemv_nn(const device T* a [[buffer(STEEL_GEMM_BUF_A)]],
+                              const device T* b [[buffer(STEEL_GEMM_BUF_B)]],
+                              const device T* c [[buffer(STEEL_GEMM_BUF_C)]],
+                              const device T* bias [[buffer(STEEL_GEMM_BUF_BIAS)]],
+                              device T* out [[buffer(STEEL_GEMM_BUF_OUT)]],
+                              constant GemmParams& params [[buffer(STEEL_GEMM_BUF_PARAMS)]],
+                              uint3 tg [[threadgroup_position_in_grid]],
+                              ushort simdgroup [[simdgroup_index_in_threadgroup]],
+                              ushort lane [[thread_index_in_simdgroup]]) {
+  threadgroup float4 red[kGemvSimdgroups * kGemvMaxRows * kGemvNnColGroups];
+  gemv_nn_block<T>(a, b, c, bias, out, params, tg, simdgroup, lane, red);
+}
+
 // ---- Instantiations (the tile table in gemm_plan.cpp picks among these) ----------------------
 
 #define STEEL_GEMM_KERNEL(kernel, prefix, tname, T, tr, ta, tb, bm, bn, bk, wm, wn)              \
@@ -111,7 +128,9 @@ template <typename T, bool kSwap>
   template [[host_name("steel_gemv_rows_" #tname)]] [[kernel]]                                \
   decltype(steel_gemv<T, false>) steel_gemv<T, false>;                                        \
   template [[host_name("steel_gemv_cols_" #tname)]] [[kernel]]                                \
-  decltype(steel_gemv<T, true>) steel_gemv<T, true>;
+  decltype(steel_gemv<T, true>) steel_gemv<T, true>;                                          \
+  template [[host_name("steel_gemv_nn_" #tname)]] [[kernel]]                                  \
+  decltype(steel_gemv_nn<T>) steel_gemv_nn<T>;
 
 STEEL_GEMM_DTYPE(f16, half)
 STEEL_GEMM_DTYPE(bf16, bfloat)

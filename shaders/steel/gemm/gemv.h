@@ -1,5 +1,6 @@
-// The GEMV block: out = act(alpha * a @ b + beta * c + bias) when one side of the output has at
-// most kGemvMaxRows (8) lines, as in decode (x[1..8, K] @ W^T). The tiled kernel (gemm.h) would
+// The GEMV blocks: out = act(alpha * a @ b + beta * c + bias) when one side of the output has at
+// most kGemvMaxRows (8) lines, as in decode (x[1..8, K] @ W^T; gemv_nn_block below for x @ W
+// with W stored [K, N]). The tiled kernel (gemm.h) would
 // run 8x8 MMAs of which 1 to 8 rows in 32 are real; here nothing is padded.
 //
 // Roles: the "weight" W is the operand with the long output side (J lines, each K long and
@@ -46,21 +47,28 @@ inline float4 gemv_load4(const device T* line, int k, int K, bool vector_ok) {
   return v;
 }
 
+// Moves every operand to threadgroup z's batch element (the planner's merged batch dims).
+template <typename T>
+inline void gemv_batch(thread const device T*& a, thread const device T*& b,
+                       thread const device T*& c, thread device T*& out, constant GemmParams& p,
+                       uint z_id) {
+  if (!gemm_has_batch) return;
+  int z = int(z_id);
+  for (int d = p.batch_ndim - 1; d >= 0; --d) {
+    const int idx = z % p.batch_shape[d];
+    z /= p.batch_shape[d];
+    a += idx * p.a_batch_strides[d];
+    b += idx * p.b_batch_strides[d];
+    c += idx * p.c_batch_strides[d];
+  }
+  out += int(z_id) * p.out_batch_stride;
+}
+
 template <typename T, bool kSwap>
 inline void gemv_block(const device T* a, const device T* b, const device T* c,
                        const device T* bias, device T* out, constant GemmParams& p, uint3 tg,
                        ushort simdgroup, ushort lane, ushort simdgroups) {
-  if (gemm_has_batch) {
-    int z = int(tg.z);
-    for (int d = p.batch_ndim - 1; d >= 0; --d) {
-      const int idx = z % p.batch_shape[d];
-      z /= p.batch_shape[d];
-      a += idx * p.a_batch_strides[d];
-      b += idx * p.b_batch_strides[d];
-      c += idx * p.c_batch_strides[d];
-    }
-    out += int(tg.z) * p.out_batch_stride;
-  }
+  gemv_batch(a, b, c, out, p, tg.z);
   const device T* x = kSwap ? b : a;
   const device T* w = kSwap ? a : b;
   const int ldx = kSwap ? p.ldb : p.lda;
@@ -109,6 +117,96 @@ inline void gemv_block(const device T* a, const device T* b, const device T* c,
       const int col = kSwap ? r : j0 + j;
       out[row * p.ldd + col] =
           T(epilogue(sum, row, col, c, bias, p, use_c, has_bias, activation));
+    }
+  }
+}
+
+// The GEMV block along N (steel_gemv_nn_): M <= 8 with both operands row-major, x[R, K] @
+// W[K, N], as torch.matmul(x, W) passes a weight stored [K, N]. W's contiguous lines now run
+// along N, so the lanes do too: each lane owns kGemvVec consecutive columns (one vector load per
+// row of W), a simdgroup's 32 lanes are kGemvNnColGroups column groups x kGemvNnKGroups K groups,
+// and the threadgroup's simdgroups split K again: 16 K slots, each taking kGemvVec rows of W per
+// step. A threadgroup reads its strip of kGemvNnCols columns of W (64 bytes a row in f16) once,
+// and N / 32 threadgroups spread W over the cores. X is read once per threadgroup and shared
+// within each K group by shuffles (below). The K groups' partial sums meet by
+// two shuffles and the simdgroups' through threadgroup memory (`red`, [simdgroup][row][column
+// group] float4s); the first column groups of simdgroup 0 apply the epilogue.
+constant constexpr short kGemvNnCols = STEEL_GEMV_NN_COLS;  // columns a threadgroup owns
+constant constexpr short kGemvNnColGroups = kGemvNnCols / kGemvVec;
+constant constexpr short kGemvNnKGroups = 32 / kGemvNnColGroups;
+static_assert(kGemvNnColGroups * kGemvNnKGroups == 32, "column groups x K groups = one simdgroup");
+constant constexpr short kGemvSimdgroups = STEEL_GEMV_SIMDGROUPS;
+
+template <typename T>
+inline void gemv_nn_block(const device T* a, const device T* b, const device T* c,
+                          const device T* bias, device T* out, constant GemmParams& p, uint3 tg,
+                          ushort simdgroup, ushort lane, threadgroup float4* red) {
+  gemv_batch(a, b, c, out, p, tg.z);
+  const int rows = p.M;  // <= kGemvMaxRows (the planner's rule)
+  const short group = short(lane % kGemvNnColGroups);
+  const int n0 = int(tg.x) * kGemvNnCols + group * kGemvVec;
+  const int slot = simdgroup * kGemvNnKGroups + lane / kGemvNnColGroups;
+  constexpr int kStep = kGemvSimdgroups * kGemvNnKGroups * kGemvVec;
+
+  float4 acc[kGemvMaxRows];
+#pragma clang loop unroll(full)
+  for (short r = 0; r < kGemvMaxRows; ++r) acc[r] = 0.0f;
+  // Lane (group, K group) loads row `group` of X (kGemvNnColGroups == kGemvMaxRows: one lane
+  // per row) and its K group's lanes take every row from each other by shuffles, so each X
+  // element is read once per K slot instead of once per column group.
+  static_assert(kGemvNnColGroups == kGemvMaxRows, "one lane of a K group per row of X");
+  const ushort k_group_lane = ushort(lane - group);
+  for (int k = slot * kGemvVec; k < p.K; k += kStep) {
+    const float4 x_mine = group < rows ? gemv_load4(a + group * p.lda, k, p.K, gemm_vec_a)
+                                       : float4(0.0f);
+    float4 xv[kGemvMaxRows];
+#pragma clang loop unroll(full)
+    for (short r = 0; r < kGemvMaxRows; ++r) {
+      if (r >= rows) break;
+      xv[r] = simd_shuffle(x_mine, ushort(k_group_lane + r));
+    }
+#pragma clang loop unroll(full)
+    for (short e = 0; e < kGemvVec; ++e) {
+      if (k + e >= p.K) break;  // the ragged end of K: no row of W past it is read
+      // Columns past N read as zero (gemv_load4's bound), so the last strip stays in bounds.
+      const float4 wv = gemv_load4(b + (k + e) * p.ldb, n0, p.N, gemm_vec_b);
+#pragma clang loop unroll(full)
+      for (short r = 0; r < kGemvMaxRows; ++r) {
+        if (r >= rows) break;
+        acc[r] += xv[r][e] * wv;
+      }
+    }
+  }
+
+  // The K groups of a column group are lanes group, group + 8, group + 16, group + 24.
+#pragma clang loop unroll(full)
+  for (short r = 0; r < kGemvMaxRows; ++r) {
+    if (r >= rows) break;
+    acc[r] += simd_shuffle_xor(acc[r], ushort(kGemvNnColGroups));
+    acc[r] += simd_shuffle_xor(acc[r], ushort(2 * kGemvNnColGroups));
+    if (lane < kGemvNnColGroups) {
+      red[(simdgroup * kGemvMaxRows + r) * kGemvNnColGroups + group] = acc[r];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simdgroup != 0 || lane >= kGemvNnColGroups) return;
+
+  const bool use_c = gemm_use_c;
+  const bool has_bias = gemm_has_bias;
+  const int activation = gemm_activation;
+#pragma clang loop unroll(full)
+  for (short r = 0; r < kGemvMaxRows; ++r) {
+    if (r >= rows) break;
+    float4 sum = 0.0f;
+#pragma clang loop unroll(full)
+    for (short s = 0; s < kGemvSimdgroups; ++s) {
+      sum += red[(s * kGemvMaxRows + r) * kGemvNnColGroups + group];
+    }
+#pragma clang loop unroll(full)
+    for (short j = 0; j < kGemvVec; ++j) {
+      const int col = n0 + j;
+      if (col >= p.N) break;
+      out[r * p.ldd + col] = T(epilogue(sum[j], r, col, c, bias, p, use_c, has_bias, activation));
     }
   }
 }
