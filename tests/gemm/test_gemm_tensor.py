@@ -77,9 +77,9 @@ def shapes_and_transposes(layout_seed, m, n, k, ta, tb, dtype, monkeypatch):
     a = operand(m, k, transposed=ta, dtype=dtype, gen=g)
     b = operand(k, n, transposed=tb, dtype=dtype, gen=g)
     # a row-major (a single row always is) and b column by column with at most 8 rows or
-    # columns: the GEMV kernels serve it on every device (docs/gemm.md), M5 included; the other
-    # layouts run matmul2d.
-    gemv = (not ta or m == 1) and tb and min(m, n) <= 8
+    # columns, or b row-major with at most 8 rows: the GEMV kernels serve it on every device
+    # (docs/gemm.md), M5 included; the other layouts run matmul2d.
+    gemv = (not ta or m == 1) and (min(m, n) <= 8 if tb else m <= 8)
     check(a, b, kernel="steel_gemv_" if gemv else "steel_gemm_tensor_")
 
 
