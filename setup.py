@@ -63,7 +63,9 @@ setup(
             "hypothesis",
             "transformers",
             "diffusers",
-        ]
+        ],
+        # bench/ --predict's plots (side_by_side.plot; without it the tables print, no plot)
+        "bench": ["matplotlib"],
     },
     include_package_data=True,
     **options,
