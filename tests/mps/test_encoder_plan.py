@@ -517,7 +517,7 @@ SHADERS = ROOT / "shaders"
 _MSL_TYPES = {0: "bool", 1: "int", 2: "uint", 3: "float"}
 # Kernel host-name prefix -> the translation unit that defines those kernels (the longest
 # matching prefix wins). A plan naming a kernel with no entry here fails the test below.
-_KERNEL_SOURCES = {"steel_gemm_": "steel/gemm/gemm.metal"}
+_KERNEL_SOURCES = {"steel_gemm_": "steel/gemm/gemm.metal", "steel_gemv_": "steel/gemm/gemm.metal"}
 _DECLARATION = re.compile(
     r"\bconstant\s+(\w+)\s+(\w+)\s*\[\[\s*function_constant\(\s*(\w+)\s*\)\s*\]\]"
 )

@@ -112,7 +112,7 @@ def test_the_op_layer_reaches_the_host_as_on_mps(recorder, monkeypatch):
         assert out.shape == q.shape and out.stride() == q.stride()
         c = torch_steel.gemm(torch.randn(4, 8), torch.randn(8, 3))
         assert c.shape == (4, 3)
-        assert recorder.last_record()[0].startswith("pipeline steel_gemm_nn_f32")
+        assert recorder.last_record()[0] == "pipeline steel_gemv_nn_f32"  # 4 rows: the GEMV
 
 
 def _stream_calls():
@@ -172,7 +172,7 @@ def test_loaded_kernels_skip_the_availability_checks(recorder, monkeypatch):
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     with torch_steel.backend("metal"):
         assert torch_steel.gemm(a, b).shape == (4, 3)
-        assert recorder.last_record()[0].startswith("pipeline steel_gemm_nn_f32")
+        assert recorder.last_record()[0] == "pipeline steel_gemv_nn_f32"  # 4 rows: the GEMV
         monkeypatch.setattr(metal, "_loaded", False)
         with pytest.raises(AssertionError, match="checked again"):
             torch_steel.gemm(a, b)
