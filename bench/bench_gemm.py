@@ -100,6 +100,16 @@ def tensor_mma(plan) -> int:
     return total
 
 
+def epilogue(buffers, out_bytes, use_c, use_bias):
+    """The epilogue's bytes: one store per output element, c and bias read once per output
+    (bias through its broadcast row, as the kernel indexes it)."""
+    buffers[BUF_OUT] = {"read": 0, "written": out_bytes}
+    if use_c:
+        buffers[BUF_C] = {"read": out_bytes, "written": 0}
+    if use_bias:
+        buffers[BUF_BIAS] = {"read": out_bytes, "written": 0}
+
+
 def model(plan, batch, m, n, k, es, use_c, use_bias):
     """Predicted {dispatch index: {binding: {"read": bytes, "written": bytes}}}."""
     # The plan may fold a batch into M (b shared by every entry, a's entries row after row):
@@ -113,22 +123,14 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
         if "splitk_reduce" in d.kernel:
             partitions = plan.allocations[1].sizes[0]
             buffers[BUF_A] = {"read": partitions * m * n * 4, "written": 0}
-            buffers[BUF_OUT] = {"read": 0, "written": m * n * es}
-            if use_c:
-                buffers[BUF_C] = {"read": m * n * es, "written": 0}
-            if use_bias:
-                buffers[BUF_BIAS] = {"read": m * n * es, "written": 0}
+            epilogue(buffers, m * n * es, use_c, use_bias)
         elif d.kernel.startswith("steel_gemv_nn_"):
             # Each threadgroup reads its strip of 32 columns of b over K (every element once) and
             # all m rows of a once (shared by shuffles); one store per output.
             strips = -(-n // 32)
             buffers[BUF_B] = {"read": batch * k * n * es, "written": 0}
             buffers[BUF_A] = {"read": batch * strips * m * k * es, "written": 0}
-            buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
-            if use_c:
-                buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
-            if use_bias:
-                buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
+            epilogue(buffers, batch * m * n * es, use_c, use_bias)
         elif d.kernel.startswith("steel_gemv_"):
             # Each simdgroup reads its 4 lines of the weight (the last one re-reads its first
             # line in place of the missing ones) and all R <= 8 lines of the other operand over
@@ -139,11 +141,7 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
             w, x = (BUF_A, BUF_B) if cols else (BUF_B, BUF_A)
             buffers[w] = {"read": batch * groups * 4 * k * es, "written": 0}
             buffers[x] = {"read": batch * groups * rows * k * es, "written": 0}
-            buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
-            if use_c:
-                buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
-            if use_bias:
-                buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
+            epilogue(buffers, batch * m * n * es, use_c, use_bias)
         else:
             bm, bn = tile_of(d.kernel)
             tiles_m, tiles_n = -(-m // bm), -(-n // bn)
@@ -153,11 +151,7 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
                 partitions = d.grid[2]
                 buffers[BUF_OUT] = {"read": 0, "written": partitions * m * n * 4}
             else:
-                buffers[BUF_OUT] = {"read": 0, "written": batch * m * n * es}
-                if use_c:
-                    buffers[BUF_C] = {"read": batch * m * n * es, "written": 0}
-                if use_bias:
-                    buffers[BUF_BIAS] = {"read": batch * m * n * es, "written": 0}
+                epilogue(buffers, batch * m * n * es, use_c, use_bias)
         out.append(buffers)
     return out
 

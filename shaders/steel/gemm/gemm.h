@@ -18,6 +18,7 @@
 
 #include "../params.h"
 #include "constants.h"
+#include "batch.h"
 #include "epilogue.h"
 #include "loader.h"
 #include "mma.h"
@@ -127,16 +128,8 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
     k_begin = int(tg.z) * p.k_split;
     k_len = min(p.k_split, p.K - k_begin);
     out += int(tg.z) * p.partial_stride;
-  } else if (gemm_has_batch) {
-    int z = int(tg.z);
-    for (int d = p.batch_ndim - 1; d >= 0; --d) {
-      const int idx = z % p.batch_shape[d];
-      z /= p.batch_shape[d];
-      a += idx * p.a_batch_strides[d];
-      b += idx * p.b_batch_strides[d];
-      c += idx * p.c_batch_strides[d];
-    }
-    out += int(tg.z) * p.out_batch_stride;
+  } else {
+    gemm_batch_offsets(a, b, c, out, p, tg.z);
   }
   a += kTransA ? row0 + k_begin * p.lda : row0 * p.lda + k_begin;
   b += kTransB ? col0 * p.ldb + k_begin : k_begin * p.ldb + col0;

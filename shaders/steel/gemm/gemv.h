@@ -22,6 +22,7 @@
 
 #include "../params.h"
 #include "constants.h"
+#include "batch.h"
 #include "epilogue.h"
 
 using namespace metal;
@@ -47,28 +48,11 @@ inline float4 gemv_load4(const device T* line, int k, int K, bool vector_ok) {
   return v;
 }
 
-// Moves every operand to threadgroup z's batch element (the planner's merged batch dims).
-template <typename T>
-inline void gemv_batch(thread const device T*& a, thread const device T*& b,
-                       thread const device T*& c, thread device T*& out, constant GemmParams& p,
-                       uint z_id) {
-  if (!gemm_has_batch) return;
-  int z = int(z_id);
-  for (int d = p.batch_ndim - 1; d >= 0; --d) {
-    const int idx = z % p.batch_shape[d];
-    z /= p.batch_shape[d];
-    a += idx * p.a_batch_strides[d];
-    b += idx * p.b_batch_strides[d];
-    c += idx * p.c_batch_strides[d];
-  }
-  out += int(z_id) * p.out_batch_stride;
-}
-
 template <typename T, bool kSwap>
 inline void gemv_block(const device T* a, const device T* b, const device T* c,
                        const device T* bias, device T* out, constant GemmParams& p, uint3 tg,
                        ushort simdgroup, ushort lane, ushort simdgroups) {
-  gemv_batch(a, b, c, out, p, tg.z);
+  gemm_batch_offsets(a, b, c, out, p, tg.z);
   const device T* x = kSwap ? b : a;
   const device T* w = kSwap ? a : b;
   const int ldx = kSwap ? p.ldb : p.lda;
@@ -141,7 +125,7 @@ template <typename T>
 inline void gemv_nn_block(const device T* a, const device T* b, const device T* c,
                           const device T* bias, device T* out, constant GemmParams& p, uint3 tg,
                           ushort simdgroup, ushort lane, threadgroup float4* red) {
-  gemv_batch(a, b, c, out, p, tg.z);
+  gemm_batch_offsets(a, b, c, out, p, tg.z);
   const int rows = p.M;  // <= kGemvMaxRows (the planner's rule)
   const short group = short(lane % kGemvNnColGroups);
   const int n0 = int(tg.x) * kGemvNnCols + group * kGemvVec;

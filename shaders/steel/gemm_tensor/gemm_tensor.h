@@ -19,6 +19,7 @@
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 
 #include "../params.h"
+#include "../gemm/batch.h"
 #include "../gemm/constants.h"
 #include "../gemm/epilogue.h"
 
@@ -48,16 +49,8 @@ inline void gemm_tensor_block(const device T* a, const device T* b, const device
     k_begin = int(tg.z) * p.k_split;
     k_end = min(k_begin + p.k_split, p.K);
     out += int(tg.z) * p.partial_stride;
-  } else if (gemm_has_batch) {
-    int z = int(tg.z);
-    for (int d = p.batch_ndim - 1; d >= 0; --d) {
-      const int idx = z % p.batch_shape[d];
-      z /= p.batch_shape[d];
-      a += idx * p.a_batch_strides[d];
-      b += idx * p.b_batch_strides[d];
-      c += idx * p.c_batch_strides[d];
-    }
-    out += int(tg.z) * p.out_batch_stride;
+  } else {
+    gemm_batch_offsets(a, b, c, out, p, tg.z);
   }
 
   // a is M x K (dims (K, M)), or stored K x M when transposed (dims (M, K)); b is K x N (dims
