@@ -162,6 +162,24 @@ class IsolatedBuildEnvironment(importlib.abc.MetaPathFinder):
         return None
 
 
+# Nor would it hold the other distributions' metadata: an entry point that one of them
+# registers (kernels, a dependency of transformers, adds an egg_info writer) must not load.
+import importlib.metadata
+
+providers = importlib.metadata.packages_distributions()
+allowed_dists = {d.lower().replace("_", "-") for m in allowed for d in providers.get(m, ())}
+find_distributions = importlib.machinery.PathFinder.find_distributions
+
+
+def isolated_distributions(context=importlib.metadata.DistributionFinder.Context()):
+    for dist in find_distributions(context):
+        where = str(getattr(dist, "_path", ""))
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in allowed_dists or not any(where.startswith(s + os.sep) for s in sites):
+            yield dist
+
+
+importlib.machinery.PathFinder.find_distributions = isolated_distributions
 sys.meta_path.insert(0, IsolatedBuildEnvironment())
 # setuptools (and the standard library modules it pulls in, some of which differ on macOS) load
 # as on this machine; from here on setup.py, build_macos and torch see macOS.
