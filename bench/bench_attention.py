@@ -175,8 +175,35 @@ def block_model(d, p, heads, es, mask_es, sinks_es):
     if tensor_ops:  # MMA-equivalents of the two operations of each visited tile
         mma = heads * tiles * bq * bk * (de + dv) // 512
     else:
-        mma = heads * tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
+        frags = sum(
+            _prefill_frags(d, p, row0, rows, k0, bk) for row0, rows, t in blocks for k0 in t
+        )
+        mma = heads * frags * (de // 8 + dv // 8)
     return buffers, mma, tiles, len(blocks) * -(-p["S"] // bk)
+
+
+def _prefill_frags(d, p, row0, rows, key0, bk):
+    """Score fragments the simdgroup prefill multiplies on the key tile from key0, summed over a
+    block's simdgroups (forward.h): all of them on an interior tile; on a tile that crosses the
+    end of S or a causal / window boundary (attn_edge_tile), each simdgroup only those before
+    its last row's limit (attn_visible_frags)."""
+    has_hi, has_lo = d.constants[FC_HAS_HI], d.constants[FC_HAS_LO]
+    last = row0 + rows - 1
+    edge = (
+        (not d.constants[FC_ALIGN_S] and key0 + bk > p["S"])
+        or (has_hi and key0 + bk - 1 > row0 + p["shift"] + p["hi_off"])
+        or (has_lo and key0 < last + p["shift"] - p["lo_off"])
+    )
+    simdgroups, tk = THREADS // 32, bk // 8
+    if not edge:
+        return simdgroups * tk
+    n = 0
+    for sg in range(simdgroups):
+        end = p["S"]
+        if has_hi:
+            end = min(end, row0 + sg * 8 + 7 + p["shift"] + p["hi_off"] + 1)
+        n += min(max(int((end - key0 + 7) / 8), 0), tk)  # C's division truncates toward 0
+    return n
 
 
 def varlen_model(plan, lq, lk, es, sinks_es):

@@ -39,6 +39,10 @@ NESTED_WORK = ("instructions", "mma_by_dtype")
 # Counted once per block (query rows' setup, Q load, O store) as well as per key tile: fitted
 # from two small runs rather than scaled per tile.
 PER_BLOCK = ("threadgroup_loads", "threadgroup_stores", "device_loads", "device_stores")
+# Counted per key fragment a simdgroup multiplies: whole tiles alike, but a tile that crosses the
+# causal diagonal or the end of S runs fewer (forward.h, attn_visible_frags), one such tile per
+# block. Fitted the same way; the fit of whole counts is an integer, rounded off its float error.
+PER_FRAGMENT = ("mma", "simd_ops", "threadgroup_read")
 OFF = 0.25
 
 
@@ -128,6 +132,12 @@ def steel_attention_counters(chip, B, H, L, S, D, causal, dtype=torch.float16, s
     for key in PER_BLOCK:
         if key in c_small:
             c[key] = fit(c_small[key], c_two[key])
+    for key in PER_FRAGMENT:
+        if key in c_small:
+            c[key] = round(fit(c_small[key], c_two[key]))
+    c["mma_by_dtype"] = {
+        k: round(fit(v, c_two["mma_by_dtype"][k])) for k, v in c_small["mma_by_dtype"].items()
+    }
     c["instructions"] = {
         k: fit(v, c_two["instructions"][k]) for k, v in c_small["instructions"].items()
     }

@@ -189,6 +189,46 @@ constexpr int steel_attn_threadgroup_bytes(int de, int dv, int elem_bytes) {
              : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
 }
 
+// The prefill forward's K/V buffer (forward.h, AttnForward<..., true>; the decode kernels keep
+// the rule above). A prefill threadgroup is compute-bound, and a core runs it faster the more
+// simdgroups it holds (the timing model's ALU efficiency: 0.72 at 12 simdgroups, 1.0 from 24).
+// Separate K and V tiles cap residency at f16 head dim 128 to 3 threadgroups (17408 bytes each)
+// where its registers allow 5, and at 64 to 6 where they allow 7. So the prefill shares one
+// buffer between K and V (two more barriers per key tile, which the timing model does not
+// charge: with more threadgroups resident, a core has other simdgroups to run while one waits)
+// whenever sharing, at the same BK, lets more threadgroups reside on a core. BK never changes,
+// so the plan's key tile (attn::key_tile) is the same for the prefill and the decode kernels.
+//
+// Residency is the least of a core's 3072 threads, 61440 bytes of threadgroup memory and
+// 212992 bytes of registers (torch_steel/sim/chips.json, every chip of the table) over the
+// threadgroup's 128 threads. Registers a thread: a MODEL ASSUMPTION (no compiler to ask here),
+// mirrored by timing.steel_kernel_info: the prefill keeps Q in operand fragments of the
+// inputs' dtype (one 32-bit register a lane for 16-bit types: two halves; two for float), the
+// O and score fragments in fp32 (two each), one fp32 operand fragment, and 24 scalars.
+constexpr int steel_attn_prefill_registers(int de, int dv, int elem_bytes) {
+  return (elem_bytes == 4 ? 2 : 1) * (de / 8) +
+         2 * (dv / 8 + steel_attn_bk(de, dv, elem_bytes) / 8 + 1) + 24;
+}
+constexpr int steel_attn_min(int a, int b) { return a < b ? a : b; }
+constexpr int steel_attn_prefill_residency(int tg_bytes, int registers) {
+  return steel_attn_min(steel_attn_min(3072 / (32 * STEEL_ATTN_SIMDGROUPS), 61440 / tg_bytes),
+                        212992 / (registers * 4 * 32 * STEEL_ATTN_SIMDGROUPS));
+}
+constexpr bool steel_attn_prefill_shared_kv(int de, int dv, int elem_bytes) {
+  return steel_attn_shared_kv(de, dv, elem_bytes) ||
+         steel_attn_prefill_residency(
+             steel_attn_shared_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes),
+             steel_attn_prefill_registers(de, dv, elem_bytes)) >
+             steel_attn_prefill_residency(
+                 steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes),
+                 steel_attn_prefill_registers(de, dv, elem_bytes));
+}
+constexpr int steel_attn_prefill_threadgroup_bytes(int de, int dv, int elem_bytes) {
+  return steel_attn_prefill_shared_kv(de, dv, elem_bytes)
+             ? steel_attn_shared_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes)
+             : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
+}
+
 // The prefill forward on Metal 4's matmul2d (shaders/steel/attn_tensor/, M5-generation GPUs):
 // one threadgroup of STEEL_ATTN_TENSOR_SIMDGROUPS simdgroups, the scope of every tensor
 // operation, computes STEEL_ATTN_TENSOR_BQ query rows against key tiles of STEEL_ATTN_TENSOR_BK.

@@ -91,8 +91,12 @@ def test_prefill_counters(_corpora):
              "llama.cpp flash_attn_ext": (8, 64)}  # fmt: skip
     for label, (_, t) in sides.items():
         bq, bk = tiles[label]
-        visited = B * H * math.ceil(L / bq) * math.ceil(S / bk)
-        assert t["mma"] == visited * 2 * (bq // 8) * (bk // 8) * (D // 8), label
+        # Key fragments of 8 keys the products run on, per block of BQ rows: every tile's
+        # BK / 8, except steel's, which skips the fragments past S on the last tile (forward.h,
+        # attn_visible_frags): ceil(S / 8) of them.
+        frags = math.ceil(S / 8) if label == "steel" else math.ceil(S / bk) * (bk // 8)
+        blocks = B * H * math.ceil(L / bq)
+        assert t["mma"] == blocks * frags * 2 * (bq // 8) * (D // 8), label
         # llama.cpp: float32 Q and result (ggml's types); the others the call's float16.
         qdt = torch.float32 if label.startswith("llama") else torch.float16
         inputs = {"q": _nbytes((B, H, L, D), qdt), "k": kv_bytes, "v": kv_bytes}

@@ -186,26 +186,39 @@ def test_occupancy_limited_by_threadgroup_memory():
 
 
 def test_steel_register_estimates_count_live_fragments():
-    # Attention f16 d64: Q 8 + O 8 + score tile 4 (BK 32) + 1 operand = 21 fp32 fragments.
+    # Prefill f16 d64: Q in 8 half operand fragments (one register a lane each), O 8 + score
+    # tile 4 (BK 32) + 1 operand fp32 fragments (two each).
     info = timing.steel_kernel_info("steel_attention_f16_e64_v64")
-    assert info["registers"] == 2 * 21 + 24 and info["mma_dtype"] == "float"
+    assert info["registers"] == 8 + 2 * 13 + 24 and info["mma_dtype"] == "float"
+    # f32 keeps Q in float fragments: two registers each.
+    assert timing.steel_kernel_info("steel_attention_f32_e64_v64")["registers"] == 2 * 21 + 24
+    # The decode kernel holds Q, O, the score tile and an operand in fp32 fragments.
+    info = timing.steel_kernel_info("steel_attention_decode_f16_e128_v128")
+    assert info["registers"] == 2 * 37 + 24 and info["threadgroup_memory"] == 32 * 136 * 2 * 2
     # GEMM 32x32 block over 2x2 simdgroups: 2x2 accumulators, 2 A, 2 B fragments.
     info = timing.steel_kernel_info("steel_gemm_nn_f32_bm32_bn32_bk16_wm2_wn2")
     assert info["registers"] == 2 * 8 + 24
     assert timing.steel_kernel_info("a_pytorch_kernel")["registers"] is None
-    # f16 d128: Q 16 + O 16 + score tile 4 + 1; K and V tiles of 32 rows of 136 halves each.
+    # Prefill f16 d128: Q 16 half + (O 16 + score tile 4 + 1) fp32; separate K and V tiles
+    # (17408 bytes) would hold a core to 3 threadgroups where registers allow 5, so K and V
+    # share one buffer of 32 rows of 136 halves (params.h steel_attn_prefill_shared_kv).
     info = timing.steel_kernel_info("steel_attention_f16_e128_v128")
-    assert info["registers"] == 2 * 37 + 24 and info["threadgroup_memory"] == 32 * 136 * 2 * 2
-    # Resident on an M1: 61440 // 17408 = 3 by threadgroup memory (registers allow 4).
+    assert info["registers"] == 16 + 2 * 21 + 24 and info["threadgroup_memory"] == 32 * 136 * 2
+    # Resident on an M1: 212992 // (82 * 4 * 128) = 5 by registers (threadgroup memory allows 7).
     geometry = {"kernel": "steel_attention_f16_e128_v128", "grid": (9, 9, 1), "threads": (128,)}
-    assert timing.resident_threadgroups(geometry, "M1") == 3 * 8
+    assert timing.resident_threadgroups(geometry, "M1") == 5 * 8
+    # f16 d32: separate tiles do not limit (5120 bytes: 12 a core; registers allow 9).
+    assert timing.steel_kernel_info("steel_attention_f16_e32_v32")["threadgroup_memory"] == 5120
 
 
-# (dtype, E, Ev, L): K and V tiles apart at BK 32 (f16 d64, bf16 192/128), shared at BK 32
-# (f32 d256), 16 (f16 576/512) and 8 (f32 576/512); L = 1 is the decode kernel.
-DECLARED_TILES = [(torch.float16, 64, 64, 40), (torch.bfloat16, 192, 128, 40),
-                  (torch.float32, 256, 256, 40), (torch.float16, 576, 512, 40),
-                  (torch.float16, 128, 128, 1), (torch.float32, 576, 512, 1)]  # fmt: skip
+# (dtype, E, Ev, L): the prefill's K and V tiles apart at BK 32 (f16 d32) and 16 (bf16 192/128),
+# shared where separate tiles would cost residency (f16 d64 at BK 32), shared by the budget at
+# BK 32 (f32 d256), 16 (f16 576/512) and 8 (f32 576/512); L = 1 is the decode kernel, whose
+# tiles follow the budget alone (f16 d128: apart).
+DECLARED_TILES = [(torch.float16, 32, 32, 40), (torch.float16, 64, 64, 40),
+                  (torch.bfloat16, 192, 128, 40), (torch.float32, 256, 256, 40),
+                  (torch.float16, 576, 512, 40), (torch.float16, 128, 128, 1),
+                  (torch.float32, 576, 512, 1)]  # fmt: skip
 
 
 @requires_clang
@@ -241,16 +254,19 @@ def test_predict_runs_a_steel_attention_call_end_to_end():
     (d,) = r["dispatches"]
     assert d["kernel"] == "steel_attention_f16_e64_v64"
     assert r["time_s"] == pytest.approx(d["time_s"]) and r["bound"] == d["bound"] in timing.BOUNDS
-    # The forward's static threadgroup memory: BK 32 rows of K and of V, each padded to E + 8.
-    assert d["occupancy"]["threadgroup_memory"] == 32 * (64 + 8) * 2 * 2
+    # The forward's static threadgroup memory: BK 32 rows padded to E + 8, which K and V take in
+    # turn (the f16 d64 prefill shares one buffer: params.h steel_attn_prefill_shared_kv).
+    assert d["occupancy"]["threadgroup_memory"] == 32 * (64 + 8) * 2
     # 2 query blocks of 32 rows x 2 heads; 33 rows -> ceil(33 / 32) = 2 blocks.
     assert d["occupancy"]["threadgroups"] == 4
-    # Its MMAs (2 key tiles x (QK^T and PV) per block) are costed at the FFMA32 rate.
+    # Its MMAs (2 key tiles x (QK^T and PV) per block) are costed at the rate of their operands:
+    # Q K^T multiplies half fragments (forward.h AttnOperandRow), P V fp32 weights.
     chip = timing.chip("M4 Pro")
     _, counters = sim.run_op("sdpa", tensors, opts, counters=True, checkers=False)
-    mma = counters[0]["mma"]
-    assert mma > 0
-    assert d["pipes"]["fp"] >= mma * 512 / chip["simdgroup_matrix_fma_float_per_core_cycle"]
+    by_dtype = counters[0]["mma_by_dtype"]
+    assert by_dtype["half"] > 0 and by_dtype["float"] > 0
+    rate = {dt: chip[f"simdgroup_matrix_fma_{dt}_per_core_cycle"] for dt in by_dtype}
+    assert d["pipes"]["fp"] >= sum(n * 512 / rate[dt] for dt, n in by_dtype.items())
     assert d["time_s"] >= chip["dispatch_overhead_s"] and math.isfinite(d["time_s"])
     # DRAM from the cache model: q, k, v once (the two query blocks of a head re-read k and v
     # from the caches, not from DRAM), give or take a line per tensor and the params struct.

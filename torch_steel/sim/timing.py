@@ -164,8 +164,35 @@ def _attn_bk(de: int, dv: int, elem: int) -> int:
 
 
 def _attn_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
-    """steel_attn_threadgroup_bytes of shaders/steel/params.h: the forward's K and V tiles."""
+    """steel_attn_threadgroup_bytes of shaders/steel/params.h: the decode kernels' K and V
+    tiles."""
     return _attn_bk(de, dv, elem) * _attn_row_bytes(de, dv, elem)
+
+
+def _attn_prefill_registers(de: int, dv: int, elem: int) -> int:
+    """steel_attn_prefill_registers of shaders/steel/params.h: Q in operand fragments of the
+    inputs' dtype (one register a lane for 16-bit types, two for float), the O and score
+    fragments and one operand in fp32 (two each), and _BASE_REGISTERS scalars."""
+    td, tv, tk = de // 8, dv // 8, _attn_bk(de, dv, elem) // 8
+    return (2 if elem == 4 else 1) * td + 2 * (tv + tk + 1) + _BASE_REGISTERS
+
+
+def _attn_prefill_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
+    """steel_attn_prefill_threadgroup_bytes of shaders/steel/params.h: the prefill's K and V
+    tiles, one shared buffer wherever that lets more threadgroups reside on a core (at the same
+    key tile) than separate tiles do (steel_attn_prefill_shared_kv). Residency uses the figures
+    params.h assumes for every chip (3072 threads, 61440 bytes of threadgroup memory, 212992 of
+    registers a core; 128 threads a threadgroup)."""
+    bk, ldk, ldv = _attn_bk(de, dv, elem), _attn_ld(de, elem), _attn_ld(dv, elem)
+    shared, separate = bk * max(ldk, ldv) * elem, bk * (ldk + ldv) * elem
+    regs = _attn_prefill_registers(de, dv, elem)
+
+    def resident(tg_bytes: int) -> int:
+        return min(3072 // 128, 61440 // tg_bytes, 212992 // (regs * 4 * 128))
+
+    if _attn_shared(de, dv, elem) or resident(shared) > resident(separate):
+        return shared
+    return separate
 
 
 # The matmul2d backward (shaders/steel/attn_tensor/backward_tensor.h): 128 threads, key tiles of
@@ -242,12 +269,22 @@ def steel_kernel_info(kernel: str, constants: Mapping[int, Any] | None = None) -
             frags, what = 2 * td + tv + 2 * tk, "Q, dO, dQ rows and 2 score-tile fragments"
         elif kind == "tensor":
             frags, what = 0, "matmul2d keeps its operands in cooperative tensors: not counted"
+        elif kind is None:  # the prefill: Q in operand fragments of its dtype (forward.h)
+            es = _ELEM_BYTES[dt]
+            basis = (
+                f"Q's {td} operand fragments in {dt} x {2 if es == 4 else 1} + {tv + tk + 1} live "
+                f"8x8 fp32 fragments (O row, the score tile, one operand) x 2 + "
+                f"{_BASE_REGISTERS} scalars"
+            )
+            return {"registers": _attn_prefill_registers(de, dv, es), "register_basis": basis,
+                    "mma_dtype": "float",
+                    "threadgroup_memory": _attn_prefill_threadgroup_bytes(de, dv, es)}  # fmt: skip
         else:
             frags, what = td + tv + tk + 1, "Q and O rows, the score tile and one operand"
         basis = f"{frags} live 8x8 fp32 fragments ({what}) x 2 + {_BASE_REGISTERS} scalars"
         info = {"registers": 2 * frags + _BASE_REGISTERS, "register_basis": basis,
                 "mma_dtype": "float"}  # fmt: skip
-        if kind in (None, "decode"):  # the forward's K/V tiles (decode.h uses AttnForward's)
+        if kind == "decode":  # the decode kernels' K/V tiles (decode.h uses AttnForward's)
             info["threadgroup_memory"] = _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])
         return info
     m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)

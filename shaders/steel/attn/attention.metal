@@ -42,7 +42,7 @@ template <typename T, short DE, short DV>
                                 uint3 tg [[threadgroup_position_in_grid]],
                                 ushort simdgroup [[simdgroup_index_in_threadgroup]],
                                 ushort lane [[thread_index_in_simdgroup]]) {
-  threadgroup T smem[AttnForward<T, DE, DV>::kTileElems];
+  threadgroup T smem[AttnForward<T, DE, DV, true>::kTileElems];  // the prefill's K/V buffer
   const AttnQuantBuffers qb = {k_scales, k_mins, v_scales, v_mins, qparams};
   attention_forward_block<T, DE, DV>(q, k, v, mask, sinks, out, lse, cu_q, cu_k, qb, params, smem,
                                      tg, simdgroup, lane);

@@ -69,12 +69,16 @@ template <short kLd>
 inline short attn_b_offset(ushort lane) { return frag_row(lane) * kLd + frag_col(lane); }
 
 // Tile sizes of the kernel for head dims DE (q, k) and DV (v, out); params.h has the rules.
-template <typename T, short DE, short DV>
+// kPrefill: the prefill forward's K/V buffer (steel_attn_prefill_shared_kv), else the decode
+// kernels' (steel_attn_shared_kv). BK is the same for both.
+template <typename T, short DE, short DV, bool kPrefill = false>
 struct AttnForward {
   static constant constexpr short BQ = STEEL_ATTN_BQ;
   static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
   static constant constexpr short BK = short(steel_attn_bk(DE, DV, int(sizeof(T))));
-  static constant constexpr bool kShared = steel_attn_shared_kv(DE, DV, int(sizeof(T)));
+  static constant constexpr bool kShared =
+      kPrefill ? steel_attn_prefill_shared_kv(DE, DV, int(sizeof(T)))
+               : steel_attn_shared_kv(DE, DV, int(sizeof(T)));
   static constant constexpr short kLdK = short(steel_attn_ld(DE, int(sizeof(T))));
   static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
   static constant constexpr int kKElems = BK * kLdK;
@@ -86,7 +90,8 @@ struct AttnForward {
   static constant constexpr short TK = BK / 8;  // score fragments per key tile
   static_assert(DE % 8 == 0 && DV % 8 == 0, "head dims are instantiated in multiples of 8");
   static_assert(kTileElems * int(sizeof(T)) ==
-                    steel_attn_threadgroup_bytes(DE, DV, int(sizeof(T))),
+                    (kPrefill ? steel_attn_prefill_threadgroup_bytes(DE, DV, int(sizeof(T)))
+                              : steel_attn_threadgroup_bytes(DE, DV, int(sizeof(T)))),
                 "the planner's threadgroup-memory figure must match the kernel's");
   // The V tile follows the K tile: keep it 16-byte aligned for the loader's chunk stores.
   static_assert(kKElems * int(sizeof(T)) % 16 == 0, "V tile alignment");
@@ -255,8 +260,121 @@ inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>
   attn_mma_b_at<T, kLd>(acc, a, tile + attn_b_offset<kLd>(lane));
 }
 
-template <typename T, short DE, short DV>
-inline void AttnForward<T, DE, DV>::mma_pv(thread FragTile<1, TV>& o,
+// The prefill's operands (attention_forward_block). Q and the K fragments stay in the inputs'
+// dtype T: the MMA multiplies two half or bfloat operands into its fp32 accumulator exactly
+// (a product of two 11- or 8-bit significands fits fp32's 24; the GEMM's BlockMMA does the
+// same, gemm/mma.h), so S = Q K^T is what fp32 operands give, without converting each K
+// element each time a fragment of it is loaded (2 a lane per MMA: at head dim 128, 128 of a
+// simdgroup's 260 conversions per key tile; V's fragments took another 128) and with Q in
+// half the registers.
+// The probabilities stay fp32 (rounding them to T would add its roundoff to every weight), so
+// the V fragments are widened, each read as one 2-element load.
+template <typename T, short N>
+struct AttnOperandRow {
+  simdgroup_matrix<T, 8, 8> frag[N];
+};
+
+// Q's row of operand fragments straight from device memory, unscaled (the scores take the
+// scale after Q K^T: scaling in T would round it); zero past the tensor's rows and past `cols`.
+template <typename T, short N>
+inline void attn_load_row_operands(thread AttnOperandRow<T, N>& f, const device T* row_ptr,
+                                   bool row_ok, int cols, bool whole_cols, ushort lane) {
+  const short fc = frag_col(lane);
+  for (short d = 0; d < N; ++d) {
+#pragma clang loop unroll(full)
+    for (short e = 0; e < 2; ++e) {
+      const int col = d * 8 + fc + e;
+      const bool in = row_ok && (whole_cols || col < cols);
+      f.frag[d].thread_elements()[e] = in ? row_ptr[col] : T(0);
+    }
+  }
+}
+
+// acc[j] += a[d] * tile^T as attn_mma_bt_at, with a and the tile's fragments in T.
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_bt_operands(thread FragTile<1, TC>& acc,
+                                 thread const AttnOperandRow<T, TA>& a, const threadgroup T* base) {
+#pragma clang loop unroll(full)
+  for (short d = 0; d < TA; ++d) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < TC; ++j) {
+      simdgroup_matrix<T, 8, 8> b;
+      const threadgroup T* src = base + j * 8 * kLd + d * 8;
+      b.thread_elements()[0] = src[0];
+      b.thread_elements()[1] = src[kLd];
+      simdgroup_multiply_accumulate(acc.frag[j], a.frag[d], b, acc.frag[j]);
+    }
+  }
+}
+
+// attn_mma_bt_operands over the first `frags` of the TC score fragments only (uniform over the
+// simdgroup): the rest are keys hidden from every row of it (attn_visible_frags). Fragment j
+// still sums over d in order, so the scores it computes are the full product's.
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_bt_operands_upto(thread FragTile<1, TC>& acc,
+                                      thread const AttnOperandRow<T, TA>& a,
+                                      const threadgroup T* base, short frags) {
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TC; ++j) {
+    if (j < frags) {
+#pragma clang loop unroll(full)
+      for (short d = 0; d < TA; ++d) {
+        simdgroup_matrix<T, 8, 8> b;
+        const threadgroup T* src = base + j * 8 * kLd + d * 8;
+        b.thread_elements()[0] = src[0];
+        b.thread_elements()[1] = src[kLd];
+        simdgroup_multiply_accumulate(acc.frag[j], a.frag[d], b, acc.frag[j]);
+      }
+    }
+  }
+}
+
+// acc[n] += a[j] * tile as attn_mma_b_at, each lane's two elements of a tile fragment read as
+// one 2-element load (adjacent: frag_col and every fragment offset are even, the rows 16-byte
+// aligned, so the load is aligned to its size) and widened to fp32.
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_b_pairs(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                             const threadgroup T* base) {
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TA; ++j) {
+#pragma clang loop unroll(full)
+    for (short n = 0; n < TC; ++n) {
+      simdgroup_matrix<float, 8, 8> b;
+      // One conversion of the pair as a vector.
+      b.thread_elements() = float2(*((const threadgroup vec<T, 2>*)(base + j * 8 * kLd + n * 8)));
+      simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
+    }
+  }
+}
+
+// attn_mma_b_pairs over the first `frags` fragments of a only: the weights of the others are
+// 0 (keys hidden from every row of the simdgroup).
+template <typename T, short kLd, short TA, short TC>
+inline void attn_mma_b_pairs_upto(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
+                                  const threadgroup T* base, short frags) {
+#pragma clang loop unroll(full)
+  for (short j = 0; j < TA; ++j) {
+    if (j < frags) {
+#pragma clang loop unroll(full)
+      for (short n = 0; n < TC; ++n) {
+        simdgroup_matrix<float, 8, 8> b;
+        b.thread_elements() =
+            float2(*((const threadgroup vec<T, 2>*)(base + j * 8 * kLd + n * 8)));
+        simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
+      }
+    }
+  }
+}
+
+// The score fragments of the key tile from key0 that hold a key some row of a simdgroup may
+// see, counted from the first: the keys from `key_end` on (the simdgroup's causal or
+// bottom-right limit, or S) are hidden from all its rows. Uniform over the simdgroup.
+inline short attn_visible_frags(int key_end, int key0, short tk) {
+  return short(clamp((key_end - key0 + 7) / 8, 0, int(tk)));
+}
+
+template <typename T, short DE, short DV, bool kPrefill>
+inline void AttnForward<T, DE, DV, kPrefill>::mma_pv(thread FragTile<1, TV>& o,
                                            thread const FragTile<1, TK>& s,
                                            const threadgroup T* Vb) {
   if (alias()) {
@@ -366,7 +484,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
                                     const device int* cu_k, AttnQuantBuffers qb,
                                     constant AttnParams& p, threadgroup T* smem, uint3 tg,
                                     ushort simdgroup, ushort lane) {
-  using A = AttnForward<T, DE, DV>;
+  using A = AttnForward<T, DE, DV, true>;
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
   const int zb = int(tg.z);  // the flattened batch entry, or the sequence (varlen)
@@ -395,9 +513,9 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   const int row = row0 + simdgroup * 8 + fr;  // this lane's query row
   const bool row_ok = attn_align_l || row < ext.L;
 
-  // Q in registers, prescaled (score.h).
-  FragTile<1, A::TD> qf;
-  attn_load_row_frags<T, A::TD>(qf, q + row * p.q_rs, row_ok, p.E, attn_align_e, p.q_scale, lane);
+  // Q in registers, in T (AttnOperandRow); the scores take p.q_scale (score.h's units).
+  AttnOperandRow<T, A::TD> qf;
+  attn_load_row_operands<T, A::TD>(qf, q + row * p.q_rs, row_ok, p.E, attn_align_e, lane);
 
   OnlineSoftmax sm;
   if (attn_sinks != kSteelAttnOperandNone) {
@@ -422,6 +540,13 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   // the loop would read its bytes again per lane and per key tile.
   const steel_i64 k_rs = p.k_rs, v_rs = p.v_rs;
   const short E = short(p.E), Ev = short(p.Ev);
+  const float q_scale = p.q_scale;
+  // The first key hidden from every row of this simdgroup (its last row's limit; S without a
+  // causal or window limit above the diagonal): edge tiles skip the fragments from there.
+  int sg_key_end = ext.S;
+  if (attn_has_hi) {
+    sg_key_end = min(sg_key_end, row0 + int(simdgroup) * 8 + 7 + ext.shift + p.hi_off + 1);
+  }
   const threadgroup T* Kb = Ks + attn_bt_offset<A::kLdK>(lane);  // the lane's fragment bases
   const threadgroup T* Vb = A::pv_tile(Ks, Vs) + A::pv_offset(lane);
   const typename A::LoaderK::Place k_place = A::LoaderK::whole_place(k_rs, thread_index);
@@ -451,9 +576,23 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // S = Q K^T: the K tile read transposed (lane element (d, key) at Ks[key * ld + d]).
+    // On a tile that crosses the diagonal or the end of S, the fragments of keys hidden from
+    // every row of this simdgroup take no MMA in either product: their scores are masked to
+    // -inf below and their weights are 0 (on a causal diagonal tile, 6 of the 16 fragment
+    // pairs of a 32-row block). Interior tiles take the unconditional products.
+    const short frags = edge ? attn_visible_frags(sg_key_end, key0, A::TK) : A::TK;
     FragTile<1, A::TK> s;
     s.clear();
-    attn_mma_bt_at<T, A::kLdK>(s, qf, Kb);
+    if (edge) {
+      attn_mma_bt_operands_upto<T, A::kLdK>(s, qf, Kb, frags);
+    } else {
+      attn_mma_bt_operands<T, A::kLdK>(s, qf, Kb);
+    }
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+      s.frag[j].thread_elements()[0] *= q_scale;
+      s.frag[j].thread_elements()[1] *= q_scale;
+    }
 
     // A tile that crosses no boundary, without softcap or mask, has nothing to transform:
     // skipping the call skips its per-element key and mask offsets too.
@@ -483,7 +622,17 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
 
     // O += P V: the probabilities are already in the A-operand layout of a fragment.
-    A::mma_pv(o, s, Vb);
+    if (edge) {
+      if (A::alias()) {
+        attn_mma_b_pairs_upto<T, A::kLdK>(o, s, Vb, frags);
+      } else {
+        attn_mma_b_pairs_upto<T, A::kLdV>(o, s, Vb, frags);
+      }
+    } else if (A::alias()) {
+      attn_mma_b_pairs<T, A::kLdK>(o, s, Vb);
+    } else {
+      attn_mma_b_pairs<T, A::kLdV>(o, s, Vb);
+    }
   }
 
   if (!row_ok) return;  // no barrier follows
