@@ -28,9 +28,11 @@ def test_scaled_attention_counters_equal_a_whole_run(causal):
     opts = bench_attention.run_options(D, {"is_causal": causal})
     _, (whole,) = sim.run_op("sdpa", [q, k, v, None, None], opts, counters=True, checkers=False)
     assert scaled["threadgroups"] == whole["threadgroups"]
-    # Per visited key tile the kernel does the same work at any length: MMAs, threadgroup
-    # traffic and simd operations scale exactly. (Barriers do not: one per block is outside
-    # the key loop. The model does not cost barriers.)
+    # Per visited key tile the kernel does the same work at any length, but for the key
+    # fragments a tile crossing the diagonal skips (one such tile a block): threadgroup writes
+    # and shuffles scale exactly, MMAs, threadgroup reads and simd operations fit exactly as
+    # a * blocks + b * tiles. (Barriers do not: one per block is outside the key loop. The
+    # model does not cost barriers.)
     for key in ("mma", "threadgroup_read", "threadgroup_written", "simd_ops", "shuffles"):
         assert scaled[key] == whole[key], key
     # The tensors' bytes come from the traffic model, equal to the count.
