@@ -27,8 +27,9 @@ For every shape of the table:
     the dense plan of the same batch padded to the longest sequences;
   - decode (issue 9, item 7): few query rows against a KV cache, dense or paged, through the
     decode kernels: the partitions the plan chose, K and V bytes read against the cache's size
-    (GQA packing reads them once per KV head: the ratio is ~1), the partials' scratch, and the
-    model of every dispatch (partial kernel and merge) against the simulator's counters;
+    (GQA packing reads them once per threadgroup of a KV head's query heads: the ratio is ~1 at
+    the full packing, group / heads_per_tg where the plan packs fewer), the partials' scratch,
+    and the model of every dispatch (partial kernel and merge) against the simulator's counters;
   - the backward (issue 11, item 7): every dispatch's bytes and MMAs (backward_model: the
     delta pre-pass, dK/dV, dQ, and dmask / dsinks when planned) against the minimum (q, k, v,
     grad_out, out, lse read once, dq, dk, dv written once) and the ideal MMAs, checked against

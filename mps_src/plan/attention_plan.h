@@ -169,12 +169,14 @@ Dispatch dispatch(const Common& c, const Diagonals& d, const AttnParams& p, cons
 //
 // At most STEEL_ATTN_DECODE_MAX_L query rows per (batch entry, head), no dropout: the decode
 // kernels serve the call (a paged cache: any number of rows, in blocks of 32). The query heads
-// of one KV head share a threadgroup (heads_per_tg of them, the largest divisor of the group
-// with heads_per_tg * min(rows, 32) <= 32), and the keys are split
-// into partitions when the (batch entry, KV head) threadgroups alone would not fill whole waves
-// of cores x the decode threadgroups resident per core (its threads, threadgroup memory and
-// registers: decode_plan.cpp), so that the grid, merge included, comes closest to whole
-// waves, with at least kDecodeMinSplitKeys keys a partition and at most
+// of one KV head share a threadgroup (heads_per_tg of them: the largest divisor of the group
+// with heads_per_tg * min(rows, 32) <= 32; for the vector kernel a smaller divisor where the
+// timing model's costs say more threadgroups pay for re-reading K and V, decode_plan.cpp
+// decode_layout_time; option "decode_heads_per_tg" caps it, 0 the planner's choice), and the
+// keys are split into partitions when the (batch entry, KV head) threadgroups alone would not
+// fill whole waves of cores x the decode threadgroups resident per core (its threads,
+// threadgroup memory and registers: decode_plan.cpp), so that the grid, merge included, comes
+// closest to whole waves, with at least kDecodeMinSplitKeys keys a partition and at most
 // STEEL_ATTN_DECODE_MAX_SPLITS. The core count is the device description's "gpu_cores"
 // (device.h: the Metal host reads the GPU's from the IORegistry, sim.predict passes its chip's);
 // where it is unknown, kDecodeDefaultCores, the base M2, M3, M4 and M5 GPUs' count. The option
@@ -193,6 +195,17 @@ constexpr int64_t kDecodeMinSplitKeys = 256;
 // table's clocks, at 17.5 (d128, 1 row) to 30 (d64, 4 rows) fp-pipe cycles a key, 430 to 900.
 constexpr int64_t kDecodeKeySetWork = 40;
 constexpr int64_t kDecodeMergeKeys = 640;
+// The vector decode's GQA packing (decode_plan.cpp decode_layout_time), from the same counters
+// (S = 512, one pass, 4 simdgroups, 1 to 8 packed rows): each packed row past the first adds
+// kDecodeRowWork per mille of a one-row block's fp-pipe cycles a key (f16 d64 / d128 / d256
+// 15%, 20%, 17%; f32 17%, 18%, 16%; 16 simdgroups, f16 d128: 24%); the block reads
+// kDecodeParamBytes of the params struct a key and simdgroup beside its K and V (12.5 to 20).
+constexpr int64_t kDecodeRowWork = 200;
+// DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock (chips.json:
+// 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5, 9.3 on M4 Pro): the K/V read's floor, the same
+// for every packing, which decides where one packing needs a split's merge and another not.
+constexpr int64_t kDecodeDramBytes = 8;
+constexpr int64_t kDecodeParamBytes = 16;
 
 // Whether the decode kernels serve `rows` query rows per (batch entry, head): at most
 // STEEL_ATTN_DECODE_MAX_L rows and no dropout. A call they do not serve is not refused: a
@@ -217,6 +230,7 @@ struct DecodeSplit {
   int64_t splits = 1;
   int64_t split_keys = 0;
   int64_t simdgroups = STEEL_ATTN_SIMDGROUPS;
+  int64_t heads_per_tg = 1;  // query heads of one KV head a threadgroup (AttnDecodeParams)
 };
 DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& options);
 
@@ -233,8 +247,9 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
 // dim are S times what they are for one key), with or without a mask over the keys (a view,
 // or made anew per token: row-major). The plan of such a call depends on the key length S
 // only through what decode_length_class puts in `cls` (the partition count and keys per
-// partition, whether S is a multiple of the key tile, which window diagonals bound the rows,
-// whether key and value are row-major, what the mask is) and through fields of its
+// partition, the vector kernel's width and heads a threadgroup, whether S is a multiple of the
+// key tile, which window diagonals bound the rows, whether key and value are row-major, what
+// the mask is) and through fields of its
 // AttnDecodeParams (S, the shift, and for row-major key, value and mask their strides above
 // the key dim, which merge the same way for every S): two calls that differ only in S and
 // agree on `cls` have plans that differ only there. Returns false (and the call keeps its
@@ -249,8 +264,9 @@ void set_decode_length(Plan* plan, const TensorList& tensors, const Options& opt
 
 // A decode stream over a paged KV cache calls sdpa_varlen with max_seqlen_k one more per token.
 // Its plan reads max_seqlen_k (`max_keys`) only for what paged_length_class puts in `cls` (the
-// partition count and keys per partition, the window diagonals over max_seqlen_q +
-// max_seqlen_k): two calls that differ only there and agree on `cls` have the same plan.
+// partition count and keys per partition, the width and heads a threadgroup, the window
+// diagonals over max_seqlen_q + max_seqlen_k): two calls that differ only there and agree on
+// `cls` have the same plan.
 // Returns false for anything else (not a paged call, options the planner refuses).
 bool paged_length_class(const TensorList& tensors, const Options& options, std::string* cls,
                         int64_t* max_keys);

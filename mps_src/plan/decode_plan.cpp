@@ -3,6 +3,7 @@
 // rows, or a paged KV cache: GQA packing, the key split and its merge, and the decode plan's
 // key-length class for the plan cache (plan_cache.cpp). attention_plan.h states the rules.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -25,10 +26,11 @@ int64_t decode_row_block(int64_t rows) {
   return std::min<int64_t>(std::max<int64_t>(rows, 1), STEEL_ATTN_BQ);
 }
 
-// The largest divisor of the group whose heads' row blocks fit one threadgroup's BQ rows.
-int64_t decode_heads_per_tg(int64_t group, int64_t rows) {
+// The largest divisor of the group, at most `most`, whose heads' row blocks fit one
+// threadgroup's BQ rows.
+int64_t decode_heads_per_tg(int64_t group, int64_t rows, int64_t most = INT64_MAX) {
   int64_t best = 1;
-  for (int64_t d = 1; d <= group; ++d) {
+  for (int64_t d = 1; d <= group && d <= most; ++d) {
     if (group % d == 0 && d * decode_row_block(rows) <= STEEL_ATTN_BQ) best = d;
   }
   return best;
@@ -138,7 +140,7 @@ int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resi
 // (4, 8 or 16) fixes the width (the tests run every one), "num_splits" the partitions (then the
 // width stays 4 unless fixed too).
 int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& options,
-                          int64_t threadgroups, int64_t cores, int64_t* n) {
+                          int64_t packed, int64_t threadgroups, int64_t cores, int64_t* n) {
   const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
                                                          static_cast<int>(dtype_size(c.dtype)));
   // A pipeline may allow fewer threads than the widest block (Apple's compiler lowers
@@ -150,8 +152,6 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   if (fixed != 0 || n == nullptr) return STEEL_ATTN_SIMDGROUPS;
   const int64_t bk = key_tile(c);
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
-  const int64_t group = c.Hq / c.Hkv;
-  const int64_t packed = decode_heads_per_tg(group, dec.rows) * decode_row_block(dec.rows);
   const int64_t res4 = std::max<int64_t>(1, decode_resident(c, true, packed, STEEL_ATTN_SIMDGROUPS));
   if (threadgroups >= cores * res4) return STEEL_ATTN_SIMDGROUPS;  // a wave or more: as planned
   const int64_t per = ceil_div(ceil_div(keys, *n), bk) * bk;
@@ -172,22 +172,19 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   return width;
 }
 
-}  // namespace
-
-DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& options) {
+// The partitions and the vector kernel's width for `per_tg` query heads a threadgroup.
+DecodeSplit decode_layout(const Common& c, const Decode& dec, const Options& options,
+                          int64_t per_tg, bool vector, int64_t cores) {
   DecodeSplit out;
+  out.heads_per_tg = per_tg;
   const int64_t bk = key_tile(c);
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
   const int64_t group = c.Hq / c.Hkv;
-  const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
   const int64_t packed = per_tg * decode_row_block(dec.rows);
-  const bool vector = decode_vector(group, dec.rows, options);
   const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
   const int64_t threadgroups = dec.count * c.Hkv * (group / per_tg) * blocks;
   // Partitions of split_keys keys (a multiple of the key tile): rounding up may leave fewer.
   const auto partition = [&](int64_t n) { return ceil_div(ceil_div(keys, n), bk) * bk; };
-  const int64_t described = device_desc(options).gpu_cores;
-  const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
   const int64_t resident =
       std::max<int64_t>(1, decode_resident(c, vector, packed, STEEL_ATTN_SIMDGROUPS));
   const int64_t wave = cores * resident;
@@ -221,9 +218,11 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
                                                : waves * (per + 2 * bk) + (parts > 1 ? bk : 0);
       if (best_cost < 0 || cost < best_cost) best_cost = cost, n = parts;
     }
-    if (vector) out.simdgroups = decode_simdgroups(c, dec, options, threadgroups, cores, &n);
+    if (vector) {
+      out.simdgroups = decode_simdgroups(c, dec, options, packed, threadgroups, cores, &n);
+    }
   } else if (vector) {
-    out.simdgroups = decode_simdgroups(c, dec, options, threadgroups, cores, nullptr);
+    out.simdgroups = decode_simdgroups(c, dec, options, packed, threadgroups, cores, nullptr);
   }
   n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
   out.split_keys = partition(n);
@@ -231,12 +230,107 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   return out;
 }
 
+// The one-row 4-simdgroup vector block's fp-pipe cycles a key, in tenths, which convert its K/V
+// bytes into decode_model_time's unit: the simulator's counters (S = 512, one pass) at de + dv
+// = 128, 256, 512 (f16 and bf16 alike: 21.6, 17.5, 39.8; f32: 14.3, 23.6, 43.7; the row sets
+// make d64 f16 dearer than d128), linear between, flat below, proportional above.
+int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
+  constexpr int64_t kHalf[] = {216, 175, 398}, kFloat[] = {143, 236, 437};
+  const int64_t* y = elem == 4 ? kFloat : kHalf;
+  const int64_t x = de + dv;
+  if (x <= 128) return y[0];
+  if (x <= 256) return y[0] + (y[1] - y[0]) * (x - 128) / 128;
+  if (x <= 512) return y[1] + (y[2] - y[1]) * (x - 256) / 256;
+  return y[2] * x / 512;
+}
+
+// The timing model's time of a vector decode layout (decode_layout's, for its heads_per_tg), in
+// keys x 1000 of a one-row 4-simdgroup block's work (decode_model_time's unit): what
+// decode_split compares across GQA packings.
+//
+// Why: packing the whole group into a threadgroup reads K and V once per KV head, but at few
+// keys it leaves fewer threadgroups than cores (B1 H8/2: 2 threadgroups on 8 to 20 cores), each
+// at the ALU efficiency of the simdgroups it keeps on its core alone, and a block's work grows
+// with its rows. Fewer heads a threadgroup make group / heads_per_tg times the threadgroups,
+// each of fewer rows, which read K and V that many times: device bytes through the L2 (the
+// re-reads hit the cache: the DRAM bytes stay those of one read). Costed as the timing model
+// costs a dispatch (timing.py predict_dispatch, the largest of its bounds), on the core count:
+//   - compute: decode_model_time of the layout's threadgroups x partitions, at its width's
+//     residency, each of split_keys keys x (1 + kDecodeRowWork / 1000 a packed row past the
+//     first) x decode_simdgroups' key-set work;
+//   - cache: the threadgroups a core runs x split_keys x (a key's K and V bytes plus
+//     kDecodeParamBytes a simdgroup) at 32 bytes a core-cycle (chips.json
+//     l2_bytes_per_core_cycle, every chip of its table), over decode_key_cycles;
+//   - DRAM: K and V read once at kDecodeDramBytes a core-cycle of the GPU, the same for every
+//     packing, a floor under which one packing's split (and its merge) saves nothing;
+//   - the largest, plus the merge's kDecodeMergeKeys when split.
+// Each divisor of the group below the full packing is costed with its own split and width
+// (decode_layout), and the cheapest taken, the most heads on a tie. The timing model's
+// predictions, f16 d128 B1 one token, full packing / at most 2 heads a threadgroup / 1, in us
+// (PyTorch's kernel in brackets), and the pick: M4 Pro H8/2 S512 28.5 / 23.3 / 20.7 (17.8): 1;
+// M1 31.3 / 25.3 / 22.3 (18.9): 1; M5 27.2 / 22.4 / 20.0 (17.2): 1; M4 Pro H8/2 S1024 34.8 /
+// 31.2 / 30.9 (28.7): 1; M4 Pro H32/8 S512 28.5 / 23.3 / 27.1 (25.5): 2; M1 H32/8 S512 41.0 /
+// 41.0 / 63.2 (split) (45.7): 4, a tie at the DRAM bound; M5 H32/8 S512 27.2 / 29.4 / 53.6
+// (split) (38.9): 4 (tests/plan/test_decode_plan.py judges the pick by the model). So the best
+// packing depends on chip and shape; at long caches (the grid a wave or more) the full packing
+// stays. Option "decode_heads_per_tg" = n fixes the packing at the largest fitting divisor of
+// the group at most n (the tests force every one); the MMA kernel keeps the full packing.
+int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeSplit& l,
+                           int64_t cores) {
+  const int64_t group = c.Hq / c.Hkv;
+  const int64_t packed = l.heads_per_tg * decode_row_block(dec.rows);
+  const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
+  const int64_t threadgroups =
+      dec.count * c.Hkv * (group / l.heads_per_tg) * blocks * l.splits;
+  const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
+  const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                                         static_cast<int>(elem));
+  const int64_t w = l.simdgroups;
+  const int64_t resident = std::max<int64_t>(1, decode_resident(c, true, packed, w));
+  const int64_t work = l.split_keys * (1000 + kDecodeRowWork * (packed - 1)) / 1000 *
+                       (1000 + kDecodeKeySetWork * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
+  const int64_t compute = decode_model_time(threadgroups, w, resident, cores, work);
+  const int64_t slots = cores * resident;
+  const int64_t per_core = threadgroups / slots * resident + ceil_div(threadgroups % slots, cores);
+  const int64_t key_bytes = (c.kernel.de + c.kernel.dv) * elem + kDecodeParamBytes * w;
+  const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem);  // tenths
+  const int64_t cache = per_core * l.split_keys * key_bytes * 10000 / (32 * key_cycles);
+  const int64_t kv_bytes = dec.count * c.Hkv * std::max<int64_t>(dec.keys, 1) *
+                           (c.kernel.de + c.kernel.dv) * elem;
+  const int64_t dram = kv_bytes * 10000 / (kDecodeDramBytes * cores * key_cycles);
+  return std::max({compute, cache, dram}) + (l.splits > 1 ? kDecodeMergeKeys * 1000 : 0);
+}
+
+}  // namespace
+
+DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& options) {
+  const int64_t group = c.Hq / c.Hkv;
+  const bool vector = decode_vector(group, dec.rows, options);
+  const int64_t described = device_desc(options).gpu_cores;
+  const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
+  const int64_t fixed = static_cast<int64_t>(options.number("decode_heads_per_tg", 0));
+  const int64_t most = decode_heads_per_tg(group, dec.rows, fixed > 0 ? fixed : INT64_MAX);
+  DecodeSplit best = decode_layout(c, dec, options, most, vector, cores);
+  if (fixed > 0 || !vector) return best;
+  // Fewer heads a threadgroup, costed (decode_layout_time): the divisors of the group below the
+  // full packing, each with its own split and width; the most heads on a tie (the least K/V
+  // traffic).
+  int64_t best_time = decode_layout_time(c, dec, best, cores);
+  for (int64_t d = most - 1; d >= 1; --d) {
+    if (group % d != 0) continue;
+    const DecodeSplit l = decode_layout(c, dec, options, d, vector, cores);
+    const int64_t t = decode_layout_time(c, dec, l, cores);
+    if (t < best_time) best_time = t, best = l;
+  }
+  return best;
+}
+
 void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
                 const Decode& dec, const Options& options, Plan* plan) {
   const DecodeSplit layout = decode_split(c, dec, options);
   const int64_t splits = layout.splits, split_keys = layout.split_keys;
   const int64_t group = c.Hq / c.Hkv;
-  const int64_t per_tg = decode_heads_per_tg(group, dec.rows);
+  const int64_t per_tg = layout.heads_per_tg;
   AttnDecodeParams dp;
   std::memset(&dp, 0, sizeof(dp));
   dp.fwd = p;
@@ -381,9 +475,9 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a
   // last dim of 1 (at S = 1 too) broadcasts, with a key stride of 0 at every S.
   const int64_t mask_class = !mask ? 0 : mask->sizes.back() == 1 ? 1 : row_major(*mask) ? 2 : 3;
-  const int64_t fields[] = {split.splits, split.split_keys,    split.simdgroups,
-                            keys % key_tile(c) == 0, diag.has_hi, diag.has_lo, grown,
-                            mask_class};
+  const int64_t fields[] = {split.splits,   split.split_keys, split.simdgroups,
+                            split.heads_per_tg, keys % key_tile(c) == 0, diag.has_hi,
+                            diag.has_lo,    grown,            mask_class};
   // Row-major key and value strides above the key dim hold S, but their alignment (what the
   // planner reads of them: vectorized loads) is their row stride's, which does not.
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);

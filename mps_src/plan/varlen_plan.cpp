@@ -277,8 +277,8 @@ bool paged_length_class(const TensorList& tensors, const Options& options, std::
   dec.count = tensors[3]->sizes[0] - 1;
   const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, max_q + max_k);
-  const int64_t fields[] = {split.splits, split.split_keys, split.simdgroups, diag.has_hi,
-                            diag.has_lo,  diag.hi_off,      diag.lo_off};
+  const int64_t fields[] = {split.splits, split.split_keys, split.simdgroups, split.heads_per_tg,
+                            diag.has_hi,  diag.has_lo,      diag.hi_off,      diag.lo_off};
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
   *max_keys = max_k;
   return true;

@@ -115,8 +115,10 @@ def test_backward_mma_model_matches_counters(B, Hq, Hkv, L, S, E, options):
 )  # fmt: skip
 def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, page, num_splits):
     """Every dispatch of a decode plan (partial kernel, merge) moves the bytes and runs the MMAs
-    bench_attention.decode_model predicts; K and V are read once per KV head (GQA packing): the
-    bytes read from them equal the cache's size (decode rows without a window see every key)."""
+    bench_attention.decode_model predicts; K and V are read once per threadgroup of a KV head's
+    query heads (GQA packing: once per KV head at the full packing, group / heads_per_tg times
+    where the planner packs fewer, decode_plan.cpp decode_layout_time): the bytes read from them
+    are the cache's size that many times (decode rows without a window see every key)."""
     tensors, opts, seqs = bench_attention.decode_inputs(B, Hq, Hkv, L, S, E, options, page,
                                                         torch.float16, "cpu")  # fmt: skip
     opts["num_splits"] = num_splits
@@ -134,8 +136,9 @@ def test_decode_traffic_model_matches_counters(B, Hq, Hkv, L, S, E, options, pag
     # its 512 columns.
     columns = {None: 2 * E, "alias": E, "copy": E + bench_attention.MLA_EV}[options.get("mla")]
     cache = sum(Hkv * n * columns * 2 for _, n in seqs)
+    chunks = Hq // Hkv // bench_attention.decode_params(p.dispatches[0])["heads_per_tg"]
     if L <= 8 and "window_left" not in options:  # one block of rows that see every key
-        assert kv == cache
+        assert kv == cache * chunks
 
 
 @pytest.mark.parametrize(

@@ -31,9 +31,10 @@ pytestmark = requires_simulator
 FC_DECODE_SIMDGROUPS = 341  # params.h STEEL_ATTN_FC_DECODE_SIMDGROUPS
 
 
-def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
+def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwargs):
     """(out, lse, kernel, splits) of sdpa on the simulator with the vector rule on or off;
-    width: the vector kernel's simdgroups (decode_simdgroups: 4, 8 or 16; 0 the plan's)."""
+    width: the vector kernel's simdgroups (decode_simdgroups: 4, 8 or 16; 0 the plan's); heads:
+    the query heads a threadgroup (decode_heads_per_tg; 0 the plan's)."""
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
                                  kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
                                  kwargs.pop("softcap", None), kwargs.pop("window", None),
@@ -43,9 +44,13 @@ def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
     options = {**attn.run_options(), "decode_vector": 1 if vector else 0}
     if width:
         options["decode_simdgroups"] = width
+    if heads:
+        options["decode_heads_per_tg"] = heads
     tensors = [*inputs[:4], attn.sinks]
     p = sim.plan("sdpa", tensors, options)
     assert p.ok, p.reason
+    if heads:  # the grid's y: KV heads x the threadgroups of a group
+        assert p.dispatches[0].grid[1] == q.shape[-3] // heads, p.dispatches[0].grid
     if width and vector:
         assert p.dispatches[0].threads == (32 * width, 1, 1)
         assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == width
@@ -53,8 +58,8 @@ def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
     return out, lse, p.dispatches[0].kernel, p.dispatches[0].grid[0]
 
 
-def check(q, k, v, mask=None, num_splits=0, vector=True, width=0, **kwargs):
-    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, width, **dict(kwargs))
+def check(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwargs):
+    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, width, heads, **dict(kwargs))
     ref_out, ref_lse = oracle(q, k, v, mask, enable_gqa=True, **kwargs)
     v_max = float(v.double().abs().max()) if v.numel() else 0.0
     err = score_error(q, k, kwargs.get("scale"))
@@ -128,6 +133,32 @@ def test_wide_blocks_rows_and_options(width, E, group, L):
     _, splits = check(q, k, v, num_splits=2, width=width, is_causal=True,
                       causal_align="bottom_right")  # fmt: skip
     assert splits == 2
+
+
+# GQA packing (decode_plan.cpp decode_layout_time: fewer heads a threadgroup where more
+# threadgroups fill the cores): every forced packing of a group of 4 or 8, 1, 2 and the whole
+# group, each threadgroup's heads h0 .. h0 + heads - 1 of its KV head (decode.h's init), ragged
+# keys, every dtype, one pass and split, with per-head sinks (a wrong head reads another's).
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("S", [33, 95])  # S % 32 in {1, 31}
+@pytest.mark.parametrize("heads", [1, 2, "group"])
+def test_forced_gqa_packing(dtype, group, S, heads):
+    heads = group if heads == "group" else heads
+    q, k, v = qkv(2, 2 * group, 1, S, 128, Hkv=2, dtype=dtype)
+    kernel, splits = check(q, k, v, num_splits=1, heads=heads)
+    assert kernel.startswith("steel_attention_decode_vector_") and splits == 1
+    _, splits = check(q, k, v, num_splits=2, heads=heads, sinks=torch.randn(2 * group),
+                      is_causal=True, causal_align="bottom_right")  # fmt: skip
+    assert splits == 2
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_forced_gqa_packing_rows_and_row_sets(heads):
+    """Two query rows a head (packed rows heads x 2) at d64's 2 row sets, and a wide block."""
+    q, k, v = qkv(1, 8, 2, 65, 64, Hkv=2, dtype=torch.float16)
+    check(q, k, v, num_splits=1, heads=heads, is_causal=True, causal_align="bottom_right")
+    check(q, k, v, num_splits=1, heads=heads, width=8, softcap=4.0)
 
 
 def test_strided_views_and_masks():

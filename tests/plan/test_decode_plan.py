@@ -83,12 +83,32 @@ def test_prefill_otherwise(L, options):
     [(1, 1, 1), (4, 1, 4), (8, 4, 8), (8, 5, 4), (8, 8, 4), (6, 6, 3), (32, 1, 32)],
 )
 def test_gqa_packing(group, L, per_tg):
-    """The query heads of a KV head share a threadgroup: the largest divisor of the group whose
-    rows fit 32; the grid's y covers the KV heads times the threadgroups a group needs."""
-    p = dense(1, 2 * group, 2, L, 64, num_splits=1)
+    """The query heads of a KV head share a threadgroup: at most the largest divisor of the
+    group whose rows fit 32 (option decode_heads_per_tg caps it; 64 here: no cap); the grid's y
+    covers the KV heads times the threadgroups a group needs."""
+    p = dense(1, 2 * group, 2, L, 64, num_splits=1, decode_heads_per_tg=64)
     d = p.dispatches[0]
     assert decode_params(d)["heads_per_tg"] == per_tg
     assert d.grid == (1, 2 * group // per_tg, 1)
+    # The MMA kernel (beyond 8 packed rows) keeps the full packing unless the option caps it.
+    if group * min(L, 32) > 8:
+        assert decode_params(dense(1, 2 * group, 2, L, 64, num_splits=1).dispatches[0])[
+            "heads_per_tg"] == per_tg  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "group,L,option,per_tg",
+    [(8, 1, 1, 1), (8, 1, 2, 2), (8, 1, 3, 2), (8, 1, 8, 8), (8, 1, 9, 8), (6, 1, 5, 3),
+     (4, 2, 2, 2), (4, 8, 2, 2), (8, 5, 8, 4)],
+)  # fmt: skip
+def test_heads_per_tg_option(group, L, option, per_tg):
+    """decode_heads_per_tg = n: the largest divisor of the group at most n whose rows fit the
+    threadgroup (the vector kernel's function constant, its packed rows, follows)."""
+    d = dense(1, 2 * group, 2, L, 300, decode_heads_per_tg=option).dispatches[0]
+    dp = decode_params(d)
+    assert dp["heads_per_tg"] == per_tg and d.grid[1] == 2 * group // per_tg
+    if d.kernel.startswith("steel_attention_decode_vector_"):
+        assert d.constants[FC_DECODE_ROWS] == per_tg * L
 
 
 @pytest.mark.parametrize(
@@ -154,8 +174,10 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
 )  # fmt: skip
 def test_partitions_follow_the_core_count(options, splits, split_keys):
     """The split fills whole waves of the described GPU (device.h gpu_cores, which the Metal
-    host reads from the IORegistry), not one Mac's."""
-    dp = decode_params(dense(1, 32, 8, 1, 4096, E=128, **options).dispatches[0])
+    host reads from the IORegistry), not one Mac's. (The full packing forced: on 8 cores the
+    planner takes 2 heads a threadgroup, 16 in one pass; test_packing_is_the_cheapest_layout.)"""
+    dp = decode_params(dense(1, 32, 8, 1, 4096, E=128, decode_heads_per_tg=4,
+                             **options).dispatches[0])  # fmt: skip
     assert (dp["splits"], dp["split_keys"]) == (splits, split_keys)
 
 
@@ -268,6 +290,111 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
     assert decode_params(d)["splits"] == splits
 
 
+ROW_WORK, PARAM_BYTES, DRAM_BYTES = 200, 16, 8  # attention_plan.h kDecodeRowWork, ...
+KEY_CYCLES = {2: (216, 175, 398), 4: (143, 236, 437)}  # decode_plan.cpp decode_key_cycles
+
+
+def key_cycles(de, dv, elem):
+    """The one-row 4-simdgroup vector block's fp-pipe cycles a key in tenths, restated."""
+    y, x = KEY_CYCLES[4 if elem == 4 else 2], de + dv
+    if x <= 128:
+        return y[0]
+    if x <= 256:
+        return y[0] + (y[1] - y[0]) * (x - 128) // 128
+    if x <= 512:
+        return y[1] + (y[2] - y[1]) * (x - 256) // 256
+    return y[2] * x // 512
+
+
+def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident):
+    group, per_tg = Hq // Hkv, dp["heads_per_tg"]
+    packed = per_tg * L
+    sets = timing._decode_vector_row_sets(E, E, elem)
+    threadgroups = B * Hkv * (group // per_tg) * dp["splits"]
+    work = dp["split_keys"] * (1000 + ROW_WORK * (packed - 1)) // 1000
+    work = work * (1000 + KEY_SET_WORK * (w - 4) // sets) // 1000
+    compute = model_time(threadgroups, w, resident, cores, work)
+    slots = cores * resident
+    per_core = threadgroups // slots * resident + cdiv(threadgroups % slots, cores)
+    kc = key_cycles(E, E, elem)
+    cache = per_core * dp["split_keys"] * (2 * E * elem + PARAM_BYTES * w) * 10000 // (32 * kc)
+    dram = B * Hkv * max(S, 1) * 2 * E * elem * 10000 // (DRAM_BYTES * cores * kc)
+    return max(compute, cache, dram) + (MERGE_KEYS * 1000 if dp["splits"] > 1 else 0)
+
+
+@pytest.mark.parametrize("chip", ["M1", "M4 Pro", "M5", "M3 Ultra"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("E", [64, 128, 256])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S",
+    [(1, 8, 2, 1, 512), (1, 8, 2, 1, 1024), (1, 32, 8, 1, 512), (1, 16, 2, 1, 2048),
+     (2, 8, 2, 2, 700), (1, 32, 8, 1, 16384), (1, 8, 1, 1, 100)],
+)  # fmt: skip
+def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
+    """decode_layout_time restated: the plan's heads a threadgroup is the divisor of the group
+    whose layout (each forced packing's own split and width, as planned) costs least in the
+    timing model's terms, the full packing on a tie and the most heads among equals."""
+    cores = timing.chip(chip)["gpu_cores"]
+    elem = dtype.itemsize
+
+    def planned(**options):
+        p = sim.plan("sdpa", [t(B, Hq, L, E, dtype=dtype), t(B, Hkv, S, E, dtype=dtype),
+                              t(B, Hkv, S, E, dtype=dtype), None, None],
+                     {"scale": 0.125, "gpu_cores": cores, **options})  # fmt: skip
+        return p.dispatches[0]
+
+    group = Hq // Hkv
+    costs = {}
+    for d in (x for x in range(group, 0, -1) if group % x == 0 and x * L <= 8):
+        forced = planned(decode_heads_per_tg=d)
+        assert forced.kernel.startswith("steel_attention_decode_vector_"), forced.kernel
+        dp = decode_params(forced)
+        assert dp["heads_per_tg"] == d
+        w = forced.constants[FC_DECODE_SIMDGROUPS]
+        resident = max(1, timing.resident_threadgroups(forced, chip) // cores)
+        costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident)
+    best = min(costs.values())
+    expected = max(d for d, c in costs.items() if c == best)
+    auto = planned()
+    assert decode_params(auto)["heads_per_tg"] == expected, costs
+
+
+# The shapes of issue 25's "decode never slower" for few keys: f16 d128 B1 one token, the
+# timing model's prediction of each forced packing (us), and the planner's pick.
+FEW_KEYS = [
+    ("M4 Pro", 8, 2, 512, 1), ("M1", 8, 2, 512, 1), ("M5", 8, 2, 512, 1),
+    ("M4 Pro", 8, 2, 1024, 1), ("M4 Pro", 32, 8, 512, 2), ("M1", 32, 8, 512, 4),
+    ("M5", 32, 8, 512, 4),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not simulator_ready()[0], reason=simulator_ready()[1])
+@pytest.mark.parametrize("chip,Hq,Hkv,S,pick", FEW_KEYS)
+def test_packing_is_the_timing_models_fastest(chip, Hq, Hkv, S, pick):
+    """The timing model (sim.predict: the simulator's counters of the planned kernels on the
+    chip, its cache model and its wave quantization), an independent judge of the planner's
+    costs: of every forced packing, the planner's pick is predicted fastest (M1 H32/8: full and
+    2 heads tie at the DRAM bound, and the full packing reads K and V once)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 128, generator=g).half() for h, n in
+               ((Hq, 1), (Hkv, S), (Hkv, S)))  # fmt: skip
+
+    def predicted(per_tg):
+        r = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.088,
+                        "decode_heads_per_tg": per_tg}, chip=chip)  # fmt: skip
+        return r["time_s"] * 1e6
+
+    group = Hq // Hkv
+    times = {d: predicted(d) for d in range(1, group + 1) if group % d == 0}
+    auto = predicted(0)
+    # The same plan as the forced pick; the cache model's DRAM bytes move by a few lines with
+    # where the run's buffers fall (0.002 us at M1 H32/8's DRAM bound).
+    assert auto == pytest.approx(times[pick], abs=0.05)
+    assert auto <= min(times.values()) + 0.05, times
+    if pick != group:
+        assert auto < times[group] - 1.0, times  # better than the full packing, by over 1 us
+
+
 @pytest.mark.parametrize(
     "vector,E,per_core",
     # MMA kernel at d256: 2 by its registers (2 x (32 + 32 + 2 + 1) + 24 = 158 a thread); the
@@ -340,7 +467,7 @@ def test_paged_plan_binds_the_table_and_reads_pages_in_place():
     pool = t(30, 16, 2, 64)
     table = torch.empty(2, 40, dtype=torch.int32)[:, :32]  # a strided view: read in place
     seq = torch.empty(2, dtype=torch.int32)
-    p = paged_plan(t(3, 8, 64), pool, pool, table, seq, num_splits=2)
+    p = paged_plan(t(3, 8, 64), pool, pool, table, seq, num_splits=2, decode_heads_per_tg=4)
     assert p.ok, p.reason
     d = p.dispatches[0]
     assert d.constants[PAGED] and d.constants[VARLEN]

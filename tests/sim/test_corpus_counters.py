@@ -129,15 +129,20 @@ def test_decode_counters(_corpora):
         qdt = torch.float32 if label.startswith("llama") else torch.float16
         q_bytes = _nbytes((B, H, L, D), qdt)
         _check_compulsory(t, {"q": q_bytes, "k": kv_bytes, "v": kv_bytes}, q_bytes)
-    # steel packs a KV head's query heads into one threadgroup (docs/attention.md, Decode):
-    # K and V are read once. The one-pass sdpa_vector kernels (PyTorch's is MLX's, adapted)
-    # run a threadgroup per (query head, query row), each reading its KV head's keys once, and
-    # multiply no simdgroup matrices. llama.cpp's vector kernel (one query a threadgroup here)
-    # reads the whole 32-key blocks from K once per query head and row; its pad kernel copies
-    # the last S % 32 rows of each KV head once into the scratch that the kernel reads instead.
+    # steel packs a KV head's query heads into threadgroups (docs/attention.md, Decode): K and V are
+    # read once per threadgroup of a KV head's heads, once per KV head at the full packing; at so
+    # few keys the planner packs fewer heads a threadgroup to fill the cores, and reads them group /
+    # heads_per_tg times (decode_plan.cpp decode_layout_time). The one-pass sdpa_vector kernels
+    # (PyTorch's is MLX's, adapted) run a threadgroup per (query head, query row), each reading its
+    # KV head's keys once, and multiply no simdgroup matrices. llama.cpp's vector kernel (one query
+    # a threadgroup here) reads the whole 32-key blocks from K once per query head and row; its pad
+    # kernel copies the last S % 32 rows of each KV head once into the scratch that the kernel reads
+    # instead.
     steel = sides["steel"][1]
-    assert steel["by_tensor"]["k"]["read"] == kv_bytes
-    assert steel["by_tensor"]["v"]["read"] == kv_bytes
+    chunks = sides["steel"][0][0]["grid"][1] // Hkv  # the grid's y: KV heads x threadgroups
+    assert 1 <= chunks <= H // Hkv
+    assert steel["by_tensor"]["k"]["read"] == kv_bytes * chunks
+    assert steel["by_tensor"]["v"]["read"] == kv_bytes * chunks
     for label in ("PyTorch sdpa_vector", "MLX sdpa_vector"):
         t = sides[label][1]
         assert t["by_tensor"]["k"]["read"] == kv_bytes * (H // Hkv) * L, label
