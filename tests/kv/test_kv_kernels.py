@@ -334,17 +334,19 @@ def test_plan_refusals_name_the_problem():
      ("int8", torch.float32, 1 + 4 / 128)],
 )  # fmt: skip
 def test_decode_step_reads_the_quantized_bytes(k_format, scale_dtype, per_value):
-    """One decode step (L = 1, GQA group of 4 in one threadgroup, one pass) reads each K and V
-    code and each scale and min exactly once: the counters' bytes of the code, scale and min
-    buffers are S * Hkv * E * (bits / 8) plus the scales' (and mins') bytes, e.g. int8 with one
-    fp16 scale per 64 values is (1 + 2 / 64) / 2 = 0.52 of an fp16 cache's bytes."""
+    """One decode step (L = 1, GQA group of 4 in one threadgroup, one pass; the packing fixed,
+    since at 96 keys the planner would spread the group over threadgroups, each re-reading its
+    KV head: docs/attention.md) reads each K and V code and each scale and min exactly once:
+    the counters' bytes of the code, scale and min buffers are S * Hkv * E * (bits / 8) plus
+    the scales' (and mins') bytes, e.g. int8 with one fp16 scale per 64 values is
+    (1 + 2 / 64) / 2 = 0.52 of an fp16 cache's bytes."""
     B, Hkv, S, E = 1, 2, 96, 128
     q = _x(B, 4 * Hkv, 1, E, seed=32).half()
     kq = _cache((B, Hkv, S, E), k_format, 33, scale_dtype)
     vq = _cache((B, Hkv, S, E), k_format, 34, scale_dtype)
     attn = _attn(q, num_splits=1)
     tensors = [q, *kq.tensors(), *vq.tensors(), None, None]
-    options = attn.run_options(k_format=k_format, v_format=k_format)
+    options = attn.run_options(k_format=k_format, v_format=k_format, decode_heads_per_tg=4)
     _, counters = sim.run_op("sdpa_quantized", tensors, options, counters=True, checkers=False)
     (c,) = counters
     buffers = {1: kq.data, 14: kq.scales, 15: kq.mins, 2: vq.data, 16: vq.scales, 17: vq.mins}
