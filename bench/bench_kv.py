@@ -4,8 +4,8 @@ err      the quantization error: the kernel's output over the quantized cache ag
          attention (float64 math) over the unquantized cache, max |diff| / max |reference|;
 K/V MB   the bytes of K and V (codes, scales, mins) the simulator's counters see the decode
          kernel read, against the model: codes plus scales (and mins), each read once
-         (B * Hkv * S rows, one threadgroup per KV head, one pass); the fp16 row is the
-         unquantized decode kernel over the same cache;
+         (B * Hkv * S rows, one threadgroup per KV head, one pass, both fixed); the fp16 row
+         is the unquantized decode kernel over the same cache;
 x fp16   that figure over the fp16 cache's;
 us       sim.predict's time on each chip (the timing model, torch_steel/sim/timing.py: its
          own assumptions and calibration, see docs/performance.md; a model's figure).
@@ -27,10 +27,13 @@ FORMATS = ["int8", "int8_g32", "int8_g64", "int8_g128", "q4_g32", "q4_g64"]
 K_BUF, V_BUF, SCALE_BUFS = 1, 2, (14, 15, 16, 17)
 
 
-def options(E, fmt=None):
+def options(E, group, fmt=None):
+    # One pass with the whole GQA group in a threadgroup, so that K and V are read once: the
+    # planner's own pick may spread a group over threadgroups at few keys (docs/attention.md,
+    # "Short caches"), which re-reads them, the same for every format.
     base = {"dropout_p": 0.0, "is_causal": False, "scale": 1 / math.sqrt(E), "softcap": 0.0,
             "window_left": -1, "window_right": -1, "bottom_right": False,
-            "num_splits": 1}  # fmt: skip
+            "num_splits": 1, "decode_heads_per_tg": group}  # fmt: skip
     return base if fmt is None else {**base, "k_format": fmt, "v_format": fmt}
 
 
@@ -54,16 +57,17 @@ def main():
     v = torch.randn(a.B, a.Hkv, a.S, a.E, generator=g).half()
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
     fp16 = [q, k, v, None, None]
-    _, c = sim.run_op("sdpa", fp16, options(a.E), counters=True, checkers=False)
+    _, c = sim.run_op("sdpa", fp16, options(a.E, a.Hq // a.Hkv), counters=True, checkers=False)
     fp16_bytes = c[0]["buffers"][K_BUF]["read"] + c[0]["buffers"][V_BUF]["read"]
     print(f"decode step B={a.B} Hq={a.Hq} Hkv={a.Hkv} S={a.S} E={a.E}, fp16 queries, fp16 scales")
     head = f"{'format':10} {'err':>9} {'K/V MB':>8} {'model MB':>9} {'x fp16':>7}"
     print(head + "".join(f" {chip + ' us':>10}" for chip in a.chips))
-    rows = [("fp16", "sdpa", fp16, options(a.E), fp16_bytes, 2 * k.numel() * 2, None)]
+    group = a.Hq // a.Hkv
+    rows = [("fp16", "sdpa", fp16, options(a.E, group), fp16_bytes, 2 * k.numel() * 2, None)]
     for fmt in FORMATS:
         kq, vq = kv.quantize(k, fmt), kv.quantize(v, fmt)
         tensors = [q, *kq.tensors(), *vq.tensors(), None, None]
-        rows.append((fmt, "sdpa_quantized", tensors, options(a.E, fmt), None,
+        rows.append((fmt, "sdpa_quantized", tensors, options(a.E, group, fmt), None,
                      model_bytes(kq) + model_bytes(vq), None))  # fmt: skip
     for name, op, tensors, opts, counted, model, _ in rows:
         outs, c = sim.run_op(op, tensors, opts, counters=True, checkers=False)
