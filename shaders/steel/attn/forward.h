@@ -290,30 +290,15 @@ inline void attn_load_row_operands(thread AttnOperandRow<T, N>& f, const device 
   }
 }
 
-// acc[j] += a[d] * tile^T as attn_mma_bt_at, with a and the tile's fragments in T.
+// acc[j] += a[d] * tile^T as attn_mma_bt_at, with a and the tile's fragments in T, over the
+// first `frags` of the TC score fragments only (uniform over the simdgroup; the rest are keys
+// hidden from every row of it, attn_visible_frags). An interior tile passes frags = TC, a
+// constant once inlined, so its branch folds away. Fragment j sums over d in order either way,
+// so the scores it computes are the full product's.
 template <typename T, short kLd, short TA, short TC>
 inline void attn_mma_bt_operands(thread FragTile<1, TC>& acc,
-                                 thread const AttnOperandRow<T, TA>& a, const threadgroup T* base) {
-#pragma clang loop unroll(full)
-  for (short d = 0; d < TA; ++d) {
-#pragma clang loop unroll(full)
-    for (short j = 0; j < TC; ++j) {
-      simdgroup_matrix<T, 8, 8> b;
-      const threadgroup T* src = base + j * 8 * kLd + d * 8;
-      b.thread_elements()[0] = src[0];
-      b.thread_elements()[1] = src[kLd];
-      simdgroup_multiply_accumulate(acc.frag[j], a.frag[d], b, acc.frag[j]);
-    }
-  }
-}
-
-// attn_mma_bt_operands over the first `frags` of the TC score fragments only (uniform over the
-// simdgroup): the rest are keys hidden from every row of it (attn_visible_frags). Fragment j
-// still sums over d in order, so the scores it computes are the full product's.
-template <typename T, short kLd, short TA, short TC>
-inline void attn_mma_bt_operands_upto(thread FragTile<1, TC>& acc,
-                                      thread const AttnOperandRow<T, TA>& a,
-                                      const threadgroup T* base, short frags) {
+                                 thread const AttnOperandRow<T, TA>& a, const threadgroup T* base,
+                                 short frags) {
 #pragma clang loop unroll(full)
   for (short j = 0; j < TC; ++j) {
     if (j < frags) {
@@ -579,14 +564,15 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     // On a tile that crosses the diagonal or the end of S, the fragments of keys hidden from
     // every row of this simdgroup take no MMA in either product: their scores are masked to
     // -inf below and their weights are 0 (on a causal diagonal tile, 6 of the 16 fragment
-    // pairs of a 32-row block). Interior tiles take the unconditional products.
+    // pairs of a 32-row block). Interior tiles pass the constant TK: their products are
+    // unconditional.
     const short frags = edge ? attn_visible_frags(sg_key_end, key0, A::TK) : A::TK;
     FragTile<1, A::TK> s;
     s.clear();
     if (edge) {
-      attn_mma_bt_operands_upto<T, A::kLdK>(s, qf, Kb, frags);
+      attn_mma_bt_operands<T, A::kLdK>(s, qf, Kb, frags);
     } else {
-      attn_mma_bt_operands<T, A::kLdK>(s, qf, Kb);
+      attn_mma_bt_operands<T, A::kLdK>(s, qf, Kb, A::TK);
     }
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
