@@ -172,10 +172,19 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   return width;
 }
 
+// A layout as decode_layout derives it: the split, with the rows a threadgroup packs and the
+// threadgroups before the split, which decode_layout_time costs as they are.
+struct DecodeLayout {
+  DecodeSplit split;
+  int64_t packed = 0;
+  int64_t threadgroups = 0;
+};
+
 // The partitions and the vector kernel's width for `per_tg` query heads a threadgroup.
-DecodeSplit decode_layout(const Common& c, const Decode& dec, const Options& options,
-                          int64_t per_tg, bool vector, int64_t cores) {
-  DecodeSplit out;
+DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& options,
+                           int64_t per_tg, bool vector, int64_t cores) {
+  DecodeLayout layout;
+  DecodeSplit& out = layout.split;
   out.heads_per_tg = per_tg;
   const int64_t bk = key_tile(c);
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
@@ -227,7 +236,9 @@ DecodeSplit decode_layout(const Common& c, const Decode& dec, const Options& opt
   n = std::min<int64_t>({n, STEEL_ATTN_DECODE_MAX_SPLITS, ceil_div(keys, bk)});
   out.split_keys = partition(n);
   out.splits = ceil_div(keys, out.split_keys);
-  return out;
+  layout.packed = packed;
+  layout.threadgroups = threadgroups;
+  return layout;
 }
 
 // The one-row 4-simdgroup vector block's fp-pipe cycles a key, in tenths, which convert its K/V
@@ -275,13 +286,11 @@ int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
 // packing depends on chip and shape; at long caches (the grid a wave or more) the full packing
 // stays. Option "decode_heads_per_tg" = n fixes the packing at the largest fitting divisor of
 // the group at most n (the tests force every one); the MMA kernel keeps the full packing.
-int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeSplit& l,
+int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& layout,
                            int64_t cores) {
-  const int64_t group = c.Hq / c.Hkv;
-  const int64_t packed = l.heads_per_tg * decode_row_block(dec.rows);
-  const int64_t blocks = ceil_div(std::max<int64_t>(dec.rows, 1), decode_row_block(dec.rows));
-  const int64_t threadgroups =
-      dec.count * c.Hkv * (group / l.heads_per_tg) * blocks * l.splits;
+  const DecodeSplit& l = layout.split;
+  const int64_t packed = layout.packed;
+  const int64_t threadgroups = layout.threadgroups * l.splits;
   const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
   const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
                                                          static_cast<int>(elem));
@@ -310,19 +319,19 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
   const int64_t fixed = static_cast<int64_t>(options.number("decode_heads_per_tg", 0));
   const int64_t most = decode_heads_per_tg(group, dec.rows, fixed > 0 ? fixed : INT64_MAX);
-  DecodeSplit best = decode_layout(c, dec, options, most, vector, cores);
-  if (fixed > 0 || !vector) return best;
+  DecodeLayout best = decode_layout(c, dec, options, most, vector, cores);
+  if (fixed > 0 || !vector) return best.split;
   // Fewer heads a threadgroup, costed (decode_layout_time): the divisors of the group below the
   // full packing, each with its own split and width; the most heads on a tie (the least K/V
   // traffic).
   int64_t best_time = decode_layout_time(c, dec, best, cores);
   for (int64_t d = most - 1; d >= 1; --d) {
     if (group % d != 0) continue;
-    const DecodeSplit l = decode_layout(c, dec, options, d, vector, cores);
+    const DecodeLayout l = decode_layout(c, dec, options, d, vector, cores);
     const int64_t t = decode_layout_time(c, dec, l, cores);
     if (t < best_time) best_time = t, best = l;
   }
-  return best;
+  return best.split;
 }
 
 void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const Launch& l,
