@@ -3,6 +3,8 @@
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,3 +219,26 @@ def test_a_build_says_what_it_builds_as_it_starts(tmp_path, capfd):
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
     sim.run_kernel("announced", sources=[src], grid=(1,), threads=(4,), buffers={0: out})
     assert "building" not in capfd.readouterr().err  # built once, then silent
+
+
+@needs_sim
+def test_a_built_module_is_imported_without_cpp_extension():
+    """Once the module's directory is marked done, a new process imports it directly: no
+    cpp_extension.load (its lock and ninja check), whose queue made processes that start at once
+    wait seconds. The directory's name digests the inputs, so what is imported is current."""
+    build.extension()  # built (and marked) here if it was not yet
+    code = (
+        "import torch.utils.cpp_extension as ce\n"
+        "def refuse(*a, **k):\n"
+        "    raise AssertionError('cpp_extension.load called')\n"
+        "ce.load = refuse\n"
+        "from torch_steel.sim import build\n"
+        "m = build.extension()\n"
+        "print(m.__name__, hasattr(m, 'run_plan'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["steel_sim_ext", "True"]

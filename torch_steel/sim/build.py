@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -304,12 +305,21 @@ def extension():
     out.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension
 
-    if not (out / "steel_sim_ext.so").exists():
+    so, done = out / "steel_sim_ext.so", out / "done"
+    if done.exists() and so.exists():
+        # Built before: the directory's name digests every input, so the module is current.
+        # Importing it skips cpp_extension.load's lock and ninja check, on which processes that
+        # start at once (xdist workers, a fuzz campaign's rounds) otherwise queue for seconds.
+        spec = importlib.util.spec_from_file_location("steel_sim_ext", so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if not so.exists():
         _announce("Python module", "30 s", out)
     old = {k: os.environ.get(k) for k in ("CXX", "CC")}
     os.environ["CXX"], os.environ["CC"] = CXX, CC
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name="steel_sim_ext",
             sources=[str(module_src)],
             extra_cflags=["-O2", "-Wno-unused-parameter"],
@@ -318,6 +328,8 @@ def extension():
             build_directory=str(out),
             verbose=False,
         )
+        done.write_text("ok\n")  # after the load: the module is whole
+        return module
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:  # has the compiler log
         raise SimulatorError(f"building the simulator module failed: {e}") from None
     finally:
