@@ -57,12 +57,12 @@ def main():
     v = torch.randn(a.B, a.Hkv, a.S, a.E, generator=g).half()
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
     fp16 = [q, k, v, None, None]
-    _, c = sim.run_op("sdpa", fp16, options(a.E, a.Hq // a.Hkv), counters=True, checkers=False)
+    group = a.Hq // a.Hkv
+    _, c = sim.run_op("sdpa", fp16, options(a.E, group), counters=True, checkers=False)
     fp16_bytes = c[0]["buffers"][K_BUF]["read"] + c[0]["buffers"][V_BUF]["read"]
     print(f"decode step B={a.B} Hq={a.Hq} Hkv={a.Hkv} S={a.S} E={a.E}, fp16 queries, fp16 scales")
     head = f"{'format':10} {'err':>9} {'K/V MB':>8} {'model MB':>9} {'x fp16':>7}"
     print(head + "".join(f" {chip + ' us':>10}" for chip in a.chips))
-    group = a.Hq // a.Hkv
     rows = [("fp16", "sdpa", fp16, options(a.E, group), fp16_bytes, 2 * k.numel() * 2, None)]
     for fmt in FORMATS:
         kq, vq = kv.quantize(k, fmt), kv.quantize(v, fmt)
