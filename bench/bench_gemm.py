@@ -122,8 +122,8 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
         buffers: dict[int, dict[str, int]] = {}
         if "splitk_reduce" in d.kernel:
             partitions = plan.allocations[1].sizes[0]
-            buffers[BUF_A] = {"read": partitions * m * n * 4, "written": 0}
-            epilogue(buffers, m * n * es, use_c, use_bias)
+            buffers[BUF_A] = {"read": partitions * batch * m * n * 4, "written": 0}
+            epilogue(buffers, batch * m * n * es, use_c, use_bias)
         elif d.kernel.startswith("steel_gemv_nn_"):
             # Each threadgroup reads its strip of 32 columns of b over K (every element once) and
             # all m rows of a once (shared by shuffles); one store per output.
@@ -147,9 +147,8 @@ def model(plan, batch, m, n, k, es, use_c, use_bias):
             tiles_m, tiles_n = -(-m // bm), -(-n // bn)
             buffers[BUF_A] = {"read": batch * tiles_n * m * k * es, "written": 0}
             buffers[BUF_B] = {"read": batch * tiles_m * n * k * es, "written": 0}
-            if "splitk" in d.kernel:
-                partitions = d.grid[2]
-                buffers[BUF_OUT] = {"read": 0, "written": partitions * m * n * 4}
+            if "splitk" in d.kernel:  # grid z: every batch entry's partitions
+                buffers[BUF_OUT] = {"read": 0, "written": d.grid[2] * m * n * 4}
             else:
                 epilogue(buffers, batch * m * n * es, use_c, use_bias)
         out.append(buffers)

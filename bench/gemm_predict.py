@@ -17,8 +17,9 @@ from pathlib import Path
 import side_by_side as sbs
 import torch
 
-# (name, batch, M, N, K[, "nt"]): b is a K x N row-major tensor, or with "nt" the transpose of
-# an N x K one (W^T, torch_steel.linear's layout, which takes the GEMV kernels at M = 1)
+# (name, batch, M, N, K[, "nt" | "bmm"]): b is a K x N row-major tensor, or with "nt" the
+# transpose of an N x K one (W^T, torch_steel.linear's layout, which takes the GEMV kernels at
+# M = 1), or with "bmm" a [batch, K, N] one (torch.bmm: no batch folds into M)
 SHAPES = [
     ("square 256", 1, 256, 256, 256),
     ("square 512", 1, 512, 512, 512),
@@ -29,6 +30,7 @@ SHAPES = [
     ("GEMV 1x4096x4096 (x @ W^T)", 1, 1, 4096, 4096, "nt"),
     ("MLP 32x11008x4096", 1, 32, 11008, 4096),
     ("batched 8x128x128x64", 8, 128, 128, 64),
+    ("bmm 4x32x32x8192 (split-K)", 4, 32, 32, 8192, "bmm"),
 ]
 QUICK = [("ragged 33x65x47", 1, 33, 65, 47)]
 # docs/performance.md's table, every chip: issue 25's GEMM targets (>= 75% of the roofline from
@@ -93,23 +95,25 @@ def pair(shape, dtype, chip, budget):
     """(steel, MPS matmul) predictions of out = a @ b."""
     _, batch, m, n, k, *layout = shape
     nt = layout == ["nt"]
+    bmm = layout == ["bmm"]
 
     def make(device, reduced):
         shape_a = (batch, m, k) if batch > 1 else (m, k)
-        shape_b = (n, k) if nt else (k, n)
+        shape_b = (n, k) if nt else (batch, k, n) if bmm else (k, n)
         if device == "meta":
             a = torch.empty(shape_a, dtype=dtype, device="meta")
             b = torch.empty(shape_b, dtype=dtype, device="meta")
         else:
             g = torch.Generator().manual_seed(m + n + k)
             a, b = (torch.randn(s, generator=g).to(dtype) for s in (shape_a, shape_b))
-        return [a, b.t() if nt else b, None, None]
+        return [a, b.mT if nt else b, None, None]
 
     fit = _fit(shape, dtype)
     ours = sbs.steel_records("gemm", make, {}, 1, chip, budget, batch * m * n * k, fit)
     es = sbs._ES[dtype]
     ops = [sbs.op("MPS matmul", 2 * batch * m * n * k,
-                  (batch * m * k + k * n) * es, batch * m * n * es, matmul=True)]  # fmt: skip
+                  (batch * m * k + (batch if bmm else 1) * k * n) * es, batch * m * n * es,
+                  matmul=True)]  # fmt: skip
     theirs = sbs.composite_time(ops, chip, dtype)
     theirs["how"] = "matrix/DRAM roofline"
     return ours, theirs

@@ -91,10 +91,14 @@ constexpr int64_t kMinLargeBlocks = 128;
 constexpr double kLargeWaveFill = 0.9;
 constexpr int64_t kMinThinBlocks = 64;  // for kThin and kTall
 
-// Split-K: when even kSmall gives at most kSplitMaxBlocks blocks and K is long (at least
-// kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of at least kSplitMinSlice
-// so that about kSplitTargetBlocks threadgroups run. Each partition writes M*N fp32 partials,
-// so the extra traffic (2 * 4 * M * N * partitions bytes) stays small next to reading A and B.
+// Split-K: when even kSmall gives at most kSplitMaxBlocks blocks (every batch entry's counted)
+// and K is long (at least kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of
+// at least kSplitMinSlice so that about kSplitTargetBlocks threadgroups run. Each partition
+// writes batch * M * N fp32 partials, so the extra traffic (2 * 4 * batch * M * N * partitions
+// bytes) stays small next to reading A and B. A batch (bmm of a few small products over a long
+// K, e.g. 4 x 32 x 32 x 8192) splits like one matrix: unsplit, its 4 threadgroups each walk
+// all of K, and the timing model (bench_gemm.py --predict) puts it at 0.14 of the roofline on
+// M4 Pro.
 constexpr int64_t kSplitMaxBlocks = 16;
 constexpr int64_t kSplitKRatio = 8;
 constexpr int64_t kSplitMinK = 512;
@@ -477,7 +481,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
 
   int64_t partitions = 1;
   int64_t k_split = K;
-  if (batches == 1 && blocks_small <= kSplitMaxBlocks && K >= kSplitMinK &&
+  if (blocks_small <= kSplitMaxBlocks && K >= kSplitMinK &&
       K >= kSplitKRatio * std::max(Mk, N)) {
     partitions = std::min({ceil_div(kSplitTargetBlocks, blocks_small), K / kSplitMinSlice,
                            kSplitMaxPartitions});
@@ -518,7 +522,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   }
 
   const Tile t = split ? small : tile;
-  if (split && partitions * Mk * N > kInt32Max) {
+  if (split && partitions * batches * Mk * N > kInt32Max) {
     return Plan::refuse("gemm: split-K partials beyond 32-bit indexing");
   }
   if (!tensor_ops && tile_threadgroup_bytes(t, dtype, la.transposed, lb.transposed) > 32 * 1024) {
@@ -540,7 +544,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   // left L2 (a band costs at most 2^swizzle_log - 1 idle rows of threadgroups).
   p.swizzle_log = (p.tiles_m >= 16 && p.tiles_n >= 16) ? 2 : (p.tiles_m >= 4 && p.tiles_n >= 4);
   p.k_split = static_cast<int32_t>(k_split);
-  p.partial_stride = static_cast<int32_t>(Mk * N);
+  p.partial_stride = static_cast<int32_t>(batches * Mk * N);
   p.partitions = static_cast<int32_t>(partitions);
   p.c_rs = static_cast<int32_t>(c_rs);
   p.c_cs = use_c ? static_cast<int32_t>(c_strides[cd - 1]) : 0;
@@ -574,7 +578,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
 
   const bool align_m = Mk % t.bm == 0, align_n = N % t.bn == 0, align_k = K % t.bk == 0;
   std::vector<FunctionConstant> tile_constants = {
-      fc_bool(STEEL_GEMM_FC_HAS_BATCH, !split && batches > 1),
+      fc_bool(STEEL_GEMM_FC_HAS_BATCH, batches > 1),
       fc_bool(STEEL_GEMM_FC_USE_C, use_c && !split),
       fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value() && !split),
       fc_int(STEEL_GEMM_FC_ACTIVATION, split ? kSteelActNone : activation),
@@ -617,20 +621,21 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
   Allocation scratch;
   scratch.name = "splitk_partials";
   scratch.dtype = DType::Float32;
-  scratch.sizes = {partitions, Mk, N};
+  scratch.sizes = {partitions, batches, Mk, N};
   plan.allocations.push_back(scratch);
   const int32_t kSlotScratch = n_inputs + 1;
 
   d.kernel = tensor_ops ? "steel_gemm_tensor_splitk_" + tensor_tile_suffix(trans, dtype, t)
                         : "steel_gemm_splitk_" + tile_suffix(trans, dtype, t);
-  d.grid[2] = static_cast<uint32_t>(partitions);
+  d.grid[2] = static_cast<uint32_t>(batches * partitions);
   d.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotA), tensor_binding(STEEL_GEMM_BUF_B, kSlotB),
                 tensor_binding(STEEL_GEMM_BUF_OUT, kSlotScratch), params_binding(p)};
   plan.dispatches.push_back(d);
 
   Dispatch r;
   r.kernel = std::string("steel_gemm_splitk_reduce_") + dtype_tag(dtype);
-  r.constants = {fc_bool(STEEL_GEMM_FC_USE_C, use_c),
+  r.constants = {fc_bool(STEEL_GEMM_FC_HAS_BATCH, batches > 1),
+                 fc_bool(STEEL_GEMM_FC_USE_C, use_c),
                  fc_bool(STEEL_GEMM_FC_HAS_BIAS, bias.has_value()),
                  fc_int(STEEL_GEMM_FC_ACTIVATION, activation)};
   r.bindings = {tensor_binding(STEEL_GEMM_BUF_A, kSlotScratch),
@@ -638,7 +643,7 @@ Plan plan_gemm(const TensorList& tensors, const Options& options) {
                 tensor_binding(STEEL_GEMM_BUF_BIAS, bias_slot),
                 tensor_binding(STEEL_GEMM_BUF_OUT, kSlotOut), params_binding(p)};
   const int64_t reduce_threads = std::min(kReduceThreads, max_threads / 32 * 32);
-  r.grid[0] = static_cast<uint32_t>(ceil_div(Mk * N, reduce_threads));
+  r.grid[0] = static_cast<uint32_t>(ceil_div(batches * Mk * N, reduce_threads));
   r.threads[0] = static_cast<uint32_t>(reduce_threads);
   plan.dispatches.push_back(r);
   return plan;

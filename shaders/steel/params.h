@@ -70,7 +70,7 @@ struct GemmParams {
   int32_t tiles_n;      // number of BN column tiles
   int32_t swizzle_log;  // threadgroups are swizzled in bands of 2^swizzle_log tile rows
   int32_t k_split;      // K elements per split-K partition (a multiple of BK); K when not split
-  int32_t partial_stride;  // split-K: elements between two partitions' partials (M * N)
+  int32_t partial_stride;  // split-K: elements between two partitions' partials (batch * M * N)
   int32_t partitions;      // split-K: number of partitions (1 when not split)
   int32_t c_rs;         // c's stride along M (0 when broadcast)
   int32_t c_cs;         // c's stride along N (0 when broadcast)

@@ -311,12 +311,15 @@ def _gemm_shape(draw, regimes=GEMM_REGIMES):
             draw(sizes(GEMM_TILES, 100)),
             draw(sizes(GEMM_TILES, 100)),
         )
-    if regime == "splitk":  # batch 1, <= 16 32x32 blocks, K >= 512 and >= 8 max(M, N)
+    if regime == "splitk":  # <= 16 32x32 blocks over the batch, K >= 512 and >= 8 max(M, N)
+        batch = draw(st.sampled_from([(), (), (2,), (3,), (2, 2)]))
         M, N = draw(sizes((16, 32), 128)), draw(sizes((16, 32), 128))
-        while -(-M // 32) * -(-N // 32) > 16:
+        while math.prod(batch) * -(-M // 32) * -(-N // 32) > 16:
             M, N = max(1, M // 2), max(1, N // 2)
-        K = draw(st.integers(max(512, 8 * max(M, N)), max(640, 8 * max(M, N) + 700)))
-        return regime, (), M, N, K
+        # M counted with the batch: a shared b folds the batch into M (gemm_plan.cpp)
+        rows = math.prod(batch) * M
+        K = draw(st.integers(max(512, 8 * max(rows, N)), max(640, 8 * max(rows, N) + 700)))
+        return regime, batch, M, N, K
     if regime == "thin":  # M <= 32, >= 64 column blocks of 128 over the batch
         B = draw(st.integers(16, 32))
         N = draw(st.integers(-(-64 // B) * 128 - 127, 600))
@@ -332,8 +335,8 @@ def _gemm_shape(draw, regimes=GEMM_REGIMES):
         K = draw(sizes(GEMM_TILES, 1300))
         while math.prod(batch) * rows * lines * K > GEMM_BUDGET and K > 16:
             K = max(16, K // 2)
-        if not batch and _ceil(lines, 32) <= 16 and K >= 512 and K >= 8 * lines:
-            K = 511  # the plan would split K (gemm_plan.cpp: split-K wins over few lines)
+        if _ceil(lines, 32) <= 16 and K >= 512 and K >= 8 * lines:
+            K = 511  # the plan might split K (gemm_plan.cpp: split-K wins over few lines)
         M, N = (rows, lines) if draw(st.booleans()) else (lines, rows)
         return regime, batch, M, N, K
     # large: >= 128 64x64 blocks over the batch, M and N > 32; about 8M padded multiply-adds

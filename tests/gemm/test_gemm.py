@@ -274,6 +274,31 @@ def test_gemm_split_k(m, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["broadcast", "transposed", "strided"])
+def test_gemm_batched_split_k(case, dtype):
+    # Batched products over a long K that b's batch keeps from folding into M: 6 entries of one
+    # ragged 20 x 24 block each (a [3, 1, ...] against b [2, ...]), K = 600 cut into partitions
+    # of every entry; c per entry (or broadcast over one batch dim) added in the reduction.
+    gen = torch.Generator().manual_seed(len(case))
+    a = rand(3, 1, 20, 600, dtype=dtype, gen=gen)
+    b = rand(2, 600, 24, dtype=dtype, gen=gen)
+    c = rand(3, 2, 20, 24, dtype=dtype, gen=gen)
+    if case == "transposed":  # a and b column-major, c broadcast along the first batch dim
+        a = rand(3, 1, 600, 20, dtype=dtype, gen=gen).transpose(-1, -2)
+        b = rand(2, 24, 600, dtype=dtype, gen=gen).transpose(-1, -2)
+        c = rand(2, 20, 24, dtype=dtype, gen=gen)
+    elif case == "strided":  # every operand a padded view at a storage offset
+        a = rand(3, 1, 21, 610, dtype=dtype, gen=gen)[:, :, 1:, 3:603]
+        b = rand(2, 601, 30, dtype=dtype, gen=gen)[:, 1:, 2:26]
+        c = rand(3, 2, 20, 25, dtype=dtype, gen=gen)[..., 1:]
+    bias = rand(24, dtype=dtype, gen=gen)
+    p = sim.plan("gemm", [a, b, bias, c], {"beta": 0.5, "activation": "gelu"})
+    assert [d.kernel.split("_")[2] for d in p.dispatches] == ["splitk", "splitk"]
+    assert p.dispatches[0].grid[2] > 6  # every entry's partitions
+    check(a, b, bias, c, alpha=0.75, beta=0.5, activation="gelu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemm_storage_offsets(dtype):
     # Views into bigger buffers: odd storage offsets (no 16-byte vector loads) and aligned ones.
     gen = torch.Generator().manual_seed(6)

@@ -136,6 +136,23 @@ def test_split_k(seed, dtype):
 
 
 @requires_simulator
+def test_batched_split_k(seed):
+    # 3 entries of b (no fold into M), one 64x64 block each over K = 1000: every entry's K split
+    # on the matmul2d kernel, c per entry added by the shared reduction.
+    g = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+    a, b = rand(3, 20, 1000, dtype=bf16, gen=g), rand(3, 1000, 33, dtype=bf16, gen=g)
+    c = rand(3, 20, 33, dtype=bf16, gen=g)
+    options = {"beta": -1.5, "activation": "silu", **M5}
+    p = sim.plan("gemm", [a, b, None, c], options)
+    assert p.dispatches[0].kernel.startswith("steel_gemm_tensor_splitk_nn_bf16")
+    assert p.dispatches[0].grid[2] > 3
+    (out,) = sim.run_op("gemm", [a, b, None, c], options, checkers=True)
+    ref, mag = reference(a, b, None, c, beta=-1.5, activation="silu")
+    assert_close(out, ref, mag, 1000, bf16)
+
+
+@requires_simulator
 def test_traffic_and_multiply_adds_counted():
     # 100 x 90 x 70 f16: 2 x 2 blocks of 64, 3 K steps of 32 (the last ragged): every block
     # reads its rows of a and columns of b once over K, writes its outputs once.

@@ -48,3 +48,17 @@ def test_traffic_model_matches_counters(batch, m, n, k, epilogue, weight_t):
     assert bench_gemm.counted(counters) == predicted
     minimum = (batch * m * k + k * n + (n if epilogue else 0) + batch * m * n) * 2
     assert bench_gemm.total(predicted) >= minimum
+
+
+def test_traffic_model_matches_counters_of_a_batched_split_k():
+    # 3 x [20, 600] @ [3, 600, 24] (b batched: no fold into M): 3 one-block entries over a
+    # long K, split into partitions of every entry; partials written once and re-read once.
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(7)
+    a, b = rand(3, 20, 600, dtype=dtype, gen=gen), rand(3, 600, 24, dtype=dtype, gen=gen)
+    bias = rand(24, dtype=dtype, gen=gen)
+    p = sim.plan("gemm", [a, b, bias, None], {"activation": "relu"})
+    assert [d.kernel.split("_")[2] for d in p.dispatches] == ["splitk", "splitk"]
+    predicted = bench_gemm.model(p, 3, 20, 24, 600, 2, use_c=False, use_bias=True)
+    _, counters = sim.run_op("gemm", [a, b, bias, None], {"activation": "relu"}, counters=True)
+    assert bench_gemm.counted(counters) == predicted

@@ -288,7 +288,7 @@ def test_split_k_small_output_long_k():
     assert prm["k_split"] % 16 == 0 and prm["k_split"] * prm["partitions"] >= 4096
     assert (prm["partitions"] - 1) * prm["k_split"] < 4096
     scratch = p.allocations[1]
-    assert scratch.dtype == torch.float32 and scratch.sizes == (prm["partitions"], 16, 16)
+    assert scratch.dtype == torch.float32 and scratch.sizes == (prm["partitions"], 1, 16, 16)
     assert not scratch.is_output and p.allocations[0].is_output
     assert not first.constants[HAS_BIAS] and reduce.constants[HAS_BIAS]
     assert reduce.constants[ACTIVATION] == 1
@@ -296,8 +296,23 @@ def test_split_k_small_output_long_k():
     assert reduce.grid[0] * reduce.threads[0] >= 256
 
 
+def test_split_k_of_a_batch():
+    # 4 x [64, 4096] @ [4, 4096, 64]: 16 blocks of 32x32 over the batch, each walking K = 4096
+    # unsplit; split, every entry's K is cut alike and the partials are [partitions, 4, 64, 64].
+    p = plan(t(4, 64, 4096), t(4, 4096, 64), None, t(4, 1, 64), beta=1.0)
+    first, reduce = p.dispatches
+    assert first.kernel.startswith("steel_gemm_splitk_nn_f16")
+    prm = params(first)
+    assert prm["partitions"] >= 2 and first.grid[2] == 4 * prm["partitions"]
+    assert prm["partial_stride"] == 4 * 64 * 64 and prm["out_batch_stride"] == 64 * 64
+    assert p.allocations[1].sizes == (prm["partitions"], 4, 64, 64)
+    assert first.constants[HAS_BATCH] and reduce.constants[HAS_BATCH]
+    assert not first.constants[USE_C] and reduce.constants[USE_C]
+    assert reduce.grid[0] * reduce.threads[0] >= 4 * 64 * 64
+
+
 @pytest.mark.parametrize(
-    "shape", [((512, 512), (512, 512)), ((4, 64, 4096), (4, 4096, 64)), ((64, 300), (300, 64))]
+    "shape", [((512, 512), (512, 512)), ((5, 64, 4096), (5, 4096, 64)), ((64, 300), (300, 64))]
 )
 def test_no_split_k(shape):
     p = plan(t(*shape[0]), t(*shape[1]))

@@ -10,20 +10,38 @@
 
 using namespace metal;
 
-// Moves a, b and c to grid slice z's batch element, and out to its z-th output matrix. A no-op
-// (compiled away) without the batch function constant.
+// The element offsets of batch entry z in a, b and c: 0 for all three (compiled away) without
+// the batch function constant.
+struct GemmBatchOffsets {
+  int a;
+  int b;
+  int c;
+};
+
+inline GemmBatchOffsets gemm_batch_element(constant GemmParams& p, uint z_id) {
+  GemmBatchOffsets o = {0, 0, 0};
+  if (!gemm_has_batch) return o;
+  int z = int(z_id);
+  for (int d = p.batch_ndim - 1; d >= 0; --d) {
+    const int idx = z % p.batch_shape[d];
+    z /= p.batch_shape[d];
+    o.a += idx * p.a_batch_strides[d];
+    o.b += idx * p.b_batch_strides[d];
+    o.c += idx * p.c_batch_strides[d];
+  }
+  return o;
+}
+
+// Moves a, b and c to batch entry z and out to its z-th output matrix (split-K: the entry's
+// partials in the first partition). A no-op without the batch function constant.
 template <typename T, typename OutT>
 inline void gemm_batch_offsets(thread const device T*& a, thread const device T*& b,
                                thread const device T*& c, thread device OutT*& out,
                                constant GemmParams& p, uint z_id) {
   if (!gemm_has_batch) return;
-  int z = int(z_id);
-  for (int d = p.batch_ndim - 1; d >= 0; --d) {
-    const int idx = z % p.batch_shape[d];
-    z /= p.batch_shape[d];
-    a += idx * p.a_batch_strides[d];
-    b += idx * p.b_batch_strides[d];
-    c += idx * p.c_batch_strides[d];
-  }
+  const GemmBatchOffsets o = gemm_batch_element(p, z_id);
+  a += o.a;
+  b += o.b;
+  c += o.c;
   out += int(z_id) * p.out_batch_stride;
 }

@@ -2,7 +2,8 @@
 // + bias) for one batch entry (or, split-K, the fp32 partial product over one slice of K).
 //
 // Shape of the work (see gemm_plan.cpp for how the tile sizes are chosen):
-//   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch or partitions);
+//   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch, times the
+//     partitions with split-K);
 //     consecutive threadgroups walk a band of 2^swizzle_log tile rows column by column, so the
 //     A rows and B columns they share are still in L2 when the neighbours ask for them;
 //   - per BK step: barrier (from the second step on), BlockLoader copies the A and B tiles to
@@ -125,9 +126,12 @@ inline void gemm_block(const device T* a, const device T* b, const device T* c,
   int k_begin = 0;
   int k_len = p.K;
   if (kSplitK) {
-    k_begin = int(tg.z) * p.k_split;
+    // tg.z = batch entry * partitions + partition; the partials are [partitions, batch, M, N].
+    const int part = int(tg.z) % p.partitions;
+    gemm_batch_offsets(a, b, c, out, p, tg.z / uint(p.partitions));
+    k_begin = part * p.k_split;
     k_len = min(p.k_split, p.K - k_begin);
-    out += int(tg.z) * p.partial_stride;
+    out += part * p.partial_stride;
   } else {
     gemm_batch_offsets(a, b, c, out, p, tg.z);
   }

@@ -33,8 +33,9 @@ template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTr
                                                                 Bs, tg, simdgroup, lane);
 }
 
-// Split-K, first pass: threadgroup z multiplies K slice [z * k_split, (z + 1) * k_split) and
-// writes fp32 partials to partials[z * M * N + row * N + col]; no epilogue.
+// Split-K, first pass: threadgroup z = entry * partitions + q multiplies batch entry `entry`'s
+// K slice [q * k_split, (q + 1) * k_split) and writes fp32 partials to
+// partials[q * partial_stride + entry * M * N + row * N + col]; no epilogue.
 template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTransA,
           bool kTransB>
 [[kernel]] void steel_gemm_splitk(const device T* a [[buffer(STEEL_GEMM_BUF_A)]],
@@ -52,8 +53,9 @@ template <typename T, short BM, short BN, short BK, short WM, short WN, bool kTr
                                                                    As, Bs, tg, simdgroup, lane);
 }
 
-// Split-K, second pass: one thread per output element sums the partitions in order and applies
-// the epilogue. Reads the partials at STEEL_GEMM_BUF_A.
+// Split-K, second pass: one thread per output element of every batch entry (partial_stride of
+// them) sums the partitions in order and applies the epilogue. Reads the partials at
+// STEEL_GEMM_BUF_A.
 template <typename T>
 [[kernel]] void steel_gemm_splitk_reduce(const device float* partials [[buffer(STEEL_GEMM_BUF_A)]],
                                          const device T* c [[buffer(STEEL_GEMM_BUF_C)]],
@@ -62,12 +64,15 @@ template <typename T>
                                          constant GemmParams& p [[buffer(STEEL_GEMM_BUF_PARAMS)]],
                                          uint gid [[thread_position_in_grid]]) {
   const int index = int(gid);
-  if (index >= p.M * p.N) return;
-  const int row = index / p.N;
-  const int col = index - row * p.N;
+  if (index >= p.partial_stride) return;
+  const int entry = index / p.out_batch_stride;
+  const int element = index - entry * p.out_batch_stride;
+  const int row = element / p.N;
+  const int col = element - row * p.N;
   float acc = 0.0f;
   for (int q = 0; q < p.partitions; ++q) acc += partials[q * p.partial_stride + index];
-  out[row * p.ldd + col] =
+  c += gemm_batch_element(p, uint(entry)).c;
+  out[entry * p.out_batch_stride + row * p.ldd + col] =
       T(epilogue(acc, row, col, c, bias, p, gemm_use_c, gemm_has_bias, gemm_activation));
 }
 

@@ -46,9 +46,12 @@ inline void gemm_tensor_block(const device T* a, const device T* b, const device
   int k_begin = 0;
   int k_end = p.K;
   if (kSplitK) {
-    k_begin = int(tg.z) * p.k_split;
+    // tg.z = batch entry * partitions + partition; the partials are [partitions, batch, M, N].
+    const int part = int(tg.z) % p.partitions;
+    gemm_batch_offsets(a, b, c, out, p, tg.z / uint(p.partitions));
+    k_begin = part * p.k_split;
     k_end = min(k_begin + p.k_split, p.K);
-    out += int(tg.z) * p.partial_stride;
+    out += part * p.partial_stride;
   } else {
     gemm_batch_offsets(a, b, c, out, p, tg.z);
   }
