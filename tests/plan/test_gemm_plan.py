@@ -311,6 +311,15 @@ def test_split_k_of_a_batch():
     assert reduce.grid[0] * reduce.threads[0] >= 4 * 64 * 64
 
 
+@pytest.mark.parametrize("cores,partitions", [(10, 16), (20, 20), (80, 32)])
+def test_split_k_fills_the_cores(cores, partitions):
+    # 4 one-block entries over K = 8192: about 64 threadgroups, or 4 a core on a bigger GPU
+    # (at most 32 partitions).
+    p = plan(t(4, 32, 8192), t(4, 8192, 32), gpu_cores=cores)
+    assert params(p.dispatches[0])["partitions"] == partitions
+    assert p.dispatches[0].grid[2] == 4 * partitions
+
+
 @pytest.mark.parametrize(
     "shape", [((512, 512), (512, 512)), ((5, 64, 4096), (5, 4096, 64)), ((64, 300), (300, 64))]
 )
