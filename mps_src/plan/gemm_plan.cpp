@@ -94,14 +94,12 @@ constexpr int64_t kMinThinBlocks = 64;  // for kThin and kTall
 // Split-K: when even kSmall gives at most kSplitMaxBlocks blocks (every batch entry's counted)
 // and K is long (at least kSplitKRatio * max(M, N) and kSplitMinK), K is cut into partitions of
 // at least kSplitMinSlice so that about kSplitTargetBlocks threadgroups run, or
-// kSplitBlocksPerCore a core where the GPU has more cores than that fills (by the timing model,
-// bmm 4 x 32 x 32 x 8192 f16: M4 Pro, 20 cores, 41.4 -> 37.8 us; M3 Ultra, 80 cores, 31.0 ->
-// 27.2 us, from 64 threadgroups to 80 and 128). Each partition
-// writes batch * M * N fp32 partials, so the extra traffic (2 * 4 * batch * M * N * partitions
-// bytes) stays small next to reading A and B. A batch (bmm of a few small products over a long
-// K, e.g. 4 x 32 x 32 x 8192) splits like one matrix: unsplit, its 4 threadgroups each walk
-// all of K, and the timing model (bench_gemm.py --predict) puts it at 0.14 of the roofline on
-// M4 Pro.
+// kSplitBlocksPerCore a core on a GPU with more cores. Each partition writes batch * M * N fp32
+// partials, so the extra traffic (2 * 4 * batch * M * N * partitions bytes) stays small next to
+// reading A and B. A batch splits like one matrix: bmm 4 x 32 x 32 x 8192 (f16) unsplit runs 4
+// threadgroups that each walk all of K, at 0.14 of the roofline on M4 Pro by the timing model
+// (bench_gemm.py --predict; 186.5 us), split 64 threadgroups (41.4 us), and at 4 a core 80
+// (37.8 us; M3 Ultra, 80 cores: 31.0 us at 64, 27.2 at 128).
 constexpr int64_t kSplitMaxBlocks = 16;
 constexpr int64_t kSplitKRatio = 8;
 constexpr int64_t kSplitMinK = 512;

@@ -2,10 +2,10 @@
 // + bias) for one batch entry (or, split-K, the fp32 partial product over one slice of K).
 //
 // Shape of the work (see gemm_plan.cpp for how the tile sizes are chosen):
-//   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch, times the
-//     partitions with split-K);
-//     consecutive threadgroups walk a band of 2^swizzle_log tile rows column by column, so the
-//     A rows and B columns they share are still in L2 when the neighbours ask for them;
+//   - the grid is (tiles_n << swizzle_log, ceil(tiles_m / 2^swizzle_log), batch x partitions,
+//     with one partition unless split-K); consecutive threadgroups walk a band of
+//     2^swizzle_log tile rows column by column, so the A rows and B columns they share are
+//     still in L2 when the neighbours ask for them;
 //   - per BK step: barrier (from the second step on), BlockLoader copies the A and B tiles to
 //     threadgroup memory, barrier, BlockMMA multiplies them into the fp32 accumulators;
 //   - a partial last K step (K % BK) is loaded with zero fill and multiplied like the others;
