@@ -18,7 +18,9 @@ whole recipe (a fixed test can build it by hand in any version). A round still
 running when the budget ends is stopped; its examples so far count.
 
 The per-kernel totals are added to --record (bench/fuzz_record.json, committed), one entry per
-campaign, which the README's reliability section quotes. `--record none` keeps no record.
+campaign, which the README's reliability section quotes. `--record none` keeps no record. The
+entry is rewritten after every round (under a file lock, so campaigns side by side can share a
+record), so a campaign killed mid-way keeps every round it finished.
 This is a benchmark-style tool, not a test: it asserts nothing, and exits 1 if a failure was
 found.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import fcntl
 import importlib.util
 import json
 import os
@@ -133,6 +136,7 @@ def campaign(args):
     slow = collections.defaultdict(list)  # kernel -> [(seconds, test, call)]
     failures = []
     rounds = 0
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     print(f"fuzz campaign: {args.minutes:g} min, {args.examples} examples per test and round, "
           f"database {args.db}", flush=True)  # fmt: skip
     while time.monotonic() < deadline and (not args.rounds or rounds < args.rounds):
@@ -173,6 +177,9 @@ def campaign(args):
             state += f" (see {out})"
         print(f"round {rounds}: {len(lines)} examples, {len(reported)} failed, "
               f"{state}", flush=True)  # fmt: skip
+        if args.record != "none":
+            minutes = (time.monotonic() - start) / 60
+            record(Path(args.record), started, rounds, examples, failures, minutes, args)
     minutes = (time.monotonic() - start) / 60
     report(examples, per_test, slow, failures, rounds, minutes)
     summary = {"rounds": rounds, "minutes": round(minutes, 2), "examples": dict(examples),
@@ -180,7 +187,7 @@ def campaign(args):
                "failures": failures}  # fmt: skip
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if args.record != "none":
-        record(Path(args.record), examples, failures, minutes, args)
+        print(f"\nrecord: {args.record}")
     return 1 if failures else 0
 
 
@@ -215,30 +222,43 @@ def report(examples, per_test, slow, failures, rounds, minutes):
             print(f"    drawn: {f['call']}")
 
 
-def record(path, examples, failures, minutes, args):
-    """Adds this campaign to the cumulative record and recomputes its per-kernel totals."""
+def record(path, started, rounds, examples, failures, minutes, args):
+    """Writes this campaign's entry (so far) into the cumulative record, replacing the entry it
+    wrote after the previous round, and recomputes the per-kernel totals. The read-modify-write
+    holds an exclusive lock on a file beside the record, since campaigns run side by side may
+    share one record."""
     import hypothesis
 
-    data = json.loads(path.read_text()) if path.exists() else {"campaigns": []}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     failed = collections.Counter(k for f in failures for k in (f["kernels"] or ["?"]))
-    data["campaigns"].append({
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit, "hypothesis": hypothesis.__version__, "minutes": round(minutes, 1),
-        "examples_per_round": args.examples, "tests": args.tests,
+    entry = {
+        "date": started, "commit": commit, "hypothesis": hypothesis.__version__,
+        "minutes": round(minutes, 1), "rounds": rounds, "examples_per_round": args.examples,
+        "tests": args.tests,
         "kernels": {k: {"examples": examples[k], "failures": failed[k]} for k in sorted(examples)},
         "failures": [{k: f[k] for k in ("test", "reproduce", "call")}
                      for f in failures],
-    })  # fmt: skip
-    totals = collections.defaultdict(lambda: {"examples": 0, "failures": 0})
-    for c in data["campaigns"]:
-        for k, v in c["kernels"].items():
-            totals[k]["examples"] += v["examples"]
-            totals[k]["failures"] += v["failures"]
-    data["totals"] = dict(sorted(totals.items()))
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"\nrecord: {path} ({len(data['campaigns'])} campaigns)")
+    }  # fmt: skip
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(path.read_text()) if path.exists() else {"campaigns": []}
+        key = (started, commit, args.tests)
+        same = [i for i, c in enumerate(data["campaigns"])
+                if (c["date"], c["commit"], c["tests"]) == key]  # fmt: skip
+        if same:
+            data["campaigns"][same[-1]] = entry
+        else:
+            data["campaigns"].append(entry)
+        totals = collections.defaultdict(lambda: {"examples": 0, "failures": 0})
+        for c in data["campaigns"]:
+            for k, v in c["kernels"].items():
+                totals[k]["examples"] += v["examples"]
+                totals[k]["failures"] += v["failures"]
+        data["totals"] = dict(sorted(totals.items()))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)  # a campaign killed mid-write leaves the old record whole
 
 
 if __name__ == "__main__":

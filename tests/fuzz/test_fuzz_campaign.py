@@ -11,12 +11,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from fuzz_helpers import ROOT
 
-TOY = f"""
+TOY_PASS = f"""
 import sys
 sys.path[:0] = {[str(ROOT / "tests" / d) for d in ("fuzz", "gemm", "attn")]!r}
 from fuzz_helpers import fuzz, fuzz_mark
@@ -28,7 +29,10 @@ from hypothesis import given, strategies as st
 @given(st.integers(0, 2**62))
 def test_toy_pass(x):
     pass
-
+"""
+TOY = (
+    TOY_PASS
+    + """
 
 @fuzz_mark
 @fuzz(lambda x: ["toy fail"])
@@ -36,6 +40,7 @@ def test_toy_pass(x):
 def test_toy_fail(x):
     assert x < 3
 """
+)
 
 
 def campaign(tmp_path, *tests):
@@ -84,3 +89,28 @@ def test_campaign_counts_names_failures_and_replays_them(work_dir):
     assert record["totals"]["refusals"] == {"examples": 5, "failures": 0}
     assert record["totals"]["toy pass"]["examples"] == 10
     assert record["totals"]["toy fail"]["failures"] == 2
+
+
+def test_a_killed_campaign_keeps_the_rounds_it_finished(work_dir):
+    """The record is rewritten after every round: kill a campaign (SIGKILL, as a session that
+    stops does) once two rounds are recorded, and the record holds one entry for it whose
+    counts are its finished rounds'."""
+    (work_dir / "test_toy.py").write_text(TOY_PASS)
+    path = work_dir / "record.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "fuzz_campaign.py"), "--minutes", "5",
+           "--examples", "5", "--db", str(work_dir / "db"), "--workdir", str(work_dir / "work"),
+           "--record", str(path), "--tests", str(work_dir / "test_toy.py")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if path.exists() and json.loads(path.read_text())["campaigns"][0]["rounds"] >= 2:
+                break
+            assert proc.poll() is None, "the campaign ended before it was killed"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    (entry,) = json.loads(path.read_text())["campaigns"]
+    assert entry["rounds"] >= 2
+    assert entry["kernels"] == {"toy pass": {"examples": 5 * entry["rounds"], "failures": 0}}
