@@ -212,16 +212,19 @@ def _check_sampling(name):
         assert estimated["threadgroups"] == exact["threadgroups"]
         assert estimated["lanes"] == exact["lanes"]
         for key, value in exact.items():
-            # Measured on these shapes: work and device bytes within 3.2% (barriers of causal
-            # attention, whose count per threadgroup grows with its query block; uniform
-            # kernels are exact), DRAM bytes within 17% (a few waves carry the first reads of
-            # each K/V head or GEMM panel, and a stratum of waves is represented by one).
-            # Tolerances: twice the first, 1.5 times the second. The line hit and miss counts
-            # follow the work of the few waves measured (causal: off by up to 58%): not checked.
+            # Measured on these shapes: work and device bytes within 0.4% (threadgroup reads of
+            # causal attention, whose work per threadgroup grows with its query block, x; the
+            # others exact, decode's split with its short last partition too), DRAM bytes
+            # within 17% (a few waves carry the first reads of each K/V head or GEMM panel, and
+            # a stratum of waves is represented by one). Strata of linear ids, before the
+            # x-major order, were 3.0% off on causal and 8.2% on decode (it missed every short
+            # partition). Tolerances: 1% (over twice the first) and 1.5 times the second. The
+            # line hit and miss counts follow the work of the few waves measured (causal: off by
+            # up to 58%): not checked.
             if key in ("dram_read", "dram_written"):
                 assert estimated[key] == pytest.approx(value, rel=0.25, abs=256), key
             elif key not in _CACHE:
-                assert estimated[key] == pytest.approx(value, rel=0.065, abs=256), key
+                assert estimated[key] == pytest.approx(value, rel=0.01, abs=256), key
 
 
 @pytest.mark.parametrize("name", ["causal", "gemm"])

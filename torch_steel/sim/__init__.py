@@ -352,7 +352,7 @@ def run_op(
         return (outputs, per_dispatch) if counters else outputs
     sampling = traffic.Sampling(sample, cache)
     plans = [
-        traffic.runs(sampling, _threadgroups(d.grid), r)
+        traffic.runs(sampling, d.grid, r)
         for d, r in zip(p.dispatches, residents, strict=True)
     ]
     by_tg = _call(
@@ -483,7 +483,7 @@ def run_kernel(
             result = launch(True, [])[0]  # launched either way: the buffers are the output
             return result if counters else None
         tg, tw, wg, ww = traffic.runs(
-            traffic.Sampling(sample, cache), _threadgroups(grid3), resident
+            traffic.Sampling(sample, cache), grid3, resident
         )
         by_tg = launch(False, tg)
         by_wave = None if wg is None else launch(True, wg)

@@ -7,12 +7,15 @@ Traffic through the caches, Sampled runs; the model itself is mps_src/sim/cache.
 A sampled dispatch runs twice, on a few of its threadgroups each time:
 
 - Threadgroups, for every counter but the cache's: the first and the last threadgroup (linear
-  ids, dispatch order), and, of the ids between, split into T strata of consecutive ids, one
-  threadgroup per stratum, counted as many times as its stratum has threadgroups. The first
-  stratum's is its middle one; the others' follow the golden-ratio sequence from there, so that
-  the strata do not all take the same position of a pattern that repeats with their length (the
-  query blocks of each head of a causal attention, a GEMM's swizzled bands). Every counter is
-  that weighted sum, rounded (threadgroups and lanes exact).
+  ids, dispatch order), and, of the threadgroups between, in x-major order (every threadgroup of
+  grid x = 0, then of x = 1, ...), split into T strata of consecutive ones, one threadgroup per
+  stratum, counted as many times as its stratum has threadgroups. x-major, because steel's grids
+  put what sets a threadgroup's work in x (a causal attention's query or key block, a decode
+  split's partition, of which the last may be short) and heads and batch entries, alike in work,
+  in y and z: the strata then sample each x in proportion. The first stratum's pick is its
+  middle one; the others' follow the golden-ratio sequence from there, so that the strata do not
+  all take the same position of a pattern that repeats with their length (a GEMM's swizzled
+  bands). Every counter is that weighted sum, rounded (threadgroups and lanes exact).
 - Waves, with cache=, for DRAM: complete waves of resident_threadgroups, chosen as the
   threadgroups are (first, last, one of each of K strata), each after `warm` waves that run
   uncounted to fill the caches (which are emptied before a wave that does not follow the last
@@ -109,11 +112,18 @@ class Sampling:
         self.warm = _positive_int(sample.get("warm", 1), "sample warm", 0)
         self.cache = cache is not None
 
-    def threadgroup_plan(self, threadgroups: int) -> tuple[list[list[int]], list[float]]:
-        """Groups (one threadgroup each) and weights; ([], []): run whole."""
+    def threadgroup_plan(self, grid: Sequence[int]) -> tuple[list[list[int]], list[float]]:
+        """Groups (one threadgroup each, by ascending linear id) and weights; ([], []): run
+        whole. The strata are over the grid's threadgroups in x-major order (see above)."""
+        threadgroups = grid[0] * grid[1] * grid[2]
         if threadgroups <= self.threadgroups + 2:
             return [], []
-        picks = _strata(0, threadgroups - 1, self.threadgroups)
+        rest = threadgroups // grid[0]  # the threadgroups of one x
+
+        def linear(position: int) -> int:
+            return position // rest + grid[0] * (position % rest)
+
+        picks = sorted((linear(i), w) for i, w in _strata(0, threadgroups - 1, self.threadgroups))
         return [[i] for i, _ in picks], [w for _, w in picks]
 
     def wave_plan(self, threadgroups: int, resident: int) -> tuple[list[list[int]], list[float]]:
@@ -195,16 +205,18 @@ def combine(
 
 
 def runs(
-    sampling: Sampling, threadgroups: int, resident: int | None
+    sampling: Sampling, grid: Sequence[int], resident: int | None
 ) -> tuple[list[list[int]], list[float], list[list[int]] | None, list[float]]:
-    """The two runs of a sampled dispatch: threadgroup groups and weights (without the cache
-    model), wave groups and weights (with it; None without cache=). A group list [] runs the
-    dispatch whole; [[]] runs nothing (the cache run is exact)."""
+    """The two runs of a sampled dispatch of `grid` threadgroups (x, y, z): threadgroup groups
+    and weights (without the cache model), wave groups and weights (with it; None without
+    cache=). A group list [] runs the dispatch whole; [[]] runs nothing (the cache run is
+    exact)."""
     if not sampling.cache:
-        tg, tw = sampling.threadgroup_plan(threadgroups)
+        tg, tw = sampling.threadgroup_plan(grid)
         return tg, tw, None, []
+    threadgroups = grid[0] * grid[1] * grid[2]
     wg, ww = sampling.wave_plan(threadgroups, resident)
-    tg, tw = sampling.threadgroup_plan(threadgroups)
+    tg, tw = sampling.threadgroup_plan(grid)
     if not ww or sum(map(len, tg)) + sum(map(len, wg)) >= threadgroups:
         return [[]], [], [], []
     return tg, tw, wg, ww
