@@ -352,8 +352,7 @@ def run_op(
         return (outputs, per_dispatch) if counters else outputs
     sampling = traffic.Sampling(sample, cache)
     plans = [
-        traffic.runs(sampling, d.grid, r)
-        for d, r in zip(p.dispatches, residents, strict=True)
+        traffic.runs(sampling, d.grid, r) for d, r in zip(p.dispatches, residents, strict=True)
     ]
     by_tg = _call(
         lib, ext.run_plan, p.handle, raw_slots, use_checkers, [], [x[0] for x in plans], counters
@@ -482,9 +481,7 @@ def run_kernel(
         if sample is None:
             result = launch(True, [])[0]  # launched either way: the buffers are the output
             return result if counters else None
-        tg, tw, wg, ww = traffic.runs(
-            traffic.Sampling(sample, cache), grid3, resident
-        )
+        tg, tw, wg, ww = traffic.runs(traffic.Sampling(sample, cache), grid3, resident)
         by_tg = launch(False, tg)
         by_wave = None if wg is None else launch(True, wg)
         return traffic.combine(by_tg, tw, by_wave, ww, _threadgroups(grid3), resident)
