@@ -7,7 +7,9 @@ second run, and the record adds the two campaigns up."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,7 +102,10 @@ def test_a_killed_campaign_keeps_the_rounds_it_finished(work_dir):
     cmd = [sys.executable, str(ROOT / "bench" / "fuzz_campaign.py"), "--minutes", "5",
            "--examples", "5", "--db", str(work_dir / "db"), "--workdir", str(work_dir / "work"),
            "--record", str(path), "--tests", str(work_dir / "test_toy.py")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own process group, so that the kill takes its pytest round too (which would otherwise
+    # go on writing into the directory the fixture removes)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -109,7 +114,7 @@ def test_a_killed_campaign_keeps_the_rounds_it_finished(work_dir):
             assert proc.poll() is None, "the campaign ended before it was killed"
             time.sleep(0.2)
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     (entry,) = json.loads(path.read_text())["campaigns"]
     assert entry["rounds"] >= 2
