@@ -72,6 +72,7 @@ BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = 10, 11, 12, 13
 FC_ALIGN_E, FC_ALIGN_EV, FC_VARLEN, FC_SPLIT, FC_PAGED = 302, 303, 316, 322, 323
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
 FC_KV_ALIAS = 319  # v a prefix view of k: V tiles are the K tiles, v's buffer never read
+FC_DECODE_ROWS = 340  # a decode threadgroup's packed rows
 MLA_E, MLA_EV = 576, 512  # absorbed multi-head latent attention: 512 latent + 64 rotary columns
 STEEL_FC_GRAD_LSE = 320
 BQ = 32
@@ -696,7 +697,8 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
 
 def decode_model(plan, seqs, es, mask_es, sinks_es):
     """Per dispatch of a decode plan, ({binding: {"read", "written"}}, MMAs), from decode.h's loops
-    (decode_vector.h's move the same bytes but q and run no MMA). `seqs` lists (L, S) per batch
+    (decode_vector.h's move the same bytes but q and run no MMA; decode.h's simdgroups whose 8
+    rows are all empty run none either). `seqs` lists (L, S) per batch
     entry or sequence. Every threadgroup of the partial kernel reads its rows' q (each split again,
     and in the vector kernel each key set again: q is small), the K and V rows of the key tiles
     of its partition that some row may see (bounded at S and the head dims), the mask of its
@@ -716,7 +718,7 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         entry[kind] += n
 
     threads = d.threads[0]  # the vector kernel's 4, 8 or 16 simdgroups (decode_simdgroups)
-    tiles = 0
+    tiles = mma = 0
     for L, S in seqs:
         if varlen:
             add(BUF_CU_Q, "read", d.grid[0] * d.grid[1] * threads * 2 * 4)
@@ -726,9 +728,13 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
             continue
         shift = (S - L if d.constants[FC_VARLEN_BR] else 0) if varlen else p["shift"]
         for i0 in range(0, L, p["row_block"]):
-            tiles += decode_block(d, p, add, i0, min(i0 + p["row_block"], L) - 1, S, shift, bk,
-                                  vec, es, mask_es, sinks_es)  # fmt: skip
-    mma = tiles * (THREADS // 32) * (bk // 8) * (de // 8 + dv // 8)
+            last = min(i0 + p["row_block"], L) - 1
+            t = decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es)
+            tiles += t
+            # the MMA kernel's simdgroups (8 rows each) that hold a real row of the block
+            real = min(d.constants[FC_DECODE_ROWS],
+                       (p["heads_per_tg"] - 1) * p["row_block"] + last - i0 + 1)  # fmt: skip
+            mma += t * min(THREADS // 32, -(-real // 8)) * (bk // 8) * (de // 8 + dv // 8)
     if d.kernel.startswith("steel_attention_decode_vector_"):
         mma = 0
         # Its simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets):

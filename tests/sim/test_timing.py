@@ -185,6 +185,31 @@ def test_occupancy_limited_by_threadgroup_memory():
     assert r["occupancy"]["threadgroups_per_core"] == 212992 // (160 * 4 * 128)
 
 
+def test_efficiency_counts_only_the_simdgroups_that_issue_alu_work():
+    """The MMA decode kernel's simdgroups of empty rows (8 rows each, past the pipeline's packed
+    rows, STEEL_ATTN_FC_DECODE_ROWS = 340) load tiles and wait: the ALU efficiency is that of
+    the simdgroups holding rows. 4 heads x 4 tokens: 2 of the 4 simdgroups."""
+    kernel = "steel_attention_decode_f16_e128_v128"
+    assert "active_simdgroups" not in timing.steel_kernel_info(kernel)
+    rows = {n: timing.steel_kernel_info(kernel, {340: n}).get("active_simdgroups")
+            for n in (1, 8, 9, 16, 32)}  # fmt: skip
+    assert rows == {1: 1, 8: 1, 9: 2, 16: 2, 32: 4}
+    chip = timing.chip("M1")
+    cores, clock = chip["gpu_cores"], chip["clock_ghz"] * 1e9
+    # 128 threads, 20 KiB of threadgroup memory: 3 threadgroups a core (as above), 12 resident
+    # simdgroups of which 6 issue the work when 2 of 4 a threadgroup do.
+    info = {"registers": 16, "register_basis": "test", "mma_dtype": "float",
+            "active_simdgroups": 2}  # fmt: skip
+    threadgroups, n = 3 * cores, 3_000_000
+    c = _counters(threadgroups, instructions={"fp32": n}, threadgroup_memory_bytes=20480)
+    r = timing.predict_dispatch(c, {"grid": (threadgroups,), "threads": (128,)}, chip, info)
+    occ = r["occupancy"]
+    assert occ["simdgroups_per_core"] == 12 and occ["active_simdgroups_per_core"] == 6
+    efficiency = 0.364 + (0.625 - 0.364) * (6 - 4) / (8 - 4)  # metal-benchmarks' points
+    assert occ["alu_efficiency"] == pytest.approx(efficiency, abs=1e-3)
+    assert r["compute_s"] == pytest.approx(n / 4 / (cores * clock) / occ["alu_efficiency"])
+
+
 def test_steel_register_estimates_count_live_fragments():
     # Prefill f16 d64: Q in 8 half operand fragments (one register a lane each), O 8 + score
     # tile 4 (BK 32) + 1 operand fp32 fragments (two each).

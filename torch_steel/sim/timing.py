@@ -71,9 +71,12 @@ _BASE_REGISTERS = 24
 # threadgroups as the K/V tiles do; steel_attn_decode_vector_row_sets), and a row's q or o
 # elements per lane (steel_attn_decode_vector_elems).
 _DECODE_VECTOR_ROWS = 8
-# STEEL_ATTN_FC_DECODE_ROWS: the packed rows the vector decode pipeline runs (its rows past them
-# are dead code the pipeline's constants fold away, so they hold no registers).
+# STEEL_ATTN_FC_DECODE_ROWS: the packed rows a decode pipeline runs (the vector kernel's rows past
+# them are dead code the pipeline's constants fold away, so they hold no registers; the MMA
+# kernel's simdgroups past them run no MMA, 8 rows a simdgroup of STEEL_ATTN_SIMDGROUPS).
 _FC_DECODE_ROWS = 340
+# STEEL_ATTN_SIMDGROUPS: the simdgroups of an MMA attention threadgroup, 8 query rows each.
+_ATTN_SIMDGROUPS = 4
 
 
 def _decode_vector_elems(d: int) -> int:
@@ -286,6 +289,9 @@ def steel_kernel_info(kernel: str, constants: Mapping[int, Any] | None = None) -
                 "mma_dtype": "float"}  # fmt: skip
         if kind == "decode":  # the decode kernels' K/V tiles (decode.h uses AttnForward's)
             info["threadgroup_memory"] = _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])
+            packed = (constants or {}).get(_FC_DECODE_ROWS)
+            if packed:  # simdgroups of all-empty rows load tiles and wait: no ALU work
+                info["active_simdgroups"] = min(_ATTN_SIMDGROUPS, -(-int(packed) // 8))
         return info
     m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)
     if m:
@@ -406,8 +412,9 @@ def predict_dispatch(
     chip: a name of chips() or a chip() record.
     kernel_info: {"registers": 32-bit registers per thread, "register_basis": str, "mma_dtype":
         "half" / "bfloat" / "float" (the MMA operands when mma_by_dtype is absent),
-        "threadgroup_memory": bytes a threadgroup declares}; default: the estimate for
-        steel's kernels (steel_kernel_info).
+        "threadgroup_memory": bytes a threadgroup declares, "active_simdgroups": the simdgroups
+        of a threadgroup that issue its ALU work, where fewer than all (the ALU efficiency
+        counts them)}; default: the estimate for steel's kernels (steel_kernel_info).
 
     Returns {"time_s", "bound", "compute_s", "threadgroup_memory_s", "cache_s", "dram_s",
     "overhead_s", "occupancy": {...}, "pipes": core-cycles per pipe, "dram_bytes",
@@ -451,9 +458,13 @@ def predict_dispatch(
     waves = full_waves + (1 if rest else 0)
     per_core_last = math.ceil(rest / cores) if rest else 0
     points = c["alu_occupancy_efficiency"]
+    # The simdgroups a threadgroup keeps issuing ALU work (kernel_info's active_simdgroups: the
+    # MMA decode kernel's simdgroups of empty rows only load tiles and wait at barriers); the
+    # others hide no latency, so the efficiency counts these.
+    active = min(tg_simdgroups, int(info.get("active_simdgroups") or tg_simdgroups))
 
     def eff(k: int) -> float:
-        return _efficiency(points, k * tg_simdgroups)
+        return _efficiency(points, k * active)
 
     # Pipes, in core-cycles summed over the whole dispatch.
     instructions = counters.get("instructions")
@@ -554,6 +565,7 @@ def predict_dispatch(
             "limiter": limiter,
             "threadgroups_per_core": resident,
             "simdgroups_per_core": resident * tg_simdgroups,
+            "active_simdgroups_per_core": resident * active,
             "alu_efficiency": eff(resident),
             "last_wave_threadgroups_per_core": per_core_last or resident,
             "slots": slots,

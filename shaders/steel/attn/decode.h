@@ -34,6 +34,11 @@
 using namespace metal;
 
 constant bool attn_split [[function_constant(STEEL_ATTN_FC_SPLIT)]];
+// The packed rows of a threadgroup of the dispatch (heads_per_tg x row_block; at most
+// STEEL_ATTN_BQ, and STEEL_ATTN_DECODE_VECTOR_ROWS for the vector kernel): which simdgroups hold
+// real rows is known when the pipeline is made, so the MMA kernel's empty simdgroups and the
+// vector kernel's empty row slots compile away, and a dense call tests no row in its key loops.
+constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
 constant bool attn_paged [[function_constant(STEEL_ATTN_FC_PAGED)]];
 
 namespace steel {
@@ -212,6 +217,13 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   const int i = min(i0 + r - g * dp.row_block, last_row);
   const bool row_ok = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
   const int h = b.h0 + min(g, dp.heads_per_tg - 1);
+  // A simdgroup whose 8 rows are all past the packed ones (4 heads x 4 tokens fill 16 of the
+  // 32) loads its share of the tiles and meets every barrier, but runs no MMA: half the matrix
+  // work at 16 rows, three quarters at 4. The pipeline's packed rows decide it, save where a
+  // block holds fewer query rows than row_block (a varlen sequence shorter than the longest, the
+  // short last block of a long one): its last head's rows end early. Uniform over the simdgroup.
+  const int real_rows = (dp.heads_per_tg - 1) * dp.row_block + last_row - i0 + 1;
+  const bool live = simdgroup * 8 < attn_decode_rows && simdgroup * 8 < real_rows;
 
   FragTile<1, A::TD> qf;
   attn_load_row_frags<T, A::TD>(qf, q + xq.q_off + h * p.q_hs + i * p.q_rs, row_ok, p.E,
@@ -255,13 +267,15 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     FragTile<1, A::TK> s;
-    s.clear();
-    attn_mma_bt<T, A::kLdK>(s, qf, Ks, lane);
-    attn_transform_scores<T, A::TK>(s, p, ext, i, key0, row_ok, mask, mask_row, edge, lane);
-    const float factor = sm.update<A::TK>(s);
-    for (short n = 0; n < A::TV; ++n) {
-      o.frag[n].thread_elements()[0] *= factor;
-      o.frag[n].thread_elements()[1] *= factor;
+    if (live) {
+      s.clear();
+      attn_mma_bt<T, A::kLdK>(s, qf, Ks, lane);
+      attn_transform_scores<T, A::TK>(s, p, ext, i, key0, row_ok, mask, mask_row, edge, lane);
+      const float factor = sm.update<A::TK>(s);
+      for (short n = 0; n < A::TV; ++n) {
+        o.frag[n].thread_elements()[0] *= factor;
+        o.frag[n].thread_elements()[1] *= factor;
+      }
     }
 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
@@ -269,7 +283,7 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
       b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    A::mma_pv(o, s, Ks, Vs, lane);  // V from the K tile when v is a prefix view of k
+    if (live) A::mma_pv(o, s, Ks, Vs, lane);  // V from the K tile when v is a prefix view of k
   }
 
   if (!row_ok) return;  // no barrier follows
