@@ -72,7 +72,6 @@ BUF_TABLE, BUF_SEQUSED, BUF_PART_O, BUF_PART_ML = 10, 11, 12, 13
 FC_ALIGN_E, FC_ALIGN_EV, FC_VARLEN, FC_SPLIT, FC_PAGED = 302, 303, 316, 322, 323
 FC_ALIGN_S, FC_MASK, FC_HAS_HI, FC_HAS_LO, FC_SINKS, FC_VARLEN_BR = 301, 310, 311, 312, 313, 317
 FC_KV_ALIAS = 319  # v a prefix view of k: V tiles are the K tiles, v's buffer never read
-FC_DECODE_ROWS = 340  # a decode threadgroup's packed rows
 MLA_E, MLA_EV = 576, 512  # absorbed multi-head latent attention: 512 latent + 64 rotary columns
 STEEL_FC_GRAD_LSE = 320
 BQ = 32
@@ -732,8 +731,7 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
             t = decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es)
             tiles += t
             # the MMA kernel's simdgroups (8 rows each) that hold a real row of the block
-            real = min(d.constants[FC_DECODE_ROWS],
-                       (p["heads_per_tg"] - 1) * p["row_block"] + last - i0 + 1)  # fmt: skip
+            real = (p["heads_per_tg"] - 1) * p["row_block"] + last - i0 + 1
             mma += t * min(THREADS // 32, -(-real // 8)) * (bk // 8) * (de // 8 + dv // 8)
     if d.kernel.startswith("steel_attention_decode_vector_"):
         mma = 0

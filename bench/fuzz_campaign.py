@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -136,7 +137,15 @@ def campaign(args):
     slow = collections.defaultdict(list)  # kernel -> [(seconds, test, call)]
     failures = []
     rounds = 0
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    # This campaign's entry in the record: its own id (a commit landing mid-campaign, or a
+    # campaign started beside it in the same second, must not make a second entry), its commit
+    # that of its start.
+    entry = {
+        "id": uuid.uuid4().hex,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+    }  # fmt: skip
     print(f"fuzz campaign: {args.minutes:g} min, {args.examples} examples per test and round, "
           f"database {args.db}", flush=True)  # fmt: skip
     while time.monotonic() < deadline and (not args.rounds or rounds < args.rounds):
@@ -179,7 +188,7 @@ def campaign(args):
               f"{state}", flush=True)  # fmt: skip
         if args.record != "none":
             minutes = (time.monotonic() - start) / 60
-            record(Path(args.record), started, rounds, examples, failures, minutes, args)
+            record(Path(args.record), entry, rounds, examples, failures, minutes, args)
     minutes = (time.monotonic() - start) / 60
     report(examples, per_test, slow, failures, rounds, minutes)
     summary = {"rounds": rounds, "minutes": round(minutes, 2), "examples": dict(examples),
@@ -222,18 +231,16 @@ def report(examples, per_test, slow, failures, rounds, minutes):
             print(f"    drawn: {f['call']}")
 
 
-def record(path, started, rounds, examples, failures, minutes, args):
+def record(path, entry, rounds, examples, failures, minutes, args):
     """Writes this campaign's entry (so far) into the cumulative record, replacing the entry it
-    wrote after the previous round, and recomputes the per-kernel totals. The read-modify-write
-    holds an exclusive lock on a file beside the record, since campaigns run side by side may
-    share one record."""
+    wrote after the previous round (found by its id), and recomputes the per-kernel totals. The
+    read-modify-write holds an exclusive lock on a file beside the record, since campaigns run
+    side by side may share one record."""
     import hypothesis
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     failed = collections.Counter(k for f in failures for k in (f["kernels"] or ["?"]))
     entry = {
-        "date": started, "commit": commit, "hypothesis": hypothesis.__version__,
+        **entry, "hypothesis": hypothesis.__version__,
         "minutes": round(minutes, 1), "rounds": rounds, "examples_per_round": args.examples,
         "tests": args.tests,
         "kernels": {k: {"examples": examples[k], "failures": failed[k]} for k in sorted(examples)},
@@ -243,9 +250,7 @@ def record(path, started, rounds, examples, failures, minutes, args):
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(path.read_text()) if path.exists() else {"campaigns": []}
-        key = (started, commit, args.tests)
-        same = [i for i, c in enumerate(data["campaigns"])
-                if (c["date"], c["commit"], c["tests"]) == key]  # fmt: skip
+        same = [i for i, c in enumerate(data["campaigns"]) if c.get("id") == entry["id"]]
         if same:
             data["campaigns"][same[-1]] = entry
         else:

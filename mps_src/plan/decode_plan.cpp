@@ -386,8 +386,10 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
              dtype_tag(c.dtype) + "_e" + std::to_string(c.kernel.de) + "_v" +
              std::to_string(c.kernel.dv);
   k.constants = constants;
-  k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
-  if (vector) k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_SIMDGROUPS, layout.simdgroups));
+  if (vector) {
+    k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
+    k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_SIMDGROUPS, layout.simdgroups));
+  }
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {
       k.bindings.push_back(params);

@@ -403,7 +403,7 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 // decode.h; they share alignment, mask, diagonals, sinks, softcap, batch and varlen).
 #define STEEL_ATTN_FC_SPLIT 322  // bool: the keys are split; partials go to the merge kernel
 #define STEEL_ATTN_FC_PAGED 323  // bool: K and V are page pools read through a block table
-#define STEEL_ATTN_FC_DECODE_ROWS 340  // int: a decode threadgroup's packed rows, heads x L
+#define STEEL_ATTN_FC_DECODE_ROWS 340  // int: the vector decode kernel's packed rows, heads x L
 // int: the vector decode kernel's simdgroups a threadgroup, STEEL_ATTN_SIMDGROUPS (4) or a
 // wider one-pass block of 8 or 16 (more key sets over the same tiles; attn::decode_simdgroups)
 #define STEEL_ATTN_FC_DECODE_SIMDGROUPS 341

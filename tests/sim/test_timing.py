@@ -186,14 +186,21 @@ def test_occupancy_limited_by_threadgroup_memory():
 
 
 def test_efficiency_counts_only_the_simdgroups_that_issue_alu_work():
-    """The MMA decode kernel's simdgroups of empty rows (8 rows each, past the pipeline's packed
-    rows, STEEL_ATTN_FC_DECODE_ROWS = 340) load tiles and wait: the ALU efficiency is that of
+    """The MMA decode kernel's simdgroups of empty rows (8 rows each, past the packed rows
+    heads_per_tg x row_block of its params) load tiles and wait: the ALU efficiency is that of
     the simdgroups holding rows. 4 heads x 4 tokens: 2 of the 4 simdgroups."""
     kernel = "steel_attention_decode_f16_e128_v128"
     assert "active_simdgroups" not in timing.steel_kernel_info(kernel)
-    rows = {n: timing.steel_kernel_info(kernel, {340: n}).get("active_simdgroups")
-            for n in (1, 8, 9, 16, 32)}  # fmt: skip
-    assert rows == {1: 1, 8: 1, 9: 2, 16: 2, 32: 4}
+    active = {}
+    for hq, L in ((4, 4), (3, 3), (4, 8), (8, 3), (9, 1)):
+        q = torch.randn(1, hq, L, 128, dtype=torch.float16)
+        k, v = (torch.randn(1, 1, 300, 128, dtype=torch.float16) for _ in range(2))
+        (d,) = [x for x in sim.plan("sdpa", [q, k, v, None, None], {"scale": 0.1}).dispatches
+                if x.kernel == kernel]  # fmt: skip
+        info = timing.steel_kernel_info(d.kernel, d.constants, timing._params(d))
+        active[hq, L] = info["active_simdgroups"]
+    # hq x L packed rows (the vector kernel takes 8 or fewer)
+    assert active == {(4, 4): 2, (3, 3): 2, (4, 8): 4, (8, 3): 3, (9, 1): 2}, active
     chip = timing.chip("M1")
     cores, clock = chip["gpu_cores"], chip["clock_ghz"] * 1e9
     # 128 threads, 20 KiB of threadgroup memory: 3 threadgroups a core (as above), 12 resident

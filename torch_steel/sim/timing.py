@@ -71,12 +71,16 @@ _BASE_REGISTERS = 24
 # threadgroups as the K/V tiles do; steel_attn_decode_vector_row_sets), and a row's q or o
 # elements per lane (steel_attn_decode_vector_elems).
 _DECODE_VECTOR_ROWS = 8
-# STEEL_ATTN_FC_DECODE_ROWS: the packed rows a decode pipeline runs (the vector kernel's rows past
-# them are dead code the pipeline's constants fold away, so they hold no registers; the MMA
-# kernel's simdgroups past them run no MMA, 8 rows a simdgroup of STEEL_ATTN_SIMDGROUPS).
+# STEEL_ATTN_FC_DECODE_ROWS: the packed rows the vector decode pipeline runs (its rows past them
+# are dead code the pipeline's constants fold away, so they hold no registers).
 _FC_DECODE_ROWS = 340
 # STEEL_ATTN_SIMDGROUPS: the simdgroups of an MMA attention threadgroup, 8 query rows each.
 _ATTN_SIMDGROUPS = 4
+# STEEL_ATTN_BUF_PARAMS, and the byte offsets of AttnDecodeParams' heads_per_tg and row_block
+# (params.h: the int32 fields from `splits`, whose offset 312 it asserts): the MMA decode
+# kernel's packed rows, heads_per_tg x row_block, are in its params, not its constants.
+_BUF_PARAMS = 7
+_DECODE_HEADS_PER_TG, _DECODE_ROW_BLOCK = 312 + 2 * 4, 312 + 8 * 4
 
 
 def _decode_vector_elems(d: int) -> int:
@@ -229,9 +233,12 @@ def attn_tensor_bwd_registers(kind: str, d: int, rows: int) -> tuple[int, str]:
     return regs + _BASE_REGISTERS, basis
 
 
-def steel_kernel_info(kernel: str, constants: Mapping[int, Any] | None = None) -> dict[str, Any]:
+def steel_kernel_info(
+    kernel: str, constants: Mapping[int, Any] | None = None, params: bytes | None = None
+) -> dict[str, Any]:
     """The register estimate of one of steel's kernels, from its host name (and, for the vector
-    decode kernel, the dispatch's function constants: its live rows).
+    decode kernel, the dispatch's function constants: its live rows; for the MMA decode kernel,
+    its params struct's bytes: the simdgroups that hold rows, `active_simdgroups`).
 
     Apple's compiler cannot be asked here, so the estimate counts the 8x8 fp32 fragments
     (simdgroup_matrix<float, 8, 8>: 2 registers per lane) that the kernel keeps live across its
@@ -289,9 +296,12 @@ def steel_kernel_info(kernel: str, constants: Mapping[int, Any] | None = None) -
                 "mma_dtype": "float"}  # fmt: skip
         if kind == "decode":  # the decode kernels' K/V tiles (decode.h uses AttnForward's)
             info["threadgroup_memory"] = _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])
-            packed = (constants or {}).get(_FC_DECODE_ROWS)
-            if packed:  # simdgroups of all-empty rows load tiles and wait: no ALU work
-                info["active_simdgroups"] = min(_ATTN_SIMDGROUPS, -(-int(packed) // 8))
+            if params is not None and len(params) >= _DECODE_ROW_BLOCK + 4:
+                # simdgroups of all-empty rows load tiles and wait (decode.h `live`): no ALU work
+                heads = int.from_bytes(params[_DECODE_HEADS_PER_TG:][:4], "little", signed=True)
+                block = int.from_bytes(params[_DECODE_ROW_BLOCK:][:4], "little", signed=True)
+                packed = max(1, heads * block)
+                info["active_simdgroups"] = min(_ATTN_SIMDGROUPS, -(-packed // 8))
         return info
     m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)
     if m:
@@ -348,7 +358,9 @@ def resident_threadgroups(geometry: Any, chip: str | Mapping, kernel_info=None) 
         geometry.get("kernel", "") if isinstance(geometry, Mapping) else ""
     )
     info = (
-        kernel_info if kernel_info is not None else steel_kernel_info(kernel, _constants(geometry))
+        kernel_info
+        if kernel_info is not None
+        else steel_kernel_info(kernel, _constants(geometry), _params(geometry))
     )
     tgmem = max(tgmem, int(info.get("threadgroup_memory", 0) or 0))
     simdgroups = max(1, math.ceil(math.prod(threads) / _LANES))
@@ -377,6 +389,16 @@ def _constants(geometry: Any) -> dict[int, Any] | None:
     if isinstance(geometry, Mapping):
         return geometry.get("constants")
     return getattr(geometry, "constants", None)
+
+
+def _params(geometry: Any) -> bytes | None:
+    """The bytes of the dispatch's params binding (STEEL_ATTN_BUF_PARAMS, setBytes), where the
+    geometry carries its bindings."""
+    for b in _geometry(geometry)[3] or ():
+        get = b.get if isinstance(b, Mapping) else lambda k, b=b: getattr(b, k, None)
+        if get("index") == _BUF_PARAMS and get("kind") == "bytes":
+            return get("bytes")
+    return None
 
 
 def _device_bytes(counters: Mapping, bindings) -> tuple[int, int]:
@@ -424,7 +446,7 @@ def predict_dispatch(
     info = (
         dict(kernel_info)
         if kernel_info is not None
-        else steel_kernel_info(counters.get("kernel", ""), _constants(geometry))
+        else steel_kernel_info(counters.get("kernel", ""), _constants(geometry), _params(geometry))
     )
     grid, threads, dispatch_tgmem, bindings = _geometry(geometry)
     notes: list[str] = []

@@ -16,8 +16,8 @@ A sampled dispatch runs twice, on a few of its threadgroups each time:
   middle one; the others' follow the golden-ratio sequence from there, so that the strata do not
   all take the same position of a pattern that repeats with their length (a GEMM's swizzled
   bands). Every counter is that weighted sum, rounded (threadgroups and lanes exact).
-- Waves, with cache=, for DRAM: complete waves of resident_threadgroups, chosen as the
-  threadgroups are (first, last, one of each of K strata), each after `warm` waves that run
+- Waves, with cache=, for DRAM: complete waves of resident_threadgroups, in dispatch order
+  (first, last, one of each of K strata of consecutive waves), each after `warm` waves that run
   uncounted to fill the caches (which are emptied before a wave that does not follow the last
   one run). The cache's counters (DRAM bytes, line hits and misses) are the measured waves'
   weighted sum. (Scaling the threadgroup estimate of device bytes by the waves' DRAM to device

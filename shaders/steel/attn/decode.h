@@ -34,11 +34,6 @@
 using namespace metal;
 
 constant bool attn_split [[function_constant(STEEL_ATTN_FC_SPLIT)]];
-// The packed rows of a threadgroup of the dispatch (heads_per_tg x row_block; at most
-// STEEL_ATTN_BQ, and STEEL_ATTN_DECODE_VECTOR_ROWS for the vector kernel): which simdgroups hold
-// real rows is known when the pipeline is made, so the MMA kernel's empty simdgroups and the
-// vector kernel's empty row slots compile away, and a dense call tests no row in its key loops.
-constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
 constant bool attn_paged [[function_constant(STEEL_ATTN_FC_PAGED)]];
 
 namespace steel {
@@ -218,12 +213,14 @@ inline void attention_decode_block(const device T* q, const device T* k, const d
   const bool row_ok = g < dp.heads_per_tg && i0 + r - g * dp.row_block <= last_row;
   const int h = b.h0 + min(g, dp.heads_per_tg - 1);
   // A simdgroup whose 8 rows are all past the packed ones (4 heads x 4 tokens fill 16 of the
-  // 32) loads its share of the tiles and meets every barrier, but runs no MMA: half the matrix
-  // work at 16 rows, three quarters at 4. The pipeline's packed rows decide it, save where a
-  // block holds fewer query rows than row_block (a varlen sequence shorter than the longest, the
-  // short last block of a long one): its last head's rows end early. Uniform over the simdgroup.
+  // 32) loads its share of the tiles and meets every barrier, but runs no MMA: it saves half the
+  // matrix work at 16 rows, three quarters at 8 or fewer. The packed rows end at the last head's
+  // last row, which a block of fewer query rows than row_block (a varlen sequence shorter than
+  // the longest, the short last block of a long query) moves forward. Runtime, not a function
+  // constant: varlen's rows change from call to call, and each value would be another pipeline.
+  // Uniform over the simdgroup.
   const int real_rows = (dp.heads_per_tg - 1) * dp.row_block + last_row - i0 + 1;
-  const bool live = simdgroup * 8 < attn_decode_rows && simdgroup * 8 < real_rows;
+  const bool live = simdgroup * 8 < real_rows;
 
   FragTile<1, A::TD> qf;
   attn_load_row_frags<T, A::TD>(qf, q + xq.q_off + h * p.q_hs + i * p.q_rs, row_ok, p.E,

@@ -32,6 +32,10 @@
 
 using namespace metal;
 
+// The packed rows of every threadgroup of the dispatch (heads_per_tg x row_block <=
+// STEEL_ATTN_DECODE_VECTOR_ROWS): the rows a simdgroup runs are known when the pipeline is made,
+// so a dense call tests no row in its key loops.
+constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
 // The threadgroup's simdgroups (a multiple of the row sets, at most
 // STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; the plan sets it, and the dispatch's threads match).
 constant int attn_decode_simdgroups [[function_constant(STEEL_ATTN_FC_DECODE_SIMDGROUPS)]];
