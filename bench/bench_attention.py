@@ -644,9 +644,7 @@ def decode_params(dispatch):
     """AttnDecodeParams (params.h): the forward's fields, then the split and the cache."""
     out = params(dispatch)
     raw = next(b.bytes for b in dispatch.bindings if b.index == BUF_PARAMS)
-    names = ["splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages", "max_pages",
-             "table_stride", "row_block"]  # fmt: skip
-    out.update(zip(names, struct.unpack_from("9i", raw, 312), strict=True))
+    out.update(timing.decode_params_fields(raw))
     return out
 
 

@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,20 @@ _DECODE_VECTOR_ROWS = 8
 _FC_DECODE_ROWS = 340
 # STEEL_ATTN_SIMDGROUPS: the simdgroups of an MMA attention threadgroup, 8 query rows each.
 _ATTN_SIMDGROUPS = 4
-# STEEL_ATTN_BUF_PARAMS, and the byte offsets of AttnDecodeParams' heads_per_tg and row_block
-# (params.h: the int32 fields from `splits`, whose offset 312 it asserts): the MMA decode
-# kernel's packed rows, heads_per_tg x row_block, are in its params, not its constants.
+# STEEL_ATTN_BUF_PARAMS: the params binding (setBytes) of the attention kernels.
 _BUF_PARAMS = 7
-_DECODE_HEADS_PER_TG, _DECODE_ROW_BLOCK = 312 + 2 * 4, 312 + 8 * 4
+# AttnDecodeParams' int32 fields after the forward's AttnParams (params.h, which asserts that
+# `splits` is at byte 312): the MMA decode kernel's packed rows, heads_per_tg x row_block, are
+# in its params, not its constants.
+DECODE_PARAMS_FIELDS = ("splits", "split_keys", "heads_per_tg", "rows", "page_size", "pages",
+                        "max_pages", "table_stride", "row_block")  # fmt: skip
+_DECODE_PARAMS_OFFSET = 312
+
+
+def decode_params_fields(raw: bytes) -> dict[str, int]:
+    """The AttnDecodeParams fields of DECODE_PARAMS_FIELDS from a decode dispatch's params."""
+    values = struct.unpack_from(f"<{len(DECODE_PARAMS_FIELDS)}i", raw, _DECODE_PARAMS_OFFSET)
+    return dict(zip(DECODE_PARAMS_FIELDS, values, strict=True))
 
 
 def _decode_vector_elems(d: int) -> int:
@@ -296,11 +306,10 @@ def steel_kernel_info(
                 "mma_dtype": "float"}  # fmt: skip
         if kind == "decode":  # the decode kernels' K/V tiles (decode.h uses AttnForward's)
             info["threadgroup_memory"] = _attn_threadgroup_bytes(de, dv, _ELEM_BYTES[dt])
-            if params is not None and len(params) >= _DECODE_ROW_BLOCK + 4:
+            if params is not None:
                 # simdgroups of all-empty rows load tiles and wait (decode.h `live`): no ALU work
-                heads = int.from_bytes(params[_DECODE_HEADS_PER_TG:][:4], "little", signed=True)
-                block = int.from_bytes(params[_DECODE_ROW_BLOCK:][:4], "little", signed=True)
-                packed = max(1, heads * block)
+                f = decode_params_fields(params)
+                packed = max(1, f["heads_per_tg"] * f["row_block"])
                 info["active_simdgroups"] = min(_ATTN_SIMDGROUPS, -(-packed // 8))
         return info
     m = re.match(r"steel_gemm_\w+?_(f16|bf16|f32)_bm(\d+)_bn(\d+)_bk(\d+)_wm(\d+)_wn(\d+)$", kernel)
