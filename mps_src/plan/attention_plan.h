@@ -248,7 +248,7 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
 // or made anew per token: row-major). The plan of such a call depends on the key length S
 // only through what decode_length_class puts in `cls` (the partition count and keys per
 // partition, the vector kernel's width and heads a threadgroup, whether S is a multiple of the
-// key tile, which window diagonals bound the rows, whether key and value are row-major, what
+// key tile, which window diagonals bound the rows, whether key and value are each row-major, what
 // the mask is) and through fields of its
 // AttnDecodeParams (S, the shift, and for row-major key, value and mask their strides above
 // the key dim, which merge the same way for every S): two calls that differ only in S and

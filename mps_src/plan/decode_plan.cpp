@@ -480,13 +480,15 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   dec.count = count;
   const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, L + keys);
-  const bool grown = row_major(k) && row_major(v);
   // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a
   // last dim of 1 (at S = 1 too) broadcasts, with a key stride of 0 at every S.
   const int64_t mask_class = !mask ? 0 : mask->sizes.back() == 1 ? 1 : row_major(*mask) ? 2 : 3;
-  const int64_t fields[] = {split.splits,   split.split_keys, split.simdgroups,
+  // Key and value each grown by torch.cat or each a view: one of each is a decode stream too
+  // (a cat-grown key beside a value cache view), and each one's strides rescale on their own.
+  const int64_t fields[] = {split.splits,      split.split_keys,        split.simdgroups,
                             split.heads_per_tg, keys % key_tile(c) == 0, diag.has_hi,
-                            diag.has_lo,    grown,            mask_class};
+                            diag.has_lo,        row_major(k),            row_major(v),
+                            mask_class};
   // Row-major key and value strides above the key dim hold S, but their alignment (what the
   // planner reads of them: vectorized loads) is their row stride's, which does not.
   cls->append(reinterpret_cast<const char*>(fields), sizeof fields);
@@ -506,7 +508,9 @@ steel_i64 rescaled(steel_i64 stride, int64_t from, int64_t to) { return stride /
 void set_decode_length(Plan* plan, const TensorList& tensors, const Options& options) {
   const TensorDesc& k = *tensors[1];
   const int64_t S = k.sizes[k.dim() - 2];
-  const bool grown = row_major(k) && row_major(*tensors[2]);  // by torch.cat: see the header
+  // Grown by torch.cat (see the header), each on its own: decode_length_class keys them apart.
+  const bool k_grown = row_major(k);
+  const bool v_grown = row_major(*tensors[2]);
   const std::optional<TensorDesc>& mask = tensors[3];
   const bool mask_grown = mask && mask->sizes.back() != 1 && row_major(*mask);
   const bool bottom_right = options.number("bottom_right", 0.0) != 0.0;
@@ -518,17 +522,20 @@ void set_decode_length(Plan* plan, const TensorList& tensors, const Options& opt
       }
       AttnDecodeParams dp;
       std::memcpy(&dp, b.bytes.data(), sizeof dp);
-      if (grown) {
-        const int64_t from = dp.fwd.S;
+      const int64_t from = dp.fwd.S;
+      if (k_grown) {
         for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
           dp.fwd.k_bs[i] = rescaled(dp.fwd.k_bs[i], from, S);
-          dp.fwd.v_bs[i] = rescaled(dp.fwd.v_bs[i], from, S);
         }
         dp.fwd.k_hs = rescaled(dp.fwd.k_hs, from, S);
+      }
+      if (v_grown) {
+        for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
+          dp.fwd.v_bs[i] = rescaled(dp.fwd.v_bs[i], from, S);
+        }
         dp.fwd.v_hs = rescaled(dp.fwd.v_hs, from, S);
       }
       if (mask_grown) {  // its strides above the key dim are multiples of S, or 0
-        const int64_t from = dp.fwd.S;
         for (int32_t i = 0; i < dp.fwd.batch_ndim; ++i) {
           dp.fwd.m_bs[i] = rescaled(dp.fwd.m_bs[i], from, S);
         }

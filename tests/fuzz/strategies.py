@@ -711,6 +711,36 @@ def sdpa_calls(draw, dtypes=DTYPES, max_L=300, max_S=300, max_head_dim=MAX_HEAD_
                     packed, kv_alias)  # fmt: skip
 
 
+def _one_more_key(layout, dim):
+    """`layout` for one more key along `dim`: a view of a cache (pad on the key dim) keeps its
+    strides, one key less of the cache unused; without pad the strides grow (torch.cat)."""
+    if layout.expand[dim] or layout.pad[dim] < layout.step[dim]:
+        return layout
+    pad = list(layout.pad)
+    pad[dim] -= layout.step[dim]
+    return replace(layout, pad=tuple(pad))
+
+
+def decode_stream(call, steps):
+    """`call` and the `steps` calls after it of a decode stream: one more key each, every key
+    and value a cache view whose strides stay where its layout has pad on the key dim to give
+    (else grown, as by torch.cat), the mask over the keys alike. So the plan cache rewrites one
+    cached plan for each length (decode_plan.cpp: set_decode_length); values and mask are
+    drawn afresh per call (the seed's values at the new shapes)."""
+    calls = [call]
+    for _ in range(steps):
+        c = calls[-1]
+        mask = c.mask
+        if mask is not None and mask.shape[-1] == c.S and c.S != 1:
+            m_dim = len(mask.shape) - 1
+            mask = replace(mask, shape=(*mask.shape[:-1], c.S + 1),
+                           layout=_one_more_key(mask.layout, m_dim))  # fmt: skip
+        s_dim = len(c.kv_batch) + 1
+        calls.append(replace(c, S=c.S + 1, k_layout=_one_more_key(c.k_layout, s_dim),
+                             v_layout=_one_more_key(c.v_layout, s_dim), mask=mask))  # fmt: skip
+    return calls
+
+
 SDPA_REFUSALS = ("float64", "mixed_k", "rank", "rank2", "head_dim", "e_mismatch", "heads",
                  "dropout", "mask_dtype", "mask_shape", "sinks_shape", "sinks_dtype",
                  "unmergeable_batch", "batch_mismatch", "max_threads")  # fmt: skip

@@ -13,6 +13,8 @@ reason.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from attn_helpers import OUT_ROUNDING, check, oracle, qkv
@@ -26,8 +28,9 @@ from fuzz_helpers import (
     row_score_error,
     strict_sim,
 )
-from hypothesis import given
-from strategies import sdpa_calls, sdpa_refusals
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from strategies import Layout, MaskSpec, SdpaCall, decode_stream, sdpa_calls, sdpa_refusals
 
 import torch_steel
 from torch_steel import sim
@@ -107,6 +110,59 @@ def test_fuzz_sdpa_decode(call):
     float64 math and leave their guard buffers untouched. test_fuzz_sdpa draws such calls in
     about 1 in 6."""
     check_sdpa(call)
+
+
+def check_decode_stream(call, steps):
+    """check_sdpa of each call of strategies.decode_stream(call, steps), in order: from the
+    second on, the plan cache hands out the first one's plan rewritten for the call's length
+    wherever their keys agree (the key and value's strides stay, or grow by torch.cat)."""
+    for c in decode_stream(call, steps):
+        check_sdpa(c)
+
+
+def stream_kernels(call, steps):
+    return sorted({k for c in decode_stream(call, steps) for k in campaign_kernels(c)})
+
+
+@fixed(12)
+@given(sdpa_calls(max_L=8, max_S=1100), st.integers(1, 3))
+def test_decode_streams_match_float64(call, steps):
+    """Fixed-seed subset: decode streams (one more key per call) agree with float64 math."""
+    assume(not call.packed)
+    check_decode_stream(call, steps)
+
+
+def test_a_decode_stream_of_a_grown_key_beside_a_value_view():
+    """Campaign 24's failure. The key grows by torch.cat (row-major: its strides hold S), the
+    value is a view of a cache (its strides stay). Both are keyed as a decode stream, but
+    set_decode_length rescaled the key's strides only where key and value were both row-major:
+    the S = 3 plan reused at S = 2 kept the key's head stride of 3 keys, and the vector decode
+    kernel read past the key's binding."""
+    sim.build.extension().plan_cache_reset(4096)  # the first call plans afresh
+    plain = Layout.contiguous(4)
+    call = SdpaCall(
+        dtype=torch.float32, batch=(3,), kv_batch=(3,), Hq=3, Hkv=3, L=5, S=2, E=255, Ev=40,
+        q_layout=replace(plain, offset=8), k_layout=replace(plain, offset=1),
+        v_layout=Layout(order=(0, 2, 1, 3), step=(1, 1, 1, 1), pad=(2, 2, 3, 0), offset=3,
+                        expand=(False,) * 4),
+        mask=MaskSpec(torch.bool, (3, 3, 1, 2), replace(plain, offset=3), "rows", 0.9, "min"),
+        is_causal=True, causal_align="top_left", window=None, sinks=None, softcap=50.0,
+        scale=-0.3, seed=84685,
+    )  # fmt: skip
+    before = sim.build.extension().plan_cache_stats()
+    check_decode_stream(call, 2)
+    after = sim.build.extension().plan_cache_stats()
+    assert after["hits"] - before["hits"] == 2  # the S = 3 and S = 4 calls reuse S = 2's plan
+
+
+@fuzz_mark
+@fuzz(lambda call, steps: stream_kernels(call, steps))
+@given(sdpa_calls(max_L=8, max_S=1100), st.integers(1, 3))
+def test_fuzz_sdpa_decode_stream(call, steps):
+    """-m fuzz: random decode streams agree with float64 math and leave their guard buffers
+    untouched."""
+    assume(not call.packed)
+    check_decode_stream(call, steps)
 
 
 @fuzz_mark

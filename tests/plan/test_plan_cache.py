@@ -166,16 +166,20 @@ MASKS = {  # kind -> the mask of decode(), for `keys` keys and `rows` query rows
 }
 
 
-def decode(keys, capacity=4096, rows=1, mask="none", dim=64, **options):
+def decode(keys, capacity=4096, rows=1, mask="none", dim=64, v_capacity="capacity", **options):
     """A decode step: `rows` query rows against the first `keys` keys of a KV cache of
     `capacity` keys (a view, whose strides stay; capacity None: a contiguous key and value, as
-    torch.cat grows them), with a mask of MASKS."""
+    torch.cat grows them), with a mask of MASKS. v_capacity: the value's, where it differs."""
+
+    def rows_of(capacity):
+        if capacity is None:
+            return desc(F16, [2, 4, keys, dim])
+        return desc(F16, [2, 4, keys, dim], [4 * capacity * dim, capacity * dim, dim, 1])
+
     q = desc(F16, [2, 8, rows, dim])
-    if capacity is None:
-        kv = desc(F16, [2, 4, keys, dim])
-    else:
-        kv = desc(F16, [2, 4, keys, dim], [4 * capacity * dim, capacity * dim, dim, 1])
-    return ("sdpa", [q, kv, kv, MASKS[mask](keys, rows), None], {**ATTN, **options}, {})
+    k = rows_of(capacity)
+    v = k if v_capacity == "capacity" else rows_of(v_capacity)
+    return ("sdpa", [q, k, v, MASKS[mask](keys, rows), None], {**ATTN, **options}, {})
 
 
 STREAMS = {  # name -> (options of decode(), whether its plans are shared across lengths)
@@ -186,6 +190,9 @@ STREAMS = {  # name -> (options of decode(), whether its plans are shared across
     "contiguous": ({"capacity": None}, True),  # grown by torch.cat: the strides hold S too
     # ... rows of 68 halves, not 16-byte aligned: unvectorized loads for every S
     "contiguous, head dim 68": ({"capacity": None, "dim": 68}, True),
+    # one grown by torch.cat, the other a cache view: each one's strides rescale on their own
+    "key grown, value a view": ({"capacity": None, "v_capacity": 4096}, True),
+    "key a view, value grown": ({"v_capacity": None}, True),
     # a mask's last dim holds S, its strides too when it is made anew per token
     "mask over rows and keys": ({"mask": "rows", "rows": 3}, True),
     "padding mask, a cache grown by torch.cat": ({"mask": "batch", "capacity": None}, True),
