@@ -61,6 +61,26 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
          group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
 }
 
+// Whether the vector kernel's key sets take whole tiles and read K and V rows straight from the
+// device (STEEL_ATTN_FC_DECODE_DIRECT, decode_vector.h) rather than 1 / key sets of every tile
+// staged in threadgroup memory. Staged, a tile's fixed work (the loaders' address arithmetic
+// and bound tests, the score transform and the online softmax's simd_max, exp2 and simd_sum,
+// two or three barriers) is paid by each simdgroup for its 32 / key sets keys: 2 keys at 16
+// simdgroups, where the simulator's counters put 42 integer, 16 compare/select and 13 branch
+// instructions a key beside its 8 FMAs (M4 Pro H8/2 S512 d128, docs/attention.md). Direct, it
+// is paid once for up to 32 keys, and each row is one coalesced read of the simdgroup (the same
+// device bytes: each K and V row is read by one simdgroup of the threadgroup). Taken wherever
+// the kernel can: dense and varlen K/V in the compute dtype (paged and quantized K/V keep the
+// tile loaders, which hold their addressing and dequantizing), one row set (two row sets would
+// read each row twice) and no K/V alias (V would be read again, not taken from K's tile).
+// Option "decode_direct" = 0 keeps the staged tiles (the tests run both).
+bool decode_direct(const Common& c, const Decode& dec, bool quantized, bool alias,
+                   const Options& options) {
+  return options.number("decode_direct", 1.0) != 0.0 && !dec.paged && !quantized && !alias &&
+         steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                           static_cast<int>(dtype_size(c.dtype))) == 1;
+}
+
 // 32-bit registers per thread of the decode kernel: a MODEL ASSUMPTION, the one figure here not
 // read off the kernel (Apple's compiler cannot be asked off a Mac). It is the timing model's
 // estimate (timing.steel_kernel_info). decode.h keeps 8x8 fp32 fragments live across its key
@@ -389,6 +409,12 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   if (vector) {
     k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
     k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_SIMDGROUPS, layout.simdgroups));
+    bool quantized = false;
+    for (const FunctionConstant& f : constants) {
+      if (f.index == STEEL_ATTN_FC_QUANT) quantized = f.int_value != 0;
+    }
+    k.constants.push_back(fc_bool(STEEL_ATTN_FC_DECODE_DIRECT,
+                                  decode_direct(c, dec, quantized, l.kv_alias, options)));
   }
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {

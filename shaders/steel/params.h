@@ -407,6 +407,10 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 // int: the vector decode kernel's simdgroups a threadgroup, STEEL_ATTN_SIMDGROUPS (4) or a
 // wider one-pass block of 8 or 16 (more key sets over the same tiles; attn::decode_simdgroups)
 #define STEEL_ATTN_FC_DECODE_SIMDGROUPS 341
+// bool: the vector decode kernel's key sets take whole key tiles, each reading its keys' rows
+// straight from the device (no staging, loader or barrier a tile); dense and varlen K/V in the
+// compute dtype only (attn::decode_direct)
+#define STEEL_ATTN_FC_DECODE_DIRECT 342
 
 // Buffer indices of the decode kernels beyond the forward's (q .. cu_seqlens_k as there; the
 // decode kernels take AttnDecodeParams at STEEL_ATTN_BUF_PARAMS).

@@ -11,6 +11,8 @@ inside them.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from attn_helpers import (
@@ -23,18 +25,21 @@ from attn_helpers import (
     score_error,
 )
 
+import torch_steel
 from torch_steel import ops, sim
 from torch_steel.sim import timing
 
 pytestmark = requires_simulator
 
 FC_DECODE_SIMDGROUPS = 341  # params.h STEEL_ATTN_FC_DECODE_SIMDGROUPS
+FC_DECODE_DIRECT = 342  # params.h STEEL_ATTN_FC_DECODE_DIRECT
 
 
-def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwargs):
+def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, direct=None, **kwargs):
     """(out, lse, kernel, splits) of sdpa on the simulator with the vector rule on or off;
     width: the vector kernel's simdgroups (decode_simdgroups: 4, 8 or 16; 0 the plan's); heads:
-    the query heads a threadgroup (decode_heads_per_tg; 0 the plan's)."""
+    the query heads a threadgroup (decode_heads_per_tg; 0 the plan's); direct: the decode_direct
+    option (None the plan's; 1 asserts the plan takes direct reads)."""
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, mask, 0.0, kwargs.pop("is_causal", False),
                                  kwargs.pop("scale", None), True, kwargs.pop("sinks", None),
                                  kwargs.pop("softcap", None), kwargs.pop("window", None),
@@ -46,6 +51,8 @@ def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwar
         options["decode_simdgroups"] = width
     if heads:
         options["decode_heads_per_tg"] = heads
+    if direct is not None:
+        options["decode_direct"] = direct
     tensors = [*inputs[:4], attn.sinks]
     p = sim.plan("sdpa", tensors, options)
     assert p.ok, p.reason
@@ -54,12 +61,15 @@ def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwar
     if width and vector:
         assert p.dispatches[0].threads == (32 * width, 1, 1)
         assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == width
+    if direct is not None and vector:
+        assert p.dispatches[0].constants[FC_DECODE_DIRECT] == bool(direct)
     out, lse = sim.run_op("sdpa", tensors, options, checkers=True)[:2]
     return out, lse, p.dispatches[0].kernel, p.dispatches[0].grid[0]
 
 
-def check(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, **kwargs):
-    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, width, heads, **dict(kwargs))
+def check(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, direct=None, **kwargs):
+    out, lse, kernel, splits = _run(q, k, v, mask, num_splits, vector, width, heads, direct,
+                                    **dict(kwargs))  # fmt: skip
     ref_out, ref_lse = oracle(q, k, v, mask, enable_gqa=True, **kwargs)
     v_max = float(v.double().abs().max()) if v.numel() else 0.0
     err = score_error(q, k, kwargs.get("scale"))
@@ -173,6 +183,82 @@ def test_strided_views_and_masks():
     check(q, k, v, torch.rand(1, 257, generator=gen) > 0.4, num_splits=1)
     check(q, k, v, torch.randn(2, 8, 1, 257, generator=gen), num_splits=3, window=(100, 0))
     check(q, k, v, torch.rand(1, 257, generator=gen) > 0.4, num_splits=1, width=8)
+
+
+# Direct reads (decode_plan.cpp decode_direct): the key sets take whole tiles, each key row read
+# from the device. Taken for one row set only: d128 in float16 and bfloat16, d96 and d128 in
+# float32 (params.h steel_attn_decode_vector_row_sets).
+
+
+@pytest.mark.parametrize("direct", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("S", [1, 31, 65, 95])  # S % 32 in {1, 31}, one key
+@pytest.mark.parametrize("width", [4, 16])
+def test_direct_reads_ragged_every_dtype(direct, dtype, S, width):
+    """Ragged key counts, more key sets than tiles (16 simdgroups over 1 to 3 tiles), split-K,
+    bottom-right causal, GQA 4 packed: both ways of reading the tiles."""
+    q, k, v = qkv(1, 4, 1, S, 128, Hkv=1, dtype=dtype)
+    check(q, k, v, num_splits=1, width=width, direct=direct)
+    if S > 32:
+        check(q, k, v, num_splits=2, direct=direct, is_causal=True, causal_align="bottom_right")
+
+
+@pytest.mark.parametrize("direct", [0, 1])
+@pytest.mark.parametrize("E,Ev", [(128, 128), (100, 120), (127, 128)])
+def test_direct_reads_views_masks_and_options(direct, E, Ev):
+    """Head dims below the instantiation's (bounds on every column, no vector loads), K and V
+    views of a longer [B, S, H, D] cache at odd storage offsets (rows not 16-byte aligned), a
+    bool and an additive mask, a window, sinks and softcap, two query rows of two heads."""
+    gen = torch.Generator().manual_seed(21)
+    q = rand(2, 4, 2, E, dtype=torch.float32, gen=gen)
+    k_cache = rand(2 * 300 * 2 * E + 3, dtype=torch.float32, gen=gen)
+    k = k_cache[3:].view(2, 300, 2, E)[:, :161].transpose(1, 2)
+    v = rand(2, 161, 2, Ev + 1, dtype=torch.float32, gen=gen)[..., 1:].transpose(1, 2)
+    sinks = rand(4, dtype=torch.float32, gen=gen)
+    bool_mask = torch.rand(2, 1, 1, 161, generator=gen) > 0.3
+    check(q, k, v, bool_mask, num_splits=1, direct=direct, sinks=sinks, softcap=5.0)
+    check(q, k, v, torch.randn(2, 4, 2, 161, generator=gen), num_splits=2, width=4,
+          direct=direct, window=(70, 0), is_causal=True, causal_align="bottom_right")  # fmt: skip
+    check(q, k, v, None, num_splits=1, width=16, direct=direct, window=(40, 3))
+
+
+@pytest.mark.parametrize("direct", [0, 1])
+def test_direct_reads_packed_varlen(direct):
+    """Packed sequences (cu_seqlens_k): each sequence's keys start at its own row of K and V."""
+    gen = torch.Generator().manual_seed(23)
+    lq, lk = [1, 2, 0, 1], [300, 17, 4, 33]
+    q = rand(sum(lq), 4, 128, dtype=torch.float16, gen=gen)
+    k = rand(sum(lk), 2, 128, dtype=torch.float16, gen=gen)
+    v = rand(sum(lk), 2, 128, dtype=torch.float16, gen=gen)
+    tensors = [q, k, v, _cu(lq), _cu(lk), None]
+    options = {"max_seqlen_q": 2, "max_seqlen_k": 300, "scale": 0.125, "is_causal": True,
+               "bottom_right": True, "decode_direct": direct}  # fmt: skip
+    p = sim.plan("sdpa_varlen", tensors, options)
+    assert p.dispatches[0].kernel == "steel_attention_decode_vector_f16_e128_v128"
+    assert p.dispatches[0].constants[FC_DECODE_DIRECT] == bool(direct)
+    out, lse = sim.run_op("sdpa_varlen", tensors, options, checkers=True)[:2]
+    with torch_steel.backend("reference"):
+        ref_out, ref_lse = torch_steel.sdpa_varlen(
+            q.double(), k.double(), v.double(), _cu(lq), _cu(lk), 2, 300, scale=0.125,
+            is_causal=True, causal_align="bottom_right", return_lse=True)  # fmt: skip
+    assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, 4.0 * 1.5, 1e-5)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def test_direct_reads_stay_off_where_they_would_read_twice():
+    """Two row sets (d64 float16) would read each row twice, quantized and paged K/V keep their
+    tile loaders: no direct reads there."""
+    q, k, v = qkv(1, 4, 1, 100, 64, Hkv=1, dtype=torch.float16)
+    inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, False, None, True, None, None,
+                                               None, "top_left", None, 0)  # fmt: skip
+    options = ops.Attn(*inputs[4:]).run_options()
+    p = sim.plan("sdpa", [*inputs[:4], None], options)
+    assert p.dispatches[0].kernel.startswith("steel_attention_decode_vector_")
+    assert timing._decode_vector_row_sets(64, 64, 2) == 2
+    assert p.dispatches[0].constants[FC_DECODE_DIRECT] is False
 
 
 CHOICES = [(1, 1, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 3, False), (1, 9, False)]

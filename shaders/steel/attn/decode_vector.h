@@ -17,6 +17,13 @@
 //   - after the last tile the key sets' (max, sum, o) of each row are combined in threadgroup
 //     memory, half of the sets into the other half per round (log-sum-exp, in set order), and
 //     key set 0 stores the rows (or their partials, split).
+// Direct reads (STEEL_ATTN_FC_DECODE_DIRECT, dense and varlen K/V in the compute dtype): the key
+// sets take whole tiles in turn (set s the tiles t_begin + s, + key sets, ...) and read each key
+// row straight from the device, one row a step, so the tile's fixed work (the score transform,
+// the online softmax's reductions, the loop) is paid once for up to 32 keys instead of once for
+// 32 / key sets, and no tile is staged, loaded by address arithmetic per chunk or waited for at
+// a barrier. Each K and V row is still read once by the threadgroup (the planner takes it with
+// one row set only: two would read every row twice).
 // Rows beyond the packed ones compute nothing. The threadgroup has STEEL_ATTN_SIMDGROUPS (4)
 // simdgroups, or 8 or 16 (function constant STEEL_ATTN_FC_DECODE_SIMDGROUPS): the extra ones are
 // more key sets over the same tiles, for a one-pass block that fills a GPU core on its own where
@@ -39,6 +46,9 @@ constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
 // The threadgroup's simdgroups (a multiple of the row sets, at most
 // STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; the plan sets it, and the dispatch's threads match).
 constant int attn_decode_simdgroups [[function_constant(STEEL_ATTN_FC_DECODE_SIMDGROUPS)]];
+constant bool attn_decode_direct_fc [[function_constant(STEEL_ATTN_FC_DECODE_DIRECT)]];
+// Paged and quantized K/V stay on the tile loaders (their addressing and dequantizing live there).
+constant bool attn_decode_direct = attn_decode_direct_fc && !attn_paged && !attn_quant;
 
 namespace steel {
 
@@ -102,6 +112,37 @@ inline void attn_vector_row(thread float* dst, const threadgroup T* row, ushort 
     } else {
 #pragma clang loop unroll(full)
       for (short e = 0; e < N; ++e) dst[c * N + e] = 0.0f;
+    }
+  }
+}
+
+// This lane's elements of one device row (D columns of which `cols` are real, vec N), as
+// attn_vector_row reads a tile row: `whole` (cols == D, a pipeline constant) reads no bound,
+// `vectorized` (the row starts 16-byte aligned, so N elements are N aligned) one load a chunk;
+// columns past `cols` read as 0 and are not touched.
+template <typename T, short D, short N, short Q>
+inline void attn_vector_row(thread float* dst, const device T* row, ushort lane, short cols,
+                            bool whole, bool vectorized) {
+#pragma clang loop unroll(full)
+  for (short c = 0; c < Q / N; ++c) {
+    const int col = (32 * c + int(lane)) * N;
+    if (whole && vectorized && (D % (32 * N) == 0 || col < D)) {
+      if (N == 4) {
+        const vec<T, 4> x = *((const device vec<T, 4>*)(row + col));
+#pragma clang loop unroll(full)
+        for (short e = 0; e < 4; ++e) dst[c * N + e] = float(x[e]);
+      } else if (N == 2) {
+        const vec<T, 2> x = *((const device vec<T, 2>*)(row + col));
+        dst[c * N] = float(x[0]);
+        dst[c * N + 1] = float(x[1]);
+      } else {
+        dst[c * N] = float(row[col]);
+      }
+    } else {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < N; ++e) {
+        dst[c * N + e] = col + e < (whole ? int(D) : int(cols)) ? float(row[col + e]) : 0.0f;
+      }
     }
   }
 }
@@ -172,30 +213,41 @@ inline void attention_decode_vector_block(
   const ushort thread_index = simdgroup * 32 + lane;
   const bool loads = simdgroup < STEEL_ATTN_SIMDGROUPS;  // the tile loaders' threads
   const steel_i64 m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
+  // Tiled: every simdgroup visits every tile, taking keys j0 .. j0 + n_keys of it. Direct: key
+  // set s visits the tiles t_begin + s, + key sets, ..., taking each one's valid keys.
   const short n_keys = V::keys();
-  const short j0 = key_set * n_keys;  // this simdgroup's first key of every tile
-  for (int t = t_begin; t < t_end; ++t) {
+  const short j0 = attn_decode_direct ? 0 : key_set * n_keys;
+  const int t_step = attn_decode_direct ? V::key_sets() : 1;
+  for (int t = t_begin + (attn_decode_direct ? key_set : 0); t < t_end; t += t_step) {
     const int key0 = t * A::BK;
     const short valid = short(min(int(A::BK), ext.S - key0));
     const bool whole = attn_align_s || valid == A::BK;
     const bool edge = attn_edge_tile(p, ext, i0, last_row, key0, A::BK);
+    const short keys_here = attn_decode_direct ? valid : n_keys;
 
-    if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (loads) {
-      b.load_k(Ks, key0, valid, E, whole, thread_index);
-      if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
+    if (!attn_decode_direct) {
+      if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (loads) {
+        b.load_k(Ks, key0, valid, E, whole, thread_index);
+        if (!A::kShared && !A::alias()) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past n_keys). Each
-    // key row is read and converted once, for all rows.
+    // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past keys_here).
+    // Each key row is read and converted once, for all rows.
     float s[V::kRows];
     #pragma clang loop unroll(full)
     for (short n = 0; n < V::kRows; ++n) s[n] = -INFINITY;
     const threadgroup T* kj = Ks + j0 * A::kLdK;
-    for (short j = 0; j < n_keys; ++j, kj += A::kLdK) {
+    for (short j = 0; j < keys_here; ++j, kj += A::kLdK) {
       float kf[V::QE];
-      attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
+      if (attn_decode_direct) {
+        const device T* kd = b.k + steel_i64(key0 + j) * b.k_rows.ld;
+        attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kd, lane, E, attn_align_e, attn_vec_k);
+      } else {
+        attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
+      }
       #pragma clang loop unroll(full)
       for (short n = 0; n < V::kRows; ++n) {
         if (!V::live(n) || (V::tested() && !rok[n])) continue;  // uniform
@@ -210,7 +262,7 @@ inline void attention_decode_vector_block(
     #pragma clang loop unroll(full)
     for (short n = 0; n < V::kRows; ++n) {
       if (!V::live(n) || (V::tested() && !rok[n])) continue;
-      if (lane < n_keys) {
+      if (lane < keys_here) {
         const steel_i64 mask_row =
             attn_mask != kSteelAttnMaskNone ? b.m_off + rh[n] * p.m_hs + ri[n] * p.m_rs : 0;
         float th = 0.0f;
@@ -228,16 +280,22 @@ inline void attention_decode_vector_block(
       for (short c = 0; c < V::QV; ++c) ov[n][c] *= factor;
     }
 
-    if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
+    // V takes K's place once every simdgroup has its scores
+    if (!attn_decode_direct && A::kShared && !A::alias()) {
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (loads) b.load_v(Vs, key0, valid, Ev, whole, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     const short ldv = A::alias() ? A::kLdK : A::kLdV;
     const threadgroup T* vj = (A::alias() ? Ks : Vs) + j0 * ldv;
-    for (short j = 0; j < n_keys; ++j, vj += ldv) {
+    for (short j = 0; j < keys_here; ++j, vj += ldv) {
       float vf[V::QV];
-      attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
+      if (attn_decode_direct) {
+        const device T* vd = b.v + steel_i64(key0 + j) * b.v_rows.ld;
+        attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vd, lane, Ev, attn_align_ev, attn_vec_v);
+      } else {
+        attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
+      }
       #pragma clang loop unroll(full)
       for (short n = 0; n < V::kRows; ++n) {
         if (!V::live(n) || (V::tested() && !rok[n])) continue;
