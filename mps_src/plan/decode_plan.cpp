@@ -73,7 +73,10 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
 // the kernel can: dense and varlen K/V in the compute dtype (paged and quantized K/V keep the
 // tile loaders, which hold their addressing and dequantizing), one row set (two row sets would
 // read each row twice) and no K/V alias (V would be read again, not taken from K's tile).
-// Option "decode_direct" = 0 keeps the staged tiles (the tests run both).
+// Option "decode_direct" = 0 keeps the staged tiles (the tests run both). decode_layout_time's
+// constants (decode_key_cycles, kDecodeKeySetWork) were fitted on the staged kernel; its picks
+// stay the timing model's fastest within the plan tests' tolerance with direct reads
+// (tests/plan/test_decode_plan.py), so they are not refitted.
 bool decode_direct(const Common& c, const Decode& dec, bool quantized, bool alias,
                    const Options& options) {
   return options.number("decode_direct", 1.0) != 0.0 && !dec.paged && !quantized && !alias &&
