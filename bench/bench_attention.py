@@ -683,10 +683,15 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
             else:
                 if d.constants[FC_SINKS]:
                     # decode.h: every lane of the block; decode_vector.h: each lane of key set
-                    # 0 (its row sets' simdgroups), once for each of its 8 / row sets row slots:
-                    # 32 x 8 reads a block whatever its width
-                    vector = d.kernel.startswith("steel_attention_decode_vector_")
-                    add(BUF_SINKS, "read", (32 * 8 if vector else THREADS) * sinks_es)
+                    # 0 (its row sets' simdgroups), once for each of its live row slots
+                    # (ceil(packed rows / row sets)), whatever the block's width
+                    reads = THREADS
+                    if d.kernel.startswith("steel_attention_decode_vector_"):
+                        de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
+                        packed = d.constants[timing._FC_DECODE_ROWS]
+                        sets = timing._decode_vector_row_sets(de, dv, es, packed)
+                        reads = 32 * sets * -(-packed // sets)
+                    add(BUF_SINKS, "read", reads * sinks_es)
                 add(BUF_OUT, "written", rows * p["Ev"] * es)
                 add(BUF_LSE, "written", rows * 4)
     return tiles
@@ -735,7 +740,8 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         mma = 0
         # Its simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets):
         # each key set loads its rows' q into registers, so q is read once per key set.
-        key_sets = threads // 32 // timing._decode_vector_row_sets(de, dv, es)
+        packed = d.constants[timing._FC_DECODE_ROWS]
+        key_sets = threads // 32 // timing._decode_vector_row_sets(de, dv, es, packed)
         buffers[BUF_Q]["read"] *= key_sets
     models = [(buffers, mma)]
     if split:

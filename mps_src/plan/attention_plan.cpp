@@ -503,6 +503,7 @@ Plan plan_attention(const TensorList& tensors, const Options& options) {
     dec.rows = L;
     dec.keys = S;
     dec.count = batch_count;
+    dec.kv_alias = l.kv_alias;
     plan.inputs = static_cast<int32_t>(tensors.size());  // the scratch slots follow out and lse
     attn::add_decode(c, diag, p, l, dec, options, &plan);
     return plan;

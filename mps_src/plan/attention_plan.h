@@ -194,6 +194,12 @@ constexpr int64_t kDecodeMinSplitKeys = 256;
 // keys of one 4-simdgroup block at full ALU efficiency: 12.8k to 15.8k core cycles at the
 // table's clocks, at 17.5 (d128, 1 row) to 30 (d64, 4 rows) fp-pipe cycles a key, 430 to 900.
 constexpr int64_t kDecodeKeySetWork = 40;
+// With direct reads (decode_plan.cpp decode_direct) a key set's tiles are its own and only the
+// combining rounds grow with the key sets: the timing model's fp pipe (sim.predict, M4 Pro, f16,
+// S = 2048 one pass, one row) puts 8 and 16 simdgroups at 1.019x and 1.060x a 4-simdgroup
+// block's at d64, 1.021x and 1.065x at d128: 4.9 to 5.4 per mille a key set (staged there:
+// 26.5 to 31.5).
+constexpr int64_t kDecodeDirectKeySetWork = 5;
 constexpr int64_t kDecodeMergeKeys = 640;
 // The vector decode's GQA packing (decode_plan.cpp decode_layout_time), from the same counters
 // (S = 512, one pass, 4 simdgroups, 1 to 8 packed rows): each packed row past the first adds
@@ -219,6 +225,7 @@ struct Decode {
   int64_t keys = 0;   // keys of the longest sequence: S, or max_seqlen_k (varlen, paged)
   int64_t count = 0;  // batch entries or sequences
   bool paged = false;
+  bool kv_alias = false;  // Launch::kv_alias: V is K's tile (no direct reads)
   int32_t table_slot = -1, seqused_slot = -1;  // paged only
   int64_t page_size = 0, pages = 0, max_pages = 0, table_stride = 0, k_ps = 0, v_ps = 0;
 };

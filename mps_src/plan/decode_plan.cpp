@@ -61,6 +61,13 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
          group * decode_row_block(rows) <= STEEL_ATTN_DECODE_VECTOR_ROWS;
 }
 
+// The vector kernel's row sets for `packed` rows (params.h steel_attn_decode_vector_row_sets).
+int64_t decode_row_sets(const Common& c, int64_t packed) {
+  return steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
+                                           static_cast<int>(dtype_size(c.dtype)),
+                                           static_cast<int>(std::max<int64_t>(packed, 1)));
+}
+
 // Whether the vector kernel's key sets take whole tiles and read K and V rows straight from the
 // device (STEEL_ATTN_FC_DECODE_DIRECT, decode_vector.h) rather than 1 / key sets of every tile
 // staged in threadgroup memory. Staged, a tile's fixed work (the loaders' address arithmetic
@@ -73,15 +80,19 @@ bool decode_vector(int64_t group, int64_t rows, const Options& options) {
 // the kernel can: dense and varlen K/V in the compute dtype (paged and quantized K/V keep the
 // tile loaders, which hold their addressing and dequantizing), one row set (two row sets would
 // read each row twice) and no K/V alias (V would be read again, not taken from K's tile).
-// Option "decode_direct" = 0 keeps the staged tiles (the tests run both). decode_layout_time's
-// constants (decode_key_cycles, kDecodeKeySetWork) were fitted on the staged kernel; its picks
-// stay the timing model's fastest within the plan tests' tolerance with direct reads
-// (tests/plan/test_decode_plan.py), so they are not refitted.
-bool decode_direct(const Common& c, const Decode& dec, bool quantized, bool alias,
-                   const Options& options) {
-  return options.number("decode_direct", 1.0) != 0.0 && !dec.paged && !quantized && !alias &&
-         steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
-                                           static_cast<int>(dtype_size(c.dtype))) == 1;
+// Option "decode_direct" = 0 keeps the staged tiles (the tests run both). A wider block's added
+// key sets cost kDecodeDirectKeySetWork with direct reads (decode_key_set_work), not the staged
+// kDecodeKeySetWork; decode_key_cycles stays the staged kernel's fit.
+// (Quantized plans are made from the dequantized call's, with the option off.)
+bool decode_direct(const Common& c, const Decode& dec, int64_t packed, const Options& options) {
+  return options.number("decode_direct", 1.0) != 0.0 && !dec.paged && !dec.kv_alias &&
+         decode_row_sets(c, packed) == 1;
+}
+
+// The work a key set past 4 adds to a block, per mille of a 4-simdgroup block's.
+int64_t decode_key_set_work(const Common& c, const Decode& dec, int64_t packed,
+                            const Options& options) {
+  return decode_direct(c, dec, packed, options) ? kDecodeDirectKeySetWork : kDecodeKeySetWork;
 }
 
 // 32-bit registers per thread of the decode kernel: a MODEL ASSUMPTION, the one figure here not
@@ -96,8 +107,7 @@ bool decode_direct(const Common& c, const Decode& dec, bool quantized, bool alia
 // split against timing.py's residency so the two agree.
 int64_t decode_registers(const Common& c, bool vector, int64_t packed) {
   if (vector) {
-    const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
-                                                           static_cast<int>(dtype_size(c.dtype)));
+    const int64_t sets = decode_row_sets(c, packed);
     return ceil_div(std::max<int64_t>(packed, 1), sets) *
                steel_attn_decode_vector_row_registers(c.kernel.de, c.kernel.dv) +
            24;
@@ -155,7 +165,7 @@ int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resi
 // is the whole time of a short cache's decode. A one-pass threadgroup of 8 or 16 simdgroups
 // (more key sets over the same tiles, decode_vector.h) reaches 0.625 or 0.8125 on its own core.
 // Costed in the timing model's terms (decode_model_time): each candidate's per-core time, a wider
-// block's work 1 + kDecodeKeySetWork / 1000 x its added key sets times a 4-simdgroup block's
+// block's work 1 + decode_key_set_work / 1000 x its added key sets times a 4-simdgroup block's
 // (each key set's per-tile steps: the online softmax's reductions and rescaling, the loop; and
 // the combining rounds), and the merge at kDecodeMergeKeys keys; the
 // cheapest is taken, the 4-simdgroup split on a tie. A wider block must fit a core (registers:
@@ -164,16 +174,20 @@ int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resi
 // width stays 4 unless fixed too).
 int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& options,
                           int64_t packed, int64_t threadgroups, int64_t cores, int64_t* n) {
-  const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
-                                                         static_cast<int>(dtype_size(c.dtype)));
+  const int64_t sets = decode_row_sets(c, packed);
+  const int64_t key_set_work = decode_key_set_work(c, dec, packed, options);
   // A pipeline may allow fewer threads than the widest block (Apple's compiler lowers
   // maxTotalThreadsPerThreadgroup for a kernel of many registers): the Metal host plans again
   // with "max_threads" set to its cap (checked_encoder.h), and no wider block is taken then.
   const int64_t max_threads = static_cast<int64_t>(options.number("max_threads", 1024));
   const int64_t fixed = static_cast<int64_t>(options.number("decode_simdgroups", 0));
-  if ((fixed == 8 || fixed == 16) && 32 * fixed <= max_threads) return fixed;
-  if (fixed != 0 || n == nullptr) return STEEL_ATTN_SIMDGROUPS;
   const int64_t bk = key_tile(c);
+  // A width's key sets (w / sets) take a key of every tile each: at most the key tile (8 at
+  // f32 d512, where one packed row is one row set).
+  if ((fixed == 8 || fixed == 16) && 32 * fixed <= max_threads && fixed / sets <= bk) {
+    return fixed;
+  }
+  if (fixed != 0 || n == nullptr) return STEEL_ATTN_SIMDGROUPS;
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
   const int64_t res4 = std::max<int64_t>(1, decode_resident(c, true, packed, STEEL_ATTN_SIMDGROUPS));
   if (threadgroups >= cores * res4) return STEEL_ATTN_SIMDGROUPS;  // a wave or more: as planned
@@ -185,7 +199,7 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   const int64_t whole = ceil_div(keys, bk) * bk;
   for (int64_t w = 2 * STEEL_ATTN_SIMDGROUPS; w <= STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; w *= 2) {
     const int64_t work =
-        whole * (1000 + kDecodeKeySetWork * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
+        whole * (1000 + key_set_work * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
     const int64_t res = decode_resident(c, true, packed, w);
     if (res < 1 || w / sets > bk || threadgroups > cores * res || 32 * w > max_threads) continue;
     const int64_t t = decode_model_time(threadgroups, w, res, cores, work);
@@ -310,17 +324,18 @@ int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
 // stays. Option "decode_heads_per_tg" = n fixes the packing at the largest fitting divisor of
 // the group at most n (the tests force every one); the MMA kernel keeps the full packing.
 int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& layout,
-                           int64_t cores) {
+                           int64_t cores, const Options& options) {
   const DecodeSplit& l = layout.split;
   const int64_t packed = layout.packed;
   const int64_t threadgroups = layout.threadgroups * l.splits;
   const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
-  const int64_t sets = steel_attn_decode_vector_row_sets(c.kernel.de, c.kernel.dv,
-                                                         static_cast<int>(elem));
+  const int64_t sets = decode_row_sets(c, packed);
   const int64_t w = l.simdgroups;
   const int64_t resident = std::max<int64_t>(1, decode_resident(c, true, packed, w));
   const int64_t work = l.split_keys * (1000 + kDecodeRowWork * (packed - 1)) / 1000 *
-                       (1000 + kDecodeKeySetWork * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
+                       (1000 + decode_key_set_work(c, dec, packed, options) *
+                                   (w - STEEL_ATTN_SIMDGROUPS) / sets) /
+                       1000;
   const int64_t compute = decode_model_time(threadgroups, w, resident, cores, work);
   const int64_t slots = cores * resident;
   const int64_t per_core = threadgroups / slots * resident + ceil_div(threadgroups % slots, cores);
@@ -347,11 +362,11 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   // Fewer heads a threadgroup, costed (decode_layout_time): the divisors of the group below the
   // full packing, each with its own split and width; the most heads on a tie (the least K/V
   // traffic).
-  int64_t best_time = decode_layout_time(c, dec, best, cores);
+  int64_t best_time = decode_layout_time(c, dec, best, cores, options);
   for (int64_t d = most - 1; d >= 1; --d) {
     if (group % d != 0) continue;
     const DecodeLayout l = decode_layout(c, dec, options, d, vector, cores);
-    const int64_t t = decode_layout_time(c, dec, l, cores);
+    const int64_t t = decode_layout_time(c, dec, l, cores, options);
     if (t < best_time) best_time = t, best = l;
   }
   return best.split;
@@ -412,12 +427,9 @@ void add_decode(const Common& c, const Diagonals& d, const AttnParams& p, const 
   if (vector) {
     k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_ROWS, per_tg * decode_row_block(dec.rows)));
     k.constants.push_back(fc_int(STEEL_ATTN_FC_DECODE_SIMDGROUPS, layout.simdgroups));
-    bool quantized = false;
-    for (const FunctionConstant& f : constants) {
-      if (f.index == STEEL_ATTN_FC_QUANT) quantized = f.int_value != 0;
-    }
     k.constants.push_back(fc_bool(STEEL_ATTN_FC_DECODE_DIRECT,
-                                  decode_direct(c, dec, quantized, l.kv_alias, options)));
+                                  decode_direct(c, dec, per_tg * decode_row_block(dec.rows),
+                                                options)));
   }
   for (const Binding& b : fwd.bindings) {
     if (b.index == STEEL_ATTN_BUF_PARAMS) {
@@ -507,6 +519,7 @@ bool decode_length_class(const TensorList& tensors, const Options& options, std:
   dec.rows = L;
   dec.keys = keys;
   dec.count = count;
+  dec.kv_alias = kv_alias(c, k, v);
   const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, L + keys);
   // A mask over the keys holds S in its last dim (and, row-major, in its strides above it); a

@@ -217,10 +217,12 @@ AttnParams planned_params(const Plan& plan) {
   return p;
 }
 
-// The options of the unquantized call, with the kernel that cannot dequantize kept off.
+// The options of the unquantized call, with the kernel that cannot dequantize kept off, and
+// the vector decode's direct reads too (the dequantizing tile loaders stage its tiles).
 Options tile_loader_kernels(const Options& options) {
   Options o = options;
   o.numbers["tensor_ops"] = 0.0;  // see the top of this file
+  o.numbers["decode_direct"] = 0.0;
   return o;
 }
 

@@ -225,6 +225,7 @@ Plan plan_attention_varlen(const TensorList& tensors, const Options& options) {
     dec.keys = paged ? std::min(max_k, max_pages * page_size) : std::min(max_k, Tk);
     dec.count = sequences;
     dec.paged = paged;
+    dec.kv_alias = l.kv_alias;
     if (paged) {
       dec.table_slot = kSlotTable;
       dec.seqused_slot = kSlotSeqused;

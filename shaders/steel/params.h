@@ -430,14 +430,17 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 #define STEEL_ATTN_DECODE_VECTOR_ROWS 8
 // Its widest threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS): 16 simdgroups, 512 threads.
 #define STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS 16
-// Its layout: the 4 simdgroups form row sets (rows r = set + sets * n of the 8) x key sets (a
-// simdgroup takes 1 / key sets of every key tile); each simdgroup converts a K or V element it
-// reads once for all its rows, so fewer row sets convert less. Per lane a row keeps its q and o
-// elements (steel_attn_decode_vector_elems: ceil(d / 32) in whole chunks of
-// steel_attn_decode_vector_vec) and 3 scalars. The row sets are the fewest (1, 2, 4) whose rows'
-// registers, with 24 scalars, still let a GPU core hold as many threadgroups of 128 threads as
-// the K/V tiles do (a core's 3072 threads, 61440 bytes of threadgroup memory and 212992 bytes of
-// registers: torch_steel/sim/chips.json, mirrored in timing.py): registers never cost residency.
+// Its layout: the simdgroups form row sets (of the `rows` packed rows, STEEL_ATTN_FC_DECODE_ROWS,
+// set s holds rows s, s + sets, ...) x key sets (a simdgroup takes its key set's share of the
+// keys); each simdgroup converts a K or V element it reads once for all its rows, so fewer row
+// sets convert less. Per lane a row keeps its q and o elements (steel_attn_decode_vector_elems:
+// ceil(d / 32) in whole chunks of steel_attn_decode_vector_vec) and 3 scalars. The row sets are
+// the fewest (1, 2, 4) whose rows' registers, with 24 scalars, still let a GPU core hold as many
+// threadgroups of 128 threads as the K/V tiles do (a core's 3072 threads, 61440 bytes of
+// threadgroup memory and 212992 bytes of registers: torch_steel/sim/chips.json, mirrored in
+// timing.py): registers never cost residency. They depend on the packed rows (a pipeline
+// constant): one packed row (MHA, one token) is one row set at every head dim, so no simdgroup
+// idles for want of a row.
 constexpr int steel_attn_decode_vector_vec(int d) { return d % 128 == 0 ? 4 : d % 64 == 0 ? 2 : 1; }
 constexpr int steel_attn_decode_vector_elems(int d) {
   return (d + 32 * steel_attn_decode_vector_vec(d) - 1) / (32 * steel_attn_decode_vector_vec(d)) *
@@ -454,11 +457,11 @@ constexpr int steel_attn_decode_vector_budget(int de, int dv, int elem_bytes) {
               128) -
          24;
 }
-constexpr int steel_attn_decode_vector_row_sets(int de, int dv, int elem_bytes) {
-  return STEEL_ATTN_DECODE_VECTOR_ROWS * steel_attn_decode_vector_row_registers(de, dv) <=
+constexpr int steel_attn_decode_vector_row_sets(int de, int dv, int elem_bytes, int rows) {
+  return rows * steel_attn_decode_vector_row_registers(de, dv) <=
                  steel_attn_decode_vector_budget(de, dv, elem_bytes)
              ? 1
-         : STEEL_ATTN_DECODE_VECTOR_ROWS / 2 * steel_attn_decode_vector_row_registers(de, dv) <=
+         : (rows + 1) / 2 * steel_attn_decode_vector_row_registers(de, dv) <=
                  steel_attn_decode_vector_budget(de, dv, elem_bytes)
              ? 2
              : 4;

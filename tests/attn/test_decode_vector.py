@@ -104,17 +104,22 @@ def test_head_dims(E, Ev):
 
 
 # The kernel's 4 simdgroups are row sets x key sets (params.h steel_attn_decode_vector_row_sets,
-# mirrored by timing._decode_vector_row_sets): at 2 row sets an odd row count leaves set 1 a
-# slot short (the tested slots), and 2 or 4 key sets meet in the combining rounds. Each head dim
-# here takes a different split at f16: d64 and d256 2 row sets x 2 key sets, d128 1 x 4.
-@pytest.mark.parametrize("E,row_sets", [(64, 2), (128, 1), (256, 2)])
-@pytest.mark.parametrize("group,L", [(1, 3), (3, 1), (1, 1)])
-def test_row_and_key_sets(E, row_sets, group, L):
-    assert timing._decode_vector_row_sets(E, E, 2) == row_sets
+# mirrored by timing._decode_vector_row_sets: the fewest whose packed rows fit the register
+# budget): at 2 row sets an odd row count leaves set 1 a slot short (the tested slots), at 4 a
+# set holds 1 or 2 rows, and 1, 2 or 4 key sets meet in the combining rounds. f16, the packing
+# fixed (decode_heads_per_tg) so that the packed rows are group x L.
+@pytest.mark.parametrize(
+    "E,group,L,row_sets",
+    [(32, 1, 3, 2), (32, 3, 1, 2), (40, 5, 1, 4), (64, 1, 1, 1), (128, 1, 3, 1), (512, 1, 7, 4),
+     (512, 2, 2, 2)],
+)  # fmt: skip
+def test_row_and_key_sets(E, group, L, row_sets):
+    assert timing._decode_vector_row_sets(E, E, 2, group * L) == row_sets
     q, k, v = qkv(1, 2 * group, L, 95, E, Hkv=2, dtype=torch.float16)
-    kernel, _ = check(q, k, v, num_splits=1, is_causal=True, causal_align="bottom_right")
+    kernel, _ = check(q, k, v, num_splits=1, heads=group, is_causal=True,
+                      causal_align="bottom_right")  # fmt: skip
     assert kernel == f"steel_attention_decode_vector_f16_e{E}_v{E}"
-    check(q, k, v, num_splits=2, sinks=torch.randn(2 * group))
+    check(q, k, v, num_splits=2, heads=group, sinks=torch.randn(2 * group))
 
 
 # The one-pass wide blocks (decode_plan.cpp decode_simdgroups): 8 or 16 simdgroups are 2 or 4
@@ -186,8 +191,10 @@ def test_strided_views_and_masks():
 
 
 # Direct reads (decode_plan.cpp decode_direct): the key sets take whole tiles, each key row read
-# from the device. Taken for one row set only: d128 in float16 and bfloat16, d96 and d128 in
-# float32 (params.h steel_attn_decode_vector_row_sets).
+# from the device. Taken for dense and varlen K/V in the compute dtype at one row set (params.h
+# steel_attn_decode_vector_row_sets: the fewest whose packed rows fit the register budget; one
+# packed row is one row set at every head dim, eight are at d96 and d128 in every dtype and at
+# d32 to d72 in float32).
 
 
 @pytest.mark.parametrize("direct", [0, 1])
@@ -248,17 +255,59 @@ def _cu(lengths):
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
-def test_direct_reads_stay_off_where_they_would_read_twice():
-    """Two row sets (d64 float16) would read each row twice, quantized and paged K/V keep their
-    tile loaders: no direct reads there."""
-    q, k, v = qkv(1, 4, 1, 100, 64, Hkv=1, dtype=torch.float16)
+@pytest.mark.parametrize(
+    "dtype,E",
+    [(torch.float32, 40), (torch.float32, 64), (torch.float32, 72), (torch.float16, 96),
+     (torch.bfloat16, 96), (torch.float16, 64)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("width", [4, 8])
+def test_direct_reads_head_dims(dtype, E, width):
+    """Direct reads at the other head dims they serve: d40 and d72 (columns past the lanes'
+    whole chunks, bounded at D), d64 (two-element vector loads), d96; GQA 2 at 2 packed rows."""
+    q, k, v = qkv(1, 2, 1, 77, E, Hkv=1, dtype=dtype)
+    check(q, k, v, num_splits=1, width=width, direct=1, is_causal=True,
+          causal_align="bottom_right")  # fmt: skip
+
+
+def test_direct_reads_aligned_cache_views():
+    """K and V slices of longer [B, S, H, D] caches whose rows start 16-byte aligned: vector
+    loads from strided rows."""
+    gen = torch.Generator().manual_seed(22)
+    q = rand(2, 4, 1, 128, dtype=torch.float16, gen=gen)
+    k = rand(2, 400, 2, 128, dtype=torch.float16, gen=gen)[:, 8:181].transpose(1, 2)
+    v = rand(2, 400, 2, 128, dtype=torch.float16, gen=gen)[:, 16:189].transpose(1, 2)
+    check(q, k, v, num_splits=1, direct=1)
+    check(q, k, v, torch.rand(2, 1, 1, 173, generator=gen) > 0.2, num_splits=2, direct=1)
+
+
+def test_paged_caches_keep_staged_tiles():
+    """A paged cache's rows are found through the block table by the tile loader: no direct
+    reads."""
+    q = torch.zeros(2, 4, 128, dtype=torch.float16)
+    pool = torch.zeros(4, 16, 2, 128, dtype=torch.float16)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    used = torch.tensor([20, 32], dtype=torch.int32)
+    p = sim.plan("sdpa_varlen", [q, pool, pool, cu_q, None, None, table, used],
+                 {"max_seqlen_q": 1, "max_seqlen_k": 32, "scale": 0.125})  # fmt: skip
+    assert p.dispatches[0].kernel == "steel_attention_decode_vector_f16_e128_v128"
+    assert p.dispatches[0].constants[FC_DECODE_DIRECT] is False
+
+
+@pytest.mark.parametrize("group,direct", [(1, True), (4, True), (8, False)])
+def test_direct_reads_where_one_row_set_holds_the_rows(group, direct):
+    """d64 float16: up to four packed rows are one row set, read directly; eight are two row
+    sets, which would read each row twice, so the tiles stay staged."""
+    q, k, v = qkv(1, group, 1, 100, 64, Hkv=1, dtype=torch.float16)
     inputs, _ = ops.attention_ops._sdpa_inputs(q, k, v, None, 0.0, False, None, True, None, None,
                                                None, "top_left", None, 0)  # fmt: skip
-    options = ops.Attn(*inputs[4:]).run_options()
+    options = {**ops.Attn(*inputs[4:]).run_options(), "decode_heads_per_tg": group}
     p = sim.plan("sdpa", [*inputs[:4], None], options)
     assert p.dispatches[0].kernel.startswith("steel_attention_decode_vector_")
-    assert timing._decode_vector_row_sets(64, 64, 2) == 2
-    assert p.dispatches[0].constants[FC_DECODE_DIRECT] is False
+    assert timing._decode_vector_row_sets(64, 64, 2, group) == (1 if direct else 2)
+    assert p.dispatches[0].constants[FC_DECODE_DIRECT] is direct
+    check(q, k, v, num_splits=1, heads=group)
 
 
 CHOICES = [(1, 1, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 3, False), (1, 9, False)]

@@ -136,8 +136,10 @@ def test_a_decode_stream_of_a_grown_key_beside_a_value_view():
     """Campaign 24's failure. The key grows by torch.cat (row-major: its strides hold S), the
     value is a view of a cache (its strides stay). Both are keyed as a decode stream, but
     set_decode_length rescaled the key's strides only where key and value were both row-major:
-    the S = 3 plan reused at S = 2 kept the key's head stride of 3 keys, and the vector decode
-    kernel read past the key's binding."""
+    the campaign's S = 3 plan reused at S = 2 kept the key's head stride of 3 keys, and the
+    vector decode kernel read past the key's binding. Here the stream grows (S = 2, 3, 4), so
+    without the fix the reused plan's head stride is short and the kernel reads other heads'
+    keys within the binding: the float64 comparison fails, not the guard."""
     sim.build.extension().plan_cache_reset(4096)  # the first call plans afresh
     plain = Layout.contiguous(4)
     call = SdpaCall(

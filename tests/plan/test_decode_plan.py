@@ -174,9 +174,10 @@ def test_partitions(B, Hkv, S, options, splits, split_keys):
 )  # fmt: skip
 def test_partitions_follow_the_core_count(options, splits, split_keys):
     """The split fills whole waves of the described GPU (device.h gpu_cores, which the Metal
-    host reads from the IORegistry), not one Mac's. (The full packing forced: on 8 cores the
-    planner takes 2 heads a threadgroup, 16 in one pass; test_packing_is_the_cheapest_layout.)"""
-    dp = decode_params(dense(1, 32, 8, 1, 4096, E=128, decode_heads_per_tg=4,
+    host reads from the IORegistry), not one Mac's. (The full packing and staged tiles forced:
+    on 8 cores the planner takes 2 heads a threadgroup, test_packing_is_the_cheapest_layout, and
+    with direct reads wider one-pass blocks, test_split_fills_the_timing_models_waves.)"""
+    dp = decode_params(dense(1, 32, 8, 1, 4096, E=128, decode_heads_per_tg=4, decode_direct=0,
                              **options).dispatches[0])  # fmt: skip
     assert (dp["splits"], dp["split_keys"]) == (splits, split_keys)
 
@@ -187,6 +188,8 @@ def cdiv(a, b):
 
 EFFICIENCY = [(0, 0), (4, 364), (8, 625), (24, 1000)]  # decode_plan.cpp, in thousandths
 KEY_SET_WORK, MERGE_KEYS = 40, 640  # attention_plan.h kDecodeKeySetWork, kDecodeMergeKeys
+DIRECT_KEY_SET_WORK = 5  # attention_plan.h kDecodeDirectKeySetWork
+FC_DECODE_DIRECT = 342  # params.h STEEL_ATTN_FC_DECODE_DIRECT
 
 
 def efficiency(simdgroups):
@@ -207,12 +210,12 @@ def model_time(threadgroups, simdgroups, resident, cores, work):
     return t
 
 
-def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets):
+def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets, direct):
     """decode_simdgroups restated: (simdgroups, splits). resident(w): threadgroups of w
     simdgroups a core (timing.py's occupancy). Below one wave of 4-simdgroup blocks, the
     whole-wave split (plus the merge's MERGE_KEYS) against one pass in 8 or 16 simdgroups, whose
-    work is 1 + KEY_SET_WORK / 1000 x its (w - 4) / sets added key sets times a 4-simdgroup
-    block's; the cheapest, the split on a tie."""
+    work is 1 + KEY_SET_WORK (DIRECT_KEY_SET_WORK with direct reads) / 1000 x its (w - 4) / sets
+    added key sets times a 4-simdgroup block's; the cheapest, the split on a tie."""
     keys = max(keys, 1)
     if threadgroups >= cores * resident(4):
         return 4, splits
@@ -222,7 +225,8 @@ def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets):
     best += MERGE_KEYS * 1000 if parts > 1 else 0
     choice = (4, splits)
     for w in (8, 16):
-        work = cdiv(keys, bk) * bk * (1000 + KEY_SET_WORK * (w - 4) // sets) // 1000
+        key_set_work = DIRECT_KEY_SET_WORK if direct else KEY_SET_WORK
+        work = cdiv(keys, bk) * bk * (1000 + key_set_work * (w - 4) // sets) // 1000
         if resident(w) < 1 or w // sets > bk or threadgroups > cores * resident(w):
             continue
         t = model_time(threadgroups, w, resident(w), cores, work)
@@ -284,8 +288,10 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
 
     splits = whole_wave_splits(threadgroups, S, bk, cores * max(1, resident(4)))
     if vector:
-        sets = timing._decode_vector_row_sets(E, E, dtype.itemsize)
-        w, splits = wide_choice(threadgroups, S, bk, cores, resident, splits, sets)
+        packed = d.constants[FC_DECODE_ROWS]
+        sets = timing._decode_vector_row_sets(E, E, dtype.itemsize, packed)
+        direct = d.constants[FC_DECODE_DIRECT]
+        w, splits = wide_choice(threadgroups, S, bk, cores, resident, splits, sets, direct)
         assert width == w
     assert decode_params(d)["splits"] == splits
 
@@ -306,13 +312,14 @@ def key_cycles(de, dv, elem):
     return y[2] * x // 512
 
 
-def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident):
+def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct):
     group, per_tg = Hq // Hkv, dp["heads_per_tg"]
     packed = per_tg * L
-    sets = timing._decode_vector_row_sets(E, E, elem)
+    sets = timing._decode_vector_row_sets(E, E, elem, packed)
     threadgroups = B * Hkv * (group // per_tg) * dp["splits"]
     work = dp["split_keys"] * (1000 + ROW_WORK * (packed - 1)) // 1000
-    work = work * (1000 + KEY_SET_WORK * (w - 4) // sets) // 1000
+    key_set_work = DIRECT_KEY_SET_WORK if direct else KEY_SET_WORK
+    work = work * (1000 + key_set_work * (w - 4) // sets) // 1000
     compute = model_time(threadgroups, w, resident, cores, work)
     slots = cores * resident
     per_core = threadgroups // slots * resident + cdiv(threadgroups % slots, cores)
@@ -352,7 +359,8 @@ def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
         assert dp["heads_per_tg"] == d
         w = forced.constants[FC_DECODE_SIMDGROUPS]
         resident = max(1, timing.resident_threadgroups(forced, chip) // cores)
-        costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident)
+        direct = forced.constants[FC_DECODE_DIRECT]
+        costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct)
     best = min(costs.values())
     expected = max(d for d, c in costs.items() if c == best)
     auto = planned()
@@ -425,13 +433,17 @@ def test_sim_device_block_describes_the_core_count():
     "chip,options,splits",
     [
         # 8 threadgroups (MHA: one per head) of 2048 keys, at most 2048 / 256 = 8 partitions,
-        # d64: 6 resident per core.
-        ("M1", {}, 6),  # 8 cores: one wave of 48
+        # d64: 6 resident per core; one row, so one row set and direct reads, where a wider
+        # block's key sets add 0.5% each (decode_simdgroups).
+        # 8 cores: the whole-wave split is 6 partitions, one wave of 48, 342 keys each and the
+        # merge's 640; one pass of 16-simdgroup blocks, one a core (16 simdgroups: ALU
+        # efficiency 0.8125), 2048 keys x 1.06 is cheaper (model: 71.5 us against 82.2 split
+        # with staged tiles).
+        ("M1", {}, 1),
         ("M4 Max", {}, 8),  # 40 cores: waves of 240, 8 at most
-        # The call's count takes precedence: 2 cores. 3 partitions are 2 waves of 12 (8448 keys
-        # a core, 9088 with the merge's 640); one pass of 8-simdgroup blocks, 4 a core (32
-        # simdgroups: ALU efficiency 1), 2048 keys x 1.08 each: 8844, is cheaper
-        # (decode_simdgroups).
+        # The call's count takes precedence: 2 cores. One pass of 8-simdgroup blocks, 4 a core
+        # (32 simdgroups: ALU efficiency 1), 2048 keys x 1.02 each, against 3 partitions in 2
+        # waves of 12 (8448 keys a core, 9088 with the merge's 640).
         ("M4 Max", {"gpu_cores": 2}, 1),
     ],
 )  # fmt: skip

@@ -68,7 +68,7 @@ _REDUCTION_SHUFFLES = 5
 # loop bounds, a row's softmax statistics): an assumption, see steel_kernel_info.
 _BASE_REGISTERS = 24
 # STEEL_ATTN_DECODE_VECTOR_ROWS of shaders/steel/params.h: the vector decode kernel's packed rows,
-# over its row sets (1, 2 or 4: the fewest whose rows' registers let a core hold as many
+# over its row sets (1, 2 or 4: the fewest whose packed rows' registers let a core hold as many
 # threadgroups as the K/V tiles do; steel_attn_decode_vector_row_sets), and a row's q or o
 # elements per lane (steel_attn_decode_vector_elems).
 _DECODE_VECTOR_ROWS = 8
@@ -98,11 +98,11 @@ def _decode_vector_elems(d: int) -> int:
     return -(-d // (32 * vec)) * vec
 
 
-def _decode_vector_row_sets(de: int, dv: int, elem_bytes: int) -> int:
+def _decode_vector_row_sets(de: int, dv: int, elem_bytes: int, rows: int) -> int:
     row = _decode_vector_elems(de) + _decode_vector_elems(dv) + 3
     by_tiles = min(24, 61440 // _attn_threadgroup_bytes(de, dv, elem_bytes))
     budget = 212992 // 4 // (by_tiles * 128) - _BASE_REGISTERS
-    return next((s for s in (1, 2) if _DECODE_VECTOR_ROWS // s * row <= budget), 4)
+    return next((s for s in (1, 2) if -(-max(rows, 1) // s) * row <= budget), 4)
 
 
 BOUNDS = ("compute", "threadgroup_memory", "cache", "dram")
@@ -267,9 +267,10 @@ def steel_kernel_info(
     if m:
         dt, de, dv = m.group(1), int(m.group(2)), int(m.group(3))
         qe, qv = _decode_vector_elems(de), _decode_vector_elems(dv)
-        sets = _decode_vector_row_sets(de, dv, _ELEM_BYTES[dt])
-        packed = int((constants or {}).get(_FC_DECODE_ROWS, _DECODE_VECTOR_ROWS) or 1)
-        rows = -(-min(packed, _DECODE_VECTOR_ROWS) // sets)
+        packed = min(int((constants or {}).get(_FC_DECODE_ROWS, _DECODE_VECTOR_ROWS) or 1),
+                     _DECODE_VECTOR_ROWS)  # fmt: skip
+        sets = _decode_vector_row_sets(de, dv, _ELEM_BYTES[dt], packed)
+        rows = -(-packed // sets)
         registers = rows * (qe + qv + 3) + _BASE_REGISTERS
         basis = (f"{rows} rows a lane x ({qe} q + {qv} o elements + the running max and sum, the "
                  f"score) + {_BASE_REGISTERS} scalars")  # fmt: skip

@@ -47,39 +47,48 @@ constant int attn_decode_rows [[function_constant(STEEL_ATTN_FC_DECODE_ROWS)]];
 // STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; the plan sets it, and the dispatch's threads match).
 constant int attn_decode_simdgroups [[function_constant(STEEL_ATTN_FC_DECODE_SIMDGROUPS)]];
 constant bool attn_decode_direct_fc [[function_constant(STEEL_ATTN_FC_DECODE_DIRECT)]];
-// Paged and quantized K/V stay on the tile loaders (their addressing and dequantizing live there).
-constant bool attn_decode_direct = attn_decode_direct_fc && !attn_paged && !attn_quant;
+// Paged and quantized K/V stay on the tile loaders (their addressing and dequantizing live there),
+// and an aliased V is K's staged tile.
+constant bool attn_decode_direct =
+    attn_decode_direct_fc && !attn_paged && !attn_quant && !attn_kv_alias;
 
 namespace steel {
 
 template <typename T, short DE, short DV>
 struct AttnDecodeVector {
   using A = AttnForward<T, DE, DV>;
-  static constant constexpr short kRowSets =
-      short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T))));
-  static constant constexpr short kRows = STEEL_ATTN_DECODE_VECTOR_ROWS / kRowSets;
-  // Key sets, and a simdgroup's keys of every tile: constants of the pipeline.
-  static short key_sets() { return short(attn_decode_simdgroups) / kRowSets; }
+  // Row sets, a simdgroup's rows and its key sets: constants of the pipeline (from its packed
+  // rows and simdgroups). Its row arrays hold kMaxRows, the most rows a simdgroup can have (at
+  // one row set); the rows past row_rows() are dead code the pipeline's constants fold away.
+  static constant constexpr short kMaxRows = STEEL_ATTN_DECODE_VECTOR_ROWS;
+  static short row_sets() {
+    return short(steel_attn_decode_vector_row_sets(DE, DV, int(sizeof(T)), attn_decode_rows));
+  }
+  static short row_rows() { return (short(attn_decode_rows) + row_sets() - 1) / row_sets(); }
+  static short key_sets() { return short(attn_decode_simdgroups) / row_sets(); }
   static short keys() { return A::BK / key_sets(); }
   static constant constexpr short kVecE = short(steel_attn_decode_vector_vec(DE));
   static constant constexpr short kVecV = short(steel_attn_decode_vector_vec(DV));
   static constant constexpr short QE = short(steel_attn_decode_vector_elems(DE));  // per lane
   static constant constexpr short QV = short(steel_attn_decode_vector_elems(DV));
-  // A combining slot: the rows' o, then their max and sum. The tiles' threadgroup memory holds
-  // kSlots of them a row set, the writers of one combining step (a round of more key sets takes
-  // several steps).
-  static constant constexpr int kSlotFloats = kRows * (DV + 2);
-  static constant constexpr short kSlots =
-      short(A::kTileElems * int(sizeof(T)) / (kRowSets * kSlotFloats * 4));
-  static_assert(A::BK / (STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS / kRowSets) >= 1,
-                "a key of every tile for each key set of the widest threadgroup");
-  static_assert(kSlots >= 1, "one combining slot a row set fits the K/V tiles' memory");
-  // Slot n of row set `set` is packed row set + kRowSets * n: slots past the dispatch's rows
-  // exist in no threadgroup (compile time), and the others are all real unless a sequence
+  // A combining slot: a simdgroup's rows' o, then their max and sum. The tiles' threadgroup
+  // memory holds slots() of them a row set, the writers of one combining step (a round of more
+  // key sets takes several steps).
+  static int slot_floats() { return int(row_rows()) * (DV + 2); }
+  static short slots() {
+    return short(A::kTileElems * int(sizeof(T)) / (int(row_sets()) * slot_floats() * 4));
+  }
+  // A key of every tile for each key set: at 4 simdgroups always; a wider block only where its
+  // key sets are at most the key tile (decode_plan.cpp decode_simdgroups).
+  static_assert(A::BK >= STEEL_ATTN_SIMDGROUPS, "a key of every tile for each of 4 key sets");
+  static_assert(A::kTileElems * int(sizeof(T)) >= kMaxRows * (DV + 2) * 4,
+                "one combining slot of the most rows fits the K/V tiles' memory");
+  // Slot n of row set `set` is packed row set + row_sets() * n: slots past the dispatch's rows
+  // exist in no threadgroup (pipeline constants), and the others are all real unless a sequence
   // (varlen, paged) has fewer query rows than the dispatch or the row sets split the rows
   // unevenly; only then is each slot tested.
-  static bool live(short n) { return n < (attn_decode_rows + kRowSets - 1) / kRowSets; }
-  static bool tested() { return attn_varlen || attn_decode_rows % kRowSets != 0; }
+  static bool live(short n) { return n < row_rows(); }
+  static bool tested() { return attn_varlen || attn_decode_rows % row_sets() != 0; }
 };
 
 // N consecutive elements of a tile row as fp32, in one load where N is 2 or 4 (the address is
@@ -163,25 +172,25 @@ inline void attention_decode_vector_block(
   const int i0 = b.i0, last_row = b.last_row, split = b.split, zb = b.zb, h0 = b.h0;
   const AttnDecodeQueries xq = b.xq;
   const AttnExtent ext = b.ext;
-  const short row_set = short(simdgroup) % V::kRowSets;
-  const short key_set = short(simdgroup) / V::kRowSets;
+  const short row_set = short(simdgroup) % V::row_sets();
+  const short key_set = short(simdgroup) / V::row_sets();
 
-  // This simdgroup's rows: slot s = row_set + kRowSets * n is head h0 + s / R, query row
+  // This simdgroup's rows: slot s = row_set + row_sets() * n is head h0 + s / R, query row
   // i0 + s % R, for the R = last_row - i0 + 1 rows of the block (so the real slots come first,
   // heads_per_tg x R of them). A slot that is not real keeps a head and query row of the block
   // for its addresses and reads nothing through them.
   const int block_rows = last_row - i0 + 1;
-  int rh[V::kRows], ri[V::kRows];
-  bool rok[V::kRows];
-  float qv[V::kRows][V::QE], ov[V::kRows][V::QV];
-  OnlineSoftmax sm[V::kRows];
+  int rh[V::kMaxRows], ri[V::kMaxRows];
+  bool rok[V::kMaxRows];
+  float qv[V::kMaxRows][V::QE], ov[V::kMaxRows][V::QV];
+  OnlineSoftmax sm[V::kMaxRows];
   const short E = short(p.E), Ev = short(p.Ev);
   // Split partitions leave the sink to the merge, which must count it once; of the key sets,
   // set 0 counts it.
   const bool sink_here = attn_sinks != kSteelAttnOperandNone && !attn_split && key_set == 0;
   #pragma clang loop unroll(full)
-  for (short n = 0; n < V::kRows; ++n) {
-    const int r = row_set + V::kRowSets * n;
+  for (short n = 0; n < V::kMaxRows; ++n) {
+    const int r = row_set + V::row_sets() * n;
     const int g = r / block_rows;
     rok[n] = V::live(n) && g < dp.heads_per_tg;
     ri[n] = i0 + r - g * block_rows;
@@ -194,7 +203,7 @@ inline void attention_decode_vector_block(
     }
     #pragma clang loop unroll(full)
     for (short c = 0; c < V::QV; ++c) ov[n][c] = 0.0f;
-    if (sink_here) {
+    if (sink_here && V::live(n)) {  // the live slots (pipeline constants) read it
       const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, rh[n]);
       sm[n].init(true, sink / attn_unit_nats);
     } else {
@@ -236,9 +245,9 @@ inline void attention_decode_vector_block(
 
     // Scores: lane j ends with key key0 + j0 + j's score of each row (-inf past keys_here).
     // Each key row is read and converted once, for all rows.
-    float s[V::kRows];
+    float s[V::kMaxRows];
     #pragma clang loop unroll(full)
-    for (short n = 0; n < V::kRows; ++n) s[n] = -INFINITY;
+    for (short n = 0; n < V::kMaxRows; ++n) s[n] = -INFINITY;
     const threadgroup T* kj = Ks + j0 * A::kLdK;
     for (short j = 0; j < keys_here; ++j, kj += A::kLdK) {
       float kf[V::QE];
@@ -249,7 +258,7 @@ inline void attention_decode_vector_block(
         attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
       }
       #pragma clang loop unroll(full)
-      for (short n = 0; n < V::kRows; ++n) {
+      for (short n = 0; n < V::kMaxRows; ++n) {
         if (!V::live(n) || (V::tested() && !rok[n])) continue;  // uniform
         float dot = 0.0f;
         #pragma clang loop unroll(full)
@@ -260,7 +269,7 @@ inline void attention_decode_vector_block(
     }
     const int key = key0 + j0 + lane;
     #pragma clang loop unroll(full)
-    for (short n = 0; n < V::kRows; ++n) {
+    for (short n = 0; n < V::kMaxRows; ++n) {
       if (!V::live(n) || (V::tested() && !rok[n])) continue;
       if (lane < keys_here) {
         const steel_i64 mask_row =
@@ -297,7 +306,7 @@ inline void attention_decode_vector_block(
         attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
       }
       #pragma clang loop unroll(full)
-      for (short n = 0; n < V::kRows; ++n) {
+      for (short n = 0; n < V::kMaxRows; ++n) {
         if (!V::live(n) || (V::tested() && !rok[n])) continue;
         const float pj = simd_shuffle(s[n], ushort(j));
         #pragma clang loop unroll(full)
@@ -308,16 +317,16 @@ inline void attention_decode_vector_block(
 
   // The key sets' rows, combined: in each round sets [half, 2 half) leave (o, m, l) of their
   // rows in a slot and sets [0, half) fold in the slot of set + half, in steps of at most
-  // kSlots writers (the tiles' memory). Uniform loops: every simdgroup meets every barrier.
+  // slots() writers (the tiles' memory). Uniform loops: every simdgroup meets every barrier.
   threadgroup float* slots = (threadgroup float*)smem;
   for (short half = V::key_sets() / 2; half > 0; half /= 2) {
-    for (short first = half; first < 2 * half; first += V::kSlots) {
+    for (short first = half; first < 2 * half; first += V::slots()) {
       const short w = key_set - first;  // this set's slot, if it writes in this step
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the tiles' (or the last step's) reads
-      if (w >= 0 && w < V::kSlots && key_set < 2 * half) {
-        threadgroup float* slot = slots + (w * V::kRowSets + row_set) * V::kSlotFloats;
+      if (w >= 0 && w < V::slots() && key_set < 2 * half) {
+        threadgroup float* slot = slots + (w * V::row_sets() + row_set) * V::slot_floats();
         #pragma clang loop unroll(full)
-        for (short n = 0; n < V::kRows; ++n) {
+        for (short n = 0; n < V::kMaxRows; ++n) {
           if (!V::live(n) || (V::tested() && !rok[n])) continue;
           #pragma clang loop unroll(full)
           for (short c = 0; c < V::QV; ++c) {
@@ -325,19 +334,19 @@ inline void attention_decode_vector_block(
             if (DV % (32 * V::kVecV) == 0 || d < DV) slot[n * DV + d] = ov[n][c];
           }
           if (lane == 0) {
-            slot[V::kRows * DV + 2 * n] = sm[n].m;
-            slot[V::kRows * DV + 2 * n + 1] = sm[n].l;
+            slot[V::row_rows() * DV + 2 * n] = sm[n].m;
+            slot[V::row_rows() * DV + 2 * n + 1] = sm[n].l;
           }
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       const short r = key_set + half - first;  // the slot this set folds in, if any
-      if (key_set < half && r >= 0 && r < V::kSlots) {
-        const threadgroup float* slot = slots + (r * V::kRowSets + row_set) * V::kSlotFloats;
+      if (key_set < half && r >= 0 && r < V::slots()) {
+        const threadgroup float* slot = slots + (r * V::row_sets() + row_set) * V::slot_floats();
         #pragma clang loop unroll(full)
-        for (short n = 0; n < V::kRows; ++n) {
+        for (short n = 0; n < V::kMaxRows; ++n) {
           if (!V::live(n) || (V::tested() && !rok[n])) continue;
-          const float m_b = slot[V::kRows * DV + 2 * n], l_b = slot[V::kRows * DV + 2 * n + 1];
+          const float m_b = slot[V::row_rows() * DV + 2 * n], l_b = slot[V::row_rows() * DV + 2 * n + 1];
           const float m_new = max(sm[n].m, m_b);
           const float shift = m_new == -INFINITY ? 0.0f : m_new;
           const float fa = exp2((sm[n].m - shift) * attn_exp_unit);
@@ -358,7 +367,7 @@ inline void attention_decode_vector_block(
 
   #pragma clang loop unroll(full)
 
-  for (short n = 0; n < V::kRows; ++n) {
+  for (short n = 0; n < V::kMaxRows; ++n) {
     if (!V::live(n) || (V::tested() && !rok[n])) continue;
     const int h = rh[n], i = ri[n];
     if (attn_split) {
