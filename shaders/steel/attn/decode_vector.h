@@ -188,22 +188,28 @@ inline void attention_decode_vector_block(
   // Split partitions leave the sink to the merge, which must count it once; of the key sets,
   // set 0 counts it.
   const bool sink_here = attn_sinks != kSteelAttnOperandNone && !attn_split && key_set == 0;
+  // Read once, not per slot or element (constant-buffer reads are lanes' loads too).
+  const int heads = dp.heads_per_tg;
+  const steel_i64 q_hs = p.q_hs, q_rs = p.q_rs;
+  const float q_scale = p.q_scale;
   #pragma clang loop unroll(full)
   for (short n = 0; n < V::kMaxRows; ++n) {
+    // A dead slot (past the pipeline's rows) is never read below: nothing to set up.
+    if (!V::live(n)) continue;
     const int r = row_set + V::row_sets() * n;
     const int g = r / block_rows;
-    rok[n] = V::live(n) && g < dp.heads_per_tg;
+    rok[n] = g < heads;
     ri[n] = i0 + r - g * block_rows;
-    rh[n] = h0 + min(g, dp.heads_per_tg - 1);
-    const device T* qrow = q + xq.q_off + rh[n] * p.q_hs + ri[n] * p.q_rs;
+    rh[n] = h0 + min(g, heads - 1);
+    const device T* qrow = q + xq.q_off + rh[n] * q_hs + ri[n] * q_rs;
     #pragma clang loop unroll(full)
     for (short c = 0; c < V::QE; ++c) {
       const int d = (32 * (c / V::kVecE) + lane) * V::kVecE + c % V::kVecE;
-      qv[n][c] = rok[n] && d < E ? float(qrow[d]) * p.q_scale : 0.0f;
+      qv[n][c] = rok[n] && d < E ? float(qrow[d]) * q_scale : 0.0f;
     }
     #pragma clang loop unroll(full)
     for (short c = 0; c < V::QV; ++c) ov[n][c] = 0.0f;
-    if (sink_here && V::live(n)) {  // the live slots (pipeline constants) read it
+    if (sink_here) {
       const float sink = attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, rh[n]);
       sm[n].init(true, sink / attn_unit_nats);
     } else {
