@@ -280,8 +280,9 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
 
 // The one-row 4-simdgroup vector block's fp-pipe cycles a key, in tenths, which convert its K/V
 // bytes into decode_model_time's unit: the simulator's counters (S = 512, one pass) at de + dv
-// = 128, 256, 512 (f16 and bf16 alike: 21.6, 17.5, 39.8; f32: 14.3, 23.6, 43.7; the row sets
-// make d64 f16 dearer than d128), linear between, flat below, proportional above.
+// = 128, 256, 512 (f16 and bf16 alike: 21.6, 17.5, 39.8; f32: 14.3, 23.6, 43.7; d64 f16 was
+// dearer than d128 at its two row sets then, staged: one row is one row set now, and the fit
+// is the staged kernel's), linear between, flat below, proportional above.
 int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
   constexpr int64_t kHalf[] = {216, 175, 398}, kFloat[] = {143, 236, 437};
   const int64_t* y = elem == 4 ? kFloat : kHalf;

@@ -272,10 +272,12 @@ bool paged_length_class(const TensorList& tensors, const Options& options, std::
   }
   // As plan_attention_varlen plans a paged call: the decode split over the keys a sequence can
   // hold, the diagonals over max_seqlen_q + max_seqlen_k.
+  // Paged, as there: the split's costs depend on it (no direct reads, decode_plan.cpp).
   Decode dec;
   dec.rows = std::min(max_q, q.sizes[0]);
   dec.keys = std::min(max_k, table.sizes[1] * k.sizes[1]);
   dec.count = tensors[3]->sizes[0] - 1;
+  dec.paged = true;
   const DecodeSplit split = decode_split(c, dec, options);
   const Diagonals diag = diagonals(c, max_q + max_k);
   const int64_t fields[] = {split.splits, split.split_keys, split.simdgroups, split.heads_per_tg,

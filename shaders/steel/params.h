@@ -425,8 +425,8 @@ static_assert(offsetof(AttnBackwardParams, dm_combos) == 472, "AttnBackwardParam
 #define STEEL_ATTN_DECODE_MAX_L 8
 // The merge reads one partition per lane: at most 32 partitions.
 #define STEEL_ATTN_DECODE_MAX_SPLITS 32
-// The vector decode kernel (attn/decode_vector.h): packed rows per threadgroup, two per
-// simdgroup; the planner takes it where the GQA group's rows fit (attn::decode_vector).
+// The vector decode kernel (attn/decode_vector.h): packed rows per threadgroup, over its row
+// sets; the planner takes it where the GQA group's rows fit (attn::decode_vector).
 #define STEEL_ATTN_DECODE_VECTOR_ROWS 8
 // Its widest threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS): 16 simdgroups, 512 threads.
 #define STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS 16

@@ -230,25 +230,35 @@ def test_a_decode_stream_hits_with_the_plan_of_its_length(ext):
     assert ext.plan_cache_stats()["misses"] == 1
 
 
-def paged_decode(max_keys, **options):
-    """A paged KV cache's decode step (sdpa_varlen with block_table): 3 sequences of one query
-    row against pools of 64 pages of 16 keys, max_seqlen_k = `max_keys`."""
-    q = desc(F16, [3, 8, 64])
-    pool = desc(F16, [64, 16, 4, 64])
-    cu_q, table, used = desc(I32, [4]), desc(I32, [3, 40]), desc(I32, [3])
+def paged_decode(max_keys, dtype=F16, Hkv=4, dim=64, pages=40, seqs=3, **options):
+    """A paged KV cache's decode step (sdpa_varlen with block_table): `seqs` sequences of one
+    query row (8 query heads) against pools of 16-key pages, `pages` of them a sequence,
+    max_seqlen_k = `max_keys`."""
+    q = desc(dtype, [seqs, 8, dim])
+    pool = desc(dtype, [seqs * pages, 16, Hkv, dim])
+    cu_q = desc(I32, [seqs + 1])
+    table, used = desc(I32, [seqs, pages]), desc(I32, [seqs])
     numbers = {**ATTN, "max_seqlen_q": 1.0, "max_seqlen_k": float(max_keys), **options}
     return ("sdpa_varlen", [q, pool, pool, cu_q, None, None, table, used], numbers, {})
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"is_causal": 1.0, "bottom_right": 1.0}, {"window_left": 300.0}], ids=str
-)
+    "options",
+    [{}, {"is_causal": 1.0, "bottom_right": 1.0}, {"window_left": 300.0},
+     # GQA 4 over up to 1,600 keys: the split's cost depends on the call being paged (no
+     # direct reads), which the length class must plan as the planner does (it did not: at
+     # 855 and 1485 keys here the cached plan covered fewer keys than the fresh one)
+     {"Hkv": 2, "pages": 60, "dim": 128, "seqs": 2},
+     {"Hkv": 2, "pages": 100, "dtype": F32, "seqs": 2}],
+    ids=str,
+)  # fmt: skip
 def test_a_paged_decode_stream_shares_one_plan(ext, options):
     """A paged KV cache's stream raises max_seqlen_k by one per token: every cached plan is the
     fresh plan of its call, planned again only where what the plan derives from max_seqlen_k
     (the split, the window diagonals) changes."""
     ext.plan_cache_reset(4096)
-    lengths = range(0, 700)  # past the 640 keys a sequence's 40 pages hold
+    # past the keys a sequence's pages hold (640 at 40 pages)
+    lengths = range(0, 16 * options.get("pages", 40) + 60)
     for n in lengths:
         call = paged_decode(n, **options)
         assert described(ext, call) == described(ext, call, cached=False), n

@@ -352,7 +352,8 @@ inline void attention_decode_vector_block(
         #pragma clang loop unroll(full)
         for (short n = 0; n < V::kMaxRows; ++n) {
           if (!V::live(n) || (V::tested() && !rok[n])) continue;
-          const float m_b = slot[V::row_rows() * DV + 2 * n], l_b = slot[V::row_rows() * DV + 2 * n + 1];
+          const float m_b = slot[V::row_rows() * DV + 2 * n];
+          const float l_b = slot[V::row_rows() * DV + 2 * n + 1];
           const float m_new = max(sm[n].m, m_b);
           const float shift = m_new == -INFINITY ? 0.0f : m_new;
           const float fa = exp2((sm[n].m - shift) * attn_exp_unit);
