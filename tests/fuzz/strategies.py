@@ -1031,6 +1031,18 @@ def paged_calls(draw, dtypes=DTYPES, max_kv=2000):
     )  # fmt: skip
 
 
+def paged_stream(call, steps):
+    """`call` (paged_calls()) and the `steps` calls after it of a paged decode stream: one more
+    key in every sequence that has any (max_seqlen_k one more too), the pools and block table
+    the same shape while no sequence starts a page, so that the plan cache hands out the first
+    call's plan (varlen_plan.cpp paged_length_class); values drawn afresh per call."""
+    calls = [call]
+    for _ in range(steps):
+        c = calls[-1]
+        calls.append(replace(c, lk=tuple(n + 1 if n else 0 for n in c.lk)))
+    return calls
+
+
 VARLEN_REFUSALS = ("float64", "mixed_v", "rank", "heads", "head_dim", "cu_dtype", "cu_counts",
                    "no_max_seqlen", "no_rows", "dropout_one")  # fmt: skip
 

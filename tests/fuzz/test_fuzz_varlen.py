@@ -22,7 +22,8 @@ import torch
 from attn_helpers import assert_attention_close, score_error
 from fuzz_helpers import assert_refused, fixed, fuzz, fuzz_mark, requires_simulator, strict_sim
 from hypothesis import given
-from strategies import paged_calls, varlen_calls, varlen_refusals
+from hypothesis import strategies as st
+from strategies import paged_calls, paged_stream, varlen_calls, varlen_refusals
 
 import torch_steel
 
@@ -119,6 +120,26 @@ def test_fuzz_paged(call):
     """-m fuzz: random calls on a paged KV cache agree with float64 math on the gathered cache
     and leave their guard buffers untouched."""
     check_varlen(call)
+
+
+@fixed(10)
+@given(paged_calls(), st.integers(1, 3))
+def test_paged_streams_match_float64(call, steps):
+    """Fixed-seed subset: paged decode streams (one more key a sequence per call) agree with
+    float64 math."""
+    for c in paged_stream(call, steps):
+        check_varlen(c)
+
+
+@fuzz_mark
+@fuzz(lambda call, steps: ["paged"])
+@given(paged_calls(), st.integers(1, 3))
+def test_fuzz_paged_stream(call, steps):
+    """-m fuzz: random paged decode streams agree with float64 math and leave their guard
+    buffers untouched: from the second call on, the plan cache hands out the first call's plan
+    wherever the pools and table keep their shape."""
+    for c in paged_stream(call, steps):
+        check_varlen(c)
 
 
 @fuzz_mark
