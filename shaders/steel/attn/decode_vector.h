@@ -126,31 +126,33 @@ inline void attn_vector_row(thread float* dst, const threadgroup T* row, ushort 
 }
 
 // This lane's elements of one device row (D columns of which `cols` are real, vec N), as
-// attn_vector_row reads a tile row: `whole` (cols == D, a pipeline constant) reads no bound,
-// `vectorized` (the row starts 16-byte aligned, so N elements are N aligned) one load a chunk;
-// columns past `cols` read as 0 and are not touched.
+// attn_vector_row reads a tile row: `row` points at the lane's first element (column
+// col0 = lane * N of the row), so chunk c is a compile-time step away. `whole` (cols == D, a
+// pipeline constant) reads no bound, `vectorized` (the row starts 16-byte aligned, so N elements
+// are N aligned) one load a chunk; columns past `cols` read as 0 and are not touched.
 template <typename T, short D, short N, short Q>
-inline void attn_vector_row(thread float* dst, const device T* row, ushort lane, short cols,
+inline void attn_vector_row(thread float* dst, const device T* row, int col0, short cols,
                             bool whole, bool vectorized) {
 #pragma clang loop unroll(full)
   for (short c = 0; c < Q / N; ++c) {
-    const int col = (32 * c + int(lane)) * N;
+    const int col = col0 + 32 * N * c;
+    const device T* src = row + 32 * N * c;
     if (whole && vectorized && (D % (32 * N) == 0 || col < D)) {
       if (N == 4) {
-        const vec<T, 4> x = *((const device vec<T, 4>*)(row + col));
+        const vec<T, 4> x = *((const device vec<T, 4>*)src);
 #pragma clang loop unroll(full)
         for (short e = 0; e < 4; ++e) dst[c * N + e] = float(x[e]);
       } else if (N == 2) {
-        const vec<T, 2> x = *((const device vec<T, 2>*)(row + col));
+        const vec<T, 2> x = *((const device vec<T, 2>*)src);
         dst[c * N] = float(x[0]);
         dst[c * N + 1] = float(x[1]);
       } else {
-        dst[c * N] = float(row[col]);
+        dst[c * N] = float(src[0]);
       }
     } else {
 #pragma clang loop unroll(full)
       for (short e = 0; e < N; ++e) {
-        dst[c * N + e] = col + e < (whole ? int(D) : int(cols)) ? float(row[col + e]) : 0.0f;
+        dst[c * N + e] = col + e < (whole ? int(D) : int(cols)) ? float(src[e]) : 0.0f;
       }
     }
   }
@@ -254,12 +256,15 @@ inline void attention_decode_vector_block(
     float s[V::kMaxRows];
     #pragma clang loop unroll(full)
     for (short n = 0; n < V::kMaxRows; ++n) s[n] = -INFINITY;
+    // Direct: this lane's first element of the tile's first key row, one row stride a key
+    // (formed, not read, when staged).
+    const int k_col0 = int(lane) * V::kVecE;
+    const device T* kd = b.k + steel_i64(key0) * b.k_rows.ld + k_col0;
     const threadgroup T* kj = Ks + j0 * A::kLdK;
-    for (short j = 0; j < keys_here; ++j, kj += A::kLdK) {
+    for (short j = 0; j < keys_here; ++j, kj += A::kLdK, kd += b.k_rows.ld) {
       float kf[V::QE];
       if (attn_decode_direct) {
-        const device T* kd = b.k + steel_i64(key0 + j) * b.k_rows.ld;
-        attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kd, lane, E, attn_align_e, attn_vec_k);
+        attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kd, k_col0, E, attn_align_e, attn_vec_k);
       } else {
         attn_vector_row<T, DE, V::kVecE, V::QE>(kf, kj, lane);
       }
@@ -303,11 +308,12 @@ inline void attention_decode_vector_block(
     }
     const short ldv = A::alias() ? A::kLdK : A::kLdV;
     const threadgroup T* vj = (A::alias() ? Ks : Vs) + j0 * ldv;
-    for (short j = 0; j < keys_here; ++j, vj += ldv) {
+    const int v_col0 = int(lane) * V::kVecV;
+    const device T* vd = b.v + steel_i64(key0) * b.v_rows.ld + v_col0;
+    for (short j = 0; j < keys_here; ++j, vj += ldv, vd += b.v_rows.ld) {
       float vf[V::QV];
       if (attn_decode_direct) {
-        const device T* vd = b.v + steel_i64(key0 + j) * b.v_rows.ld;
-        attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vd, lane, Ev, attn_align_ev, attn_vec_v);
+        attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vd, v_col0, Ev, attn_align_ev, attn_vec_v);
       } else {
         attn_vector_row<T, DV, V::kVecV, V::QV>(vf, vj, lane);
       }
