@@ -1,6 +1,7 @@
 """The simulator's counters, exact on small kernels (kernels: tests/sim/kernels/exec_counters.metal)
 and on the GEMM plan."""
 
+import re
 import struct
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from sim_helpers import requires_clang
 
 from torch_steel import sim
+from torch_steel.sim import ir
 
 KERNELS = Path(__file__).parent / "kernels"
 SRC = [KERNELS / "exec_counters.metal"]
@@ -507,3 +509,83 @@ def test_copies_across_address_spaces_count_as_their_loads():
         "threadgroup_loads": 1,
         "threadgroup_stores": 1,
     }
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_instructions_function_constant_select_is_resolved(fixed):
+    """A select on a function constant and an i1 or with one are resolved when Metal builds the
+    pipeline: the kernel counts what its twin without the function constant counts (each once
+    counted a compare-select: 2 a key in the vector decode kernel's loops)."""
+    x0 = torch.randn(32)
+    x, twin = x0.clone(), x0.clone()
+    scale = struct.pack("<f", 3.0)
+    c, _ = run_mix("exec_mix_constant_select", buffers={0: x, 1: scale}, constants={0: fixed})
+    t, _ = run_mix("exec_mix_runtime_select", buffers={0: twin, 1: scale})
+    assert torch.equal(x, x0 * 2 if fixed else torch.where(x0 > 0, x0 * 3, 0.0))
+    assert torch.equal(twin, torch.where(x0 > 0, x0 * 3, 0.0))
+    # a * s: one multiply; a > 0 ? b : 0: a compare and a select; the zext and one address.
+    assert c["instructions"] == t["instructions"] == mix(fp32=1, int=2, compare_select=2)
+
+
+def test_instructions_shuffle_source_lane_check_is_the_simulators():
+    """simd_shuffle by a loop's index in two slots a runtime flag each may skip: per trip, each
+    slot's FMA and flag branch and the loop's increment, zext (the ushort index against the uint
+    bound), compare and branch. The shim's check of the source lane once counted 5 integer
+    operations and 3 compares more a trip: the optimizer hoisted it out of the shim's lines."""
+    counts = []
+    for trips in (1, 5):
+        x0 = torch.randn(32)
+        x = x0.clone()
+        c, _ = run_mix(
+            "exec_mix_shuffle_loop",
+            buffers={0: x, 1: struct.pack("<I", trips), 2: struct.pack("<II", 1, 1)},
+        )
+        want = x0 * (x0[:trips].sum() + (x0[:trips] + 1).sum())
+        assert torch.allclose(x, want, rtol=1e-5, atol=1e-5)
+        assert c["shuffles"] == 2 * trips
+        counts.append(c["instructions"])
+    per_trip = {k: (counts[1][k] - counts[0][k]) / 4 for k in CLASSES}
+    assert per_trip == mix(fp32=2, int=2, compare_select=1, branch=3)
+
+
+def _block_histogram(body):
+    """The instruction classes count_blocks gives the one block of an IR function."""
+    text = f"define void @f(ptr addrspace(1) %p, ptr addrspace(1) %o) {{\n{body}\n}}\n"
+    out = ir.count_blocks(text)
+    table = re.search(r"@steel_sim\.block\.0 = private constant \[\d+ x i32\] \[(.*)\]", out)
+    values = [int(v.split()[1]) for v in table.group(1).split(",")]
+    return dict(zip(ir.FIELDS, values))
+
+
+def test_instructions_element_reads_of_a_packed_load_are_moves():
+    """clang reads the two halves of a half2 as one 32-bit load, a shift, truncations to 16 bits
+    and bitcasts to half (as it compiled the vector decode kernel's K and V rows): element
+    moves, not integer instructions (6 a key counted in that kernel). A shift whose value is
+    used as an integer still counts."""
+    moves = """
+  %x = load i32, ptr addrspace(1) %p, align 4
+  %a = trunc i32 %x to i16
+  %ah = bitcast i16 %a to half
+  %af = fpext half %ah to float
+  %s = lshr i32 %x, 16
+  %b = trunc nuw i32 %s to i16
+  %bh = bitcast i16 %b to half
+  %bf = fpext half %bh to float
+  %m = fmul float %af, %bf
+  store float %m, ptr addrspace(1) %o, align 4
+  ret void"""
+    h = _block_histogram(moves)
+    assert (h["int"], h["convert"], h["fp32"], h["device_loads"], h["device_stores"]) == (
+        0, 2, 1, 1, 1,
+    )  # fmt: skip
+    arithmetic = """
+  %x = load i32, ptr addrspace(1) %p, align 4
+  %s = lshr i32 %x, 16
+  %b = trunc i32 %s to i16
+  %bh = bitcast i16 %b to half
+  %bf = fpext half %bh to float
+  %n = add i32 %s, 1
+  store i32 %n, ptr addrspace(1) %o, align 4
+  ret void"""
+    h = _block_histogram(arithmetic)
+    assert (h["int"], h["convert"]) == (2, 1)  # the shift (an add uses it) and the add

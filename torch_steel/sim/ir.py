@@ -163,8 +163,9 @@ def rewrite(ir: str) -> str:
 #   add as one instruction (the add's: one FMA); an add takes one multiply at most. llvm.fma /
 #   llvm.fmuladd calls and the shim's fma() count as one instruction anyway.
 # - Not counted: what Metal's compiler folds or has no instruction for (values computed only from
-#   function constants and branches on them, phis, bitcasts, vector element moves, constant
-#   address offsets, calls of shader functions, which Metal inlines), thread-private memory
+#   function constants and branches on them, selects and i1 logic on them, phis, bitcasts,
+#   vector element moves, also as shifts and truncations of a packed load, constant address
+#   offsets, calls of shader functions, which Metal inlines), thread-private memory
 #   (registers), the sanitizers' checks (!nosanitize, and the compares feeding a branch to a
 #   block that ends in `unreachable`: an error path) and the runtime's calls.
 
@@ -273,6 +274,17 @@ _MD_STR = {k: re.compile(k + r': "((?:[^"\\]|\\.)*)"') for k in ("name", "filena
 _DBG = re.compile(r", !dbg !(\d+)")
 _LABEL = re.compile(r'^([-\w.$]+|"(?:[^"\\]|\\.)*"):')
 _LOCAL = re.compile(r'%[-\w.$]+|%"(?:[^"\\]|\\.)*"')
+# `select [flags] i1 %c, ...` (or a vector of i1): the condition.
+_SELECT_COND = re.compile(r"^select (?:[a-z]+ )*(?:i1|<\d+ x i1>) (%[-\w.$]+),")
+# `and / or / xor i1 a, b`: the operands.
+_LOGIC_I1 = re.compile(r"^(?:and|or|xor) (?:disjoint )?i1 (\S+), (\S+)$")
+# A constant shift right (group 1) or a truncation of an integer (group 3: its result type).
+_ELEMENT_SHIFT = re.compile(
+    r"^(?:(lshr) (?:exact )?i\d+ \S+, \d+|(trunc) (?:nuw )?(?:nsw )?"
+    r"i\d+ \S+ to (i\d+))"
+)
+# A bitcast of an integer to a float type of its width.
+_FP_BITCAST = re.compile(r"^bitcast (?:i16 \S+ to (?:half|bfloat)|i32 \S+ to float)\b")
 _VEC = re.compile(r"^<(\d+) x ([\w]+)>")
 _FLAGS = {
     "nnan",
@@ -572,6 +584,41 @@ def _function_hists(
             operands = _LOCAL.findall(body.split(", !")[0])
             if operands and all(v in folded for v in operands):
                 folded.add(name)
+    # Moves: instructions that Metal's compiler turns into register moves or nothing.
+    # - A select on a function constant is one of its operands when the pipeline is built, and
+    #   an i1 and / or / xor with a function-constant operand is a constant or its other operand.
+    # - The optimizer reads the elements of a <2 x half> (or bfloat) as one integer, shifted and
+    #   truncated to 16 bits and bitcast to half (x86's form of an element read): element moves,
+    #   free as extractelement is (a shift by a constant and a truncation whose every use is such
+    #   a bitcast or another such move).
+    moves: set[str] = set()
+    for name, body in defs.items():
+        m = _SELECT_COND.match(body)
+        if m and m.group(1) in folded:
+            moves.add(name)
+            continue
+        m = _LOGIC_I1.match(body.split(", !")[0])
+        if m and (m.group(1) in folded or m.group(2) in folded):
+            moves.add(name)
+
+    def element_move(name: str, seen: dict[str, bool]) -> bool:
+        if name in seen:
+            return seen[name]
+        seen[name] = False
+        body = defs.get(name, "")
+        m = _ELEMENT_SHIFT.match(body)
+        ok = bool(m) and (m.group(1) == "lshr" or m.group(3) in ("i16", "i32"))
+        for u in users.get(name, []) if ok else []:
+            a = _ASSIGN.match(lines[u])
+            use = a.group(2) if a else ""
+            if not (_FP_BITCAST.match(use) or (a and element_move(a.group(1), seen))):
+                ok = False
+                break
+        seen[name] = ok
+        return ok
+
+    shifts: dict[str, bool] = {}
+    moves.update(name for name in defs if element_move(name, shifts))
     # Blocks that end in `unreachable` are error paths; a branch to one is a check.
     traps = set()
     for bi, (lo, hi) in enumerate(blocks):
@@ -615,7 +662,7 @@ def _function_hists(
         if "!nosanitize" in line or i in check_branches:
             return False
         a = _ASSIGN.match(line)
-        if a and (a.group(1) in excluded or a.group(1) in folded):
+        if a and (a.group(1) in excluded or a.group(1) in folded or a.group(1) in moves):
             return False
         d = _DBG.search(line)
         if d is not None:

@@ -229,3 +229,79 @@ kernel void exec_copy_struct(device float* out [[buffer(0)]],
   ExecPair p = tile[31 - i];
   out[i] = p.a + p.b;
 }
+
+// Half2 reads of a row from device or threadgroup memory (a function constant picks), a
+// pointer step a trip: per trip one load, two conversions, two FMAs and the loop's increment,
+// compare and branch. clang's optimizer reads the two halves as one 32-bit integer, a shift,
+// two truncations and two bitcasts: element moves, not instructions.
+constant bool exec_fc_direct [[function_constant(1)]];
+constant bool exec_fc_vec [[function_constant(2)]];
+kernel void exec_mix_half2(device const half* h [[buffer(0)]],
+                           device float* out [[buffer(1)]],
+                           constant uint& trips [[buffer(2)]],
+                           constant int& cols [[buffer(3)]],
+                           uint i [[thread_position_in_grid]]) {
+  threadgroup half tile[64];
+  tile[2 * i] = h[2 * i];
+  tile[2 * i + 1] = h[2 * i + 1];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const device half* row = h + 2 * i;
+  float acc = 0.0f;
+  for (uint t = 0; t < trips; ++t, row += 64) {
+    float f[2];
+    if (exec_fc_direct && exec_fc_vec) {
+      const half2 x = *((const device half2*)row);
+      f[0] = float(x[0]);
+      f[1] = float(x[1]);
+    } else if (exec_fc_direct) {
+      for (short e = 0; e < 2; ++e) f[e] = int(i) * 2 + e < cols ? float(row[e]) : 0.0f;
+    } else {
+      const half2 x = *((const threadgroup half2*)(tile + 2 * i));
+      f[0] = float(x[0]);
+      f[1] = float(x[1]);
+    }
+    acc += f[0] * f[0] + f[1] * f[1];
+  }
+  out[i] = acc;
+}
+
+// simd_shuffle from the lane a loop counts, in two slots that a runtime flag each may skip (the
+// vector decode kernel's rows): per trip and slot one shuffle, one FMA and the flag's branch,
+// and per trip the loop's increment, compare and branch. The shim's check of the source lane
+// (an id of 32 or more, an inactive lane) and its address are the simulator's, not the
+// shader's: the optimizer once hoisted them above the slots' branches, out of the shim's source
+// lines, and they counted as 3 integer operations and 2 compares a shuffle.
+kernel void exec_mix_shuffle_loop(device float* x [[buffer(0)]],
+                                  constant uint& trips [[buffer(1)]],
+                                  constant uint2& flags [[buffer(2)]],
+                                  uint i [[thread_position_in_grid]]) {
+  const float v = x[i];
+  const bool on[2] = {flags.x != 0, flags.y != 0};
+  float acc[2] = {0.0f, 0.0f};
+  for (ushort j = 0; j < trips; ++j) {
+#pragma clang loop unroll(full)
+    for (short n = 0; n < 2; ++n) {
+      if (on[n]) acc[n] += simd_shuffle(v + float(n), j) * v;
+    }
+  }
+  x[i] = acc[0] + acc[1];
+}
+
+// A select and a logical operation on a function constant, resolved when the pipeline is built
+// (to 2 or `scale`, to true or `a > 0`): no instruction, so the kernel counts what its twin
+// without the function constant does (a multiply, a compare and a select).
+constant bool exec_fc_fixed [[function_constant(0)]];
+kernel void exec_mix_constant_select(device float* x [[buffer(0)]],
+                                     constant float& scale [[buffer(1)]],
+                                     uint i [[thread_position_in_grid]]) {
+  const float a = x[i];
+  const float b = a * (exec_fc_fixed ? 2.0f : scale);
+  x[i] = (exec_fc_fixed | (a > 0.0f)) ? b : 0.0f;
+}
+kernel void exec_mix_runtime_select(device float* x [[buffer(0)]],
+                                    constant float& scale [[buffer(1)]],
+                                    uint i [[thread_position_in_grid]]) {
+  const float a = x[i];
+  const float b = a * scale;
+  x[i] = a > 0.0f ? b : 0.0f;
+}

@@ -65,6 +65,16 @@ inline T lane_value(const Exchanged& e, uint32_t lane) {
   return v;
 }
 
+// A shuffle's source lane, made to depend on the exchange's result by an empty asm, so that the
+// optimizer cannot hoist lane_value's check and addressing above the exchange into the shader's
+// code: there they lost the shim's source location and were counted as the shader's
+// instructions (an unrolled decode loop's simd_shuffle by the key index: 3 integer operations
+// and 2 compares a shuffle). Reductions' folds keep plain ids (their loops unroll).
+inline uint32_t source_lane(const Exchanged& e, uint32_t lane) {
+  __asm__("" : "+r"(lane) : "r"(e.all));
+  return lane;
+}
+
 // Folds the active lanes' values with `op` in ascending lane order, over lanes [0, end).
 template <typename T, typename Op>
 inline T fold(const Exchanged& e, uint32_t end, T init, Op op) {
@@ -163,7 +173,7 @@ template <typename T>
 STEEL_CONVERGENT inline T simd_shuffle(T data, ushort simd_lane_id) {
   STEEL_SHIM_SIMD_OPERAND(T);
   const auto e = steel_shim::exchange(data, steel_sim::SimdKind::Shuffle);
-  return steel_shim::lane_value<T>(e, uint32_t(simd_lane_id));
+  return steel_shim::lane_value<T>(e, steel_shim::source_lane(e, uint32_t(simd_lane_id)));
 }
 
 // MSL requires these arguments to be the same in every thread of the SIMD-group ("the value for
@@ -179,7 +189,9 @@ STEEL_CONVERGENT inline T simd_shuffle(T data, ushort simd_lane_id) {
     steel_shim::require_uniform_delta<T>(e, #name, #arg);                                  \
     const uint32_t me = steel_shim::simd_lane();                                           \
     (void)me;                                                                              \
-    return steel_shim::lane_value<steel_shim::WithDelta<T>>(e, src_expr).data;             \
+    return steel_shim::lane_value<steel_shim::WithDelta<T>>(                               \
+               e, steel_shim::source_lane(e, src_expr))                                    \
+        .data;                                                                             \
   }
 STEEL_SHIM_SHUFFLE_UNIFORM(simd_broadcast, broadcast_lane_id, uint32_t(broadcast_lane_id))
 STEEL_SHIM_SHUFFLE_UNIFORM(simd_shuffle_xor, mask, me ^ uint32_t(mask))
