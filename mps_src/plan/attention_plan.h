@@ -190,9 +190,13 @@ constexpr int64_t kDecodeMinSplitKeys = 256;
 // mille of a 4-simdgroup block's work (d128 1 x 4 row x key sets, 1 row: 8 and 16 simdgroups
 // 1.137x and 1.426x the 4-simdgroup block's; 4 rows 1.173x, 1.528x; d64 2 x 2, 1 row 1.080x,
 // 1.247x; 4 rows 1.097x, 1.294x: 4.0%, 3.6%, 4.4%, 3.5%, 4.0%, 4.1%, 4.9%, 4.9% a key set).
-// The merge dispatch's 10 us of overhead (chips.json dispatch_overhead_s) is kDecodeMergeKeys
-// keys of one 4-simdgroup block at full ALU efficiency: 12.8k to 15.8k core cycles at the
-// table's clocks, at 17.5 (d128, 1 row) to 30 (d64, 4 rows) fp-pipe cycles a key, 430 to 900.
+// The merge dispatch's 10 us of overhead (chips.json dispatch_overhead_s) is kDecodeMergeCycles
+// core cycles, 12.8k to 15.8k at the table's clocks: decode_plan.cpp decode_merge_keys converts
+// them into keys of one 4-simdgroup block's work at full ALU efficiency by the block's cycles a
+// key (decode_key_cycles: with direct reads f16 d64, 5.9 cycles, that is 2373 keys; it was a
+// fixed 640 keys, the staged kernel's 21.6 cycles then, which put a split's merge at a quarter
+// of its cost against direct reads' one pass).
+constexpr int64_t kDecodeMergeCycles = 14000;
 constexpr int64_t kDecodeKeySetWork = 40;
 // With direct reads (decode_plan.cpp decode_direct) a key set's tiles are its own and only the
 // combining rounds grow with the key sets: the timing model's fp pipe (sim.predict, M4 Pro, f16,
@@ -200,18 +204,35 @@ constexpr int64_t kDecodeKeySetWork = 40;
 // block's at d64, 1.021x and 1.065x at d128: 4.9 to 5.4 per mille a key set (staged there:
 // 26.5 to 31.5).
 constexpr int64_t kDecodeDirectKeySetWork = 5;
-constexpr int64_t kDecodeMergeKeys = 640;
 // The vector decode's GQA packing (decode_plan.cpp decode_layout_time), from the same counters
 // (S = 512, one pass, 4 simdgroups, 1 to 8 packed rows): each packed row past the first adds
 // kDecodeRowWork per mille of a one-row block's fp-pipe cycles a key (f16 d64 / d128 / d256
 // 15%, 20%, 17%; f32 17%, 18%, 16%; 16 simdgroups, f16 d128: 24%); the block reads
 // kDecodeParamBytes of the params struct a key and simdgroup beside its K and V (12.5 to 20).
 constexpr int64_t kDecodeRowWork = 200;
+// With direct reads a key's fixed work is smaller and a row's larger in proportion: 325 (f16
+// d64), 371 (f16 d128), 392 (f32 d64), 494 (f32 d128) per mille a packed row past the first (the
+// timing model's fp pipe, sim.predict, M4 Pro, one pass, S = 512 -> 1024, 1 to 8 rows).
+constexpr int64_t kDecodeDirectRowWork = 370;
+// A direct-read block's fixed work (the prologue's q and params reads, the key sets' combining
+// rounds, the epilogue), in fp-pipe cycles a simdgroup of one packed row, and per mille more a
+// packed row past the first: the same fit's intercepts (S = 256 -> 512) at 4, 8 and 16
+// simdgroups, 65 to 73 cycles a simdgroup at one row (f16 d64, d128, f32 d64), 81 to 99 at two.
+// At a short cache it is most of a wide block's work (f16 d64 8 simdgroups: 568 cycles, 97 keys'
+// worth), so decode_simdgroups and decode_layout_time count it.
+constexpr int64_t kDecodeDirectSimdgroupCycles = 70;
+constexpr int64_t kDecodeDirectFixedRowWork = 250;
 // DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock (chips.json:
 // 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5, 9.3 on M4 Pro): the K/V read's floor, the same
 // for every packing, which decides where one packing needs a split's merge and another not.
 constexpr int64_t kDecodeDramBytes = 8;
 constexpr int64_t kDecodeParamBytes = 16;
+// With direct reads the prologue reads the params struct once a lane (decode_vector.h, "read
+// once"): 125 bytes a lane of the counters' constant_read (f16 d64 and d128, one packed row, at
+// S = 128 and 512 alike), whatever the keys. At a short cache that is most of a wide block's
+// traffic through the L2 (M5 B1 H8/2 S128 d64: 500 KB against 256 KB of K and V at 16
+// simdgroups), which decode_simdgroups weighs against the wider block's ALU efficiency.
+constexpr int64_t kDecodeDirectParamBytes = 125;
 
 // Whether the decode kernels serve `rows` query rows per (batch entry, head): at most
 // STEEL_ATTN_DECODE_MAX_L rows and no dropout. A call they do not serve is not refused: a

@@ -82,7 +82,7 @@ int64_t decode_row_sets(const Common& c, int64_t packed) {
 // read each row twice) and no K/V alias (V would be read again, not taken from K's tile).
 // Option "decode_direct" = 0 keeps the staged tiles (the tests run both). A wider block's added
 // key sets cost kDecodeDirectKeySetWork with direct reads (decode_key_set_work), not the staged
-// kDecodeKeySetWork; decode_key_cycles stays the staged kernel's fit.
+// kDecodeKeySetWork, and a key's fp-pipe cycles are decode_key_cycles' direct fit.
 // (Quantized plans are made from the dequantized call's, with the option off.)
 bool decode_direct(const Common& c, const Decode& dec, int64_t packed, const Options& options) {
   return options.number("decode_direct", 1.0) != 0.0 && !dec.paged && !dec.kv_alias &&
@@ -157,6 +157,55 @@ int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resi
   return t;
 }
 
+// The one-row 4-simdgroup vector block's fp-pipe cycles a key, in tenths, which convert its K/V
+// bytes into decode_model_time's unit: the timing model's fp pipe (sim.predict, M4 Pro, one pass,
+// S = 512 -> 1024, a key's share) at de + dv = 128, 256, 512, with direct reads (f16 and bf16:
+// 5.9, 7.9, 12.9; f32: 4.9, 6.3, 8.8) and staged (f16 11.3, 16.3, 29.4; f32 13.3, 22.7, 37.4),
+// linear between, flat below, proportional above.
+int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem, bool direct) {
+  constexpr int64_t kHalf[2][3] = {{113, 163, 294}, {59, 79, 129}};
+  constexpr int64_t kFloat[2][3] = {{133, 227, 374}, {49, 63, 88}};
+  const int64_t* y = (elem == 4 ? kFloat : kHalf)[direct ? 1 : 0];
+  const int64_t x = de + dv;
+  if (x <= 128) return y[0];
+  if (x <= 256) return y[0] + (y[1] - y[0]) * (x - 128) / 128;
+  if (x <= 512) return y[1] + (y[2] - y[1]) * (x - 256) / 256;
+  return y[2] * x / 512;
+}
+
+// A threadgroup's fixed work with direct reads (kDecodeDirectSimdgroupCycles a simdgroup), in
+// keys of a one-row 4-simdgroup block's work (decode_model_time's unit); 0 staged, where the
+// per-key fit holds it.
+int64_t decode_fixed_keys(const Common& c, bool direct, int64_t packed, int64_t w) {
+  if (!direct) return 0;
+  const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
+  return kDecodeDirectSimdgroupCycles * 10 * w *
+         (1000 + kDecodeDirectFixedRowWork * (packed - 1)) / 1000 /
+         decode_key_cycles(c.kernel.de, c.kernel.dv, elem, true);
+}
+
+// The merge dispatch's overhead (kDecodeMergeCycles) in decode_model_time's unit.
+int64_t decode_merge_time(const Common& c, bool direct) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
+  return kDecodeMergeCycles * 10 * 1000 / decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);
+}
+
+// The timing model's L2-path time of `threadgroups` threadgroups of `w` simdgroups (`resident` a
+// core) each reading `keys` keys, in decode_model_time's unit: the most a core runs, each one's
+// K and V bytes and params reads (kDecodeParamBytes a key and simdgroup staged,
+// kDecodeDirectParamBytes a lane once with direct reads), at 32 bytes a core-cycle (chips.json
+// l2_bytes_per_core_cycle, every chip of its table), over decode_key_cycles.
+int64_t decode_cache_time(const Common& c, bool direct, int64_t threadgroups, int64_t w,
+                          int64_t resident, int64_t cores, int64_t keys) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
+  const int64_t slots = cores * resident;
+  const int64_t per_core = threadgroups / slots * resident + ceil_div(threadgroups % slots, cores);
+  const int64_t params = direct ? kDecodeDirectParamBytes * 32 * w : kDecodeParamBytes * w * keys;
+  const int64_t bytes = keys * (c.kernel.de + c.kernel.dv) * elem + params;
+  return per_core * bytes * 10000 /
+         (32 * decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct));
+}
+
 // The vector kernel's simdgroups a threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS), and whether a
 // split's partitions `*n` give way to one pass. A grid below one wave leaves cores idle or
 // holding one or two threadgroups of 4 simdgroups, at the timing model's ALU efficiency of 4
@@ -164,10 +213,12 @@ int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resi
 // a second dispatch and its overhead (dispatch_overhead_s, 10 us on every chip of chips.json)
 // is the whole time of a short cache's decode. A one-pass threadgroup of 8 or 16 simdgroups
 // (more key sets over the same tiles, decode_vector.h) reaches 0.625 or 0.8125 on its own core.
-// Costed in the timing model's terms (decode_model_time): each candidate's per-core time, a wider
+// Costed in the timing model's terms: each candidate's per-core time (decode_model_time), a wider
 // block's work 1 + decode_key_set_work / 1000 x its added key sets times a 4-simdgroup block's
 // (each key set's per-tile steps: the online softmax's reductions and rescaling, the loop; and
-// the combining rounds), and the merge at kDecodeMergeKeys keys; the
+// the combining rounds), or its L2 path's if longer (decode_cache_time: a wider block's lanes
+// each read the params, M5 H8/2 S128 d64 f16 one token: 16 simdgroups 12.0 us cache-bound, 8
+// 11.3, PyTorch's kernel 11.6), and the merge's overhead (decode_merge_time); the
 // cheapest is taken, the 4-simdgroup split on a tie. A wider block must fit a core (registers:
 // decode_registers of its live rows) and the grid one wave of it. Option "decode_simdgroups"
 // (4, 8 or 16) fixes the width (the tests run every one), "num_splits" the partitions (then the
@@ -193,16 +244,26 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   if (threadgroups >= cores * res4) return STEEL_ATTN_SIMDGROUPS;  // a wave or more: as planned
   const int64_t per = ceil_div(ceil_div(keys, *n), bk) * bk;
   const int64_t parts = ceil_div(keys, per);
-  int64_t best = decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores, per) +
-                 (parts > 1 ? kDecodeMergeKeys * 1000 : 0);
+  const bool direct = decode_direct(c, dec, packed, options);
+  // A key's work for the packed rows, per mille of a one-row block's (decode_layout_time's).
+  const int64_t rows = 1000 + (direct ? kDecodeDirectRowWork : kDecodeRowWork) * (packed - 1);
+  const int64_t fixed4 = decode_fixed_keys(c, direct, packed, STEEL_ATTN_SIMDGROUPS);
+  int64_t best =
+      std::max(decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores,
+                                 per * rows / 1000 + fixed4),
+               decode_cache_time(c, direct, threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4,
+                                 cores, per)) +
+      (parts > 1 ? decode_merge_time(c, direct) : 0);
   int64_t width = STEEL_ATTN_SIMDGROUPS;
   const int64_t whole = ceil_div(keys, bk) * bk;
   for (int64_t w = 2 * STEEL_ATTN_SIMDGROUPS; w <= STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; w *= 2) {
     const int64_t work =
-        whole * (1000 + key_set_work * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000;
+        whole * rows / 1000 * (1000 + key_set_work * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000 +
+        decode_fixed_keys(c, direct, packed, w);
     const int64_t res = decode_resident(c, true, packed, w);
     if (res < 1 || w / sets > bk || threadgroups > cores * res || 32 * w > max_threads) continue;
-    const int64_t t = decode_model_time(threadgroups, w, res, cores, work);
+    const int64_t t = std::max(decode_model_time(threadgroups, w, res, cores, work),
+                               decode_cache_time(c, direct, threadgroups, w, res, cores, whole));
     if (t < best) best = t, width = w;
   }
   if (width != STEEL_ATTN_SIMDGROUPS) *n = 1;
@@ -217,9 +278,10 @@ struct DecodeLayout {
   int64_t threadgroups = 0;
 };
 
-// The partitions and the vector kernel's width for `per_tg` query heads a threadgroup.
+// The partitions and the vector kernel's width for `per_tg` query heads a threadgroup; `one_pass`
+// takes one partition (and the width for it) in place of the wave heuristic's count.
 DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& options,
-                           int64_t per_tg, bool vector, int64_t cores) {
+                           int64_t per_tg, bool vector, int64_t cores, bool one_pass = false) {
   DecodeLayout layout;
   DecodeSplit& out = layout.split;
   out.heads_per_tg = per_tg;
@@ -234,8 +296,12 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
   const int64_t resident =
       std::max<int64_t>(1, decode_resident(c, vector, packed, STEEL_ATTN_SIMDGROUPS));
   const int64_t wave = cores * resident;
-  int64_t n = static_cast<int64_t>(options.number("num_splits", 0));
-  if (n <= 0) {
+  int64_t n = one_pass ? 1 : static_cast<int64_t>(options.number("num_splits", 0));
+  if (one_pass) {
+    if (vector) {
+      out.simdgroups = decode_simdgroups(c, dec, options, packed, threadgroups, cores, &n);
+    }
+  } else if (n <= 0) {
     // The GPU runs the grid in waves of cores x resident threadgroups per core (the timing
     // model, torch_steel/sim/timing.py, quantizes a dispatch the same way), and a wave lasts as
     // long as its threadgroups' keys. Of the counts the floors allow (at most
@@ -278,20 +344,6 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
   return layout;
 }
 
-// The one-row 4-simdgroup vector block's fp-pipe cycles a key, in tenths, which convert its K/V
-// bytes into decode_model_time's unit: the simulator's counters (S = 512, one pass) at de + dv
-// = 128, 256, 512 (f16 and bf16 alike: 21.6, 17.5, 39.8; f32: 14.3, 23.6, 43.7; d64 f16 was
-// dearer than d128 at its two row sets then, staged: one row is one row set now, and the fit
-// is the staged kernel's), linear between, flat below, proportional above.
-int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
-  constexpr int64_t kHalf[] = {216, 175, 398}, kFloat[] = {143, 236, 437};
-  const int64_t* y = elem == 4 ? kFloat : kHalf;
-  const int64_t x = de + dv;
-  if (x <= 128) return y[0];
-  if (x <= 256) return y[0] + (y[1] - y[0]) * (x - 128) / 128;
-  if (x <= 512) return y[1] + (y[2] - y[1]) * (x - 256) / 256;
-  return y[2] * x / 512;
-}
 
 // The timing model's time of a vector decode layout (decode_layout's, for its heads_per_tg), in
 // keys x 1000 of a one-row 4-simdgroup block's work (decode_model_time's unit): what
@@ -305,14 +357,13 @@ int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem) {
 // re-reads hit the cache: the DRAM bytes stay those of one read). Costed as the timing model
 // costs a dispatch (timing.py predict_dispatch, the largest of its bounds), on the core count:
 //   - compute: decode_model_time of the layout's threadgroups x partitions, at its width's
-//     residency, each of split_keys keys x (1 + kDecodeRowWork / 1000 a packed row past the
-//     first) x decode_simdgroups' key-set work;
-//   - cache: the threadgroups a core runs x split_keys x (a key's K and V bytes plus
-//     kDecodeParamBytes a simdgroup) at 32 bytes a core-cycle (chips.json
-//     l2_bytes_per_core_cycle, every chip of its table), over decode_key_cycles;
+//     residency, each of split_keys keys x (1 + kDecodeRowWork / 1000, kDecodeDirectRowWork
+//     with direct reads, a packed row past the first) x decode_simdgroups' key-set work;
+//   - cache: decode_cache_time, the threadgroups a core runs x (split_keys of K and V and the
+//     params reads) through the L2;
 //   - DRAM: K and V read once at kDecodeDramBytes a core-cycle of the GPU, the same for every
 //     packing, a floor under which one packing's split (and its merge) saves nothing;
-//   - the largest, plus the merge's kDecodeMergeKeys when split.
+//   - the largest, plus the merge's overhead (decode_merge_time) when split.
 // Each divisor of the group below the full packing is costed with its own split and width
 // (decode_layout), and the cheapest taken, the most heads on a tie. The timing model's
 // predictions, f16 d128 B1 one token, full packing / at most 2 heads a threadgroup / 1, in us
@@ -333,20 +384,21 @@ int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayou
   const int64_t sets = decode_row_sets(c, packed);
   const int64_t w = l.simdgroups;
   const int64_t resident = std::max<int64_t>(1, decode_resident(c, true, packed, w));
-  const int64_t work = l.split_keys * (1000 + kDecodeRowWork * (packed - 1)) / 1000 *
+  const bool direct = decode_direct(c, dec, packed, options);
+  const int64_t rows = 1000 + (direct ? kDecodeDirectRowWork : kDecodeRowWork) * (packed - 1);
+  const int64_t work = l.split_keys * rows / 1000 *
                        (1000 + decode_key_set_work(c, dec, packed, options) *
                                    (w - STEEL_ATTN_SIMDGROUPS) / sets) /
-                       1000;
+                           1000 +
+                       decode_fixed_keys(c, direct, packed, w);
   const int64_t compute = decode_model_time(threadgroups, w, resident, cores, work);
-  const int64_t slots = cores * resident;
-  const int64_t per_core = threadgroups / slots * resident + ceil_div(threadgroups % slots, cores);
-  const int64_t key_bytes = (c.kernel.de + c.kernel.dv) * elem + kDecodeParamBytes * w;
-  const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem);  // tenths
-  const int64_t cache = per_core * l.split_keys * key_bytes * 10000 / (32 * key_cycles);
+  const int64_t cache =
+      decode_cache_time(c, direct, threadgroups, w, resident, cores, l.split_keys);
+  const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);  // tenths
   const int64_t kv_bytes = dec.count * c.Hkv * std::max<int64_t>(dec.keys, 1) *
                            (c.kernel.de + c.kernel.dv) * elem;
   const int64_t dram = kv_bytes * 10000 / (kDecodeDramBytes * cores * key_cycles);
-  return std::max({compute, cache, dram}) + (l.splits > 1 ? kDecodeMergeKeys * 1000 : 0);
+  return std::max({compute, cache, dram}) + (l.splits > 1 ? decode_merge_time(c, direct) : 0);
 }
 
 }  // namespace
@@ -358,16 +410,34 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   const int64_t cores = described > 0 ? described : kDecodeDefaultCores;
   const int64_t fixed = static_cast<int64_t>(options.number("decode_heads_per_tg", 0));
   const int64_t most = decode_heads_per_tg(group, dec.rows, fixed > 0 ? fixed : INT64_MAX);
-  DecodeLayout best = decode_layout(c, dec, options, most, vector, cores);
-  if (fixed > 0 || !vector) return best.split;
-  // Fewer heads a threadgroup, costed (decode_layout_time): the divisors of the group below the
-  // full packing, each with its own split and width; the most heads on a tie (the least K/V
-  // traffic).
-  int64_t best_time = decode_layout_time(c, dec, best, cores, options);
+  if (!vector) return decode_layout(c, dec, options, most, vector, cores).split;
+  // A packing's layout, costed (decode_layout_time): the wave heuristic's split, or, with
+  // direct reads (whose costs the fits above measure), one pass where that costs no more. The
+  // heuristic counts waves of compute, but a call at the DRAM floor gains nothing from more
+  // partitions and pays the merge's dispatch (M5 H32/32 S512 d128 f16, one token: split 2 and
+  // the merge 75.6 us, one pass 65.0, PyTorch's kernel 65.0). The staged kernel (paged and
+  // quantized K/V) keeps the heuristic's split: its fixed work is not in its fit, and one pass
+  // would be taken where it is slower (M5 H32/8 S4096 d128, full packing: 134.2 against 132.4).
+  const bool pinned = options.number("num_splits", 0) > 0;
+  const auto costed = [&](int64_t per_tg, int64_t* time) {
+    DecodeLayout l = decode_layout(c, dec, options, per_tg, vector, cores);
+    *time = decode_layout_time(c, dec, l, cores, options);
+    if (l.split.splits > 1 && !pinned && decode_direct(c, dec, l.packed, options)) {
+      const DecodeLayout one = decode_layout(c, dec, options, per_tg, vector, cores, true);
+      const int64_t t = decode_layout_time(c, dec, one, cores, options);
+      if (t <= *time) *time = t, l = one;
+    }
+    return l;
+  };
+  int64_t best_time = 0;
+  DecodeLayout best = costed(most, &best_time);
+  if (fixed > 0) return best.split;
+  // Fewer heads a threadgroup: the divisors of the group below the full packing, each with its
+  // own split and width; the most heads on a tie (the least K/V traffic).
   for (int64_t d = most - 1; d >= 1; --d) {
     if (group % d != 0) continue;
-    const DecodeLayout l = decode_layout(c, dec, options, d, vector, cores);
-    const int64_t t = decode_layout_time(c, dec, l, cores, options);
+    int64_t t = 0;
+    const DecodeLayout l = costed(d, &t);
     if (t < best_time) best_time = t, best = l;
   }
   return best.split;

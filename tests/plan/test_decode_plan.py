@@ -55,11 +55,13 @@ def test_up_to_eight_rows_take_the_decode_kernel(L):
     p = dense(1, 4, 4, L, 100)  # MHA: L packed rows, at most 8: the vector kernel's
     assert p.ok, p.reason
     assert [d.kernel for d in p.dispatches] == ["steel_attention_decode_vector_f16_e64_v64"]
-    # 4 threadgroups on 10 cores, 4 tiles each: one pass in 16 simdgroups (decode_simdgroups;
-    # d64: 2 row sets, 8 key sets, 1.24x the work at 0.8125 ALU efficiency against 8
-    # simdgroups' 1.08x at 0.625)
-    assert p.dispatches[0].threads == (512, 1, 1)
-    assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == 16
+    # 4 threadgroups on 10 cores, 4 tiles each: one pass in a wider block (decode_simdgroups,
+    # with each block's fixed work counted): 8 simdgroups at 1 and 5 rows, 16 at 8 (the timing
+    # model on M5, 4 / 8 / 16 simdgroups: 1 row 11.50 / 11.17 / 11.82 us, 5 rows 13.32 / 12.47 /
+    # 12.80)
+    width = 16 if L == 8 else 8
+    assert p.dispatches[0].threads == (32 * width, 1, 1)
+    assert p.dispatches[0].constants[FC_DECODE_SIMDGROUPS] == width
     four = dense(1, 4, 4, L, 100, decode_simdgroups=4).dispatches[0]
     assert four.threads == (128, 1, 1) and four.constants[FC_DECODE_SIMDGROUPS] == 4
     # A pipeline capped below 256 threads (the Metal host plans again under max_threads): 4.
@@ -117,11 +119,17 @@ def test_heads_per_tg_option(group, L, option, per_tg):
         # d64 f16: 6 decode threadgroups resident per core, waves of 60 on the default 10 cores.
         (1, 1, 4096, {}, 16, 256),  # 1 threadgroup: S / 256 bounds it
         (1, 1, 100_000, {}, 32, 3136),  # capped at 32 partitions (the merge's lanes)
-        (1, 2, 4096, {"gpu_cores": 2}, 6, 704),  # 2 pairs x 6 = one wave of 12
-        (4, 8, 4096, {}, 13, 320),  # 32 pairs x 13 = 416 of 7 waves (420): 7 x 320 keys
+        # The wave rule, on the staged tiles (direct reads weigh one pass against it, below).
+        (1, 2, 4096, {"gpu_cores": 2, "decode_direct": 0}, 6, 704),  # 2 pairs x 6: a wave of 12
+        (4, 8, 4096, {"decode_direct": 0}, 13, 320),  # 32 pairs x 13 = 416 of 7 waves (420)
         # 64 pairs just over a wave of 60: one pass is 2 waves of 4096 keys (+ 2 tiles each,
         # 8320); 8 x 512 keys run 9 waves (9 x 576 + 32 for the merge = 5216): split.
-        (8, 8, 4096, {}, 8, 512),
+        (8, 8, 4096, {"decode_direct": 0}, 8, 512),
+        # Direct reads: one pass where its layout costs no more (decode_split), here at the
+        # DRAM floor either way, without the merge (the timing model on M5: 448.7 us against
+        # 460.7 split 8 ways; B4 H8: 229.4 against 241.0 split 13 ways).
+        (8, 8, 4096, {}, 1, 4096),
+        (4, 8, 4096, {}, 1, 4096),
         (6, 10, 4096, {}, 1, 4096),  # 60 pairs: exactly one wave
         (1, 1, 256, {}, 1, 256),  # too short to split
         (1, 1, 4096, {"num_splits": 1}, 1, 4096),  # forced one pass (batch invariance)
@@ -187,7 +195,7 @@ def cdiv(a, b):
 
 
 EFFICIENCY = [(0, 0), (4, 364), (8, 625), (24, 1000)]  # decode_plan.cpp, in thousandths
-KEY_SET_WORK, MERGE_KEYS = 40, 640  # attention_plan.h kDecodeKeySetWork, kDecodeMergeKeys
+KEY_SET_WORK, MERGE_CYCLES = 40, 14000  # attention_plan.h kDecodeKeySetWork, ...MergeCycles
 DIRECT_KEY_SET_WORK = 5  # attention_plan.h kDecodeDirectKeySetWork
 FC_DECODE_DIRECT = 342  # params.h STEEL_ATTN_FC_DECODE_DIRECT
 
@@ -210,26 +218,89 @@ def model_time(threadgroups, simdgroups, resident, cores, work):
     return t
 
 
-def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets, direct):
+ROW_WORK, DIRECT_ROW_WORK = 200, 370  # attention_plan.h kDecodeRowWork, kDecodeDirectRowWork
+PARAM_BYTES, DIRECT_PARAM_BYTES, DRAM_BYTES = 16, 125, 8  # kDecodeParamBytes, ...
+SIMDGROUP_CYCLES, FIXED_ROW_WORK = 70, 250  # kDecodeDirectSimdgroupCycles, ...FixedRowWork
+# decode_plan.cpp decode_key_cycles: (element size, direct reads) -> tenths at de + dv = 128,
+# 256, 512
+KEY_CYCLES = {
+    (2, False): (113, 163, 294), (2, True): (59, 79, 129),
+    (4, False): (133, 227, 374), (4, True): (49, 63, 88),
+}  # fmt: skip
+
+
+def key_cycles(de, dv, elem, direct):
+    """The one-row 4-simdgroup vector block's fp-pipe cycles a key in tenths, restated."""
+    y, x = KEY_CYCLES[4 if elem == 4 else 2, bool(direct)], de + dv
+    if x <= 128:
+        return y[0]
+    if x <= 256:
+        return y[0] + (y[1] - y[0]) * (x - 128) // 128
+    if x <= 512:
+        return y[1] + (y[2] - y[1]) * (x - 256) // 256
+    return y[2] * x // 512
+
+
+def row_factor(direct, packed):
+    """A key's work for the packed rows, per mille of a one-row block's."""
+    return 1000 + (DIRECT_ROW_WORK if direct else ROW_WORK) * (packed - 1)
+
+
+def fixed_keys(E, elem, direct, packed, w):
+    """decode_fixed_keys restated: a direct-read block's fixed work in keys."""
+    if not direct:
+        return 0
+    cycles = SIMDGROUP_CYCLES * 10 * w * (1000 + FIXED_ROW_WORK * (packed - 1)) // 1000
+    return cycles // key_cycles(E, E, elem, True)
+
+
+def merge_time(E, elem, direct):
+    """decode_merge_time restated: the merge dispatch's overhead in keys x 1000."""
+    return MERGE_CYCLES * 10 * 1000 // key_cycles(E, E, elem, direct)
+
+
+def cache_time(E, elem, direct, threadgroups, w, resident, cores, keys):
+    """decode_cache_time restated: the L2 path of the most threadgroups a core runs."""
+    slots = cores * resident
+    per_core = threadgroups // slots * resident + cdiv(threadgroups % slots, cores)
+    params = DIRECT_PARAM_BYTES * 32 * w if direct else PARAM_BYTES * w * keys
+    return (
+        per_core * (keys * 2 * E * elem + params) * 10000 // (32 * key_cycles(E, E, elem, direct))
+    )
+
+
+def wide_choice(threadgroups, keys, bk, cores, resident, splits, sets, direct, E, elem, packed):
     """decode_simdgroups restated: (simdgroups, splits). resident(w): threadgroups of w
     simdgroups a core (timing.py's occupancy). Below one wave of 4-simdgroup blocks, the
-    whole-wave split (plus the merge's MERGE_KEYS) against one pass in 8 or 16 simdgroups, whose
+    whole-wave split (plus the merge's overhead) against one pass in 8 or 16 simdgroups, whose
     work is 1 + KEY_SET_WORK (DIRECT_KEY_SET_WORK with direct reads) / 1000 x its (w - 4) / sets
-    added key sets times a 4-simdgroup block's; the cheapest, the split on a tie."""
+    added key sets times a 4-simdgroup block's, with the packed rows' factor and the block's
+    fixed work, or the L2 path's time where longer; the cheapest, the split on a tie."""
     keys = max(keys, 1)
     if threadgroups >= cores * resident(4):
         return 4, splits
     per = cdiv(cdiv(keys, splits), bk) * bk
     parts = cdiv(keys, per)
-    best = model_time(threadgroups * parts, 4, resident(4), cores, per)
-    best += MERGE_KEYS * 1000 if parts > 1 else 0
+    rows = row_factor(direct, packed)
+    res4 = max(1, resident(4))
+    best = max(
+        model_time(threadgroups * parts, 4, res4, cores,
+                   per * rows // 1000 + fixed_keys(E, elem, direct, packed, 4)),
+        cache_time(E, elem, direct, threadgroups * parts, 4, res4, cores, per),
+    )  # fmt: skip
+    best += merge_time(E, elem, direct) if parts > 1 else 0
     choice = (4, splits)
+    whole = cdiv(keys, bk) * bk
     for w in (8, 16):
         key_set_work = DIRECT_KEY_SET_WORK if direct else KEY_SET_WORK
-        work = cdiv(keys, bk) * bk * (1000 + key_set_work * (w - 4) // sets) // 1000
+        work = whole * rows // 1000 * (1000 + key_set_work * (w - 4) // sets) // 1000
+        work += fixed_keys(E, elem, direct, packed, w)
         if resident(w) < 1 or w // sets > bk or threadgroups > cores * resident(w):
             continue
-        t = model_time(threadgroups, w, resident(w), cores, work)
+        t = max(
+            model_time(threadgroups, w, resident(w), cores, work),
+            cache_time(E, elem, direct, threadgroups, w, resident(w), cores, whole),
+        )
         if t < best:
             best, choice = t, (w, 1)
     return choice
@@ -288,45 +359,47 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
 
     splits = whole_wave_splits(threadgroups, S, bk, cores * max(1, resident(4)))
     if vector:
+        elem, dp = dtype.itemsize, decode_params(d)
         packed = d.constants[FC_DECODE_ROWS]
-        sets = timing._decode_vector_row_sets(E, E, dtype.itemsize, packed)
+        sets = timing._decode_vector_row_sets(E, E, elem, packed)
         direct = d.constants[FC_DECODE_DIRECT]
-        w, splits = wide_choice(threadgroups, S, bk, cores, resident, splits, sets, direct)
+        w, splits = wide_choice(
+            threadgroups, S, bk, cores, resident, splits, sets, direct, E, elem, packed
+        )
+        if splits > 1 and direct:
+            # decode_split: one pass (its own width) where its layout costs no more.
+            one_w, _ = wide_choice(threadgroups, S, bk, cores, resident, 1, sets, direct, E,
+                                   elem, packed)  # fmt: skip
+            per = cdiv(cdiv(S, splits), bk) * bk
+            split_layout = {**dp, "splits": cdiv(S, per), "split_keys": per}
+            one_layout = {**dp, "splits": 1, "split_keys": cdiv(S, bk) * bk}
+            times = [
+                restated_time(
+                    B, Hq, Hkv, 1, S, E, elem, cores, layout, lw, max(1, resident(lw)), direct
+                )  # fmt: skip
+                for layout, lw in ((split_layout, w), (one_layout, one_w))
+            ]
+            if times[1] <= times[0]:
+                w, splits = one_w, 1
         assert width == w
     assert decode_params(d)["splits"] == splits
 
 
-ROW_WORK, PARAM_BYTES, DRAM_BYTES = 200, 16, 8  # attention_plan.h kDecodeRowWork, ...
-KEY_CYCLES = {2: (216, 175, 398), 4: (143, 236, 437)}  # decode_plan.cpp decode_key_cycles
-
-
-def key_cycles(de, dv, elem):
-    """The one-row 4-simdgroup vector block's fp-pipe cycles a key in tenths, restated."""
-    y, x = KEY_CYCLES[4 if elem == 4 else 2], de + dv
-    if x <= 128:
-        return y[0]
-    if x <= 256:
-        return y[0] + (y[1] - y[0]) * (x - 128) // 128
-    if x <= 512:
-        return y[1] + (y[2] - y[1]) * (x - 256) // 256
-    return y[2] * x // 512
-
-
 def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct):
+    """decode_layout_time restated, for a layout's parameters (dp: its decode params)."""
     group, per_tg = Hq // Hkv, dp["heads_per_tg"]
     packed = per_tg * L
     sets = timing._decode_vector_row_sets(E, E, elem, packed)
     threadgroups = B * Hkv * (group // per_tg) * dp["splits"]
-    work = dp["split_keys"] * (1000 + ROW_WORK * (packed - 1)) // 1000
+    work = dp["split_keys"] * row_factor(direct, packed) // 1000
     key_set_work = DIRECT_KEY_SET_WORK if direct else KEY_SET_WORK
     work = work * (1000 + key_set_work * (w - 4) // sets) // 1000
+    work += fixed_keys(E, elem, direct, packed, w)
     compute = model_time(threadgroups, w, resident, cores, work)
-    slots = cores * resident
-    per_core = threadgroups // slots * resident + cdiv(threadgroups % slots, cores)
-    kc = key_cycles(E, E, elem)
-    cache = per_core * dp["split_keys"] * (2 * E * elem + PARAM_BYTES * w) * 10000 // (32 * kc)
+    cache = cache_time(E, elem, direct, threadgroups, w, resident, cores, dp["split_keys"])
+    kc = key_cycles(E, E, elem, direct)
     dram = B * Hkv * max(S, 1) * 2 * E * elem * 10000 // (DRAM_BYTES * cores * kc)
-    return max(compute, cache, dram) + (MERGE_KEYS * 1000 if dp["splits"] > 1 else 0)
+    return max(compute, cache, dram) + (merge_time(E, elem, direct) if dp["splits"] > 1 else 0)
 
 
 @pytest.mark.parametrize("chip", ["M1", "M4 Pro", "M5", "M3 Ultra"])
@@ -422,9 +495,13 @@ def test_resident_decode_threadgroups_per_head_dim(vector, E, per_core):
 
 
 def test_sim_device_block_describes_the_core_count():
+    # The staged tiles' wave rule, which follows the core count alone (direct reads may take
+    # one pass: test_partitions).
     with sim.device({"gpu_cores": 40}):
-        inside = decode_params(dense(1, 32, 8, 1, 4096).dispatches[0])["splits"]
-        called = decode_params(dense(1, 32, 8, 1, 4096, gpu_cores=8).dispatches[0])["splits"]
+        inside = decode_params(dense(1, 32, 8, 1, 4096, decode_direct=0).dispatches[0])["splits"]
+        called = decode_params(
+            dense(1, 32, 8, 1, 4096, gpu_cores=8, decode_direct=0).dispatches[0]
+        )["splits"]
     assert (inside, called) == (16, 6)  # a call's own options take precedence (d64: 6 per core)
 
 
@@ -440,10 +517,13 @@ def test_sim_device_block_describes_the_core_count():
         # efficiency 0.8125), 2048 keys x 1.06 is cheaper (model: 71.5 us against 82.2 split
         # with staged tiles).
         ("M1", {}, 1),
-        ("M4 Max", {}, 8),  # 40 cores: waves of 240, 8 at most
+        # 40 cores: the whole-wave split is 8 partitions (waves of 240, 8 at most), but its
+        # merge's 10 us (decode_merge_time) outweighs one pass of 16-simdgroup blocks (model:
+        # 22.6 us against 28.3 split).
+        ("M4 Max", {}, 1),
         # The call's count takes precedence: 2 cores. One pass of 8-simdgroup blocks, 4 a core
         # (32 simdgroups: ALU efficiency 1), 2048 keys x 1.02 each, against 3 partitions in 2
-        # waves of 12 (8448 keys a core, 9088 with the merge's 640).
+        # waves of 12 and the merge.
         ("M4 Max", {"gpu_cores": 2}, 1),
     ],
 )  # fmt: skip

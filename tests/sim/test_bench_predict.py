@@ -125,12 +125,13 @@ def test_decode_head_reduction_pins_the_split(tokens, hq, hkv):
     partitions (here 3 on one core, 4 for one group); the bench then pins the full shape's
     count (side_by_side._reduced_options) and the reduced run's counters times Hkv equal the
     full run's, every counter, for the MMA decode (4 tokens, GQA 16/4) and the vector one (one
-    token, MHA), S = 1000 (not a multiple of the key tile)."""
+    token, MHA, on the staged tiles: with direct reads one pass is costed against the split and
+    taken here), S = 1000 (not a multiple of the key tile)."""
     import attention_predict
     import side_by_side
 
     D, S = 64, 1000
-    opts = {**attention_predict._options(D, False), "gpu_cores": 1}
+    opts = {**attention_predict._options(D, False), "gpu_cores": 1, "decode_direct": 0}
 
     def make(device, reduced):
         dims = (1, hq // hkv, 1) if reduced else (1, hq, hkv)
