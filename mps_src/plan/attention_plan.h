@@ -225,6 +225,8 @@ constexpr int64_t kDecodeDirectFixedRowWork = 250;
 // DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock (chips.json:
 // 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5, 9.3 on M4 Pro): the K/V read's floor, the same
 // for every packing, which decides where one packing needs a split's merge and another not.
+// The device description's rate where given (device.h kDeviceDramBytes: sim.predict gives the
+// chip's), else this.
 constexpr int64_t kDecodeDramBytes = 8;
 constexpr int64_t kDecodeParamBytes = 16;
 // With direct reads the prologue reads the params struct once a lane (decode_vector.h, "read

@@ -3,6 +3,7 @@
 // rows, or a paged KV cache: GQA packing, the key split and its merge, and the decode plan's
 // key-length class for the plan cache (plan_cache.cpp). attention_plan.h states the rules.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -361,8 +362,11 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
 //     with direct reads, a packed row past the first) x decode_simdgroups' key-set work;
 //   - cache: decode_cache_time, the threadgroups a core runs x (split_keys of K and V and the
 //     params reads) through the L2;
-//   - DRAM: K and V read once at kDecodeDramBytes a core-cycle of the GPU, the same for every
-//     packing, a floor under which one packing's split (and its merge) saves nothing;
+//   - DRAM: K and V read once at the described GPU's DRAM bytes a core-cycle (device.h; the
+//     Metal host knows none: kDecodeDramBytes), the same for every packing, a floor under which
+//     one packing's split (and its merge) saves nothing (M1 Max H32/8 S16k d128: at 8 bytes one
+//     head a threadgroup in one pass, re-reading K and V through the L2, tied the full packing's
+//     split, 213 us against 190 in the model; at M1 Max's 9.6 the full packing is cheaper);
 //   - the largest, plus the merge's overhead (decode_merge_time) when split.
 // Each divisor of the group below the full packing is costed with its own split and width
 // (decode_layout), and the cheapest taken, the most heads on a tie. The timing model's
@@ -397,7 +401,11 @@ int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayou
   const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);  // tenths
   const int64_t kv_bytes = dec.count * c.Hkv * std::max<int64_t>(dec.keys, 1) *
                            (c.kernel.de + c.kernel.dv) * elem;
-  const int64_t dram = kv_bytes * 10000 / (kDecodeDramBytes * cores * key_cycles);
+  // The described GPU's DRAM rate in tenths of a byte a core-cycle, else kDecodeDramBytes.
+  const double described = device_desc(options).dram_bytes_per_core_cycle;
+  const int64_t rate = described > 0 ? std::max<int64_t>(1, std::llround(described * 10))
+                                     : kDecodeDramBytes * 10;
+  const int64_t dram = kv_bytes * 100000 / (rate * cores * key_cycles);
   return std::max({compute, cache, dram}) + (l.splits > 1 ? decode_merge_time(c, direct) : 0);
 }
 
@@ -411,18 +419,21 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   const int64_t fixed = static_cast<int64_t>(options.number("decode_heads_per_tg", 0));
   const int64_t most = decode_heads_per_tg(group, dec.rows, fixed > 0 ? fixed : INT64_MAX);
   if (!vector) return decode_layout(c, dec, options, most, vector, cores).split;
-  // A packing's layout, costed (decode_layout_time): the wave heuristic's split, or, with
-  // direct reads (whose costs the fits above measure), one pass where that costs no more. The
+  // A packing's layout, costed (decode_layout_time): the wave heuristic's split, or, for the
+  // most heads with direct reads (whose costs the fits above measure), one pass where that
+  // costs no more (fewer heads keep the heuristic's layout, judged against the most). The
   // heuristic counts waves of compute, but a call at the DRAM floor gains nothing from more
   // partitions and pays the merge's dispatch (M5 H32/32 S512 d128 f16, one token: split 2 and
   // the merge 75.6 us, one pass 65.0, PyTorch's kernel 65.0). The staged kernel (paged and
   // quantized K/V) keeps the heuristic's split: its fixed work is not in its fit, and one pass
   // would be taken where it is slower (M5 H32/8 S4096 d128, full packing: 134.2 against 132.4).
   const bool pinned = options.number("num_splits", 0) > 0;
+  const int64_t full = decode_heads_per_tg(group, dec.rows);
   const auto costed = [&](int64_t per_tg, int64_t* time) {
     DecodeLayout l = decode_layout(c, dec, options, per_tg, vector, cores);
     *time = decode_layout_time(c, dec, l, cores, options);
-    if (l.split.splits > 1 && !pinned && decode_direct(c, dec, l.packed, options)) {
+    if (l.split.splits > 1 && !pinned && per_tg == full &&
+        decode_direct(c, dec, l.packed, options)) {
       const DecodeLayout one = decode_layout(c, dec, options, per_tg, vector, cores, true);
       const int64_t t = decode_layout_time(c, dec, one, cores, options);
       if (t <= *time) *time = t, l = one;

@@ -10,6 +10,7 @@ DeviceDesc device_desc(const Options& options) {
   d.metal4 = options.number(kDeviceMetal4, 0) != 0;
   d.tensor_ops_library = options.number(kDeviceTensorOps, 0) != 0;
   d.gpu_cores = std::max<int64_t>(0, static_cast<int64_t>(options.number(kDeviceGpuCores, 0)));
+  d.dram_bytes_per_core_cycle = std::max(0.0, options.number(kDeviceDramBytes, 0));
   return d;
 }
 

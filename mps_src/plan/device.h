@@ -19,6 +19,11 @@ constexpr const char* kDeviceTensorOps = "device_tensor_ops";
 // torch_steel/sim/chips.json for sim.predict). Absent or 0: unknown, and the planners that size
 // a grid by it assume their default (attention_plan.h, kDecodeDefaultCores).
 constexpr const char* kDeviceGpuCores = "gpu_cores";
+// The GPU's DRAM bandwidth in bytes a core-cycle (its bytes a second over its cores and clock:
+// torch_steel/sim/chips.json, 6.4 on M3 Ultra to 9.7 on M5, for sim.predict). Metal reports no
+// bandwidth, so the Metal host leaves it absent and the decode planner assumes its default
+// (attention_plan.h, kDecodeDramBytes).
+constexpr const char* kDeviceDramBytes = "dram_bytes_per_core_cycle";
 
 // M5-generation GPUs are the Apple10 family: their per-core matrix units ("neural
 // accelerators") are what mpp::tensor_ops::matmul2d reaches. Earlier GPUs run matmul2d too,
@@ -30,6 +35,7 @@ struct DeviceDesc {
   bool metal4 = false;
   bool tensor_ops_library = false;
   int64_t gpu_cores = 0;  // 0: unknown
+  double dram_bytes_per_core_cycle = 0.0;  // 0: unknown
 };
 
 DeviceDesc device_desc(const Options& options);

@@ -366,7 +366,7 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
         w, splits = wide_choice(
             threadgroups, S, bk, cores, resident, splits, sets, direct, E, elem, packed
         )
-        if splits > 1 and direct:
+        if splits > 1 and direct and dp["heads_per_tg"] == Hq // Hkv:  # the full packing
             # decode_split: one pass (its own width) where its layout costs no more.
             one_w, _ = wide_choice(threadgroups, S, bk, cores, resident, 1, sets, direct, E,
                                    elem, packed)  # fmt: skip

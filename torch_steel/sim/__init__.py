@@ -517,8 +517,8 @@ def predict(
     dispatches; outputs are then None).
 
     The plan is the one made for the chip's core count (the description's "gpu_cores", as the
-    Metal host reads the GPU's; mps_src/plan/device.h) unless `options` set it: the decode
-    split follows it.
+    Metal host reads the GPU's; mps_src/plan/device.h) and DRAM rate ("dram_bytes_per_core_cycle",
+    which the Metal host cannot read) unless `options` set them: the decode split follows them.
 
     Returns {"chip", "time_s" (the sum over dispatches), "bound" (that of the longest dispatch),
     "dispatches": [timing.predict_dispatch's result per dispatch], "outputs"}. The checkers are
@@ -526,7 +526,11 @@ def predict(
     from torch_steel.sim import timing  # noqa: PLC0415 (keeps the package import light)
 
     record = timing.chip(chip)
-    with device({"gpu_cores": int(record["gpu_cores"])}):
+    described = {
+        "gpu_cores": int(record["gpu_cores"]),
+        "dram_bytes_per_core_cycle": timing.dram_bytes_per_core_cycle(record),
+    }
+    with device(described):
         p = plan(op, tensors, options)
         if not p.ok:
             raise PlanRefused(p.reason)

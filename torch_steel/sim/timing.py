@@ -357,6 +357,12 @@ def _occupancy(c: Mapping, tg_simdgroups: int, tgmem: int, registers: int | None
     return limits, limiter, max(1, limits[limiter])
 
 
+def dram_bytes_per_core_cycle(c: Mapping[str, Any]) -> float:
+    """The chip's DRAM bandwidth in bytes a core-cycle (its bytes a second over its cores and
+    clock): the decode planner's DRAM floor (mps_src/plan/device.h)."""
+    return float(c["dram_bytes_per_s"]) / (int(c["gpu_cores"]) * float(c["clock_ghz"]) * 1e9)
+
+
 def resident_threadgroups(geometry: Any, chip: str | Mapping, kernel_info=None) -> int:
     """Threadgroups of a dispatch resident on the whole GPU at once (cores x per core), from
     what is known before it runs: its threads, its threadgroup-memory lengths and, for steel's
