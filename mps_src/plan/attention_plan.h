@@ -191,7 +191,7 @@ constexpr int64_t kDecodeMinSplitKeys = 256;
 // 1.137x and 1.426x the 4-simdgroup block's; 4 rows 1.173x, 1.528x; d64 2 x 2, 1 row 1.080x,
 // 1.247x; 4 rows 1.097x, 1.294x: 4.0%, 3.6%, 4.4%, 3.5%, 4.0%, 4.1%, 4.9%, 4.9% a key set).
 // The merge dispatch's 10 us of overhead (chips.json dispatch_overhead_s) is kDecodeMergeCycles
-// core cycles, 12.8k to 15.8k at the table's clocks: decode_plan.cpp decode_merge_keys converts
+// core cycles, 12.8k to 15.8k at the table's clocks: decode_plan.cpp decode_merge_time converts
 // them into keys of one 4-simdgroup block's work at full ALU efficiency by the block's cycles a
 // key (decode_key_cycles: with direct reads f16 d64, 5.9 cycles, that is 2373 keys; it was a
 // fixed 640 keys, the staged kernel's 21.6 cycles then, which put a split's merge at a quarter
@@ -223,7 +223,7 @@ constexpr int64_t kDecodeDirectRowWork = 370;
 constexpr int64_t kDecodeDirectSimdgroupCycles = 70;
 constexpr int64_t kDecodeDirectFixedRowWork = 250;
 // DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock (chips.json:
-// 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5, 9.3 on M4 Pro): the K/V read's floor, the same
+// 6.25 on M3 Max, 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5 and M5 Max, 9.3 on M4 Pro): the K/V read's floor, the same
 // for every packing, which decides where one packing needs a split's merge and another not.
 // The device description's rate where given (device.h kDeviceDramBytes: sim.predict gives the
 // chip's), else this.

@@ -174,6 +174,12 @@ int64_t decode_key_cycles(int64_t de, int64_t dv, int64_t elem, bool direct) {
   return y[2] * x / 512;
 }
 
+// A key's work for `packed` rows, per mille of a one-row block's (kDecodeRowWork a row past the
+// first, kDecodeDirectRowWork with direct reads).
+int64_t decode_row_factor(bool direct, int64_t packed) {
+  return 1000 + (direct ? kDecodeDirectRowWork : kDecodeRowWork) * (packed - 1);
+}
+
 // A threadgroup's fixed work with direct reads (kDecodeDirectSimdgroupCycles a simdgroup), in
 // keys of a one-row 4-simdgroup block's work (decode_model_time's unit); 0 staged, where the
 // per-key fit holds it.
@@ -246,8 +252,7 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   const int64_t per = ceil_div(ceil_div(keys, *n), bk) * bk;
   const int64_t parts = ceil_div(keys, per);
   const bool direct = decode_direct(c, dec, packed, options);
-  // A key's work for the packed rows, per mille of a one-row block's (decode_layout_time's).
-  const int64_t rows = 1000 + (direct ? kDecodeDirectRowWork : kDecodeRowWork) * (packed - 1);
+  const int64_t rows = decode_row_factor(direct, packed);
   const int64_t fixed4 = decode_fixed_keys(c, direct, packed, STEEL_ATTN_SIMDGROUPS);
   int64_t best =
       std::max(decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores,
@@ -345,7 +350,6 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
   return layout;
 }
 
-
 // The timing model's time of a vector decode layout (decode_layout's, for its heads_per_tg), in
 // keys x 1000 of a one-row 4-simdgroup block's work (decode_model_time's unit): what
 // decode_split compares across GQA packings.
@@ -389,7 +393,7 @@ int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayou
   const int64_t w = l.simdgroups;
   const int64_t resident = std::max<int64_t>(1, decode_resident(c, true, packed, w));
   const bool direct = decode_direct(c, dec, packed, options);
-  const int64_t rows = 1000 + (direct ? kDecodeDirectRowWork : kDecodeRowWork) * (packed - 1);
+  const int64_t rows = decode_row_factor(direct, packed);
   const int64_t work = l.split_keys * rows / 1000 *
                        (1000 + decode_key_set_work(c, dec, packed, options) *
                                    (w - STEEL_ATTN_SIMDGROUPS) / sets) /

@@ -20,7 +20,7 @@ constexpr const char* kDeviceTensorOps = "device_tensor_ops";
 // a grid by it assume their default (attention_plan.h, kDecodeDefaultCores).
 constexpr const char* kDeviceGpuCores = "gpu_cores";
 // The GPU's DRAM bandwidth in bytes a core-cycle (its bytes a second over its cores and clock:
-// torch_steel/sim/chips.json, 6.4 on M3 Ultra to 9.7 on M5, for sim.predict). Metal reports no
+// torch_steel/sim/chips.json, 6.25 on M3 Max to 9.7 on M5 Pro, for sim.predict). Metal reports no
 // bandwidth, so the Metal host leaves it absent and the decode planner assumes its default
 // (attention_plan.h, kDecodeDramBytes).
 constexpr const char* kDeviceDramBytes = "dram_bytes_per_core_cycle";

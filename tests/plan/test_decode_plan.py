@@ -513,9 +513,9 @@ def test_sim_device_block_describes_the_core_count():
         # d64: 6 resident per core; one row, so one row set and direct reads, where a wider
         # block's key sets add 0.5% each (decode_simdgroups).
         # 8 cores: the whole-wave split is 6 partitions, one wave of 48, 342 keys each and the
-        # merge's 640; one pass of 16-simdgroup blocks, one a core (16 simdgroups: ALU
-        # efficiency 0.8125), 2048 keys x 1.06 is cheaper (model: 71.5 us against 82.2 split
-        # with staged tiles).
+        # merge's overhead (decode_merge_time); one pass of 16-simdgroup blocks, one a core
+        # (16 simdgroups: ALU efficiency 0.8125), 2048 keys x 1.06 is cheaper (model: 71.5 us
+        # against 82.2 split with staged tiles).
         ("M1", {}, 1),
         # 40 cores: the whole-wave split is 8 partitions (waves of 240, 8 at most), but its
         # merge's 10 us (decode_merge_time) outweighs one pass of 16-simdgroup blocks (model:
