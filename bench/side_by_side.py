@@ -87,16 +87,15 @@ def is_m5(name: str) -> bool:
 
 
 def plan_options(chip_name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options steel's plan is made with on `chip_name`, as the Metal host makes it there:
-    the chip's core count (mps_src/plan/device.h; the host reads the IORegistry's), which sets
-    the decode split and the GEMM's small-grid tile, and its DRAM rate (the decode planner's
-    floor; the host knows none and assumes 8 bytes a core-cycle), as sim.predict plans; on
-    M5-generation
-    chips also the matmul2d device. The call's own options take precedence."""
+    """The options steel's plan is made with on `chip_name`, as the Metal host makes it there
+    and sim.predict plans: the chip's core count (mps_src/plan/device.h; the host reads the
+    IORegistry's), which sets the decode split and the GEMM's small-grid tile, and its Metal
+    name (the decode planner's DRAM rate); on M5-generation chips also the matmul2d device.
+    The call's own options take precedence."""
     record = chip(chip_name)
     device = {
         "gpu_cores": int(record["gpu_cores"]),
-        "dram_bytes_per_core_cycle": timing().dram_bytes_per_core_cycle(record),
+        "device_name": sim.metal_device_name(chip_name),
     }
     if is_m5(chip_name):
         device.update(M5_DEVICE)

@@ -30,7 +30,7 @@ bool compile_tensor_ops_sources(const std::vector<std::string>& sources);
 
 // The device description of mps_src/plan/device.h, added to `options` (where the caller did
 // not set it): the GPU's Apple family, Metal 4 support, whether the tensor-op kernels are
-// loaded, and its core count where the IORegistry gives one.
+// loaded, its core count where the IORegistry gives one, and its name (MTLDevice.name).
 void describe_device(Options* options);
 
 // The pipeline of dispatch.kernel specialized with dispatch.constants, built on first use and

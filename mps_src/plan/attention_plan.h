@@ -222,11 +222,11 @@ constexpr int64_t kDecodeDirectRowWork = 370;
 // worth), so decode_simdgroups and decode_layout_time count it.
 constexpr int64_t kDecodeDirectSimdgroupCycles = 70;
 constexpr int64_t kDecodeDirectFixedRowWork = 250;
-// DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock (chips.json:
-// 6.25 on M3 Max, 6.4 on M3 Ultra and 6.7 on M1 to 9.7 on M5 and M5 Max, 9.3 on M4 Pro): the K/V read's floor, the same
-// for every packing, which decides where one packing needs a split's merge and another not.
-// The device description's rate where given (device.h kDeviceDramBytes: sim.predict gives the
-// chip's), else this.
+// DRAM bytes a core-cycle, the whole GPU's bandwidth over its cores and clock: the K/V read's
+// floor, the same for every packing, which decides where one packing needs a split's merge and
+// another not. The named chip's rate where the plans know it (device.h,
+// chip_dram_bytes_per_core_cycle: 6.25 on M3 Max, 6.4 on M3 Ultra, 6.7 on M1 to 9.3 on M4 Pro
+// and 9.7 on M5 and M5 Max), else this.
 constexpr int64_t kDecodeDramBytes = 8;
 constexpr int64_t kDecodeParamBytes = 16;
 // With direct reads the prologue reads the params struct once a lane (decode_vector.h, "read

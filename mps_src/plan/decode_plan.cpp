@@ -22,6 +22,11 @@ bool decode_serves(const Common& c, int64_t rows, const Options& options) {
 
 namespace {
 
+// The cost model's times below (decode_model_time's unit) take 128 bits: a broadcast view's
+// logical K/V (B = 2^30 over one row: 2^62 bytes) times the units' scale overflows 64 bits, and
+// a wrapped cost would order layouts at random. Their products stay below 2^100.
+__extension__ typedef __int128 Cost;
+
 // Query rows per threadgroup block: all of them up to STEEL_ATTN_BQ (decode), else BQ.
 int64_t decode_row_block(int64_t rows) {
   return std::min<int64_t>(std::max<int64_t>(rows, 1), STEEL_ATTN_BQ);
@@ -146,14 +151,14 @@ int64_t decode_alu_efficiency(int64_t simdgroups) {
 // doing `work` (in keys of one 4-simdgroup threadgroup's work), `resident` a core, on `cores`:
 // timing.py's per-core time, waves of cores x resident and a short last wave, each wave at the
 // ALU efficiency of the simdgroups it keeps on a core. In keys x 1000 (the efficiency's unit).
-int64_t decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resident,
-                          int64_t cores, int64_t work) {
+Cost decode_model_time(int64_t threadgroups, int64_t simdgroups, int64_t resident,
+                       int64_t cores, int64_t work) {
   const int64_t slots = cores * resident;
   const int64_t full = threadgroups / slots, rest = threadgroups % slots;
-  int64_t t = full * resident * work * 1000000 / decode_alu_efficiency(resident * simdgroups);
+  Cost t = Cost{full} * resident * work * 1000000 / decode_alu_efficiency(resident * simdgroups);
   if (rest) {
     const int64_t last = ceil_div(rest, cores);
-    t += last * work * 1000000 / decode_alu_efficiency(last * simdgroups);
+    t += Cost{last} * work * 1000000 / decode_alu_efficiency(last * simdgroups);
   }
   return t;
 }
@@ -192,7 +197,7 @@ int64_t decode_fixed_keys(const Common& c, bool direct, int64_t packed, int64_t 
 }
 
 // The merge dispatch's overhead (kDecodeMergeCycles) in decode_model_time's unit.
-int64_t decode_merge_time(const Common& c, bool direct) {
+Cost decode_merge_time(const Common& c, bool direct) {
   const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
   return kDecodeMergeCycles * 10 * 1000 / decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);
 }
@@ -202,14 +207,14 @@ int64_t decode_merge_time(const Common& c, bool direct) {
 // K and V bytes and params reads (kDecodeParamBytes a key and simdgroup staged,
 // kDecodeDirectParamBytes a lane once with direct reads), at 32 bytes a core-cycle (chips.json
 // l2_bytes_per_core_cycle, every chip of its table), over decode_key_cycles.
-int64_t decode_cache_time(const Common& c, bool direct, int64_t threadgroups, int64_t w,
-                          int64_t resident, int64_t cores, int64_t keys) {
+Cost decode_cache_time(const Common& c, bool direct, int64_t threadgroups, int64_t w,
+                       int64_t resident, int64_t cores, int64_t keys) {
   const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
   const int64_t slots = cores * resident;
   const int64_t per_core = threadgroups / slots * resident + ceil_div(threadgroups % slots, cores);
   const int64_t params = direct ? kDecodeDirectParamBytes * 32 * w : kDecodeParamBytes * w * keys;
   const int64_t bytes = keys * (c.kernel.de + c.kernel.dv) * elem + params;
-  return per_core * bytes * 10000 /
+  return Cost{per_core} * bytes * 10000 /
          (32 * decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct));
 }
 
@@ -254,7 +259,7 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   const bool direct = decode_direct(c, dec, packed, options);
   const int64_t rows = decode_row_factor(direct, packed);
   const int64_t fixed4 = decode_fixed_keys(c, direct, packed, STEEL_ATTN_SIMDGROUPS);
-  int64_t best =
+  Cost best =
       std::max(decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores,
                                  per * rows / 1000 + fixed4),
                decode_cache_time(c, direct, threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4,
@@ -268,7 +273,7 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
         decode_fixed_keys(c, direct, packed, w);
     const int64_t res = decode_resident(c, true, packed, w);
     if (res < 1 || w / sets > bk || threadgroups > cores * res || 32 * w > max_threads) continue;
-    const int64_t t = std::max(decode_model_time(threadgroups, w, res, cores, work),
+    const Cost t = std::max(decode_model_time(threadgroups, w, res, cores, work),
                                decode_cache_time(c, direct, threadgroups, w, res, cores, whole));
     if (t < best) best = t, width = w;
   }
@@ -366,8 +371,8 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
 //     with direct reads, a packed row past the first) x decode_simdgroups' key-set work;
 //   - cache: decode_cache_time, the threadgroups a core runs x (split_keys of K and V and the
 //     params reads) through the L2;
-//   - DRAM: K and V read once at the described GPU's DRAM bytes a core-cycle (device.h; the
-//     Metal host knows none: kDecodeDramBytes), the same for every packing, a floor under which
+//   - DRAM: K and V read once at the named chip's DRAM bytes a core-cycle (device.h, else
+//     kDecodeDramBytes), the same for every packing, a floor under which
 //     one packing's split (and its merge) saves nothing (M1 Max H32/8 S16k d128: at 8 bytes one
 //     head a threadgroup in one pass, re-reading K and V through the L2, tied the full packing's
 //     split, 213 us against 190 in the model; at M1 Max's 9.6 the full packing is cheaper);
@@ -383,8 +388,8 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
 // packing depends on chip and shape; at long caches (the grid a wave or more) the full packing
 // stays. Option "decode_heads_per_tg" = n fixes the packing at the largest fitting divisor of
 // the group at most n (the tests force every one); the MMA kernel keeps the full packing.
-int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& layout,
-                           int64_t cores, const Options& options) {
+Cost decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& layout,
+                        int64_t cores, const Options& options) {
   const DecodeSplit& l = layout.split;
   const int64_t packed = layout.packed;
   const int64_t threadgroups = layout.threadgroups * l.splits;
@@ -399,17 +404,17 @@ int64_t decode_layout_time(const Common& c, const Decode& dec, const DecodeLayou
                                    (w - STEEL_ATTN_SIMDGROUPS) / sets) /
                            1000 +
                        decode_fixed_keys(c, direct, packed, w);
-  const int64_t compute = decode_model_time(threadgroups, w, resident, cores, work);
-  const int64_t cache =
+  const Cost compute = decode_model_time(threadgroups, w, resident, cores, work);
+  const Cost cache =
       decode_cache_time(c, direct, threadgroups, w, resident, cores, l.split_keys);
   const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);  // tenths
-  const int64_t kv_bytes = dec.count * c.Hkv * std::max<int64_t>(dec.keys, 1) *
-                           (c.kernel.de + c.kernel.dv) * elem;
-  // The described GPU's DRAM rate in tenths of a byte a core-cycle, else kDecodeDramBytes.
+  const Cost kv_bytes = Cost{dec.count} * c.Hkv * std::max<int64_t>(dec.keys, 1) *
+                        (c.kernel.de + c.kernel.dv) * elem;
+  // The named chip's DRAM rate in tenths of a byte a core-cycle, else kDecodeDramBytes.
   const double described = device_desc(options).dram_bytes_per_core_cycle;
   const int64_t rate = described > 0 ? std::max<int64_t>(1, std::llround(described * 10))
                                      : kDecodeDramBytes * 10;
-  const int64_t dram = kv_bytes * 100000 / (rate * cores * key_cycles);
+  const Cost dram = kv_bytes * 100000 / (rate * cores * key_cycles);
   return std::max({compute, cache, dram}) + (l.splits > 1 ? decode_merge_time(c, direct) : 0);
 }
 
@@ -433,25 +438,25 @@ DecodeSplit decode_split(const Common& c, const Decode& dec, const Options& opti
   // would be taken where it is slower (M5 H32/8 S4096 d128, full packing: 134.2 against 132.4).
   const bool pinned = options.number("num_splits", 0) > 0;
   const int64_t full = decode_heads_per_tg(group, dec.rows);
-  const auto costed = [&](int64_t per_tg, int64_t* time) {
+  const auto costed = [&](int64_t per_tg, Cost* time) {
     DecodeLayout l = decode_layout(c, dec, options, per_tg, vector, cores);
     *time = decode_layout_time(c, dec, l, cores, options);
     if (l.split.splits > 1 && !pinned && per_tg == full &&
         decode_direct(c, dec, l.packed, options)) {
       const DecodeLayout one = decode_layout(c, dec, options, per_tg, vector, cores, true);
-      const int64_t t = decode_layout_time(c, dec, one, cores, options);
+      const Cost t = decode_layout_time(c, dec, one, cores, options);
       if (t <= *time) *time = t, l = one;
     }
     return l;
   };
-  int64_t best_time = 0;
+  Cost best_time = 0;
   DecodeLayout best = costed(most, &best_time);
   if (fixed > 0) return best.split;
   // Fewer heads a threadgroup: the divisors of the group below the full packing, each with its
   // own split and width; the most heads on a tie (the least K/V traffic).
   for (int64_t d = most - 1; d >= 1; --d) {
     if (group % d != 0) continue;
-    int64_t t = 0;
+    Cost t = 0;
     const DecodeLayout l = costed(d, &t);
     if (t < best_time) best_time = t, best = l;
   }

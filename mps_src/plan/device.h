@@ -19,11 +19,12 @@ constexpr const char* kDeviceTensorOps = "device_tensor_ops";
 // torch_steel/sim/chips.json for sim.predict). Absent or 0: unknown, and the planners that size
 // a grid by it assume their default (attention_plan.h, kDecodeDefaultCores).
 constexpr const char* kDeviceGpuCores = "gpu_cores";
-// The GPU's DRAM bandwidth in bytes a core-cycle (its bytes a second over its cores and clock:
-// torch_steel/sim/chips.json, 6.25 on M3 Max to 9.7 on M5 Pro, for sim.predict). Metal reports no
-// bandwidth, so the Metal host leaves it absent and the decode planner assumes its default
-// (attention_plan.h, kDecodeDramBytes).
-constexpr const char* kDeviceDramBytes = "dram_bytes_per_core_cycle";
+// The GPU's name as Metal reports it (MTLDevice.name, "Apple M1 Max"; sim.predict gives
+// "Apple " and the chip's name in torch_steel/sim/chips.json). Metal reports no bandwidth: the
+// plans take the DRAM rate of the chips the timing model describes by this name
+// (chip_dram_bytes_per_core_cycle), and assume their default for others (attention_plan.h,
+// kDecodeDramBytes).
+constexpr const char* kDeviceName = "device_name";
 
 // M5-generation GPUs are the Apple10 family: their per-core matrix units ("neural
 // accelerators") are what mpp::tensor_ops::matmul2d reaches. Earlier GPUs run matmul2d too,
@@ -35,10 +36,18 @@ struct DeviceDesc {
   bool metal4 = false;
   bool tensor_ops_library = false;
   int64_t gpu_cores = 0;  // 0: unknown
-  double dram_bytes_per_core_cycle = 0.0;  // 0: unknown
+  std::string name;
+  double dram_bytes_per_core_cycle = 0.0;  // of the named chip (chip_dram_bytes_per_core_cycle)
 };
 
 DeviceDesc device_desc(const Options& options);
+
+// The DRAM bandwidth in bytes a core-cycle (bytes a second over cores and clock) of the GPU that
+// Metal names `name`, for the chips of the timing model's table (torch_steel/sim/chips.json:
+// 6.25 on M3 Max to 9.7 on M5), else 0. A binned variant (M3 Max with 30 cores, 300 GB/s) is
+// taken at its full chip's rate: its bandwidth falls with its cores there, and nearly so on
+// M4 Max (32 cores, 410 GB/s: 8.7 against 9.3).
+double chip_dram_bytes_per_core_cycle(const std::string& name);
 
 // Whether matmul2d kernels should replace the simdgroup ones: Metal 4, an Apple10 (M5) GPU,
 // and the tensor-op library present.

@@ -5,6 +5,7 @@ count, the partials' scratch, the paged cache's bindings and params, and each re
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from pathlib import Path
@@ -339,7 +340,7 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
     cores = timing.chip(chip)["gpu_cores"]
     p = sim.plan("sdpa", [t(B, Hq, 1, E, dtype=dtype), t(B, Hkv, S, E, dtype=dtype),
                           t(B, Hkv, S, E, dtype=dtype), None, None],
-                 {"scale": 0.125, "gpu_cores": cores, "decode_vector": vector})  # fmt: skip
+                 {"scale": 0.125, "decode_vector": vector, **host_description(chip)})  # fmt: skip
     d = p.dispatches[0]
     assert d.kernel.startswith("steel_attention_decode_vector_") == bool(vector), d.kernel
     threadgroups = B * Hkv * (Hq // Hkv // decode_params(d)["heads_per_tg"])
@@ -373,9 +374,10 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
             per = cdiv(cdiv(S, splits), bk) * bk
             split_layout = {**dp, "splits": cdiv(S, per), "split_keys": per}
             one_layout = {**dp, "splits": 1, "split_keys": cdiv(S, bk) * bk}
+            rate = dram_rate(chip)
             times = [
                 restated_time(
-                    B, Hq, Hkv, 1, S, E, elem, cores, layout, lw, max(1, resident(lw)), direct
+                    B, Hq, Hkv, 1, S, E, elem, cores, layout, lw, max(1, resident(lw)), direct, rate
                 )  # fmt: skip
                 for layout, lw in ((split_layout, w), (one_layout, one_w))
             ]
@@ -385,8 +387,21 @@ def test_split_fills_the_timing_models_waves(chip, dtype, E, B, Hq, Hkv, S, vect
     assert decode_params(d)["splits"] == splits
 
 
-def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct):
-    """decode_layout_time restated, for a layout's parameters (dp: its decode params)."""
+def host_description(chip):
+    """The device options the Metal host gives the plans on `chip` (library.mm
+    describe_device): its core count and Metal's name for it."""
+    return {"gpu_cores": timing.chip(chip)["gpu_cores"], "device_name": sim.metal_device_name(chip)}
+
+
+def dram_rate(chip):
+    """The planner's DRAM rate on `chip` in tenths of a byte a core-cycle (decode_layout_time:
+    the named chip's, rounded half up): chips.json's bandwidth over cores and clock."""
+    return math.floor(timing.dram_bytes_per_core_cycle(timing.chip(chip)) * 10 + 0.5)
+
+
+def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct, rate=DRAM_BYTES * 10):
+    """decode_layout_time restated, for a layout's parameters (dp: its decode params) and the
+    DRAM rate in tenths of a byte a core-cycle (kDecodeDramBytes without a named chip)."""
     group, per_tg = Hq // Hkv, dp["heads_per_tg"]
     packed = per_tg * L
     sets = timing._decode_vector_row_sets(E, E, elem, packed)
@@ -398,17 +413,19 @@ def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct):
     compute = model_time(threadgroups, w, resident, cores, work)
     cache = cache_time(E, elem, direct, threadgroups, w, resident, cores, dp["split_keys"])
     kc = key_cycles(E, E, elem, direct)
-    dram = B * Hkv * max(S, 1) * 2 * E * elem * 10000 // (DRAM_BYTES * cores * kc)
+    dram = B * Hkv * max(S, 1) * 2 * E * elem * 100000 // (rate * cores * kc)
     return max(compute, cache, dram) + (merge_time(E, elem, direct) if dp["splits"] > 1 else 0)
 
 
-@pytest.mark.parametrize("chip", ["M1", "M4 Pro", "M5", "M3 Ultra"])
+@pytest.mark.parametrize("chip", ["M1", "M1 Max", "M3 Max", "M4 Pro", "M5", "M3 Ultra"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("E", [64, 128, 256])
 @pytest.mark.parametrize(
     "B,Hq,Hkv,L,S",
     [(1, 8, 2, 1, 512), (1, 8, 2, 1, 1024), (1, 32, 8, 1, 512), (1, 16, 2, 1, 2048),
-     (2, 8, 2, 2, 700), (1, 32, 8, 1, 16384), (1, 8, 1, 1, 100)],
+     (2, 8, 2, 2, 700), (1, 32, 8, 1, 16384), (1, 8, 1, 1, 100),
+     # Broadcast batches whose logical K/V (2^51 to 2^60 bytes) take the costs past 64 bits.
+     (1 << 20, 32, 8, 1, (1 << 20) - 1), (1 << 30, 8, 2, 1, 1025)],
 )  # fmt: skip
 def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
     """decode_layout_time restated: the plan's heads a threadgroup is the divisor of the group
@@ -417,10 +434,14 @@ def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
     cores = timing.chip(chip)["gpu_cores"]
     elem = dtype.itemsize
 
+    def view(H, n):  # one row broadcast where the batch is too big to allocate
+        if B * H * n * E < 1 << 24:
+            return t(B, H, n, E, dtype=dtype)
+        return t(1, 1, 1, E, dtype=dtype).expand(B, H, n, E)
+
     def planned(**options):
-        p = sim.plan("sdpa", [t(B, Hq, L, E, dtype=dtype), t(B, Hkv, S, E, dtype=dtype),
-                              t(B, Hkv, S, E, dtype=dtype), None, None],
-                     {"scale": 0.125, "gpu_cores": cores, **options})  # fmt: skip
+        p = sim.plan("sdpa", [view(Hq, L), view(Hkv, S), view(Hkv, S), None, None],
+                     {"scale": 0.125, **host_description(chip), **options})  # fmt: skip
         return p.dispatches[0]
 
     group = Hq // Hkv
@@ -433,7 +454,8 @@ def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
         w = forced.constants[FC_DECODE_SIMDGROUPS]
         resident = max(1, timing.resident_threadgroups(forced, chip) // cores)
         direct = forced.constants[FC_DECODE_DIRECT]
-        costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct)
+        costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct,
+                                 dram_rate(chip))  # fmt: skip
     best = min(costs.values())
     expected = max(d for d, c in costs.items() if c == best)
     auto = planned()
@@ -529,7 +551,8 @@ def test_sim_device_block_describes_the_core_count():
 )  # fmt: skip
 def test_predict_plans_for_the_chips_core_count(chip, options, splits):
     """sim.predict on a chip runs the plan the Metal host makes on it: split by the chip's
-    gpu_cores in chips.json, unless the call's options give a count."""
+    gpu_cores in chips.json, unless the call's options give a count (the DRAM rate by the
+    chip's name: tests/plan/test_device.py)."""
     q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.float16) for n in (1, 2048, 2048))
     predicted = sim.predict("sdpa", [q, k, v, None, None], {"scale": 0.125, **options}, chip=chip)
     kernels = [d["kernel"] for d in predicted["dispatches"]]

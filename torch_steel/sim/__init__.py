@@ -498,6 +498,11 @@ def _dim3(v: Sequence[int] | int, what: str) -> tuple[int, int, int]:
     return v + (1,) * (3 - len(v))
 
 
+def metal_device_name(chip: str) -> str:
+    """The name Metal gives the GPU of `chip` (a name of timing.chips()): MTLDevice.name."""
+    return f"Apple {chip}"
+
+
 def predict(
     op: str,
     tensors: Sequence[torch.Tensor | None],
@@ -516,9 +521,10 @@ def predict(
     False keeps the model's fallback (the tensors' device bytes). sample: as for run_op (big
     dispatches; outputs are then None).
 
-    The plan is the one made for the chip's core count (the description's "gpu_cores", as the
-    Metal host reads the GPU's; mps_src/plan/device.h) and DRAM rate ("dram_bytes_per_core_cycle",
-    which the Metal host cannot read) unless `options` set them: the decode split follows them.
+    The plan is the one the Metal host makes on the chip: for its core count (the
+    description's "gpu_cores", as the host reads the GPU's; mps_src/plan/device.h) and its name
+    ("device_name", "Apple " and the chip's, as Metal names it: the decode planner's DRAM rate)
+    unless `options` set them.
 
     Returns {"chip", "time_s" (the sum over dispatches), "bound" (that of the longest dispatch),
     "dispatches": [timing.predict_dispatch's result per dispatch], "outputs"}. The checkers are
@@ -528,7 +534,7 @@ def predict(
     record = timing.chip(chip)
     described = {
         "gpu_cores": int(record["gpu_cores"]),
-        "dram_bytes_per_core_cycle": timing.dram_bytes_per_core_cycle(record),
+        "device_name": metal_device_name(chip),
     }
     with device(described):
         p = plan(op, tensors, options)

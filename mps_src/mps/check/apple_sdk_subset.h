@@ -240,6 +240,7 @@ API_AVAILABLE(macos(10.14), ios(12.0))
 
 API_AVAILABLE(macos(10.11), ios(8.0))
 @protocol MTLDevice <NSObject>
+@property(nonnull, readonly) NSString* name;
 @property(readonly) NSUInteger maxThreadgroupMemoryLength
     API_AVAILABLE(macos(10.13), ios(11.0));
 - (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily API_AVAILABLE(macos(10.15), ios(13.0));

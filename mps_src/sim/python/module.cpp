@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "plan/device.h"
 #include "plan/plan.h"
 #include "plan/plan_cache.h"
 #include "sim/sim.h"
@@ -286,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_plan", &make_plan, py::arg("op"), py::arg("descs"), py::arg("numbers"),
         py::arg("strings"), py::arg("cached") = true,
         py::arg("storages") = std::vector<int64_t>{});
+  m.def("chip_dram_bytes_per_core_cycle", &steel::chip_dram_bytes_per_core_cycle,
+        py::arg("name"), "The plans' DRAM rate of the GPU Metal names `name` (0: not known).");
   m.def("plan_cache_stats", [] {
     const steel::PlanCache::Stats s = steel::plan_cache().stats();
     py::dict d;
