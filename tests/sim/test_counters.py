@@ -589,3 +589,15 @@ def test_instructions_element_reads_of_a_packed_load_are_moves():
   ret void"""
     h = _block_histogram(arithmetic)
     assert (h["int"], h["convert"]) == (2, 1)  # the shift (an add uses it) and the add
+    # A shift off an element's boundary, or into a float bitcast without its truncation, is
+    # integer arithmetic on the bits, not an element read.
+    for unaligned in ("%b = trunc i32 %s to i16\n  %bh = bitcast i16 %b to half",
+                      "%bh = bitcast i32 %s to float"):  # fmt: skip
+        shift = 8 if "half" in unaligned else 16
+        h = _block_histogram(f"""
+  %x = load i32, ptr addrspace(1) %p, align 4
+  %s = lshr i32 %x, {shift}
+  {unaligned}
+  store {"half" if "half" in unaligned else "float"} %bh, ptr addrspace(1) %o, align 4
+  ret void""")
+        assert h["int"] == 1, unaligned

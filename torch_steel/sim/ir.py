@@ -278,10 +278,10 @@ _LOCAL = re.compile(r'%[-\w.$]+|%"(?:[^"\\]|\\.)*"')
 _SELECT_COND = re.compile(r"^select (?:[a-z]+ )*(?:i1|<\d+ x i1>) (%[-\w.$]+),")
 # `and / or / xor i1 a, b`: the operands.
 _LOGIC_I1 = re.compile(r"^(?:and|or|xor) (?:disjoint )?i1 (\S+), (\S+)$")
-# A constant shift right (group 1) or a truncation of an integer (group 3: its result type).
+# A constant shift right (group 1: its amount) or a truncation of an integer (group 2: its
+# result's width).
 _ELEMENT_SHIFT = re.compile(
-    r"^(?:(lshr) (?:exact )?i\d+ \S+, \d+|(trunc) (?:nuw )?(?:nsw )?"
-    r"i\d+ \S+ to (i\d+))"
+    r"^(?:lshr (?:exact )?i\d+ \S+, (\d+)|trunc (?:nuw )?(?:nsw )?i\d+ \S+ to i(\d+))"
 )
 # A bitcast of an integer to a float type of its width.
 _FP_BITCAST = re.compile(r"^bitcast (?:i16 \S+ to (?:half|bfloat)|i32 \S+ to float)\b")
@@ -589,8 +589,9 @@ def _function_hists(
     #   an i1 and / or / xor with a function-constant operand is a constant or its other operand.
     # - The optimizer reads the elements of a <2 x half> (or bfloat) as one integer, shifted and
     #   truncated to 16 bits and bitcast to half (x86's form of an element read): element moves,
-    #   free as extractelement is (a shift by a constant and a truncation whose every use is such
-    #   a bitcast or another such move).
+    #   free as extractelement is. A truncation to 16 or 32 bits whose every use is a bitcast to
+    #   the float type of its width, and a constant shift right whose every use is such a
+    #   truncation to a width the shift is a multiple of (an element's boundary).
     moves: set[str] = set()
     for name, body in defs.items():
         m = _SELECT_COND.match(body)
@@ -605,14 +606,19 @@ def _function_hists(
         if name in seen:
             return seen[name]
         seen[name] = False
-        body = defs.get(name, "")
-        m = _ELEMENT_SHIFT.match(body)
-        ok = bool(m) and (m.group(1) == "lshr" or m.group(3) in ("i16", "i32"))
+        m = _ELEMENT_SHIFT.match(defs.get(name, ""))
+        shift = int(m.group(1)) if m and m.group(1) else None
+        ok = bool(m) and (shift is not None or m.group(2) in ("16", "32"))
         for u in users.get(name, []) if ok else []:
             a = _ASSIGN.match(lines[u])
             use = a.group(2) if a else ""
-            if not (_FP_BITCAST.match(use) or (a and element_move(a.group(1), seen))):
-                ok = False
+            if shift is None:
+                ok = bool(_FP_BITCAST.match(use))
+            else:
+                t = _ELEMENT_SHIFT.match(use)
+                width = int(t.group(2)) if t and t.group(2) else 0
+                ok = width > 0 and shift % width == 0 and element_move(a.group(1), seen)
+            if not ok:
                 break
         seen[name] = ok
         return ok
