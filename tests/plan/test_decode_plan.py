@@ -427,10 +427,13 @@ def restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct, rat
      # Broadcast batches whose logical K/V (2^51 to 2^60 bytes) take the costs past 64 bits.
      (1 << 20, 32, 8, 1, (1 << 20) - 1), (1 << 30, 8, 2, 1, 1025)],
 )  # fmt: skip
-def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
+@pytest.mark.parametrize("staged", [False, True])
+def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S, staged):
     """decode_layout_time restated: the plan's heads a threadgroup is the divisor of the group
     whose layout (each forced packing's own split and width, as planned) costs least in the
-    timing model's terms, the full packing on a tie and the most heads among equals."""
+    timing model's terms, the full packing on a tie and the most heads among equals. Staged:
+    K and V through threadgroup tiles (decode_direct = 0, as the paged and quantized caches
+    read them), with the staged kernel's fits and the wave rule's split."""
     cores = timing.chip(chip)["gpu_cores"]
     elem = dtype.itemsize
 
@@ -440,8 +443,9 @@ def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
         return t(1, 1, 1, E, dtype=dtype).expand(B, H, n, E)
 
     def planned(**options):
+        staging = {"decode_direct": 0} if staged else {}
         p = sim.plan("sdpa", [view(Hq, L), view(Hkv, S), view(Hkv, S), None, None],
-                     {"scale": 0.125, **host_description(chip), **options})  # fmt: skip
+                     {"scale": 0.125, **host_description(chip), **staging, **options})  # fmt: skip
         return p.dispatches[0]
 
     group = Hq // Hkv
@@ -454,6 +458,7 @@ def test_packing_is_the_cheapest_layout(chip, dtype, E, B, Hq, Hkv, L, S):
         w = forced.constants[FC_DECODE_SIMDGROUPS]
         resident = max(1, timing.resident_threadgroups(forced, chip) // cores)
         direct = forced.constants[FC_DECODE_DIRECT]
+        assert not (staged and direct)
         costs[d] = restated_time(B, Hq, Hkv, L, S, E, elem, cores, dp, w, resident, direct,
                                  dram_rate(chip))  # fmt: skip
     best = min(costs.values())
