@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
 from gemm_helpers import rand, requires_planner, requires_simulator  # noqa: E402, F401
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+FC_DECODE_DIRECT = 342  # params.h STEEL_ATTN_FC_DECODE_DIRECT
 
 # Half an ulp at 1.0 of each dtype: out is computed in fp32 and rounded once to its dtype.
 OUT_ROUNDING = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}

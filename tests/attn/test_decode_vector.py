@@ -17,6 +17,7 @@ import pytest
 import torch
 from attn_helpers import (
     DTYPES,
+    FC_DECODE_DIRECT,
     assert_attention_close,
     oracle,
     qkv,
@@ -32,7 +33,6 @@ from torch_steel.sim import timing
 pytestmark = requires_simulator
 
 FC_DECODE_SIMDGROUPS = 341  # params.h STEEL_ATTN_FC_DECODE_SIMDGROUPS
-FC_DECODE_DIRECT = 342  # params.h STEEL_ATTN_FC_DECODE_DIRECT
 
 
 def _run(q, k, v, mask=None, num_splits=0, vector=True, width=0, heads=0, direct=None, **kwargs):

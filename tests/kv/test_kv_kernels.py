@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attn"))
 from attn_helpers import (  # noqa: E402
     DTYPES,
+    FC_DECODE_DIRECT,
     assert_attention_close,
     oracle,
     requires_simulator,
@@ -203,7 +204,7 @@ def test_both_decode_kernels_dequantize(k_format, v_format, vector):
         name = "steel_attention_decode_vector_" if vector else "steel_attention_decode_"
         assert p.dispatches[0].kernel == f"{name}f16_e128_v128"
         if vector:  # the dequantizing loaders stage the tiles: no direct reads
-            assert p.dispatches[0].constants[342] is False  # STEEL_ATTN_FC_DECODE_DIRECT
+            assert p.dispatches[0].constants[FC_DECODE_DIRECT] is False
         out, lse = sim.run_op("sdpa_quantized", tensors, options, checkers=True)[:2]
         assert_attention_close(out, lse, ref_out, ref_lse, q.dtype, float(vd.double().abs().max()),
                                score_error(q, kd, None))  # fmt: skip
