@@ -379,12 +379,12 @@ DecodeLayout decode_layout(const Common& c, const Decode& dec, const Options& op
 //   - the largest, plus the merge's overhead (decode_merge_time) when split.
 // Each divisor of the group below the full packing is costed with its own split and width
 // (decode_layout), and the cheapest taken, the most heads on a tie. The timing model's
-// predictions, f16 d128 B1 one token, full packing / at most 2 heads a threadgroup / 1, in us
-// (PyTorch's kernel in brackets), and the pick: M4 Pro H8/2 S512 28.5 / 23.3 / 20.7 (17.8): 1;
-// M1 31.3 / 25.3 / 22.3 (18.9): 1; M5 27.2 / 22.4 / 20.0 (17.2): 1; M4 Pro H8/2 S1024 34.8 /
-// 31.2 / 30.9 (28.7): 1; M4 Pro H32/8 S512 28.5 / 23.3 / 27.1 (25.5): 2; M1 H32/8 S512 41.0 /
-// 41.0 / 63.2 (split) (45.7): 4, a tie at the DRAM bound; M5 H32/8 S512 27.2 / 29.4 / 53.6
-// (split) (38.9): 4 (tests/plan/test_decode_plan.py judges the pick by the model). So the best
+// predictions with direct reads, f16 d128 B1 one token, full packing / at most 2 heads a
+// threadgroup / 1, in us (PyTorch's kernel in brackets), and the pick: M4 Pro H8/2 S512 19.2 /
+// 16.9 / 16.3 (17.8): 1; M1 20.6 / 18.0 / 17.8 (18.9): 1; M5 18.6 / 16.5 / 15.9 (17.2): 1; M4
+// Pro H8/2 S1024 26.4 / 22.7 / 21.9 (28.7): 1; M4 Pro H32/8 S512 19.2 / 17.7 / 21.9 (25.5): 2;
+// M1 H32/8 S512 41.0 / 41.0 / 52.0 (45.7): 4, a tie at the DRAM bound; M5 H32/8 S512 23.8 /
+// 23.8 / 41.1 (38.9): 4 (tests/plan/test_decode_plan.py judges the pick by the model). So the best
 // packing depends on chip and shape; at long caches (the grid a wave or more) the full packing
 // stays. Option "decode_heads_per_tg" = n fixes the packing at the largest fitting divisor of
 // the group at most n (the tests force every one); the MMA kernel keeps the full packing.
