@@ -283,11 +283,25 @@ def steel_kernel_info(
     if m:
         kind, dt, de, dv = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
         td, tv, tk = de // 8, dv // 8, _attn_bk(de, dv, _ELEM_BYTES[dt]) // 8
-        if kind == "bwd_dkdv":
-            # S^T and dP^T, then (P o Z)^T and dS^T in their place (backward.h)
-            frags, what = 2 * td + 2 * tv + 2 * tk, "K, V, dK, dV rows and 2 score-tile fragments"
-        elif kind == "bwd_dq":
-            frags, what = 2 * td + tv + 2 * tk, "Q, dO, dQ rows and 2 score-tile fragments"
+        if kind in ("bwd_dkdv", "bwd_dq"):
+            # K and V (dK/dV kernel) or Q and dO (dQ) rows as MMA operands of the inputs' dtype
+            # (backward.h, forward.h's AttnOperandRow: one 32-bit register a lane a fragment
+            # for 16-bit types, two for float); dK and dV or dQ rows and two score tiles (S^T
+            # and dP^T, then (P o Z)^T and dS^T in their place) in fp32 fragments.
+            es = _ELEM_BYTES[dt]
+            operands = (td + tv) * (2 if es == 4 else 1)
+            if kind == "bwd_dkdv":
+                frags, what = td + tv + 2 * tk, "dK, dV rows and 2 score tiles"
+                rows = "K and V"
+            else:
+                frags, what = td + 2 * tk, "the dQ row and 2 score tiles"
+                rows = "Q and dO"
+            basis = (
+                f"{rows}'s {td + tv} operand fragments in {dt} x {2 if es == 4 else 1} + "
+                f"{frags} live 8x8 fp32 fragments ({what}) x 2 + {_BASE_REGISTERS} scalars"
+            )
+            return {"registers": operands + 2 * frags + _BASE_REGISTERS, "register_basis": basis,
+                    "mma_dtype": "float"}  # fmt: skip
         elif kind == "tensor":
             frags, what = 0, "matmul2d keeps its operands in cooperative tensors: not counted"
         elif kind is None:  # the prefill: Q in operand fragments of its dtype (forward.h)

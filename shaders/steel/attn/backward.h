@@ -198,11 +198,9 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
     float sum = 0.0f;
     for (int key = lane; key < sq.ext.S; key += 32) {
       float x = 0.0f;
-      for (int d = 0; d < p.E; ++d) {
-        x += float(q_row[d]) * p.q_scale * float(k_h[key * p.k_rs + d]);
-      }
+      for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * float(k_h[key * p.k_rs + d]);
       float th = 0.0f;
-      const float s = attn_score<T>(x, p, sq.ext, row, key, true, mask,
+      const float s = attn_score<T>(x * p.q_scale, p, sq.ext, row, key, true, mask,
                                     mask_row + key * p.m_cs, true, th);
       sum += attn_probability(s, l);
     }
@@ -243,13 +241,15 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   const bool key_ok = key < ext.S;
   const int last_key = min(key0 + int(A::BKV), ext.S) - 1;
 
-  // K and V of the simdgroup's 8 keys in registers, zero past S and the head dims.
-  FragTile<1, A::TD> kf;
-  FragTile<1, A::TV> vf;
-  attn_load_row_frags<T, A::TD>(kf, k + sq.k + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
-                                attn_align_e, 1.0f, lane);
-  attn_load_row_frags<T, A::TV>(vf, v + sq.v + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
-                                attn_align_ev, 1.0f, lane);
+  // K and V of the simdgroup's 8 keys in registers, zero past S and the head dims, as MMA
+  // operands of their dtype (forward.h, AttnOperandRow: exact products, one register a
+  // fragment for 16-bit types, which at head dim 128 lets three threadgroups share a core).
+  AttnOperandRow<T, A::TD> kf;
+  AttnOperandRow<T, A::TV> vf;
+  attn_load_row_operands<T, A::TD>(kf, k + sq.k + hk * p.k_hs + key * p.k_rs, key_ok, p.E,
+                                   attn_align_e, lane);
+  attn_load_row_operands<T, A::TV>(vf, v + sq.v + hk * p.v_hs + key * p.v_rs, key_ok, p.Ev,
+                                   attn_align_ev, lane);
   FragTile<1, A::TD> dkf;
   FragTile<1, A::TV> dvf;
   dkf.clear();
@@ -315,7 +315,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       // across the products (the softcap's slope and dropout's factors are per element).
       FragTile<1, A::TK> pt;
       pt.clear();
-      attn_mma_bt<T, A::kLdE>(pt, kf, Qs, lane);
+      attn_mma_bt_operands<T, A::kLdE>(pt, kf, Qs + attn_bt_offset<A::kLdE>(lane), A::TK);
       if (A::kShared) {  // dO takes Q's place once every simdgroup has its scores
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
@@ -324,7 +324,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       }
       FragTile<1, A::TK> ds;
       ds.clear();
-      attn_mma_bt<T, A::kLdV>(ds, vf, Gs, lane);
+      attn_mma_bt_operands<T, A::kLdV>(ds, vf, Gs + attn_bt_offset<A::kLdV>(lane), A::TK);
 #pragma clang loop unroll(full)
       for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
@@ -365,21 +365,22 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
                                  p.Ev, attn_align_ev, 1.0f, lane);
 }
 
-// The lane's query row for the dQ and dmask kernels: Q (scaled as in the forward, score.h) and
-// dO in registers, and the row's lse, delta and 1 / normaliser (0 and -inf past L).
+// The lane's query row for the dQ and dmask kernels: Q (unscaled: the scores take the scale
+// after Q K^T, as in the forward) and dO in registers as MMA operands of their dtype
+// (AttnOperandRow), and the row's lse, delta and 1 / normaliser (0 and -inf past L).
 template <typename T, short TD, short TV>
-inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>& gf,
-                              thread float& lse_row, thread float& delta_row,
-                              thread float& norm_row, const device T* q,
+inline void attn_bwd_load_row(thread AttnOperandRow<T, TD>& qf,
+                              thread AttnOperandRow<T, TV>& gf, thread float& lse_row,
+                              thread float& delta_row, thread float& norm_row, const device T* q,
                               const device T* grad_out, const device float* lse,
                               const device float* delta, constant AttnBackwardParams& bp,
                               thread const AttnBwdSeq& sq, int h, int row, bool row_ok,
                               ushort lane) {
   constant AttnParams& p = bp.fwd;
-  attn_load_row_frags<T, TD>(qf, q + sq.q + h * p.q_hs + row * p.q_rs, row_ok, p.E,
-                             attn_align_e, p.q_scale, lane);
-  attn_load_row_frags<T, TV>(gf, grad_out + sq.g + h * bp.g_hs + row * bp.g_rs, row_ok, p.Ev,
-                             attn_align_ev, 1.0f, lane);
+  attn_load_row_operands<T, TD>(qf, q + sq.q + h * p.q_hs + row * p.q_rs, row_ok, p.E,
+                                attn_align_e, lane);
+  attn_load_row_operands<T, TV>(gf, grad_out + sq.g + h * bp.g_hs + row * bp.g_rs, row_ok,
+                                p.Ev, attn_align_ev, lane);
   const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
   lse_row = row_ok ? lse[at] : -INFINITY;
   delta_row = row_ok ? delta[at] : 0.0f;
@@ -396,8 +397,8 @@ inline void attn_bwd_load_row(thread FragTile<1, TD>& qf, thread FragTile<1, TV>
 // The caller puts a barrier between two calls.
 template <typename A, typename T>
 inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, A::TK>& slope,
-                              thread const FragTile<1, A::TD>& qf,
-                              thread const FragTile<1, A::TV>& gf, threadgroup T* smem,
+                              thread const AttnOperandRow<T, A::TD>& qf,
+                              thread const AttnOperandRow<T, A::TV>& gf, threadgroup T* smem,
                               const device T* k_h, const device T* v_h, constant AttnParams& p,
                               AttnExtent ext, int row, int key0, bool row_ok,
                               const device uchar* mask, steel_i64 mask_row, bool edge,
@@ -418,7 +419,7 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   const short fc = frag_col(lane);
   // dP o Z = (dO V^T) o Z.
   ds.clear();
-  attn_mma_bt<T, A::kLdV>(ds, gf, Vs, lane);
+  attn_mma_bt_operands<T, A::kLdV>(ds, gf, Vs + attn_bt_offset<A::kLdV>(lane), A::TK);
   if (attn_dropout) attn_dropout_tile<A::TK>(ds, p, bh, row, key0, fc);
   if (A::kShared) {  // K takes V's place once every simdgroup has its dP
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -430,15 +431,16 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   // S = Q K^T, P, then dS.
   FragTile<1, A::TK> ps;
   ps.clear();
-  attn_mma_bt<T, A::kLdE>(ps, qf, Ks, lane);
+  attn_mma_bt_operands<T, A::kLdE>(ps, qf, Ks + attn_bt_offset<A::kLdE>(lane), A::TK);
+  const float q_scale = p.q_scale;
 #pragma clang loop unroll(full)
   for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
     for (short e = 0; e < 2; ++e) {
       const int key = key0 + j * 8 + fc + e;
       float th = 0.0f;
-      const float s = attn_score<T>(ps.frag[j].thread_elements()[e], p, ext, row, key, row_ok,
-                                    mask, mask_row + key * p.m_cs, edge, th);
+      const float s = attn_score<T>(ps.frag[j].thread_elements()[e] * q_scale, p, ext, row,
+                                    key, row_ok, mask, mask_row + key * p.m_cs, edge, th);
       const float pv = attn_probability(s, lse_row) * norm_row;
       slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
       ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row);
@@ -469,8 +471,8 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   const device T* k_h = k + sq.k + hk * p.k_hs;
   const device T* v_h = v + sq.v + hk * p.v_hs;
 
-  FragTile<1, A::TD> qf;
-  FragTile<1, A::TV> gf;
+  AttnOperandRow<T, A::TD> qf;
+  AttnOperandRow<T, A::TV> gf;
   float lse_row, delta_row, norm_row;
   attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp, sq, h,
                        row, row_ok, lane);
@@ -595,8 +597,8 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
       const int row0 = rb * A::BQ;
       const int row = row0 + simdgroup * 8 + fr;
       const bool row_ok = attn_align_l || row < p.L;
-      FragTile<1, A::TD> qf;
-      FragTile<1, A::TV> gf;
+      AttnOperandRow<T, A::TD> qf;
+      AttnOperandRow<T, A::TV> gf;
       float lse_row, delta_row, norm_row;
       attn_bwd_load_row<T>(qf, gf, lse_row, delta_row, norm_row, q, grad_out, lse, delta, bp,
                            sq, h, row, row_ok, lane);
