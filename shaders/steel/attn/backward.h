@@ -345,7 +345,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         }
       }
       // dV += (P o Z)^T dO.
-      attn_mma_b<T, A::kLdV>(dvf, pt, Gs, lane);
+      attn_mma_b_pairs<T, A::kLdV>(dvf, pt, Gs + attn_b_offset<A::kLdV>(lane));
       if (A::kShared) {  // and Q comes back for dK (a second read of the tile)
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E),
@@ -353,7 +353,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
       // dK += dS^T Q.
-      attn_mma_b<T, A::kLdE>(dkf, ds, Qs, lane);
+      attn_mma_b_pairs<T, A::kLdE>(dkf, ds, Qs + attn_b_offset<A::kLdE>(lane));
     }
   }
 
@@ -500,7 +500,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
       ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
     }
     // dQ += dS K (K at the start of smem in both layouts).
-    attn_mma_b<T, A::kLdE>(dqf, ds, smem, lane);
+    attn_mma_b_pairs<T, A::kLdE>(dqf, ds, smem + attn_b_offset<A::kLdE>(lane));
   }
 
   if (!row_ok) return;  // no barrier follows

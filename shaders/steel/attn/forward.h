@@ -61,7 +61,7 @@ constant bool attn_v_scale_f32 [[function_constant(STEEL_ATTN_FC_V_SCALE_F32)]];
 namespace steel {
 
 // The lane's element of fragment (0, 0) of a tile read by attn_mma_bt (lane element (d, j) at
-// tile[j * kLd + d]) and by attn_mma_b (element (j, n) at tile[j * kLd + n]): the offset is the
+// tile[j * kLd + d]) and by attn_mma_b_at (element (j, n) at tile[j * kLd + n]): the offset is the
 // same for every tile, so a loop over tiles forms it once.
 template <short kLd>
 inline short attn_bt_offset(ushort lane) { return frag_col(lane) * kLd + frag_row(lane); }
@@ -252,12 +252,6 @@ inline void attn_mma_b_at(thread FragTile<1, TC>& acc, thread const FragTile<1, 
       simdgroup_multiply_accumulate(acc.frag[n], a.frag[j], b, acc.frag[n]);
     }
   }
-}
-
-template <typename T, short kLd, short TA, short TC>
-inline void attn_mma_b(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
-                       const threadgroup T* tile, ushort lane) {
-  attn_mma_b_at<T, kLd>(acc, a, tile + attn_b_offset<kLd>(lane));
 }
 
 // The prefill's operands (attention_forward_block). Q and the K fragments stay in the inputs'
