@@ -218,6 +218,23 @@ Cost decode_cache_time(const Common& c, bool direct, int64_t threadgroups, int64
          (32 * decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct));
 }
 
+// The timing model's time of one vector decode pass, in decode_model_time's unit: `threadgroups`
+// threadgroups of `w` simdgroups (`resident` a core) each over `keys` keys of `packed` rows,
+// the larger of compute (a key's work for the rows, decode_row_factor, with the added key sets
+// of a wider block, decode_key_set_work, and the block's fixed work, decode_fixed_keys) and the
+// L2 path (decode_cache_time). decode_simdgroups and decode_layout_time both cost by it.
+Cost decode_pass_time(const Common& c, const Decode& dec, const Options& options, bool direct,
+                      int64_t packed, int64_t threadgroups, int64_t w, int64_t resident,
+                      int64_t cores, int64_t keys) {
+  const int64_t sets = decode_row_sets(c, packed);
+  const int64_t added = decode_key_set_work(c, dec, packed, options) *
+                        (w - STEEL_ATTN_SIMDGROUPS) / sets;
+  const int64_t work = keys * decode_row_factor(direct, packed) / 1000 * (1000 + added) / 1000 +
+                       decode_fixed_keys(c, direct, packed, w);
+  return std::max(decode_model_time(threadgroups, w, resident, cores, work),
+                  decode_cache_time(c, direct, threadgroups, w, resident, cores, keys));
+}
+
 // The vector kernel's simdgroups a threadgroup (STEEL_ATTN_FC_DECODE_SIMDGROUPS), and whether a
 // split's partitions `*n` give way to one pass. A grid below one wave leaves cores idle or
 // holding one or two threadgroups of 4 simdgroups, at the timing model's ALU efficiency of 4
@@ -238,7 +255,6 @@ Cost decode_cache_time(const Common& c, bool direct, int64_t threadgroups, int64
 int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& options,
                           int64_t packed, int64_t threadgroups, int64_t cores, int64_t* n) {
   const int64_t sets = decode_row_sets(c, packed);
-  const int64_t key_set_work = decode_key_set_work(c, dec, packed, options);
   // A pipeline may allow fewer threads than the widest block (Apple's compiler lowers
   // maxTotalThreadsPerThreadgroup for a kernel of many registers): the Metal host plans again
   // with "max_threads" set to its cap (checked_encoder.h), and no wider block is taken then.
@@ -252,29 +268,23 @@ int64_t decode_simdgroups(const Common& c, const Decode& dec, const Options& opt
   }
   if (fixed != 0 || n == nullptr) return STEEL_ATTN_SIMDGROUPS;
   const int64_t keys = std::max<int64_t>(dec.keys, 1);
-  const int64_t res4 = std::max<int64_t>(1, decode_resident(c, true, packed, STEEL_ATTN_SIMDGROUPS));
+  const int64_t res4 =
+      std::max<int64_t>(1, decode_resident(c, true, packed, STEEL_ATTN_SIMDGROUPS));
   if (threadgroups >= cores * res4) return STEEL_ATTN_SIMDGROUPS;  // a wave or more: as planned
   const int64_t per = ceil_div(ceil_div(keys, *n), bk) * bk;
   const int64_t parts = ceil_div(keys, per);
   const bool direct = decode_direct(c, dec, packed, options);
-  const int64_t rows = decode_row_factor(direct, packed);
-  const int64_t fixed4 = decode_fixed_keys(c, direct, packed, STEEL_ATTN_SIMDGROUPS);
-  Cost best =
-      std::max(decode_model_time(threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4, cores,
-                                 per * rows / 1000 + fixed4),
-               decode_cache_time(c, direct, threadgroups * parts, STEEL_ATTN_SIMDGROUPS, res4,
-                                 cores, per)) +
-      (parts > 1 ? decode_merge_time(c, direct) : 0);
+  Cost best = decode_pass_time(c, dec, options, direct, packed, threadgroups * parts,
+                               STEEL_ATTN_SIMDGROUPS, res4, cores, per) +
+              (parts > 1 ? decode_merge_time(c, direct) : 0);
   int64_t width = STEEL_ATTN_SIMDGROUPS;
   const int64_t whole = ceil_div(keys, bk) * bk;
-  for (int64_t w = 2 * STEEL_ATTN_SIMDGROUPS; w <= STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS; w *= 2) {
-    const int64_t work =
-        whole * rows / 1000 * (1000 + key_set_work * (w - STEEL_ATTN_SIMDGROUPS) / sets) / 1000 +
-        decode_fixed_keys(c, direct, packed, w);
+  for (int64_t w = 2 * STEEL_ATTN_SIMDGROUPS; w <= STEEL_ATTN_DECODE_VECTOR_MAX_SIMDGROUPS;
+       w *= 2) {
     const int64_t res = decode_resident(c, true, packed, w);
     if (res < 1 || w / sets > bk || threadgroups > cores * res || 32 * w > max_threads) continue;
-    const Cost t = std::max(decode_model_time(threadgroups, w, res, cores, work),
-                               decode_cache_time(c, direct, threadgroups, w, res, cores, whole));
+    const Cost t =
+        decode_pass_time(c, dec, options, direct, packed, threadgroups, w, res, cores, whole);
     if (t < best) best = t, width = w;
   }
   if (width != STEEL_ATTN_SIMDGROUPS) *n = 1;
@@ -394,19 +404,11 @@ Cost decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& 
   const int64_t packed = layout.packed;
   const int64_t threadgroups = layout.threadgroups * l.splits;
   const int64_t elem = static_cast<int64_t>(dtype_size(c.dtype));
-  const int64_t sets = decode_row_sets(c, packed);
   const int64_t w = l.simdgroups;
   const int64_t resident = std::max<int64_t>(1, decode_resident(c, true, packed, w));
   const bool direct = decode_direct(c, dec, packed, options);
-  const int64_t rows = decode_row_factor(direct, packed);
-  const int64_t work = l.split_keys * rows / 1000 *
-                       (1000 + decode_key_set_work(c, dec, packed, options) *
-                                   (w - STEEL_ATTN_SIMDGROUPS) / sets) /
-                           1000 +
-                       decode_fixed_keys(c, direct, packed, w);
-  const Cost compute = decode_model_time(threadgroups, w, resident, cores, work);
-  const Cost cache =
-      decode_cache_time(c, direct, threadgroups, w, resident, cores, l.split_keys);
+  const Cost pass = decode_pass_time(c, dec, options, direct, packed, threadgroups, w, resident,
+                                     cores, l.split_keys);
   const int64_t key_cycles = decode_key_cycles(c.kernel.de, c.kernel.dv, elem, direct);  // tenths
   const Cost kv_bytes = Cost{dec.count} * c.Hkv * std::max<int64_t>(dec.keys, 1) *
                         (c.kernel.de + c.kernel.dv) * elem;
@@ -415,7 +417,7 @@ Cost decode_layout_time(const Common& c, const Decode& dec, const DecodeLayout& 
   const int64_t rate = described > 0 ? std::max<int64_t>(1, std::llround(described * 10))
                                      : kDecodeDramBytes * 10;
   const Cost dram = kv_bytes * 100000 / (rate * cores * key_cycles);
-  return std::max({compute, cache, dram}) + (l.splits > 1 ? decode_merge_time(c, direct) : 0);
+  return std::max(pass, dram) + (l.splits > 1 ? decode_merge_time(c, direct) : 0);
 }
 
 }  // namespace
