@@ -277,6 +277,36 @@ constexpr int steel_attn_bwd_tile_bytes(int de, int dv, int elem_bytes) {
                                          elem_bytes);
 }
 
+// The dQ and dmask kernels' K/V buffer. As the prefill forward's (steel_attn_prefill_shared_kv),
+// their two tiles take turns in one buffer (V, then K) whenever that lets more threadgroups
+// reside on a core, by the residency rule above: at f16 and bf16 head dim 128, separate tiles
+// (17408 bytes) allow 3 where the registers allow 4. The dK/dV kernel keeps the rule above:
+// sharing would make it read Q twice. Registers a thread, a MODEL ASSUMPTION mirrored by
+// timing.steel_kernel_info: Q and dO rows as MMA operands of the inputs' dtype (one 32-bit
+// register a fragment for 16-bit types, two for float), the dQ row and two score tiles in fp32
+// fragments (two each), and 24 scalars.
+constexpr int steel_attn_bwd_dq_registers(int de, int dv, int elem_bytes) {
+  return (elem_bytes == 4 ? 2 : 1) * (de / 8 + dv / 8) +
+         2 * (de / 8 + 2 * (steel_attn_bwd_bk(de, dv, elem_bytes) / 8)) + 24;
+}
+constexpr bool steel_attn_bwd_dq_shared(int de, int dv, int elem_bytes) {
+  return steel_attn_bwd_shared(de, dv, elem_bytes) ||
+         (steel_attn_bwd_bk(de, dv, elem_bytes) > 0 &&
+          steel_attn_prefill_residency(
+              steel_attn_shared_bytes(steel_attn_bwd_bk(de, dv, elem_bytes), de, dv, elem_bytes),
+              steel_attn_bwd_dq_registers(de, dv, elem_bytes)) >
+              steel_attn_prefill_residency(steel_attn_separate_bytes(
+                                               steel_attn_bwd_bk(de, dv, elem_bytes), de, dv,
+                                               elem_bytes),
+                                           steel_attn_bwd_dq_registers(de, dv, elem_bytes)));
+}
+constexpr int steel_attn_bwd_dq_tile_bytes(int de, int dv, int elem_bytes) {
+  return steel_attn_bwd_dq_shared(de, dv, elem_bytes)
+             ? steel_attn_shared_bytes(steel_attn_bwd_bk(de, dv, elem_bytes), de, dv, elem_bytes)
+             : steel_attn_separate_bytes(steel_attn_bwd_bk(de, dv, elem_bytes), de, dv,
+                                         elem_bytes);
+}
+
 // Everything an attention kernel needs at run time. Lengths and head counts fit in 32 bits;
 // strides and offsets are 64-bit (see steel_i64). Strides are in elements.
 //

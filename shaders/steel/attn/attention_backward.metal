@@ -70,7 +70,7 @@ template <typename T, short DE, short DV>
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
-  threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
+  threadgroup T smem[AttnBackward<T, DE, DV, true>::kTileElems];
   attention_bwd_dq_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dq, cu_q, cu_k, params,
                                     smem, tg, simdgroup, lane);
 }
@@ -88,8 +88,8 @@ template <typename T, short DE, short DV>
     uint3 tg [[threadgroup_position_in_grid]],
     ushort simdgroup [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
-  threadgroup T smem[AttnBackward<T, DE, DV>::kTileElems];
-  threadgroup float red[STEEL_ATTN_SIMDGROUPS * AttnBackward<T, DE, DV>::BK];
+  threadgroup T smem[AttnBackward<T, DE, DV, true>::kTileElems];
+  threadgroup float red[STEEL_ATTN_SIMDGROUPS * AttnBackward<T, DE, DV, true>::BK];
   attention_bwd_dmask_block<T, DE, DV>(q, k, v, mask, grad_out, lse, delta, dmask, params, smem,
                                        red, tg, simdgroup, lane);
 }

@@ -47,14 +47,17 @@ namespace steel {
 
 // Tiles of the backward kernels for head dims DE, DV: query rows (dQ) and keys (dK/dV) per
 // threadgroup as in the forward, and a streamed tile of BK rows (params.h's steel_attn_bwd_bk)
-// of Q and dO (dK/dV) or K and V (dQ, dmask), in two buffers or, with kShared, taking turns in
-// one (params.h).
-template <typename T, short DE, short DV>
+// of Q and dO (dK/dV) or K and V (dQ, dmask: kRows), in two buffers or, with kShared, taking
+// turns in one (params.h: steel_attn_bwd_shared for the dK/dV kernel, steel_attn_bwd_dq_shared
+// for the row kernels).
+template <typename T, short DE, short DV, bool kRows = false>
 struct AttnBackward {
   static constant constexpr short BQ = STEEL_ATTN_BQ;  // dQ: query rows per threadgroup
   static constant constexpr short BKV = 32;            // dK/dV: keys per threadgroup
   static constant constexpr short BK = short(steel_attn_bwd_bk(DE, DV, int(sizeof(T))));
-  static constant constexpr bool kShared = steel_attn_bwd_shared(DE, DV, int(sizeof(T)));
+  static constant constexpr bool kShared = kRows
+                                                ? steel_attn_bwd_dq_shared(DE, DV, int(sizeof(T)))
+                                                : steel_attn_bwd_shared(DE, DV, int(sizeof(T)));
   static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
   static constant constexpr short kLdE = short(steel_attn_ld(DE, int(sizeof(T))));
   static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
@@ -70,7 +73,8 @@ struct AttnBackward {
   static_assert(BKV == 8 * STEEL_ATTN_SIMDGROUPS, "one 8-key fragment row per simdgroup");
   static_assert(kStats <= kThreads, "one thread stages one row statistic");
   static_assert(kTileElems * int(sizeof(T)) ==
-                    steel_attn_bwd_tile_bytes(DE, DV, int(sizeof(T))),
+                    (kRows ? steel_attn_bwd_dq_tile_bytes(DE, DV, int(sizeof(T)))
+                           : steel_attn_bwd_tile_bytes(DE, DV, int(sizeof(T)))),
                 "the planner's threadgroup-memory figure must match the kernel's");
   using LoaderE = AttnTileLoader<T, BK, DE, kLdE, kThreads>;
   using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
@@ -455,7 +459,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
                                    device T* dq, const device int* cu_q, const device int* cu_k,
                                    constant AttnBackwardParams& bp, threadgroup T* smem,
                                    uint3 tg, ushort simdgroup, ushort lane) {
-  using A = AttnBackward<T, DE, DV>;
+  using A = AttnBackward<T, DE, DV, true>;
   constant AttnParams& p = bp.fwd;
   const int row0 = int(tg.x) * A::BQ;
   const int h = int(tg.y);
@@ -574,7 +578,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
                                       device uchar* dmask, constant AttnBackwardParams& bp,
                                       threadgroup T* smem, threadgroup float* red, uint3 tg,
                                       ushort simdgroup, ushort lane) {
-  using A = AttnBackward<T, DE, DV>;
+  using A = AttnBackward<T, DE, DV, true>;
   constant AttnParams& p = bp.fwd;
   const AttnExtent ext = {p.L, p.S, p.shift};  // dense launches only: varlen has no mask
   const short fr = frag_row(lane);
