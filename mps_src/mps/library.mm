@@ -230,10 +230,13 @@ void describe_device(Options* options) {
   options->numbers.emplace(kDeviceTensorOps, loaded ? 1.0 : 0.0);
   const int64_t cores = gpu_core_count();
   if (cores > 0) options->numbers.emplace(kDeviceGpuCores, static_cast<double>(cores));
-  // The plans know the DRAM rate of the timing model's chips by this name ("Apple M1 Max");
-  // copied into the options before the string is released.
-  const char* name = [[device() name] UTF8String];
-  if (name != nullptr) options->strings.emplace(kDeviceName, std::string(name));
+  // The plans know the DRAM rate of the timing model's chips by this name ("Apple M1 Max"),
+  // copied into the options inside the pool that releases the string (run_op's thread has no
+  // pool of its own that drains).
+  @autoreleasepool {
+    const char* name = [[device() name] UTF8String];
+    if (name != nullptr) options->strings.emplace(kDeviceName, std::string(name));
+  }
 }
 
 id<MTLComputePipelineState> pipeline(const Dispatch& dispatch) {

@@ -23,8 +23,9 @@ bool decode_serves(const Common& c, int64_t rows, const Options& options) {
 namespace {
 
 // The cost model's times below (decode_model_time's unit) take 128 bits: a broadcast view's
-// logical K/V (B = 2^30 over one row: 2^62 bytes) times the units' scale overflows 64 bits, and
-// a wrapped cost would order layouts at random. Their products stay below 2^100.
+// logical K/V (2^49 to 2^54 bytes in tests/plan/test_decode_plan.py's broadcast batches) times
+// the units' scale (10^5 to 10^6) overflows 64 bits, and a wrapped cost would order layouts at
+// random. With at most 2^63 elements a tensor, the products stay below 2^120.
 __extension__ typedef __int128 Cost;
 
 // Query rows per threadgroup block: all of them up to STEEL_ATTN_BQ (decode), else BQ.

@@ -27,6 +27,12 @@ constexpr ChipDram kChipDram[] = {
 
 }  // namespace
 
+std::vector<std::string> chip_dram_names() {
+  std::vector<std::string> names;
+  for (const ChipDram& chip : kChipDram) names.emplace_back(chip.name);
+  return names;
+}
+
 double chip_dram_bytes_per_core_cycle(const std::string& name) {
   for (const ChipDram& chip : kChipDram) {
     if (name == chip.name) return chip.bytes_per_s / (chip.cores * chip.clock_ghz * 1e9);

@@ -5,6 +5,9 @@
 // simdgroup-matrix kernels.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "plan.h"
 
 namespace steel {
@@ -44,10 +47,14 @@ DeviceDesc device_desc(const Options& options);
 
 // The DRAM bandwidth in bytes a core-cycle (bytes a second over cores and clock) of the GPU that
 // Metal names `name`, for the chips of the timing model's table (torch_steel/sim/chips.json:
-// 6.25 on M3 Max to 9.7 on M5), else 0. A binned variant (M3 Max with 30 cores, 300 GB/s) is
-// taken at its full chip's rate: its bandwidth falls with its cores there, and nearly so on
-// M4 Max (32 cores, 410 GB/s: 8.7 against 9.3).
+// 6.25 on M3 Max to 9.7 on M5), else 0. A binned variant is taken at its full chip's rate:
+// right where its bandwidth falls with its cores (M3 Max with 30 cores, 300 GB/s), nearly so on
+// M4 Max (32 cores, 410 GB/s: 8.7 against 9.3), and an understatement where the bandwidth stays
+// (M1 Max with 24 cores keeps 400 GB/s: 12.9 against 9.6), which makes a split's merge look
+// cheaper against the DRAM floor than it is.
 double chip_dram_bytes_per_core_cycle(const std::string& name);
+// The names that table knows, in its order (for its test against chips.json).
+std::vector<std::string> chip_dram_names();
 
 // Whether matmul2d kernels should replace the simdgroup ones: Metal 4, an Apple10 (M5) GPU,
 // and the tensor-op library present.

@@ -3,13 +3,15 @@ structure and sources; the model on synthetic counters whose answers are worked 
 the table's figures; sim.predict end to end on small steel calls."""
 
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from sim_helpers import requires_clang
 
 from torch_steel import sim
-from torch_steel.sim import timing
+from torch_steel.sim import build, timing
 
 REQUIRED_CHIPS = ["M1", "M1 Max", "M2", "M3 Max", "M4", "M4 Pro", "M4 Max", "M5", "M5 Pro",
                   "M5 Max"]  # fmt: skip
@@ -265,6 +267,42 @@ def test_declared_threadgroup_memory_is_the_kernels(dtype, E, Ev, L):
     for c in counters:
         info = timing.steel_kernel_info(c["kernel"])
         assert info["threadgroup_memory"] == c["threadgroup_memory_bytes"], c["kernel"]
+
+
+# The backward kernels' head-dim pairs and element sizes (attention_backward.metal: the
+# forward's pairs), for the register estimate's mirror below.
+BWD_PAIRS = [(d, d) for d in (32, 64, 72, 80, 96, 112, 128, 160, 192, 256, 512)] + [
+    (192, 128),
+    (576, 512),
+]
+
+
+@requires_clang
+def test_backward_register_estimate_is_params_hs(tmp_path):
+    """params.h's steel_attn_bwd_dq_registers (which decides the dQ kernel's shared K/V buffer,
+    steel_attn_bwd_dq_shared) and steel_attn_bwd_bk are what steel_kernel_info and the timing
+    model assume for every backward pair and element size: params.h compiled and asked."""
+    root = Path(__file__).resolve().parents[2]
+    cases = [(de, dv, es) for de, dv in BWD_PAIRS for es in (2, 4)]
+    calls = "".join(
+        f'  std::printf("%d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
+        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}));\n"
+        for de, dv, es in cases
+    )
+    src = tmp_path / "bwd.cpp"
+    src.write_text(f'#include <cstdio>\n#include "steel/params.h"\nint main() {{\n{calls}}}\n')
+    exe = tmp_path / "bwd"
+    subprocess.run([build.CXX, "-std=c++17", f"-I{root / 'shaders'}", str(src), "-o", str(exe)],
+                   check=True)  # fmt: skip
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    for (de, dv, es), line in zip(cases, out, strict=False):
+        bk, registers = (int(x) for x in line.split())
+        assert timing._attn_bwd_bk(de, dv, es) == bk, (de, dv, es)
+        if bk == 0:
+            continue  # the planner refuses the pair
+        dt = {2: "f16", 4: "f32"}[es]
+        info = timing.steel_kernel_info(f"steel_attention_bwd_dq_{dt}_e{de}_v{dv}", {})
+        assert info["registers"] == registers, (de, dv, es)
 
 
 def _sdpa_inputs(L, S, E, dtype=torch.float16):

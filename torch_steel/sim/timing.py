@@ -180,6 +180,17 @@ def _attn_bk(de: int, dv: int, elem: int) -> int:
     return next((bk for bk in (32, 16) if bk * row <= _TG_BUDGET), 8)
 
 
+def _attn_bwd_bk(de: int, dv: int, elem: int) -> int:
+    """steel_attn_bwd_bk of shaders/steel/params.h: the backward kernels' streamed tile rows,
+    the most of 32, 16, 8 whose two tiles and three floats a row fit the budget (8 rows in one
+    shared buffer where not; 0 where not even that)."""
+    ldk, ldv = _attn_ld(de, elem), _attn_ld(dv, elem)
+    for bk in (32, 16, 8):
+        if bk * (ldk + ldv) * elem + 3 * bk * 4 <= _TG_BUDGET:
+            return bk
+    return 8 if 8 * max(ldk, ldv) * elem + 3 * 8 * 4 <= _TG_BUDGET else 0
+
+
 def _attn_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
     """steel_attn_threadgroup_bytes of shaders/steel/params.h: the decode kernels' K and V
     tiles."""
@@ -284,6 +295,7 @@ def steel_kernel_info(
         kind, dt, de, dv = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
         td, tv, tk = de // 8, dv // 8, _attn_bk(de, dv, _ELEM_BYTES[dt]) // 8
         if kind in ("bwd_dkdv", "bwd_dq"):
+            tk = _attn_bwd_bk(de, dv, _ELEM_BYTES[dt]) // 8  # the backward's own tile
             # K and V (dK/dV kernel) or Q and dO (dQ) rows as MMA operands of the inputs' dtype
             # (backward.h, forward.h's AttnOperandRow: one 32-bit register a lane a fragment
             # for 16-bit types, two for float); dK and dV or dQ rows and two score tiles (S^T

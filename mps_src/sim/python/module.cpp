@@ -289,6 +289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("storages") = std::vector<int64_t>{});
   m.def("chip_dram_bytes_per_core_cycle", &steel::chip_dram_bytes_per_core_cycle,
         py::arg("name"), "The plans' DRAM rate of the GPU Metal names `name` (0: not known).");
+  m.def("chip_dram_names", &steel::chip_dram_names, "The GPU names the plans' DRAM table holds.");
   m.def("plan_cache_stats", [] {
     const steel::PlanCache::Stats s = steel::plan_cache().stats();
     py::dict d;

@@ -5,7 +5,8 @@
 // Host names: steel_attention_bwd_delta_<dtype>, steel_attention_bwd_dkdv_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dq_<dtype>_e<DE>_v<DV>, steel_attention_bwd_dmask_<dtype>_e<DE>_v<DV>,
 // steel_attention_bwd_dsinks_<dtype>. The head-dim pairs are the forward's (attention.metal)
-// (params.h's steel_attn_bwd_bk gives each its backward tile; float32 at 512 has the shared one).
+// (params.h's steel_attn_bwd_bk gives each its backward tile; steel_attn_bwd_shared and, for the
+// dQ and dmask kernels, steel_attn_bwd_dq_shared say where its two tiles share one buffer).
 #include <metal_stdlib>
 
 #include "../params.h"

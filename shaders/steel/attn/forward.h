@@ -254,7 +254,8 @@ inline void attn_mma_b_at(thread FragTile<1, TC>& acc, thread const FragTile<1, 
   }
 }
 
-// The prefill's operands (attention_forward_block). Q and the K fragments stay in the inputs'
+// MMA operands in the inputs' dtype: the prefill's Q and K fragments (attention_forward_block),
+// and the backward's K and V rows (dK/dV kernel) and Q and dO rows (dQ, dmask). They stay in
 // dtype T: the MMA multiplies two half or bfloat operands into its fp32 accumulator exactly
 // (a product of two 11- or 8-bit significands fits fp32's 24; the GEMM's BlockMMA does the
 // same, gemm/mma.h), so S = Q K^T is what fp32 operands give, without converting each K
@@ -268,8 +269,9 @@ struct AttnOperandRow {
   simdgroup_matrix<T, 8, 8> frag[N];
 };
 
-// Q's row of operand fragments straight from device memory, unscaled (the scores take the
-// scale after Q K^T: scaling in T would round it); zero past the tensor's rows and past `cols`.
+// A row of operand fragments (Q's, or the backward's K, V, dO) straight from device memory,
+// unscaled (the scores take the scale after Q K^T: scaling in T would round it); zero past the
+// tensor's rows and past `cols`.
 template <typename T, short N>
 inline void attn_load_row_operands(thread AttnOperandRow<T, N>& f, const device T* row_ptr,
                                    bool row_ok, int cols, bool whole_cols, ushort lane) {
