@@ -14,6 +14,10 @@ Tables:
 - varlen: one packed batch through steel's sdpa_varlen against PyTorch's kernels called once per
   sequence (PyTorch has no varlen attention on MPS);
 FLOPs count the visible (row, key) pairs: 4 D per pair forward, 10 D backward.
+
+After each chip's table, the matrix floor of the prefill and training rows: steel's matrix
+products alone at the chip's matrix peak, the least time any kernel of this design takes in the
+model, and PyTorch's time over it, the most steel's ratio can reach (matrix_floor).
 """
 
 from __future__ import annotations
@@ -72,6 +76,25 @@ QUICK_PREFILL = [("prefill L80 d64 GQA 2/1 causal", 1, 2, 1, 80, 80, 64, True)]
 QUICK_DECODE = [("decode 1 tok S256 4/1 d64", 1, 4, 1, 1, 256, 64, False)]
 QUICK_TRAIN = [("train L40 d64 causal", 1, 2, 2, 40, 40, 64, True)]
 QUICK_VARLEN = [("varlen 33,17 d64", [33, 17], 2, 1, 64, False)]
+
+
+# Matrix products per visible (row, key) pair and head-dim column in steel's kernels: the
+# forward takes S = Q K^T and O = P V; the backward's dK/dV kernel recomputes S and takes dP =
+# dO V^T, dV = P^T dO and dK = dS^T Q, and its dQ kernel recomputes S and dP for dQ = dS K
+# (tests/sim/test_bench_predict.py counts the MMAs of each kernel against these).
+FORWARD_MATMULS = 2
+BACKWARD_MATMULS = 7
+
+
+def matrix_floor(shape, chip, dtype, matmuls, dispatches):
+    """Seconds of `matmuls` products over the visible pairs of `shape` (a PREFILL or TRAIN row)
+    at the chip's matrix peak, plus the dispatch overhead of each of `dispatches`: the timing
+    model predicts no dispatch below its MMAs at the peak and its overhead, so no kernel that
+    runs these products is predicted faster."""
+    _, B, Hq, _, L, S, D, causal = shape
+    flops = 2 * matmuls * B * Hq * visible(L, S, causal) * D
+    overhead = float(sbs.chip(chip)["dispatch_overhead_s"])
+    return flops / sbs.roofline_peaks(chip, dtype)["matrix"] + dispatches * overhead
 
 
 def visible(L, S, causal) -> int:
@@ -303,6 +326,7 @@ def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list
         say(f"   DRAM bytes: {source}; how: heads reduced / sampled / full (side_by_side.py)")
         say(sbs.HEADER)
         series: dict[str, list] = {}
+        floors: list[str] = []
         for kind, shapes, pair, fl in (
             ("prefill", prefill, forward_pair, 4),
             ("decode", decode, forward_pair, 4),
@@ -313,6 +337,14 @@ def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list
                 flops = fl * B * Hq * visible(L, S, causal) * D
                 ours, theirs = pair(shape, dtype, chip, budget)
                 say(sbs.row(shape[0], flops, ours, theirs))
+                matmuls = {"prefill": FORWARD_MATMULS,
+                           "train": FORWARD_MATMULS + BACKWARD_MATMULS}.get(kind)  # fmt: skip
+                if matmuls and "time_s" in ours and "time_s" in theirs:
+                    floor = matrix_floor(shape, chip, dtype, matmuls, len(ours["dispatches"]))
+                    floors.append(
+                        f"{shape[0]:34} {floor * 1e6:10.1f} {ours['time_s'] / floor:9.2f}x "
+                        f"{theirs['time_s'] / floor:11.2f}x"
+                    )
                 if kind == "prefill":
                     gqa = f" GQA {Hq}/{shape[3]}" if Hq != shape[3] else ""
                     label = f"d{D}{' causal' if causal else ''}{gqa}"
@@ -326,6 +358,12 @@ def run(chips, dtype, quick, out_dir: Path, budget: float, modest=False) -> list
             flops = 4 * Hq * sum(visible(n, n, causal) for n in lengths) * D
             ours, theirs = varlen_pair(shape, dtype, chip, budget)
             say(sbs.row(shape[0], flops, ours, theirs))
+        if floors:
+            say(f"\n   matrix floor: steel's matrix products alone at {chip}'s matrix peak "
+                "(matrix_floor)")  # fmt: skip
+            say(f"{'shape':34} {'floor us':>10} {'steel/floor':>10} {'ratio at most':>12}")
+            for line in floors:
+                say(line)
         path = sbs.plot(out_dir / f"attention_{chip.replace(' ', '_')}.png", chip, series,
                         sbs.roofline_peaks(chip, dtype))  # fmt: skip
         if path is not None:

@@ -61,6 +61,17 @@ def test_attention_predict_quick_table(tmp_path, capsys):
         lo = (theirs - 0.05) / (ours + 0.05)
         hi = (theirs + 0.05) / (ours - 0.05)
         assert lo - 0.005 <= q <= hi + 0.005, row
+    # the matrix floor of the prefill and training rows: below steel's time, so the most the
+    # ratio can reach is above the ratio
+    start = next(i for i, line in enumerate(lines) if "matrix floor" in line) + 2
+    ratios = {_row_fields(row)[0]: _row_fields(row) for row in rows}
+    floors = lines[start : start + 2]
+    for line, shape in zip(floors, [quick[0], quick[2]], strict=True):
+        name, rest = line[:34].strip(), line[34:].split()
+        floor, at_most = float(rest[0]), float(rest[2].rstrip("x"))
+        _, ours, theirs, q = ratios[name]
+        assert name == shape[0][:34] and 0 < floor < ours
+        assert at_most == pytest.approx(theirs / floor, abs=0.01) and at_most > q
     if _HAS_MATPLOTLIB:  # the plots need it; without it the tables are still printed
         assert (tmp_path / "attention_M1.png").stat().st_size > 0
     else:
@@ -83,6 +94,38 @@ def test_ratio_is_the_quotient_of_the_predictions():
     assert [r["kernel"] for r in theirs["records"]] == [
         "prefill_attention_float16_bq32_bk32_bd64_wm4_wn1_hm0_dc1_maskfloat16"
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+def test_matrix_floor_is_the_kernels_mmas(dtype, D):
+    """matrix_floor's matmul counts are the MMAs steel's forward and backward run, and its
+    time is theirs at the chip's matrix peak: without a mask, at L = S = 64 (whole tiles of
+    every kernel) the MMA pipe's cycles of each call, by the chip's rates per MMA dtype, are
+    the floor's (half and float rates differ by 0.8% on M1; the floor takes the inputs')."""
+    import attention_predict
+    import side_by_side
+
+    L = S = 64
+    shape = ("floor", 1, 1, 1, L, S, D, False)
+    inputs = attention_predict._backward_inputs(1, 1, 1, L, D, dtype, "cpu")
+    opts = attention_predict._options(D, False)
+    _, fwd = sim.run_op("sdpa", [*inputs[1:4], None, None], opts, counters=True)
+    _, bwd = sim.run_op("sdpa_backward", inputs, opts, counters=True)
+    c = side_by_side.chip("M1")
+    per_s = c["gpu_cores"] * c["clock_ghz"] * 1e9
+    rate = {"half": c["simdgroup_matrix_fma_half_per_core_cycle"],
+            "bfloat": c["simdgroup_matrix_fma_bfloat_per_core_cycle"],
+            "float": c["simdgroup_matrix_fma_float_per_core_cycle"]}  # fmt: skip
+    for records, matmuls in (
+        (fwd, attention_predict.FORWARD_MATMULS),
+        (bwd, attention_predict.BACKWARD_MATMULS),
+    ):
+        mmas = sum(n for r in records for n in r["mma_by_dtype"].values())
+        assert mmas * 512 == matmuls * L * S * D
+        seconds = sum(n * 512 / rate[t] for r in records for t, n in r["mma_by_dtype"].items())
+        floor = attention_predict.matrix_floor(shape, "M1", dtype, matmuls, 0)
+        assert floor * 0.99 <= seconds / per_s <= floor * 1.01
 
 
 def _strip(c):
