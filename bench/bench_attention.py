@@ -233,16 +233,13 @@ def varlen_model(plan, lq, lk, es, sinks_es):
 
 def bwd_tile_of(de, dv, es):
     """(steel_attn_bwd_bk, steel_attn_bwd_shared) of params.h: the rows of the backward's
-    streamed tile, and whether the dK/dV kernel's two tiles take turns in one buffer (no two
-    8-row tiles and their rows' lse, delta and normaliser fit the budget), which makes it read
-    Q twice. (The dQ and dmask kernels' shared buffer, steel_attn_bwd_dq_shared, reads each
-    tile once all the same.)"""
-
-    def fits(bk):
-        return bk * ((de + 16 // es) + (dv + 16 // es)) * es + 3 * bk * 4 <= BUDGET
-
-    bk = next((bk for bk in (32, 16, 8) if fits(bk)), None)
-    return (bk, False) if bk else (8, True)
+    streamed tile (the timing model's restatement, which tests/sim/test_timing.py checks against
+    params.h), and whether the dK/dV kernel's two tiles take turns in one buffer (no two 8-row
+    tiles and their rows' lse, delta and normaliser fit the budget), which makes it read Q
+    twice. (The dQ and dmask kernels' shared buffer, steel_attn_bwd_dq_shared, reads each tile
+    once all the same.)"""
+    separate = 8 * ((de + 16 // es) + (dv + 16 // es)) * es + 3 * 8 * 4 <= BUDGET
+    return timing._attn_bwd_bk(de, dv, es), not separate
 
 
 # Buffer indices of the backward kernels (params.h).

@@ -247,11 +247,15 @@ constexpr int steel_attn_tensor_bwd_keys(int d) { return d > 128 ? 32 : STEEL_AT
 
 // The backward kernels' streamed tiles: Q and dO rows in the dK/dV kernel, K and V rows in the
 // dQ and dmask kernels. The dK/dV kernel also stages the tile's rows' lse, delta and
-// 1 / normaliser (three floats a row) beside them. The tile is the largest of 32, 16, 8 rows
-// for which two separate tiles and the row statistics fit the forward's budget; where not even
-// 8 rows do (float32 at head dim 512), the two take turns in one buffer of 8 rows (the dQ and
-// dmask kernels load V, then K; the dK/dV kernel Q, then dO, then Q again) and 0 where that
-// does not fit either.
+// 1 / normaliser (three floats a row) beside them. Of 32, 16 and 8 rows whose two separate
+// tiles and row statistics fit the forward's budget, the tile is the most rows among those
+// that let a core hold the most dK/dV threadgroups (steel_attn_bwd_occupancy): fewer rows
+// cost the kernel more barriers and loop steps per key, but its score tiles shrink with them,
+// and where that frees registers for one more threadgroup the timing model's ALU efficiency
+// gains more (f16 L2048 d64 causal on M3 Max, dK/dV 1203 -> 1061 us at 16 rows). Where not
+// even 8 rows fit (float32 at head dim 512), the two take turns in one buffer of 8 rows (the
+// dQ and dmask kernels load V, then K; the dK/dV kernel Q, then dO, then Q again) and 0 where
+// that does not fit either.
 constexpr int steel_attn_bwd_stats_bytes(int bk) { return 3 * bk * 4; }
 constexpr bool steel_attn_bwd_fits(int bk, int de, int dv, int elem_bytes) {
   return steel_attn_separate_bytes(bk, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(bk) <=
@@ -260,10 +264,40 @@ constexpr bool steel_attn_bwd_fits(int bk, int de, int dv, int elem_bytes) {
 constexpr bool steel_attn_bwd_shared(int de, int dv, int elem_bytes) {
   return !steel_attn_bwd_fits(8, de, dv, elem_bytes);
 }
+// Registers a thread of the dK/dV kernel with tiles of bk rows, a MODEL ASSUMPTION mirrored by
+// timing.steel_kernel_info: K and V rows as MMA operands of the inputs' dtype (one 32-bit
+// register a fragment for 16-bit types, two for float), the dK and dV rows and two score tiles
+// of bk keys in fp32 fragments (two each), and 24 scalars.
+constexpr int steel_attn_bwd_dkdv_registers(int bk, int de, int dv, int elem_bytes) {
+  return (elem_bytes == 4 ? 2 : 1) * (de / 8 + dv / 8) + 2 * (de / 8 + dv / 8 + 2 * (bk / 8)) +
+         24;
+}
+// dK/dV threadgroups a core holds with separate tiles of bk rows (0 where they do not fit; 1
+// where the estimate passes the register file, which the compiler would spill), counted up to
+// the 24 simdgroups (768 threads) from which the timing model's ALU efficiency is flat
+// (chips.json's alu_occupancy_efficiency): more buys nothing for the rows' cost.
+constexpr int steel_attn_bwd_occupancy(int bk, int de, int dv, int elem_bytes) {
+  return !steel_attn_bwd_fits(bk, de, dv, elem_bytes) ? 0
+         : steel_attn_prefill_residency(
+               steel_attn_separate_bytes(bk, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(bk),
+               steel_attn_bwd_dkdv_registers(bk, de, dv, elem_bytes)) < 1
+             ? 1
+             : steel_attn_min(768 / (32 * STEEL_ATTN_SIMDGROUPS),
+                              steel_attn_prefill_residency(
+                                  steel_attn_separate_bytes(bk, de, dv, elem_bytes) +
+                                      steel_attn_bwd_stats_bytes(bk),
+                                  steel_attn_bwd_dkdv_registers(bk, de, dv, elem_bytes)));
+}
+constexpr int steel_attn_bwd_best_rows(int a, int b, int de, int dv, int elem_bytes) {
+  return steel_attn_bwd_occupancy(b, de, dv, elem_bytes) >
+                 steel_attn_bwd_occupancy(a, de, dv, elem_bytes)
+             ? b
+             : a;
+}
 constexpr int steel_attn_bwd_bk(int de, int dv, int elem_bytes) {
-  return steel_attn_bwd_fits(32, de, dv, elem_bytes)   ? 32
-         : steel_attn_bwd_fits(16, de, dv, elem_bytes) ? 16
-         : steel_attn_bwd_fits(8, de, dv, elem_bytes)  ? 8
+  return steel_attn_bwd_fits(8, de, dv, elem_bytes)
+             ? steel_attn_bwd_best_rows(steel_attn_bwd_best_rows(32, 16, de, dv, elem_bytes), 8,
+                                        de, dv, elem_bytes)
          : steel_attn_shared_bytes(8, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(8) <=
                  STEEL_ATTN_TG_BUDGET
              ? 8

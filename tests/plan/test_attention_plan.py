@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torch_steel import sim
+from torch_steel.sim import timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gemm"))
 from gemm_helpers import requires_planner, simulator_ready  # noqa: E402
@@ -254,26 +255,28 @@ def test_every_pair_has_backward_kernels(E, Ev, dtype):
         f"steel_attention_bwd_dkdv_{tag}",
         f"steel_attention_bwd_dq_{tag}",
     ]
-    es = torch.finfo(dtype).bits // 8
-    eight = (E + 16 // es + Ev + 16 // es) * es * 16 + 3 * 16 * 4 > 20480
+    # L = 24 is whole tiles of the backward's streamed rows only where they are 8 (the timing
+    # model's restatement of params.h steel_attn_bwd_bk, which tests/sim/test_timing.py checks)
+    eight = timing._attn_bwd_bk(E, Ev, torch.finfo(dtype).bits // 8) == 8
     assert p.dispatches[1].constants[ALIGN_Q] == eight
 
 
 @pytest.mark.parametrize(
     "mask_shape,grid,combos,rows,keys",
     [
-        ((2, 4, 33, 47), (2, 2, 8), 1, False, False),
-        ((33, 47), (2, 2, 1), 8, False, False),
-        ((2, 1, 33, 47), (2, 2, 2), 4, False, False),
-        ((4, 1, 47), (1, 2, 4), 2, True, False),
+        ((2, 4, 33, 47), (2, 3, 8), 1, False, False),
+        ((33, 47), (2, 3, 1), 8, False, False),
+        ((2, 1, 33, 47), (2, 3, 2), 4, False, False),
+        ((4, 1, 47), (1, 3, 4), 2, True, False),
         ((2, 4, 33, 1), (2, 1, 8), 1, False, True),
         ((1, 1, 1, 1), (1, 1, 1), 8, True, True),
     ],
 )  # fmt: skip
 def test_mask_gradient_dispatch_owns_the_mask_elements(mask_shape, grid, combos, rows, keys):
-    """The dmask kernel is planned only with mask_grad: one threadgroup per (32 rows, 32 keys)
-    tile of the mask's own extent and element of its kept batch/head dims, summing the
-    (batch, head) pairs it broadcasts over; dmask in the mask's shape and dtype."""
+    """The dmask kernel is planned only with mask_grad: one threadgroup per (32 rows, 16 keys:
+    the backward's streamed tile at f16 d64, params.h steel_attn_bwd_bk) tile of the mask's own
+    extent and element of its kept batch/head dims, summing the (batch, head) pairs it
+    broadcasts over; dmask in the mask's shape and dtype."""
     q, k, v = t(2, 4, 33, 64), t(2, 4, 47, 64), t(2, 4, 47, 64)
     out = torch.empty(2, 4, 33, 64, dtype=torch.float16)
     mask = torch.empty(mask_shape, dtype=torch.float32)

@@ -280,13 +280,15 @@ BWD_PAIRS = [(d, d) for d in (32, 64, 72, 80, 96, 112, 128, 160, 192, 256, 512)]
 @requires_clang
 def test_backward_register_estimate_is_params_hs(tmp_path):
     """params.h's steel_attn_bwd_dq_registers (which decides the dQ kernel's shared K/V buffer,
-    steel_attn_bwd_dq_shared) and steel_attn_bwd_bk are what steel_kernel_info and the timing
-    model assume for every backward pair and element size: params.h compiled and asked."""
+    steel_attn_bwd_dq_shared), steel_attn_bwd_dkdv_registers (which, with the tiles' bytes,
+    decides the tile rows) and steel_attn_bwd_bk are what steel_kernel_info and the timing model
+    assume for every backward pair and element size: params.h compiled and asked."""
     root = Path(__file__).resolve().parents[2]
     cases = [(de, dv, es) for de, dv in BWD_PAIRS for es in (2, 4)]
     calls = "".join(
-        f'  std::printf("%d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
-        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}));\n"
+        f'  std::printf("%d %d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
+        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}), "
+        f"steel_attn_bwd_dkdv_registers(steel_attn_bwd_bk({de}, {dv}, {es}), {de}, {dv}, {es}));\n"
         for de, dv, es in cases
     )
     src = tmp_path / "bwd.cpp"
@@ -296,13 +298,15 @@ def test_backward_register_estimate_is_params_hs(tmp_path):
                    check=True)  # fmt: skip
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     for (de, dv, es), line in zip(cases, out, strict=False):
-        bk, registers = (int(x) for x in line.split())
+        bk, registers, dkdv = (int(x) for x in line.split())
         assert timing._attn_bwd_bk(de, dv, es) == bk, (de, dv, es)
         if bk == 0:
             continue  # the planner refuses the pair
         dt = {2: "f16", 4: "f32"}[es]
         info = timing.steel_kernel_info(f"steel_attention_bwd_dq_{dt}_e{de}_v{dv}", {})
         assert info["registers"] == registers, (de, dv, es)
+        info = timing.steel_kernel_info(f"steel_attention_bwd_dkdv_{dt}_e{de}_v{dv}", {})
+        assert info["registers"] == dkdv, (de, dv, es)
 
 
 def _sdpa_inputs(L, S, E, dtype=torch.float16):

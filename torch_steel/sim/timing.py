@@ -180,14 +180,39 @@ def _attn_bk(de: int, dv: int, elem: int) -> int:
     return next((bk for bk in (32, 16) if bk * row <= _TG_BUDGET), 8)
 
 
+def _attn_residency(tg_bytes: int, registers: int) -> int:
+    """steel_attn_prefill_residency of shaders/steel/params.h: threadgroups of 128 threads a
+    core holds by the figures params.h assumes for every chip (3072 threads, 61440 bytes of
+    threadgroup memory, 212992 of registers a core)."""
+    return min(3072 // 128, 61440 // tg_bytes, 212992 // (registers * 4 * 128))
+
+
+def _attn_bwd_dkdv_registers(bk: int, de: int, dv: int, elem: int) -> int:
+    """steel_attn_bwd_dkdv_registers of shaders/steel/params.h: K and V rows as MMA operands of
+    the inputs' dtype, the dK and dV rows and two score tiles of bk keys in fp32 fragments."""
+    operands = (de // 8 + dv // 8) * (2 if elem == 4 else 1)
+    return operands + 2 * (de // 8 + dv // 8 + 2 * (bk // 8)) + _BASE_REGISTERS
+
+
 def _attn_bwd_bk(de: int, dv: int, elem: int) -> int:
     """steel_attn_bwd_bk of shaders/steel/params.h: the backward kernels' streamed tile rows,
-    the most of 32, 16, 8 whose two tiles and three floats a row fit the budget (8 rows in one
-    shared buffer where not; 0 where not even that)."""
+    the most of 32, 16, 8 among those whose two tiles and three floats a row fit the budget and
+    let a core hold the most dK/dV threadgroups, up to the 24 simdgroups at which the ALU
+    efficiency is flat (8 rows in one shared buffer where none fits; 0 where not even that)."""
     ldk, ldv = _attn_ld(de, elem), _attn_ld(dv, elem)
+    best, most = 0, 0
     for bk in (32, 16, 8):
-        if bk * (ldk + ldv) * elem + 3 * bk * 4 <= _TG_BUDGET:
-            return bk
+        tile = bk * (ldk + ldv) * elem + 3 * bk * 4
+        if tile > _TG_BUDGET:
+            continue
+        # at least 1 (an estimate past the register file would spill), at most 768 threads: the
+        # 24 simdgroups from which the ALU efficiency is flat
+        resident = _attn_residency(tile, _attn_bwd_dkdv_registers(bk, de, dv, elem))
+        resident = min(768 // 128, max(1, resident))
+        if resident > most:
+            best, most = bk, resident
+    if best:
+        return best
     return 8 if 8 * max(ldk, ldv) * elem + 3 * 8 * 4 <= _TG_BUDGET else 0
 
 
@@ -208,17 +233,14 @@ def _attn_prefill_registers(de: int, dv: int, elem: int) -> int:
 def _attn_prefill_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
     """steel_attn_prefill_threadgroup_bytes of shaders/steel/params.h: the prefill's K and V
     tiles, one shared buffer wherever that lets more threadgroups reside on a core (at the same
-    key tile) than separate tiles do (steel_attn_prefill_shared_kv). Residency uses the figures
-    params.h assumes for every chip (3072 threads, 61440 bytes of threadgroup memory, 212992 of
-    registers a core; 128 threads a threadgroup)."""
+    key tile) than separate tiles do (steel_attn_prefill_shared_kv; residency as
+    _attn_residency counts it)."""
     bk, ldk, ldv = _attn_bk(de, dv, elem), _attn_ld(de, elem), _attn_ld(dv, elem)
     shared, separate = bk * max(ldk, ldv) * elem, bk * (ldk + ldv) * elem
     regs = _attn_prefill_registers(de, dv, elem)
-
-    def resident(tg_bytes: int) -> int:
-        return min(3072 // 128, 61440 // tg_bytes, 212992 // (regs * 4 * 128))
-
-    if _attn_shared(de, dv, elem) or resident(shared) > resident(separate):
+    if _attn_shared(de, dv, elem) or _attn_residency(shared, regs) > _attn_residency(
+        separate, regs
+    ):
         return shared
     return separate
 
