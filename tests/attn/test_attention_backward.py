@@ -75,6 +75,18 @@ def test_every_instantiation(E, Ev, dtype):
     check(q, k, v, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("E", [32, 40, 64, 72, 96])
+@pytest.mark.parametrize("L", [24, 48])
+def test_streamed_tile_edges(E, L, dtype):
+    """The backward streams 8, 16 or 32 query rows a tile by the pair's residency (params.h
+    steel_attn_bwd_bk; 16 or 8 at these pairs for some dtype): 24 rows are whole 8-row tiles
+    only, 48 whole 16-row ones but not 32; the dK/dV kernel trusts whole tiles to hold no row
+    past L (STEEL_ATTN_FC_ALIGN_Q), so a plan that claims it wrongly reads and sums past q."""
+    q, k, v = qkv(1, 2, L, 56, E, E, dtype=dtype)
+    check(q, k, v, is_causal=True)
+
+
 @pytest.mark.parametrize("L,S", [(1, 1), (7, 100), (33, 33), (100, 7), (70, 257)])
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 def test_lengths_and_causal(L, S, align):
