@@ -272,22 +272,24 @@ constexpr int steel_attn_bwd_dkdv_registers(int bk, int de, int dv, int elem_byt
   return (elem_bytes == 4 ? 2 : 1) * (de / 8 + dv / 8) + 2 * (de / 8 + dv / 8 + 2 * (bk / 8)) +
          24;
 }
-// dK/dV threadgroups a core holds with separate tiles of bk rows (0 where they do not fit; 1
-// where the estimate passes the register file, which the compiler would spill), counted up to
-// the 24 simdgroups (768 threads) from which the timing model's ALU efficiency is flat
-// (chips.json's alu_occupancy_efficiency): more buys nothing for the rows' cost.
+// dK/dV threadgroups a core holds with separate tiles of bk rows (steel_attn_prefill_residency
+// of the tiles, their row statistics and the register estimate); 0 where the tiles do not fit,
+// 1 where the estimate passes the register file (the compiler would spill), and at most the 24
+// simdgroups (768 threads) from which the timing model's ALU efficiency is flat (chips.json's
+// alu_occupancy_efficiency): more buys nothing for the shorter tiles' cost.
+constexpr int steel_attn_bwd_residency(int bk, int de, int dv, int elem_bytes) {
+  return steel_attn_prefill_residency(
+      steel_attn_separate_bytes(bk, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(bk),
+      steel_attn_bwd_dkdv_registers(bk, de, dv, elem_bytes));
+}
 constexpr int steel_attn_bwd_occupancy(int bk, int de, int dv, int elem_bytes) {
   return !steel_attn_bwd_fits(bk, de, dv, elem_bytes) ? 0
-         : steel_attn_prefill_residency(
-               steel_attn_separate_bytes(bk, de, dv, elem_bytes) + steel_attn_bwd_stats_bytes(bk),
-               steel_attn_bwd_dkdv_registers(bk, de, dv, elem_bytes)) < 1
+         : steel_attn_bwd_residency(bk, de, dv, elem_bytes) < 1
              ? 1
              : steel_attn_min(768 / (32 * STEEL_ATTN_SIMDGROUPS),
-                              steel_attn_prefill_residency(
-                                  steel_attn_separate_bytes(bk, de, dv, elem_bytes) +
-                                      steel_attn_bwd_stats_bytes(bk),
-                                  steel_attn_bwd_dkdv_registers(bk, de, dv, elem_bytes)));
+                              steel_attn_bwd_residency(bk, de, dv, elem_bytes));
 }
+// a rows, or b where they let a core hold more dK/dV threadgroups.
 constexpr int steel_attn_bwd_best_rows(int a, int b, int de, int dv, int elem_bytes) {
   return steel_attn_bwd_occupancy(b, de, dv, elem_bytes) >
                  steel_attn_bwd_occupancy(a, de, dv, elem_bytes)
