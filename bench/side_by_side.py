@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -200,16 +201,20 @@ def _reduced_options(op, make, opts, full: sim.Plan, factor: int) -> tuple[dict,
     """(options, True) when the shape reduced to one KV group plans the full shape's kernels
     with these options, else (opts, False). Decode's key split is chosen from the whole grid
     (the threadgroups of every head against the chip's waves), so one KV group alone would be
-    split more; the split is then pinned (option num_splits) to the count n for which the full
-    shape's plan with num_splits = n is the default plan itself, dispatch for dispatch and byte
-    for byte of its params, and the reduced plan with it has the full plan's kernels."""
+    split more; the split is then pinned (option num_splits, and decode_simdgroups where the
+    planner's fixed-split path would take another block width) to the count n for which the
+    full shape's plan with num_splits = n is the default plan itself, dispatch for dispatch and
+    byte for byte of its params, and the reduced plan with it has the full plan's kernels."""
     reduced = sim.plan(op, make("meta", True), opts)
     if reduced.ok and _same_kernels(full, reduced, factor):
         return opts, True
     if "num_splits" in opts or not any("decode" in d.kernel for d in full.dispatches):
         return opts, False
-    for n in range(1, _DECODE_MAX_SPLITS + 1):
-        pinned = {**opts, "num_splits": n}
+    # A pinned split takes the planner's fixed-split path, whose block width (simdgroups a
+    # threadgroup) is its own; where that is not the full plan's, the width is pinned too.
+    width = {"decode_simdgroups": full.dispatches[0].threads[0] // 32}
+    for extra, n in itertools.product(({}, width), range(1, _DECODE_MAX_SPLITS + 1)):
+        pinned = {**opts, "num_splits": n, **extra}
         again = sim.plan(op, make("meta", False), pinned)
         if (again.dispatches, again.allocations) != (full.dispatches, full.allocations):
             continue

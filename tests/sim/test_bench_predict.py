@@ -193,6 +193,31 @@ def test_decode_head_reduction_pins_the_split(tokens, hq, hkv):
     assert [_strip(c) for c in scaled] == [_strip(c) for c in whole]
 
 
+def test_decode_head_reduction_pins_the_width():
+    """A one-pass decode plan whose block width (8 simdgroups here, 4 tokens MHA 4/4 on one
+    core, S = 1000) the planner's fixed-split path would not take: the bench pins the width
+    with the split (decode_simdgroups, num_splits = 1), and the reduced run's counters times
+    Hkv equal the full run's, every counter."""
+    import attention_predict
+    import side_by_side
+
+    D, S, hq = 64, 1000, 4
+    opts = {**attention_predict._options(D, False), "gpu_cores": 1}
+
+    def make(device, reduced):
+        dims = (1, 1, 1) if reduced else (1, hq, hq)
+        return [*attention_predict._qkv(*dims, 4, S, D, torch.float16, device), None, None]
+
+    full = sim.plan("sdpa", make("meta", False), opts)
+    pinned, ok = side_by_side._reduced_options("sdpa", make, opts, full, hq)
+    assert ok and (pinned["num_splits"], pinned["decode_simdgroups"]) == (1, 8)
+    _, whole = sim.run_op("sdpa", make("cpu", False), opts, counters=True)
+    _, one = sim.run_op("sdpa", make("cpu", True), pinned, counters=True)
+    assert [c["kernel"] for c in whole] == ["steel_attention_decode_vector_f16_e64_v64"]
+    scaled = [side_by_side.scale_counters(c, hq) for c in one]
+    assert [_strip(c) for c in scaled] == [_strip(c) for c in whole]
+
+
 def test_composite_training_ops_follow_torch():
     """The composite path's kernels, traced from torch's _scaled_dot_product_attention_math
     (pytorch_composite.py): the four products of the backward and the two of the forward, each
