@@ -252,7 +252,9 @@ constexpr int steel_attn_tensor_bwd_keys(int d) { return d > 128 ? 32 : STEEL_AT
 // that let a core hold the most dK/dV threadgroups (steel_attn_bwd_occupancy): fewer rows
 // cost the kernel more barriers and loop steps per key, but its score tiles shrink with them,
 // and where that frees registers for one more threadgroup the timing model's ALU efficiency
-// gains more (f16 L2048 d64 causal on M3 Max, dK/dV 1203 -> 1061 us at 16 rows). Where not
+// gains more (f16 L2048 d64 causal on M3 Max, dK/dV 1203 -> 1061 us at 16 rows). Every
+// choice divides the forward's key tile (steel_attn_bk), whose STEEL_ATTN_FC_ALIGN_S the dQ
+// and dmask kernels take for their own key tiles (tests/sim/test_timing.py). Where not
 // even 8 rows fit (float32 at head dim 512), the two take turns in one buffer of 8 rows (the
 // dQ and dmask kernels load V, then K; the dK/dV kernel Q, then dO, then Q again) and 0 where
 // that does not fit either.

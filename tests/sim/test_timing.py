@@ -282,12 +282,15 @@ def test_backward_register_estimate_is_params_hs(tmp_path):
     """params.h's steel_attn_bwd_dq_registers (which decides the dQ kernel's shared K/V buffer,
     steel_attn_bwd_dq_shared), steel_attn_bwd_dkdv_registers (which, with the tiles' bytes,
     decides the tile rows) and steel_attn_bwd_bk are what steel_kernel_info and the timing model
-    assume for every backward pair and element size: params.h compiled and asked."""
+    assume for every backward pair and element size: params.h compiled and asked. And the
+    backward's rows divide the forward's key tile (steel_attn_bk): the dQ and dmask kernels take
+    the forward's STEEL_ATTN_FC_ALIGN_S (S a multiple of that tile) as "every key tile of mine
+    is whole"."""
     root = Path(__file__).resolve().parents[2]
     cases = [(de, dv, es) for de, dv in BWD_PAIRS for es in (2, 4)]
     calls = "".join(
-        f'  std::printf("%d %d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
-        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}), "
+        f'  std::printf("%d %d %d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
+        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}), steel_attn_bk({de}, {dv}, {es}), "
         f"steel_attn_bwd_dkdv_registers(steel_attn_bwd_bk({de}, {dv}, {es}), {de}, {dv}, {es}));\n"
         for de, dv, es in cases
     )
@@ -298,8 +301,9 @@ def test_backward_register_estimate_is_params_hs(tmp_path):
                    check=True)  # fmt: skip
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     for (de, dv, es), line in zip(cases, out, strict=False):
-        bk, registers, dkdv = (int(x) for x in line.split())
+        bk, registers, forward_bk, dkdv = (int(x) for x in line.split())
         assert timing._attn_bwd_bk(de, dv, es) == bk, (de, dv, es)
+        assert bk == 0 or forward_bk % bk == 0, (de, dv, es)
         if bk == 0:
             continue  # the planner refuses the pair
         dt = {2: "f16", 4: "f32"}[es]
