@@ -78,7 +78,6 @@ BQ = 32
 THREADS = 128
 # The matmul2d prefill's tiles (STEEL_ATTN_TENSOR_BQ / _BK; 4 simdgroups, THREADS threads).
 TENSOR_BQ, TENSOR_BK = 64, 32
-BUDGET = timing._TG_BUDGET  # STEEL_ATTN_TG_BUDGET (shaders/steel/params.h)
 
 # (name, B, Hq, Hkv, L, S, E, Ev, options, mask shape or None)
 SHAPES = [
@@ -238,8 +237,7 @@ def bwd_tile_of(de, dv, es):
     tiles and their rows' lse, delta and normaliser fit the budget), which makes it read Q
     twice. (The dQ and dmask kernels' shared buffer, steel_attn_bwd_dq_shared, reads each tile
     once all the same.)"""
-    separate = 8 * ((de + 16 // es) + (dv + 16 // es)) * es + 3 * 8 * 4 <= BUDGET
-    return timing._attn_bwd_bk(de, dv, es), not separate
+    return timing._attn_bwd_bk(de, dv, es), timing._attn_bwd_shared(de, dv, es)
 
 
 # Buffer indices of the backward kernels (params.h).

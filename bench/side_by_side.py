@@ -93,11 +93,7 @@ def plan_options(chip_name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     IORegistry's), which sets the decode split and the GEMM's small-grid tile, and its Metal
     name (the decode planner's DRAM rate); on M5-generation chips also the matmul2d device.
     The call's own options take precedence."""
-    record = chip(chip_name)
-    device = {
-        "gpu_cores": int(record["gpu_cores"]),
-        "device_name": sim.metal_device_name(chip_name),
-    }
+    device = sim.metal_description(chip_name)
     if is_m5(chip_name):
         device.update(M5_DEVICE)
     return {**device, **options}

@@ -503,6 +503,18 @@ def metal_device_name(chip: str) -> str:
     return f"Apple {chip}"
 
 
+def metal_description(chip: str) -> dict[str, Any]:
+    """The device description (mps_src/plan/device.h) the Metal host gives the plans on `chip`
+    (a name of timing.chips()): its core count, as the host reads the IORegistry's, and its
+    name, by which the plans know its DRAM rate."""
+    from torch_steel.sim import timing  # noqa: PLC0415 (keeps the package import light)
+
+    return {
+        "gpu_cores": int(timing.chip(chip)["gpu_cores"]),
+        "device_name": metal_device_name(chip),
+    }
+
+
 def predict(
     op: str,
     tensors: Sequence[torch.Tensor | None],
@@ -532,11 +544,7 @@ def predict(
     from torch_steel.sim import timing  # noqa: PLC0415 (keeps the package import light)
 
     record = timing.chip(chip)
-    described = {
-        "gpu_cores": int(record["gpu_cores"]),
-        "device_name": metal_device_name(chip),
-    }
-    with device(described):
+    with device(metal_description(chip)):
         p = plan(op, tensors, options)
         if not p.ok:
             raise PlanRefused(p.reason)

@@ -187,11 +187,28 @@ def _attn_residency(tg_bytes: int, registers: int) -> int:
     return min(3072 // 128, 61440 // tg_bytes, 212992 // (registers * 4 * 128))
 
 
-def _attn_bwd_dkdv_registers(bk: int, de: int, dv: int, elem: int) -> int:
-    """steel_attn_bwd_dkdv_registers of shaders/steel/params.h: K and V rows as MMA operands of
-    the inputs' dtype, the dK and dV rows and two score tiles of bk keys in fp32 fragments."""
+def _attn_bwd_registers(kind: str, bk: int, de: int, dv: int, elem: int) -> int:
+    """steel_attn_bwd_dkdv_registers ("bwd_dkdv") and steel_attn_bwd_dq_registers ("bwd_dq") of
+    shaders/steel/params.h with tiles of bk rows: K and V (dK/dV) or Q and dO (dQ) rows as MMA
+    operands of the inputs' dtype (one 32-bit register a fragment for 16-bit types, two for
+    float), and the dK and dV rows or the dQ row and two score tiles of bk keys in fp32
+    fragments (two each)."""
     operands = (de // 8 + dv // 8) * (2 if elem == 4 else 1)
-    return operands + 2 * (de // 8 + dv // 8 + 2 * (bk // 8)) + _BASE_REGISTERS
+    rows = de // 8 + dv // 8 if kind == "bwd_dkdv" else de // 8
+    return operands + 2 * (rows + 2 * (bk // 8)) + _BASE_REGISTERS
+
+
+def _attn_bwd_fits(bk: int, de: int, dv: int, elem: int) -> int:
+    """steel_attn_bwd_fits of shaders/steel/params.h: the bytes of two separate tiles of bk rows
+    and three floats a row where they fit the budget, else 0."""
+    tile = bk * (_attn_ld(de, elem) + _attn_ld(dv, elem)) * elem + 3 * bk * 4
+    return tile if tile <= _TG_BUDGET else 0
+
+
+def _attn_bwd_shared(de: int, dv: int, elem: int) -> bool:
+    """steel_attn_bwd_shared of shaders/steel/params.h: not even two 8-row tiles fit, so the
+    dK/dV kernel's take turns in one buffer (and it reads Q twice)."""
+    return not _attn_bwd_fits(8, de, dv, elem)
 
 
 def _attn_bwd_bk(de: int, dv: int, elem: int) -> int:
@@ -199,21 +216,21 @@ def _attn_bwd_bk(de: int, dv: int, elem: int) -> int:
     the most of 32, 16, 8 among those whose two tiles and three floats a row fit the budget and
     let a core hold the most dK/dV threadgroups, up to the 24 simdgroups at which the ALU
     efficiency is flat (8 rows in one shared buffer where none fits; 0 where not even that)."""
-    ldk, ldv = _attn_ld(de, elem), _attn_ld(dv, elem)
     best, most = 0, 0
     for bk in (32, 16, 8):
-        tile = bk * (ldk + ldv) * elem + 3 * bk * 4
-        if tile > _TG_BUDGET:
+        tile = _attn_bwd_fits(bk, de, dv, elem)
+        if not tile:
             continue
         # at least 1 (an estimate past the register file would spill), at most 768 threads: the
         # 24 simdgroups from which the ALU efficiency is flat
-        resident = _attn_residency(tile, _attn_bwd_dkdv_registers(bk, de, dv, elem))
+        resident = _attn_residency(tile, _attn_bwd_registers("bwd_dkdv", bk, de, dv, elem))
         resident = min(768 // 128, max(1, resident))
         if resident > most:
             best, most = bk, resident
     if best:
         return best
-    return 8 if 8 * max(ldk, ldv) * elem + 3 * 8 * 4 <= _TG_BUDGET else 0
+    shared = 8 * max(_attn_ld(de, elem), _attn_ld(dv, elem)) * elem + 3 * 8 * 4
+    return 8 if shared <= _TG_BUDGET else 0
 
 
 def _attn_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
@@ -323,7 +340,6 @@ def steel_kernel_info(
             # for 16-bit types, two for float); dK and dV or dQ rows and two score tiles (S^T
             # and dP^T, then (P o Z)^T and dS^T in their place) in fp32 fragments.
             es = _ELEM_BYTES[dt]
-            operands = (td + tv) * (2 if es == 4 else 1)
             if kind == "bwd_dkdv":
                 frags, what = td + tv + 2 * tk, "dK, dV rows and 2 score tiles"
                 rows = "K and V"
@@ -334,8 +350,8 @@ def steel_kernel_info(
                 f"{rows}'s {td + tv} operand fragments in {dt} x {2 if es == 4 else 1} + "
                 f"{frags} live 8x8 fp32 fragments ({what}) x 2 + {_BASE_REGISTERS} scalars"
             )
-            return {"registers": operands + 2 * frags + _BASE_REGISTERS, "register_basis": basis,
-                    "mma_dtype": "float"}  # fmt: skip
+            registers = _attn_bwd_registers(kind, tk * 8, de, dv, es)
+            return {"registers": registers, "register_basis": basis, "mma_dtype": "float"}
         elif kind == "tensor":
             frags, what = 0, "matmul2d keeps its operands in cooperative tensors: not counted"
         elif kind is None:  # the prefill: Q in operand fragments of its dtype (forward.h)
