@@ -187,6 +187,17 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
                                    std::stoi(tag.substr(tag.find("_v") + 2)), es);
   constants.push_back(fc_bool(STEEL_ATTN_FC_GRAD_LSE, has_grad_lse));
   constants.push_back(fc_bool(STEEL_ATTN_FC_ALIGN_Q, L % bk == 0));
+  // Q's and grad_out's rows as the dK/dV kernel streams them: whole 16-byte chunks where every
+  // row start is aligned (the merged batch strides included).
+  std::vector<int64_t> q_batch, g_batch;
+  for (const std::vector<int64_t>& dim : merged) {
+    q_batch.push_back(dim[1]);
+    g_batch.push_back(dim[5]);
+  }
+  constants.push_back(fc_bool(STEEL_ATTN_FC_VEC_Q, attn::vec_rows(es, q, nd - 3, nd - 2,
+                                                                  q_batch.data(), q_batch.size())));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_VEC_G, attn::vec_rows(es, grad, nd - 3, nd - 2,
+                                                                  g_batch.data(), g_batch.size())));
   const std::string tname = dtype_tag(dtype);
   const struct {
     int32_t q, k, v, mask, sinks;

@@ -201,9 +201,14 @@ AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const
 
 bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
               const int64_t* more, size_t count) {
+  return vec_rows(elem_bytes(c), t, head_dim, row_dim, more, count);
+}
+
+bool vec_rows(int elem_bytes, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
+              const int64_t* more, size_t count) {
   // 16-byte chunk loads need every row start aligned: offset, row, head and batch strides all
   // multiples of the chunk. MTLBuffers themselves are at least 16-byte aligned.
-  const int64_t vec = 16 / elem_bytes(c);
+  const int64_t vec = 16 / elem_bytes;
   bool ok = t.offset % vec == 0 && t.strides[row_dim] % vec == 0 &&
             t.strides[head_dim] % vec == 0;
   for (size_t i = 0; i < count; ++i) ok = ok && more[i] % vec == 0;

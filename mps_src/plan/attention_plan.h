@@ -103,8 +103,11 @@ AttnParams base_params(const Common& c, const Diagonals& d, bool additive, const
                        int64_t row_dim);
 
 // Whether every row start of `t` (dims head_dim and row_dim, plus `more` strides) is 16-byte
-// aligned, so that the tile loader moves whole chunks (STEEL_ATTN_FC_VEC_K/V).
+// aligned, so that the tile loader moves whole chunks (STEEL_ATTN_FC_VEC_K/V, and the
+// backward's STEEL_ATTN_FC_VEC_Q/G).
 bool vec_rows(const Common& c, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
+              const int64_t* more = nullptr, size_t count = 0);
+bool vec_rows(int elem_bytes, const TensorDesc& t, int64_t head_dim, int64_t row_dim,
               const int64_t* more = nullptr, size_t count = 0);
 
 // The refusal of head dims that the backward kernels do not take ("" when they do).

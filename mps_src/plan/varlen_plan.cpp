@@ -386,6 +386,14 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
   std::vector<FunctionConstant> constants = f.constants;
   constants.push_back(fc_bool(STEEL_ATTN_FC_GRAD_LSE, has_grad_lse));
   constants.push_back(fc_bool(STEEL_ATTN_FC_ALIGN_Q, false));  // no length is known
+  // q (as the kernels read it: the forward's plan may copy it) and grad_out in whole chunks.
+  TensorDesc q_read = q;
+  for (int32_t slot : fwd.contiguous_inputs) {
+    if (slot == 0) q_read = q_read.contiguous();
+  }
+  const int es = static_cast<int>(dtype_size(q.dtype));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_VEC_Q, attn::vec_rows(es, q_read, 1, 0)));
+  constants.push_back(fc_bool(STEEL_ATTN_FC_VEC_G, attn::vec_rows(es, grad, 1, 0)));
   const Binding cu_q = tensor_binding(STEEL_ATTN_BUF_BWD_CU_Q, kSlotCuQ);
   const Binding cu_k = tensor_binding(STEEL_ATTN_BUF_BWD_CU_K, kSlotCuK);
   const Binding q_b = tensor_binding(STEEL_ATTN_BUF_Q, 1), k_b = tensor_binding(STEEL_ATTN_BUF_K, 2);

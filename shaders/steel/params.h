@@ -411,6 +411,10 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 // or over keys, so that each of its elements gathers dS over that whole dim.
 #define STEEL_ATTN_FC_DMASK_ROWS 324  // bool (322, 323: the decode kernels, below)
 #define STEEL_ATTN_FC_DMASK_KEYS 325  // bool
+// The dK/dV kernel's streamed q and grad_out rows: every row start is 16-byte aligned, so the
+// tile loader moves whole chunks (as STEEL_ATTN_FC_VEC_K/V for the forward's K and V).
+#define STEEL_ATTN_FC_VEC_Q 334  // bool
+#define STEEL_ATTN_FC_VEC_G 335  // bool
 
 // Buffer indices of the backward kernels (q, k, v, mask, sinks as in the forward).
 #define STEEL_ATTN_BUF_GRAD_OUT 8

@@ -40,6 +40,8 @@ constant bool attn_grad_lse [[function_constant(STEEL_ATTN_FC_GRAD_LSE)]];
 constant bool attn_align_q [[function_constant(STEEL_ATTN_FC_ALIGN_Q)]];
 constant bool attn_dmask_rows [[function_constant(STEEL_ATTN_FC_DMASK_ROWS)]];
 constant bool attn_dmask_keys [[function_constant(STEEL_ATTN_FC_DMASK_KEYS)]];
+constant bool attn_vec_q [[function_constant(STEEL_ATTN_FC_VEC_Q)]];
+constant bool attn_vec_g [[function_constant(STEEL_ATTN_FC_VEC_G)]];
 // A log-sum-exp in nats, in the score unit (score.h).
 constant float attn_units_per_nat = 1.0f / attn_unit_nats;
 
@@ -153,9 +155,25 @@ inline bool attn_query_edge_tile(constant AttnParams& p, AttnExtent x, int key0,
          (attn_has_lo && key0 < last_row + x.shift - p.lo_off);
 }
 
-// The probability of a score given its row's log-sum-exp (nats): 0 for rows that saw nothing.
+// The probability of a score given its row's log-sum-exp in the score unit (lse *
+// attn_units_per_nat, as the dK/dV kernel stages it and the row kernels hold it; -inf stays
+// -inf): 0 for rows that saw nothing.
+inline float attn_probability_units(float s, float lse_units) {
+  return lse_units == -INFINITY ? 0.0f : exp2((s - lse_units) * attn_exp_unit);
+}
+
+// The same from the log-sum-exp in nats.
 inline float attn_probability(float s, float lse) {
-  return lse == -INFINITY ? 0.0f : exp2((s - lse * attn_units_per_nat) * attn_exp_unit);
+  return attn_probability_units(s, lse * attn_units_per_nat);
+}
+
+// Whether a tile's scores need no transform and no test per element: no softcap, no mask, and
+// no row or key of the tile past its extent or hidden by a diagonal (`edge` false, `rows_whole`).
+// Every row of such a tile sees keys, so its lse is finite, and the probability is
+// exp2(s - lse_units) (scores are in log2 units without an additive mask). Uniform per
+// threadgroup.
+inline bool attn_bwd_plain_tile(bool edge, bool rows_whole) {
+  return !attn_softcap && attn_mask == kSteelAttnMaskNone && !edge && rows_whole;
 }
 
 // The backward's scratch holds two [batch, Hq, L] planes: delta, then 1 / normaliser.
@@ -271,9 +289,14 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   threadgroup float* delta_s = stats + A::BK;
   threadgroup float* norm_s = stats + 2 * A::BK;
   const ushort thread_index = simdgroup * 32 + lane;
-  // Read once rather than once per score (m_rs only with a mask, as the forward does).
+  // The loop's fields of p, read once (m_rs only with a mask, as the forward does), and the
+  // thread's chunks of a whole Q and dO tile (the forward's load_tile).
   const float q_scale = p.q_scale;
   const steel_i64 m_rs = attn_mask != kSteelAttnMaskNone ? p.m_rs : 0;
+  const steel_i64 q_rs = p.q_rs, g_rs = bp.g_rs;
+  const short E = short(p.E), Ev = short(p.Ev);
+  const typename A::LoaderE::Place q_place = A::LoaderE::whole_place(q_rs, thread_index);
+  const typename A::LoaderV::Place g_place = A::LoaderV::whole_place(g_rs, thread_index);
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
@@ -294,18 +317,18 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
       if (!first) threadgroup_barrier(mem_flags::mem_threadgroup);
       first = false;
-      A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E), whole && attn_align_e,
-                       false, thread_index);
+      A::LoaderE::load_tile(Qs, q_h + row0 * q_rs, q_rs, q_place, valid, E, whole && attn_align_e,
+                            attn_vec_q, thread_index);
       if (!A::kShared) {
-        A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
-                         whole && attn_align_ev, false, thread_index);
+        A::LoaderV::load_tile(Gs, g_h + row0 * g_rs, g_rs, g_place, valid, Ev,
+                              whole && attn_align_ev, attn_vec_g, thread_index);
       }
       if (thread_index < A::kStats) {
         const short r = short(thread_index) % A::BK;
         const bool in = r < valid;
         const int row = row0 + r;
-        if (thread_index < A::BK) {
-          lse_s[r] = in ? lse_h[row] : -INFINITY;
+        if (thread_index < A::BK) {  // in the score unit (attn_probability_units)
+          lse_s[r] = in ? lse_h[row] * attn_units_per_nat : -INFINITY;
         } else if (thread_index < 2 * A::BK) {
           delta_s[r] = in ? delta_h[row] : 0.0f;
         } else {
@@ -322,38 +345,55 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       attn_mma_bt_operands<T, A::kLdE>(pt, kf, Qs + attn_bt_offset<A::kLdE>(lane), A::TK);
       if (A::kShared) {  // dO takes Q's place once every simdgroup has its scores
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        A::LoaderV::load(Gs, g_h + row0 * bp.g_rs, bp.g_rs, valid, short(p.Ev),
-                         whole && attn_align_ev, false, thread_index);
+        A::LoaderV::load_tile(Gs, g_h + row0 * g_rs, g_rs, g_place, valid, Ev,
+                              whole && attn_align_ev, attn_vec_g, thread_index);
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
       FragTile<1, A::TK> ds;
       ds.clear();
       attn_mma_bt_operands<T, A::kLdV>(ds, vf, Gs + attn_bt_offset<A::kLdV>(lane), A::TK);
+      if (attn_bwd_plain_tile(edge, true)) {  // whole rows and keys: edge is false
 #pragma clang loop unroll(full)
-      for (short j = 0; j < A::TK; ++j) {
+        for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
-        for (short e = 0; e < 2; ++e) {
-          const short r = j * 8 + fc + e;
-          const int row = row0 + r;
-          const bool row_ok = row < ext.L;
-          float th = 0.0f;  // tanh of the scaled score under softcap: d score = 1 - th^2
-          const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * q_scale, p, ext, row,
-                                        key, row_ok, mask, mask_key + row * m_rs, edge, th);
-          const float pv = row_ok ? attn_probability(s, lse_s[r]) * norm_s[r] : 0.0f;
-          // Dropout's factor Z^T of this element (0 or 1 / (1 - p)).
-          const float z = attn_dropout ? attn_dropout_one(p, bh, row, key) : 1.0f;
-          const float dp = ds.frag[j].thread_elements()[e] * z;
-          const float slope = attn_softcap ? 1.0f - th * th : 1.0f;
-          ds.frag[j].thread_elements()[e] = pv * (dp - delta_s[r]) * slope;
-          pt.frag[j].thread_elements()[e] = pv * z;  // (P o Z)^T, what dV sees
+          for (short e = 0; e < 2; ++e) {
+            const short r = j * 8 + fc + e;
+            const float s = pt.frag[j].thread_elements()[e] * q_scale;
+            const float pv = exp2(s - lse_s[r]) * norm_s[r];
+            const float z = attn_dropout ? attn_dropout_one(p, bh, row0 + r, key) : 1.0f;
+            ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] * z -
+                                                    delta_s[r]);
+            pt.frag[j].thread_elements()[e] = pv * z;
+          }
+        }
+      } else {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+          for (short e = 0; e < 2; ++e) {
+            const short r = j * 8 + fc + e;
+            const int row = row0 + r;
+            const bool row_ok = row < ext.L;
+            float th = 0.0f;  // tanh of the scaled score under softcap: d score = 1 - th^2
+            const float s = attn_score<T>(pt.frag[j].thread_elements()[e] * q_scale, p, ext,
+                                          row, key, row_ok, mask, mask_key + row * m_rs, edge,
+                                          th);
+            const float pv = row_ok ? attn_probability_units(s, lse_s[r]) * norm_s[r] : 0.0f;
+            // Dropout's factor Z^T of this element (0 or 1 / (1 - p)).
+            const float z = attn_dropout ? attn_dropout_one(p, bh, row, key) : 1.0f;
+            const float dp = ds.frag[j].thread_elements()[e] * z;
+            const float slope = attn_softcap ? 1.0f - th * th : 1.0f;
+            ds.frag[j].thread_elements()[e] = pv * (dp - delta_s[r]) * slope;
+            pt.frag[j].thread_elements()[e] = pv * z;  // (P o Z)^T, what dV sees
+          }
         }
       }
       // dV += (P o Z)^T dO.
       attn_mma_b_pairs<T, A::kLdV>(dvf, pt, Gs + attn_b_offset<A::kLdV>(lane));
       if (A::kShared) {  // and Q comes back for dK (a second read of the tile)
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        A::LoaderE::load(Qs, q_h + row0 * p.q_rs, p.q_rs, valid, short(p.E),
-                         whole && attn_align_e, false, thread_index);
+        A::LoaderE::load_tile(Qs, q_h + row0 * q_rs, q_rs, q_place, valid, E,
+                              whole && attn_align_e, attn_vec_q, thread_index);
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
       // dK += dS^T Q.
@@ -371,7 +411,8 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
 
 // The lane's query row for the dQ and dmask kernels: Q (unscaled: the scores take the scale
 // after Q K^T, as in the forward) and dO in registers as MMA operands of their dtype
-// (AttnOperandRow), and the row's lse, delta and 1 / normaliser (0 and -inf past L).
+// (AttnOperandRow), and the row's lse in the score unit (attn_probability_units), delta and
+// 1 / normaliser (-inf and 0 past L).
 template <typename T, short TD, short TV>
 inline void attn_bwd_load_row(thread AttnOperandRow<T, TD>& qf,
                               thread AttnOperandRow<T, TV>& gf, thread float& lse_row,
@@ -386,9 +427,35 @@ inline void attn_bwd_load_row(thread AttnOperandRow<T, TD>& qf,
   attn_load_row_operands<T, TV>(gf, grad_out + sq.g + h * bp.g_hs + row * bp.g_rs, row_ok,
                                 p.Ev, attn_align_ev, lane);
   const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
-  lse_row = row_ok ? lse[at] : -INFINITY;
+  lse_row = row_ok ? lse[at] * attn_units_per_nat : -INFINITY;
   delta_row = row_ok ? delta[at] : 0.0f;
   norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
+}
+
+// What the key tiles of the dQ and dmask kernels read of p (m_cs only with a mask) and the
+// thread's chunks of a whole K and V tile (the forward's load_tile): read and found once,
+// before the loops over tiles, rather than per tile and per score.
+template <typename A>
+struct AttnBwdKeyTiles {
+  steel_i64 k_rs, v_rs, m_cs;
+  short E, Ev;
+  float q_scale;
+  typename A::LoaderE::Place k_place;
+  typename A::LoaderV::Place v_place;
+};
+
+template <typename A>
+inline AttnBwdKeyTiles<A> attn_bwd_key_tiles(constant AttnParams& p, ushort thread_index) {
+  AttnBwdKeyTiles<A> f;
+  f.k_rs = p.k_rs;
+  f.v_rs = p.v_rs;
+  f.m_cs = attn_mask != kSteelAttnMaskNone ? p.m_cs : 0;
+  f.E = short(p.E);
+  f.Ev = short(p.Ev);
+  f.q_scale = p.q_scale;
+  f.k_place = A::LoaderE::whole_place(f.k_rs, thread_index);
+  f.v_place = A::LoaderV::whole_place(f.v_rs, thread_index);
+  return f;
 }
 
 // One key tile of the dQ and dmask kernels, dS at the score level for one lane's row (the
@@ -396,27 +463,28 @@ inline void attn_bwd_load_row(thread AttnOperandRow<T, TD>& qf,
 // tile at key0 of one (batch entry, KV head) (`k_h`, `v_h`), V first so that K can take its
 // place when the two share the buffer (A::kShared), and computes dP = dO V^T, S = Q K^T and P as
 // the forward computes them, dS = P (dP o Z - delta). K stays in smem for dQ += dS K. dS is the
-// gradient of the additive mask (added after the softcap); `slope` receives the softcap's
-// derivative 1 - tanh^2, which dQ (and dK) take on top. `bh` is the dropout's batch-head index.
-// The caller puts a barrier between two calls.
+// gradient of the additive mask (added after the softcap); with softcap, `slope` receives its
+// derivative 1 - tanh^2, which dQ (and dK) take on top. `rows_whole`: every row of the
+// threadgroup's block is inside L. `bh` is the dropout's batch-head index. The caller puts a
+// barrier between two calls.
 template <typename A, typename T>
 inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, A::TK>& slope,
                               thread const AttnOperandRow<T, A::TD>& qf,
                               thread const AttnOperandRow<T, A::TV>& gf, threadgroup T* smem,
                               const device T* k_h, const device T* v_h, constant AttnParams& p,
-                              AttnExtent ext, int row, int key0, bool row_ok,
-                              const device uchar* mask, steel_i64 mask_row, bool edge,
-                              float lse_row, float norm_row, float delta_row, uint bh,
-                              ushort thread_index, ushort lane) {
+                              thread const AttnBwdKeyTiles<A>& f, AttnExtent ext, int row,
+                              int key0, bool row_ok, bool rows_whole, const device uchar* mask,
+                              steel_i64 mask_row, bool edge, float lse_row, float norm_row,
+                              float delta_row, uint bh, ushort thread_index, ushort lane) {
   threadgroup T* Ks = smem;
   threadgroup T* Vs = smem + A::kEElems;
   const short valid = short(min(int(A::BK), ext.S - key0));
   const bool whole = attn_align_s || valid == A::BK;
-  A::LoaderV::load(Vs, v_h + key0 * p.v_rs, p.v_rs, valid, short(p.Ev), whole && attn_align_ev,
-                   attn_vec_v, thread_index);
+  A::LoaderV::load_tile(Vs, v_h + key0 * f.v_rs, f.v_rs, f.v_place, valid, f.Ev,
+                        whole && attn_align_ev, attn_vec_v, thread_index);
   if (!A::kShared) {
-    A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
-                     attn_vec_k, thread_index);
+    A::LoaderE::load_tile(Ks, k_h + key0 * f.k_rs, f.k_rs, f.k_place, valid, f.E,
+                          whole && attn_align_e, attn_vec_k, thread_index);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -427,8 +495,8 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   if (attn_dropout) attn_dropout_tile<A::TK>(ds, p, bh, row, key0, fc);
   if (A::kShared) {  // K takes V's place once every simdgroup has its dP
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    A::LoaderE::load(Ks, k_h + key0 * p.k_rs, p.k_rs, valid, short(p.E), whole && attn_align_e,
-                     attn_vec_k, thread_index);
+    A::LoaderE::load_tile(Ks, k_h + key0 * f.k_rs, f.k_rs, f.k_place, valid, f.E,
+                          whole && attn_align_e, attn_vec_k, thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
@@ -436,17 +504,27 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   FragTile<1, A::TK> ps;
   ps.clear();
   attn_mma_bt_operands<T, A::kLdE>(ps, qf, Ks + attn_bt_offset<A::kLdE>(lane), A::TK);
-  const float q_scale = p.q_scale;
+  if (attn_bwd_plain_tile(edge, rows_whole)) {
+#pragma clang loop unroll(full)
+    for (short j = 0; j < A::TK; ++j) {
+#pragma clang loop unroll(full)
+      for (short e = 0; e < 2; ++e) {
+        const float pv = exp2(ps.frag[j].thread_elements()[e] * f.q_scale - lse_row) * norm_row;
+        ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row);
+      }
+    }
+    return;
+  }
 #pragma clang loop unroll(full)
   for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
     for (short e = 0; e < 2; ++e) {
       const int key = key0 + j * 8 + fc + e;
       float th = 0.0f;
-      const float s = attn_score<T>(ps.frag[j].thread_elements()[e] * q_scale, p, ext, row,
-                                    key, row_ok, mask, mask_row + key * p.m_cs, edge, th);
-      const float pv = attn_probability(s, lse_row) * norm_row;
-      slope.frag[j].thread_elements()[e] = attn_softcap ? 1.0f - th * th : 1.0f;
+      const float s = attn_score<T>(ps.frag[j].thread_elements()[e] * f.q_scale, p, ext, row,
+                                    key, row_ok, mask, mask_row + key * f.m_cs, edge, th);
+      const float pv = attn_probability_units(s, lse_row) * norm_row;
+      if (attn_softcap) slope.frag[j].thread_elements()[e] = 1.0f - th * th;
       ds.frag[j].thread_elements()[e] = pv * (ds.frag[j].thread_elements()[e] - delta_row);
     }
   }
@@ -484,10 +562,13 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   dqf.clear();
 
   const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
+  const bool rows_whole = attn_align_l || last_row == row0 + A::BQ - 1;
   int t_begin, t_end;
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
+  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index);
+  const uint bh = uint(zb) * uint(p.Hq) + uint(h);
 
   for (int t = t_begin; t < t_end; ++t) {
     const int key0 = t * A::BK;
@@ -495,13 +576,15 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     FragTile<1, A::TK> ds;
     FragTile<1, A::TK> slope;
-    attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, ext, row, key0, row_ok, mask,
-                         mask_row, edge, lse_row, norm_row, delta_row,
-                         uint(zb) * uint(p.Hq) + uint(h), thread_index, lane);
+    attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, f, ext, row, key0, row_ok,
+                         rows_whole, mask, mask_row, edge, lse_row, norm_row, delta_row, bh,
+                         thread_index, lane);
+    if (attn_softcap) {
 #pragma clang loop unroll(full)
-    for (short j = 0; j < A::TK; ++j) {
-      ds.frag[j].thread_elements()[0] *= slope.frag[j].thread_elements()[0];
-      ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
+      for (short j = 0; j < A::TK; ++j) {
+        ds.frag[j].thread_elements()[0] *= slope.frag[j].thread_elements()[0];
+        ds.frag[j].thread_elements()[1] *= slope.frag[j].thread_elements()[1];
+      }
     }
     // dQ += dS K (K at the start of smem in both layouts).
     attn_mma_b_pairs<T, A::kLdE>(dqf, ds, smem + attn_b_offset<A::kLdE>(lane));
@@ -586,6 +669,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
   const AttnDmaskTiles own = attn_dmask_tiles(p, tg, A::BQ, A::BK);
   const ushort thread_index = simdgroup * 32 + lane;
 
+  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index);
   FragTile<1, A::TK> acc;
   acc.clear();
   steel_i64 dm_off = 0;
@@ -619,8 +703,9 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
         first = false;
         FragTile<1, A::TK> ds;
         FragTile<1, A::TK> slope;
-        attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, ext, row, key0, row_ok, mask,
-                             mask_row, edge, lse_row, norm_row, delta_row,
+        // A float mask is always present here: no tile is plain (rows_whole is not needed).
+        attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, f, ext, row, key0, row_ok,
+                             false, mask, mask_row, edge, lse_row, norm_row, delta_row,
                              uint(zb) * uint(p.Hq) + uint(h), thread_index, lane);
 #pragma clang loop unroll(full)
         for (short j = 0; j < A::TK; ++j) {
