@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from attn_helpers import DTYPES, OUT_ROUNDING, qkv, rand, requires_simulator, strict
 
 import torch_steel
+from torch_steel import sim
 
 pytestmark = requires_simulator
 
@@ -24,6 +25,8 @@ PAIRS = [(32, 32), (40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (128, 128),
 # rounding of the result to its dtype, allow the fp32 error (f32: 2e-5 of that magnitude) or, for
 # f16/bf16, four ulps of it: delta = rowsum(dO * O) reads the forward's out rounded to the dtype.
 SLACK = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
+# Function-constant indices (shaders/steel/params.h): q's and grad_out's rows in 16-byte chunks.
+VEC_Q, VEC_G = 334, 335
 
 
 def grads(q, k, v, backend, grad_out, with_lse=True, **kwargs):
@@ -155,6 +158,35 @@ def test_strided_and_expanded_inputs():
     check(q, k, v, is_causal=True)
     k1 = rand(1, 1, S, E, dtype=torch.float32, gen=gen).expand(B, H, S, E)
     check(rand(B, H, L, E, dtype=torch.float32, gen=gen), k1, k1 * 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_unaligned_q_and_grad_out_rows(dtype):
+    """q and grad_out whose rows are not 16-byte aligned: the dK/dV kernel streams them element
+    by element (the plan's STEEL_ATTN_FC_VEC_Q/G are false; a 16-byte load there is a misaligned
+    access, which the checkers report), and the gradients match float64 autograd."""
+    gen = torch.Generator().manual_seed(6)
+    B, H, L, S, E = 1, 2, 33, 40, 64
+    n = B * H * L * E
+    q = rand(n + 3, dtype=dtype, gen=gen)[3 : 3 + n].view(B, H, L, E)  # 3 elements past a chunk
+    k, v = rand(B, H, S, E, dtype=dtype, gen=gen), rand(B, H, S, E, dtype=dtype, gen=gen)
+    # Rows 67 elements apart from element 1: unaligned, and a row stride other than q's.
+    grad_out = rand(B, H, L, E + 3, dtype=dtype, gen=gen)[..., 1 : 1 + E]
+    opts = {"scale": E**-0.5, "is_causal": True}
+    out, lse = sim.run_op("sdpa", [q, k, v, None, None], opts)
+    tensors = [grad_out, q, k, v, out, lse, None, None, None]
+    vec = {d.kernel: (d.constants[VEC_Q], d.constants[VEC_G])
+           for d in sim.plan("sdpa_backward", tensors, opts).dispatches}  # fmt: skip
+    assert vec[next(name for name in vec if "dkdv" in name)] == (False, False)
+    got = sim.run_op("sdpa_backward", tensors, opts, checkers=True)
+    inputs = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*inputs, is_causal=True)
+    want = torch.autograd.grad(ref, inputs, grad_out.double())
+    for name, g, r in zip(["dq", "dk", "dv"], got[:3], want, strict=True):
+        mag = float(r.abs().max())
+        bound = OUT_ROUNDING[dtype] * r.abs() + SLACK[dtype] * mag + 1e-6
+        err = (g.double() - r).abs()
+        assert bool((err <= bound).all()), f"{name}: worst error {float(err.max()):.3g}"
 
 
 def test_deterministic():

@@ -261,6 +261,33 @@ def test_every_pair_has_backward_kernels(E, Ev, dtype):
     assert p.dispatches[1].constants[ALIGN_Q] == eight
 
 
+VEC_Q, VEC_G = 334, 335
+
+
+def test_backward_vec_constants_follow_q_and_grad_out_rows():
+    """The dK/dV kernel streams q and grad_out rows in 16-byte chunks only where every row start
+    is aligned: the offset, row, head and merged batch strides (as VEC_K / VEC_V for k, v)."""
+
+    def constants(q, grad):
+        k = t(2, 2, 40, 64)
+        out = torch.empty(2, 2, 24, 64, dtype=torch.float16)
+        args = [grad, q, k, k, out, torch.empty(2, 2, 24), None, None, None]
+        p = sim.plan("sdpa_backward", args, {"scale": 0.1})
+        assert p.ok, p.reason
+        return {(c[VEC_Q], c[VEC_G]) for c in (d.constants for d in p.dispatches)}
+
+    assert constants(t(2, 2, 24, 64), t(2, 2, 24, 64)) == {(True, True)}
+    flat = t(2 * 2 * 24 * 64 + 8)
+    odd = flat[3 : 3 + 2 * 2 * 24 * 64].view(2, 2, 24, 64)
+    assert constants(odd, t(2, 2, 24, 64)) == {(False, True)}
+    assert constants(t(2, 2, 24, 64), odd) == {(True, False)}
+    wide = t(2, 2, 24, 68)[..., :64]  # rows 68 elements apart: 136 bytes, not whole chunks
+    assert constants(t(2, 2, 24, 64), wide) == {(True, False)}
+    # Batch entries 2 * 24 * 64 + 4 elements apart: the second entry's rows are 8 bytes off.
+    batch = flat.as_strided((2, 2, 24, 64), (2 * 24 * 64 + 4, 24 * 64, 64, 1))
+    assert constants(batch, t(2, 2, 24, 64)) == {(False, True)}
+
+
 @pytest.mark.parametrize(
     "mask_shape,grid,combos,rows,keys",
     [

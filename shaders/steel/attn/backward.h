@@ -168,12 +168,12 @@ inline float attn_probability(float s, float lse) {
 }
 
 // Whether a tile's scores need no transform and no test per element: no softcap, no mask, and
-// no row or key of the tile past its extent or hidden by a diagonal (`edge` false, `rows_whole`).
-// Every row of such a tile sees keys, so its lse is finite, and the probability is
+// `edge` false (no key of the tile past S or hidden by a diagonal from a row of the block).
+// Every row inside L then sees keys, so its lse is finite and its probability is
 // exp2(s - lse_units) (scores are in log2 units without an additive mask). Uniform per
 // threadgroup.
-inline bool attn_bwd_plain_tile(bool edge, bool rows_whole) {
-  return !attn_softcap && attn_mask == kSteelAttnMaskNone && !edge && rows_whole;
+inline bool attn_bwd_plain_tile(bool edge) {
+  return !attn_softcap && attn_mask == kSteelAttnMaskNone && !edge;
 }
 
 // The backward's scratch holds two [batch, Hq, L] planes: delta, then 1 / normaliser.
@@ -352,7 +352,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       FragTile<1, A::TK> ds;
       ds.clear();
       attn_mma_bt_operands<T, A::kLdV>(ds, vf, Gs + attn_bt_offset<A::kLdV>(lane), A::TK);
-      if (attn_bwd_plain_tile(edge, true)) {  // whole rows and keys: edge is false
+      if (attn_bwd_plain_tile(edge)) {  // edge covers rows past L here
 #pragma clang loop unroll(full)
         for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
@@ -464,16 +464,15 @@ inline AttnBwdKeyTiles<A> attn_bwd_key_tiles(constant AttnParams& p, ushort thre
 // place when the two share the buffer (A::kShared), and computes dP = dO V^T, S = Q K^T and P as
 // the forward computes them, dS = P (dP o Z - delta). K stays in smem for dQ += dS K. dS is the
 // gradient of the additive mask (added after the softcap); with softcap, `slope` receives its
-// derivative 1 - tanh^2, which dQ (and dK) take on top. `rows_whole`: every row of the
-// threadgroup's block is inside L. `bh` is the dropout's batch-head index. The caller puts a
-// barrier between two calls.
+// derivative 1 - tanh^2, which dQ (and dK) take on top. `bh` is the dropout's batch-head
+// index. The caller puts a barrier between two calls.
 template <typename A, typename T>
 inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, A::TK>& slope,
                               thread const AttnOperandRow<T, A::TD>& qf,
                               thread const AttnOperandRow<T, A::TV>& gf, threadgroup T* smem,
                               const device T* k_h, const device T* v_h, constant AttnParams& p,
                               thread const AttnBwdKeyTiles<A>& f, AttnExtent ext, int row,
-                              int key0, bool row_ok, bool rows_whole, const device uchar* mask,
+                              int key0, bool row_ok, const device uchar* mask,
                               steel_i64 mask_row, bool edge, float lse_row, float norm_row,
                               float delta_row, uint bh, ushort thread_index, ushort lane) {
   threadgroup T* Ks = smem;
@@ -504,7 +503,9 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   FragTile<1, A::TK> ps;
   ps.clear();
   attn_mma_bt_operands<T, A::kLdE>(ps, qf, Ks + attn_bt_offset<A::kLdE>(lane), A::TK);
-  if (attn_bwd_plain_tile(edge, rows_whole)) {
+  // A row past L (the last block's, lse -inf) gets no finite dS on a plain tile, but its dQ
+  // row is never stored, and the dmask kernel, which sums rows, has a mask: no plain tile.
+  if (attn_bwd_plain_tile(edge)) {
 #pragma clang loop unroll(full)
     for (short j = 0; j < A::TK; ++j) {
 #pragma clang loop unroll(full)
@@ -562,7 +563,6 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   dqf.clear();
 
   const int last_row = min(row0 + int(A::BQ), ext.L) - 1;
-  const bool rows_whole = attn_align_l || last_row == row0 + A::BQ - 1;
   int t_begin, t_end;
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   const ushort thread_index = simdgroup * 32 + lane;
@@ -576,9 +576,8 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
     if (t > t_begin) threadgroup_barrier(mem_flags::mem_threadgroup);
     FragTile<1, A::TK> ds;
     FragTile<1, A::TK> slope;
-    attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, f, ext, row, key0, row_ok,
-                         rows_whole, mask, mask_row, edge, lse_row, norm_row, delta_row, bh,
-                         thread_index, lane);
+    attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, f, ext, row, key0, row_ok, mask,
+                         mask_row, edge, lse_row, norm_row, delta_row, bh, thread_index, lane);
     if (attn_softcap) {
 #pragma clang loop unroll(full)
       for (short j = 0; j < A::TK; ++j) {
@@ -703,9 +702,8 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
         first = false;
         FragTile<1, A::TK> ds;
         FragTile<1, A::TK> slope;
-        // A float mask is always present here: no tile is plain (rows_whole is not needed).
         attn_bwd_key_tile<A>(ds, slope, qf, gf, smem, k_h, v_h, p, f, ext, row, key0, row_ok,
-                             false, mask, mask_row, edge, lse_row, norm_row, delta_row,
+                             mask, mask_row, edge, lse_row, norm_row, delta_row,
                              uint(zb) * uint(p.Hq) + uint(h), thread_index, lane);
 #pragma clang loop unroll(full)
         for (short j = 0; j < A::TK; ++j) {
