@@ -297,6 +297,11 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
   const short E = short(p.E), Ev = short(p.Ev);
   const typename A::LoaderE::Place q_place = A::LoaderE::whole_place(q_rs, thread_index);
   const typename A::LoaderV::Place g_place = A::LoaderV::whole_place(g_rs, thread_index);
+  // The lane's fragment bases in the tiles: Q^T and dO^T for S^T and dP^T, dO and Q for dV, dK.
+  const threadgroup T* q_bt = Qs + attn_bt_offset<A::kLdE>(lane);
+  const threadgroup T* g_bt = Gs + attn_bt_offset<A::kLdV>(lane);
+  const threadgroup T* g_b = Gs + attn_b_offset<A::kLdV>(lane);
+  const threadgroup T* q_b = Qs + attn_b_offset<A::kLdE>(lane);
   bool first = true;
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
@@ -342,7 +347,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       // across the products (the softcap's slope and dropout's factors are per element).
       FragTile<1, A::TK> pt;
       pt.clear();
-      attn_mma_bt_operands<T, A::kLdE>(pt, kf, Qs + attn_bt_offset<A::kLdE>(lane), A::TK);
+      attn_mma_bt_operands<T, A::kLdE>(pt, kf, q_bt, A::TK);
       if (A::kShared) {  // dO takes Q's place once every simdgroup has its scores
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderV::load_tile(Gs, g_h + row0 * g_rs, g_rs, g_place, valid, Ev,
@@ -351,7 +356,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
       }
       FragTile<1, A::TK> ds;
       ds.clear();
-      attn_mma_bt_operands<T, A::kLdV>(ds, vf, Gs + attn_bt_offset<A::kLdV>(lane), A::TK);
+      attn_mma_bt_operands<T, A::kLdV>(ds, vf, g_bt, A::TK);
       if (attn_bwd_plain_tile(edge)) {  // edge covers rows past L here
 #pragma clang loop unroll(full)
         for (short j = 0; j < A::TK; ++j) {
@@ -389,7 +394,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         }
       }
       // dV += (P o Z)^T dO.
-      attn_mma_b_pairs<T, A::kLdV>(dvf, pt, Gs + attn_b_offset<A::kLdV>(lane));
+      attn_mma_b_pairs<T, A::kLdV>(dvf, pt, g_b);
       if (A::kShared) {  // and Q comes back for dK (a second read of the tile)
         threadgroup_barrier(mem_flags::mem_threadgroup);
         A::LoaderE::load_tile(Qs, q_h + row0 * q_rs, q_rs, q_place, valid, E,
@@ -397,7 +402,7 @@ inline void attention_bwd_dkdv_block(const device T* q, const device T* k, const
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
       // dK += dS^T Q.
-      attn_mma_b_pairs<T, A::kLdE>(dkf, ds, Qs + attn_b_offset<A::kLdE>(lane));
+      attn_mma_b_pairs<T, A::kLdE>(dkf, ds, q_b);
     }
   }
 
@@ -432,9 +437,10 @@ inline void attn_bwd_load_row(thread AttnOperandRow<T, TD>& qf,
   norm_row = row_ok ? delta[attn_rows(bp) + at] : 0.0f;
 }
 
-// What the key tiles of the dQ and dmask kernels read of p (m_cs only with a mask) and the
-// thread's chunks of a whole K and V tile (the forward's load_tile): read and found once,
-// before the loops over tiles, rather than per tile and per score.
+// What the key tiles of the dQ and dmask kernels read of p (m_cs only with a mask), the
+// thread's chunks of a whole K and V tile (the forward's load_tile) and the lane's fragment
+// offsets in them (V^T and K^T for dP and S, K for dQ): read and found once, before the loops
+// over tiles, rather than per tile and per score.
 template <typename A>
 struct AttnBwdKeyTiles {
   steel_i64 k_rs, v_rs, m_cs;
@@ -442,10 +448,12 @@ struct AttnBwdKeyTiles {
   float q_scale;
   typename A::LoaderE::Place k_place;
   typename A::LoaderV::Place v_place;
+  short v_bt, k_bt, k_b;
 };
 
 template <typename A>
-inline AttnBwdKeyTiles<A> attn_bwd_key_tiles(constant AttnParams& p, ushort thread_index) {
+inline AttnBwdKeyTiles<A> attn_bwd_key_tiles(constant AttnParams& p, ushort thread_index,
+                                             ushort lane) {
   AttnBwdKeyTiles<A> f;
   f.k_rs = p.k_rs;
   f.v_rs = p.v_rs;
@@ -455,6 +463,9 @@ inline AttnBwdKeyTiles<A> attn_bwd_key_tiles(constant AttnParams& p, ushort thre
   f.q_scale = p.q_scale;
   f.k_place = A::LoaderE::whole_place(f.k_rs, thread_index);
   f.v_place = A::LoaderV::whole_place(f.v_rs, thread_index);
+  f.v_bt = attn_bt_offset<A::kLdV>(lane);
+  f.k_bt = attn_bt_offset<A::kLdE>(lane);
+  f.k_b = attn_b_offset<A::kLdE>(lane);
   return f;
 }
 
@@ -490,7 +501,7 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   const short fc = frag_col(lane);
   // dP o Z = (dO V^T) o Z.
   ds.clear();
-  attn_mma_bt_operands<T, A::kLdV>(ds, gf, Vs + attn_bt_offset<A::kLdV>(lane), A::TK);
+  attn_mma_bt_operands<T, A::kLdV>(ds, gf, Vs + f.v_bt, A::TK);
   if (attn_dropout) attn_dropout_tile<A::TK>(ds, p, bh, row, key0, fc);
   if (A::kShared) {  // K takes V's place once every simdgroup has its dP
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -502,7 +513,7 @@ inline void attn_bwd_key_tile(thread FragTile<1, A::TK>& ds, thread FragTile<1, 
   // S = Q K^T, P, then dS.
   FragTile<1, A::TK> ps;
   ps.clear();
-  attn_mma_bt_operands<T, A::kLdE>(ps, qf, Ks + attn_bt_offset<A::kLdE>(lane), A::TK);
+  attn_mma_bt_operands<T, A::kLdE>(ps, qf, Ks + f.k_bt, A::TK);
   // A row past L (the last block's, lse -inf) gets no finite dS on a plain tile, but its dQ
   // row is never stored, and the dmask kernel, which sums rows, has a mask: no plain tile.
   if (attn_bwd_plain_tile(edge)) {
@@ -567,7 +578,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
-  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index);
+  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index, lane);
   const uint bh = uint(zb) * uint(p.Hq) + uint(h);
 
   for (int t = t_begin; t < t_end; ++t) {
@@ -586,7 +597,7 @@ inline void attention_bwd_dq_block(const device T* q, const device T* k, const d
       }
     }
     // dQ += dS K (K at the start of smem in both layouts).
-    attn_mma_b_pairs<T, A::kLdE>(dqf, ds, smem + attn_b_offset<A::kLdE>(lane));
+    attn_mma_b_pairs<T, A::kLdE>(dqf, ds, smem + f.k_b);
   }
 
   if (!row_ok) return;  // no barrier follows
@@ -668,7 +679,7 @@ inline void attention_bwd_dmask_block(const device T* q, const device T* k, cons
   const AttnDmaskTiles own = attn_dmask_tiles(p, tg, A::BQ, A::BK);
   const ushort thread_index = simdgroup * 32 + lane;
 
-  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index);
+  const AttnBwdKeyTiles<A> f = attn_bwd_key_tiles<A>(p, thread_index, lane);
   FragTile<1, A::TK> acc;
   acc.clear();
   steel_i64 dm_off = 0;
