@@ -76,6 +76,8 @@ MLA_E, MLA_EV = 576, 512  # absorbed multi-head latent attention: 512 latent + 6
 STEEL_FC_GRAD_LSE = 320
 BQ = 32
 THREADS = 128
+# The delta pre-pass's lanes a row (32 / STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP): each reads the lse.
+DELTA_LANES = 4
 # The matmul2d prefill's tiles (STEEL_ATTN_TENSOR_BQ / _BK; 4 simdgroups, THREADS threads).
 TENSOR_BQ, TENSOR_BK = 64, 32
 
@@ -272,8 +274,8 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
     "sdpa_varlen_backward" plan, from backward.h's loops. `extents`: (L, S, count) per batch
     extent, count (batch entry or sequence) repeats of it: [(L, S, B)] dense, [(L_b, S_b, 1)]
     per sequence varlen. Every load is counted as the lanes issue it: a row's lse (and delta and
-    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, all 32 lanes
-    of a pre-pass row), or once per query tile by a dK/dV block, which stages them; with shared
+    1 / normaliser) is read by each lane that needs it (4 per row in dQ and dmask, and the
+    pre-pass's DELTA_LANES), or once per query tile by a dK/dV block, which stages them; with shared
     tiles (float32 at 512) the dK/dV kernel reads each Q tile twice; the delta pre-pass's
     normaliser recovery (rows of |lse| >= 4096) is not modelled (the shapes here have none)."""
     results = []
@@ -303,7 +305,7 @@ def backward_model(plan, extents, es, mask_es=0, sinks_es=0):
                 rows = count * Hq * L
                 _add(buffers, BUF_GRAD_OUT, rows * Ev * es)
                 _add(buffers, BUF_FWD_OUT, rows * Ev * es)
-                _add(buffers, BUF_FWD_LSE, rows * 32 * 4)
+                _add(buffers, BUF_FWD_LSE, rows * DELTA_LANES * 4)
                 _add(buffers, BUF_GRAD_LSE, rows * 4 if d.constants[STEEL_FC_GRAD_LSE] else 0)
                 _add(buffers, BUF_DELTA, written=rows * 8)
             elif tensor and kind == "dkdv":

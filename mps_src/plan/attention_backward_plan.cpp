@@ -219,7 +219,7 @@ Plan plan_attention_backward(const TensorList& tensors, const Options& options) 
   pre.grid[0] = static_cast<uint32_t>(ceil_div(L, STEEL_ATTN_DELTA_ROWS));
   pre.grid[1] = static_cast<uint32_t>(Hq);
   pre.grid[2] = static_cast<uint32_t>(batch_count);
-  pre.threads[0] = 32 * STEEL_ATTN_DELTA_ROWS;
+  pre.threads[0] = 32 * STEEL_ATTN_DELTA_SIMDGROUPS;
   plan.dispatches.push_back(pre);
 
   // dK/dV, dQ and dmask on matmul2d where the forward runs there (attn::tensor_backward), in

@@ -422,7 +422,7 @@ Plan plan_attention_varlen_backward(const TensorList& tensors, const Options& op
        tensor_binding(STEEL_ATTN_BUF_FWD_LSE, kSlotLse),
        tensor_binding(STEEL_ATTN_BUF_GRAD_LSE, has_grad_lse ? kSlotGradLse : kSlotLse),
        tensor_binding(STEEL_ATTN_BUF_DELTA, kSlotDelta), cu_q, cu_k, params},
-      ceil_div(max_q, STEEL_ATTN_DELTA_ROWS), Hq, sequences, 32 * STEEL_ATTN_DELTA_ROWS);
+      ceil_div(max_q, STEEL_ATTN_DELTA_ROWS), Hq, sequences, 32 * STEEL_ATTN_DELTA_SIMDGROUPS);
   const std::vector<Binding> inputs = {
       q_b, k_b, tensor_binding(STEEL_ATTN_BUF_V, 3), no_mask,
       tensor_binding(STEEL_ATTN_BUF_GRAD_OUT, kSlotGrad),

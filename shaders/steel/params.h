@@ -431,8 +431,11 @@ static_assert(offsetof(AttnParams, o_rs) == 280, "AttnParams.o_rs moved");
 #define STEEL_ATTN_BUF_BWD_CU_Q 19  // varlen only: cu_seqlens_q, cu_seqlens_k (int32)
 #define STEEL_ATTN_BUF_BWD_CU_K 20
 
-// Rows of the delta pre-pass per threadgroup (one simdgroup a row).
-#define STEEL_ATTN_DELTA_ROWS 4
+// The delta pre-pass: simdgroups a threadgroup, rows a simdgroup (four lanes a row), and rows
+// a threadgroup.
+#define STEEL_ATTN_DELTA_SIMDGROUPS 4
+#define STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP 8
+#define STEEL_ATTN_DELTA_ROWS (STEEL_ATTN_DELTA_SIMDGROUPS * STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP)
 
 // The backward's run-time values: the forward's, plus where grad_out and the forward's output
 // lie. dq, dk, dv are contiguous in q's, k's and v's shapes; lse, grad_lse and delta are

@@ -182,8 +182,8 @@ def test_backward_dispatches_bind_the_offsets_and_cover_the_longest_sequence():
     names = ["delta_f16", "dkdv_f16_e64_v64", "dq_f16_e64_v64", "dsinks_f16"]
     assert kernels == ["steel_attention_bwd_" + name for name in names]
     grids = [tuple(d.grid) for d in p.dispatches]
-    # 100 rows / 4 a pre-pass threadgroup, 120 keys / 32, 100 rows / 32; 3 sequences each.
-    assert grids == [(25, 8, 3), (4, 2, 3), (4, 8, 3), (8, 1, 1)]
+    # 100 rows / 32 a pre-pass threadgroup, 120 keys / 32, 100 rows / 32; 3 sequences each.
+    assert grids == [(4, 8, 3), (4, 2, 3), (4, 8, 3), (8, 1, 1)]
     for d in p.dispatches[:3]:
         assert d.constants[VARLEN] and d.constants[VARLEN_BR] and not d.constants[ALIGN_Q]
         assert not d.constants[GRAD_LSE]

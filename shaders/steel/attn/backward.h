@@ -187,6 +187,36 @@ inline steel_i64 attn_rows(constant AttnBackwardParams& bp) {
 // is at most 2^12 fp32 ulps of 1 (2.4e-4 relative).
 constant constexpr float kAttnHugeLse = 4096.0f;
 
+// The normaliser of query row `row` of head h from its (huge) lse `l` in nats, recomputed by the
+// whole simdgroup: the sum over the visible keys of exp(s - lse) (one key a lane, scores as the
+// other kernels compute them), so that the kernels' P sums to 1 as the forward's did.
+template <typename T>
+inline float attn_bwd_normaliser(const device T* q, const device T* k, const device uchar* mask,
+                                 const device uchar* sinks, constant AttnParams& p,
+                                 thread const AttnBwdSeq& sq, int h, int row, float l,
+                                 ushort lane) {
+  const device T* q_row = q + sq.q + h * p.q_hs + row * p.q_rs;
+  const device T* k_h = k + sq.k + (h / p.group) * p.k_hs;
+  const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
+  float sum = 0.0f;
+  for (int key = lane; key < sq.ext.S; key += 32) {
+    float x = 0.0f;
+    for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * float(k_h[key * p.k_rs + d]);
+    float th = 0.0f;
+    const float s = attn_score<T>(x * p.q_scale, p, sq.ext, row, key, true, mask,
+                                  mask_row + key * p.m_cs, true, th);
+    sum += attn_probability(s, l);
+  }
+  sum = simd_sum(sum);
+  if (attn_sinks != kSteelAttnOperandNone) {
+    sum += exp(attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, h) - l);
+  }
+  return sum;
+}
+
+// The delta pre-pass: each simdgroup takes STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP rows, four lanes
+// a row (lanes 4r .. 4r + 3 row r), so that the params and the row's lse are read by four lanes
+// a row rather than by a whole simdgroup.
 template <typename T>
 inline void attention_bwd_delta(const device T* q, const device T* k, const device uchar* mask,
                                 const device uchar* sinks, const device T* grad_out,
@@ -195,44 +225,40 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
                                 const device int* cu_q, const device int* cu_k,
                                 constant AttnBackwardParams& bp, uint3 tg, ushort simdgroup,
                                 ushort lane) {
+  constexpr short kRows = STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP;
+  constexpr short kLanes = 32 / kRows;  // a row's lanes
   constant AttnParams& p = bp.fwd;
-  const int row = int(tg.x) * STEEL_ATTN_DELTA_ROWS + simdgroup;
+  const int row0 = (int(tg.x) * STEEL_ATTN_DELTA_SIMDGROUPS + simdgroup) * kRows;
   const int h = int(tg.y);
   const int zb = int(tg.z);
   const AttnBwdSeq sq = attn_bwd_seq(bp, cu_q, cu_k, zb);
-  if (row >= sq.ext.L) return;  // the whole simdgroup; no barrier here
-  grad_out += sq.g + h * bp.g_hs + row * bp.g_rs;
-  out += sq.y + h * bp.y_hs + row * bp.y_rs;
+  if (row0 >= sq.ext.L) return;  // the whole simdgroup; no barrier here
+  const int row = row0 + lane / kLanes;
+  const short part = short(lane % kLanes);
+  const bool row_ok = row < sq.ext.L;
   float acc = 0.0f;
-  for (int c = lane; c < p.Ev; c += 32) acc += float(grad_out[c]) * float(out[c]);
-  acc = simd_sum(acc);
-
-  // Rows of huge |lse| get their normaliser back: sum over the visible keys of exp(s - lse)
-  // (one key a lane, scores as the other kernels compute them), so that the kernels' P sums to
-  // 1 as the forward's did. Uniform per simdgroup (one row); every other row has 1.
-  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
-  const float l = lse[at];
-  float inv_norm = 1.0f;
-  if (l != -INFINITY && fabs(l) >= kAttnHugeLse) {
-    const device T* q_row = q + sq.q + h * p.q_hs + row * p.q_rs;
-    const device T* k_h = k + sq.k + (h / p.group) * p.k_hs;
-    const steel_i64 mask_row = sq.m + h * p.m_hs + row * p.m_rs;
-    float sum = 0.0f;
-    for (int key = lane; key < sq.ext.S; key += 32) {
-      float x = 0.0f;
-      for (int d = 0; d < p.E; ++d) x += float(q_row[d]) * float(k_h[key * p.k_rs + d]);
-      float th = 0.0f;
-      const float s = attn_score<T>(x * p.q_scale, p, sq.ext, row, key, true, mask,
-                                    mask_row + key * p.m_cs, true, th);
-      sum += attn_probability(s, l);
-    }
-    sum = simd_sum(sum);
-    if (attn_sinks != kSteelAttnOperandNone) {
-      sum += exp(attn_read<T>(sinks, attn_sinks == kSteelAttnOperandF32, h) - l);
-    }
-    inv_norm = sum > 0.0f ? 1.0f / sum : 1.0f;
+  if (row_ok) {
+    const device T* g_row = grad_out + sq.g + h * bp.g_hs + row * bp.g_rs;
+    const device T* y_row = out + sq.y + h * bp.y_hs + row * bp.y_rs;
+    for (int c = part; c < p.Ev; c += kLanes) acc += float(g_row[c]) * float(y_row[c]);
   }
-  if (lane == 0) {
+#pragma clang loop unroll(full)
+  for (short m = 1; m < kLanes; m *= 2) acc += simd_shuffle_xor(acc, ushort(m));
+
+  // Rows of huge |lse| get their normaliser back (attn_bwd_normaliser), one row at a time over
+  // the whole simdgroup (the test is uniform: the row's lse from its first lane); every other
+  // row has 1.
+  const steel_i64 at = sq.rows + steel_i64(h) * p.L + row;
+  const float l = row_ok ? lse[at] : -INFINITY;
+  float inv_norm = 1.0f;
+  for (short r = 0; r < kRows; ++r) {
+    const float lr = simd_shuffle(l, ushort(r * kLanes));
+    if (lr != -INFINITY && fabs(lr) >= kAttnHugeLse) {
+      const float sum = attn_bwd_normaliser<T>(q, k, mask, sinks, p, sq, h, row0 + r, lr, lane);
+      if (lane / kLanes == r) inv_norm = sum > 0.0f ? 1.0f / sum : 1.0f;
+    }
+  }
+  if (row_ok && part == 0) {
     delta[at] = attn_grad_lse ? acc - grad_lse[at] : acc;
     delta[attn_rows(bp) + at] = inv_norm;
   }
