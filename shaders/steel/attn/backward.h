@@ -227,6 +227,8 @@ inline void attention_bwd_delta(const device T* q, const device T* k, const devi
                                 ushort lane) {
   constexpr short kRows = STEEL_ATTN_DELTA_ROWS_PER_SIMDGROUP;
   constexpr short kLanes = 32 / kRows;  // a row's lanes
+  static_assert(kRows * kLanes == 32 && (kLanes & (kLanes - 1)) == 0,
+                "a row's lanes are a power-of-two group of the simdgroup (the xor sum)");
   constant AttnParams& p = bp.fwd;
   const int row0 = (int(tg.x) * STEEL_ATTN_DELTA_SIMDGROUPS + simdgroup) * kRows;
   const int h = int(tg.y);
