@@ -175,9 +175,9 @@ def test_unaligned_q_and_grad_out_rows(dtype):
     opts = {"scale": E**-0.5, "is_causal": True}
     out, lse = sim.run_op("sdpa", [q, k, v, None, None], opts)
     tensors = [grad_out, q, k, v, out, lse, None, None, None]
-    vec = {d.kernel: (d.constants[VEC_Q], d.constants[VEC_G])
-           for d in sim.plan("sdpa_backward", tensors, opts).dispatches}  # fmt: skip
-    assert vec[next(name for name in vec if "dkdv" in name)] == (False, False)
+    plan = sim.plan("sdpa_backward", tensors, opts)
+    dkdv = next(d for d in plan.dispatches if "dkdv" in d.kernel)
+    assert (dkdv.constants[VEC_Q], dkdv.constants[VEC_G]) == (False, False)
     got = sim.run_op("sdpa_backward", tensors, opts, checkers=True)
     inputs = [x.double().requires_grad_() for x in (q, k, v)]
     ref = F.scaled_dot_product_attention(*inputs, is_causal=True)
