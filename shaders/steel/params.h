@@ -214,19 +214,57 @@ constexpr int steel_attn_prefill_residency(int tg_bytes, int registers) {
   return steel_attn_min(steel_attn_min(3072 / (32 * STEEL_ATTN_SIMDGROUPS), 61440 / tg_bytes),
                         212992 / (registers * 4 * 32 * STEEL_ATTN_SIMDGROUPS));
 }
-constexpr bool steel_attn_prefill_shared_kv(int de, int dv, int elem_bytes) {
+// The prefill's K and V tiles, K in the inputs' dtype and V in `v_bytes` elements, shared or
+// separate.
+constexpr int steel_attn_prefill_tile_bytes(int de, int dv, int elem_bytes, int v_bytes,
+                                            bool shared) {
+  const int bk = steel_attn_bk(de, dv, elem_bytes);
+  const int k = bk * steel_attn_ld(de, elem_bytes) * elem_bytes;
+  const int v = bk * steel_attn_ld(dv, v_bytes) * v_bytes;
+  return shared ? (k > v ? k : v) : k + v;
+}
+constexpr int steel_attn_prefill_layout_residency(int de, int dv, int elem_bytes, int v_bytes,
+                                                  bool shared) {
+  return steel_attn_prefill_residency(
+      steel_attn_prefill_tile_bytes(de, dv, elem_bytes, v_bytes, shared),
+      steel_attn_prefill_registers(de, dv, elem_bytes));
+}
+// K and V share one buffer, V in `v_bytes` elements.
+constexpr bool steel_attn_prefill_shared_as(int de, int dv, int elem_bytes, int v_bytes) {
   return steel_attn_shared_kv(de, dv, elem_bytes) ||
-         steel_attn_prefill_residency(
-             steel_attn_shared_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes),
-             steel_attn_prefill_registers(de, dv, elem_bytes)) >
-             steel_attn_prefill_residency(
-                 steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes),
-                 steel_attn_prefill_registers(de, dv, elem_bytes));
+         steel_attn_prefill_layout_residency(de, dv, elem_bytes, v_bytes, true) >
+             steel_attn_prefill_layout_residency(de, dv, elem_bytes, v_bytes, false);
+}
+constexpr int steel_attn_prefill_residency_as(int de, int dv, int elem_bytes, int v_bytes) {
+  return steel_attn_prefill_layout_residency(
+      de, dv, elem_bytes, v_bytes, steel_attn_prefill_shared_as(de, dv, elem_bytes, v_bytes));
+}
+// The V tile in fp32 (16-bit inputs): P V multiplies fp32 probabilities, so V's fragments are
+// fp32 operands. Widened once, as the loader stores the tile, each element is converted once a
+// threadgroup; a tile of the inputs' dtype is widened by each of the four simdgroups, two
+// elements a lane per fragment (at f16 head dim 64, 4% of the FP pipe). The tile's bytes grow
+// (V's twice), so fp32 only where a core still holds as many threadgroups and within the
+// threadgroup-memory budget: at f16 and bf16 head dims 32, 40, 64, 72, 160, 192 and 256 (the
+// last three hold as many threadgroups as their registers allow either way).
+constexpr bool steel_attn_prefill_v_f32(int de, int dv, int elem_bytes) {
+  return elem_bytes < 4 &&
+         steel_attn_prefill_tile_bytes(de, dv, elem_bytes, 4,
+                                       steel_attn_prefill_shared_as(de, dv, elem_bytes, 4)) <=
+             STEEL_ATTN_TG_BUDGET &&
+         steel_attn_prefill_residency_as(de, dv, elem_bytes, 4) >=
+             steel_attn_prefill_residency_as(de, dv, elem_bytes, elem_bytes);
+}
+constexpr int steel_attn_prefill_v_bytes(int de, int dv, int elem_bytes) {
+  return steel_attn_prefill_v_f32(de, dv, elem_bytes) ? 4 : elem_bytes;
+}
+constexpr bool steel_attn_prefill_shared_kv(int de, int dv, int elem_bytes) {
+  return steel_attn_prefill_shared_as(de, dv, elem_bytes,
+                                      steel_attn_prefill_v_bytes(de, dv, elem_bytes));
 }
 constexpr int steel_attn_prefill_threadgroup_bytes(int de, int dv, int elem_bytes) {
-  return steel_attn_prefill_shared_kv(de, dv, elem_bytes)
-             ? steel_attn_shared_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes)
-             : steel_attn_separate_bytes(steel_attn_bk(de, dv, elem_bytes), de, dv, elem_bytes);
+  return steel_attn_prefill_tile_bytes(de, dv, elem_bytes,
+                                       steel_attn_prefill_v_bytes(de, dv, elem_bytes),
+                                       steel_attn_prefill_shared_kv(de, dv, elem_bytes));
 }
 
 // The prefill forward on Metal 4's matmul2d (shaders/steel/attn_tensor/, M5-generation GPUs):

@@ -251,6 +251,21 @@ def test_m5_keeps_576_on_the_simdgroup_kernels_with_the_alias():
             check_both(q, kv, v, scale=SCALE, is_causal=True, causal_align="bottom_right")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prefill_alias_where_the_v_tile_is_fp32(dtype):
+    """The alias on a prefill instantiation whose own V tile is fp32 (e64_v64 at 16-bit dtypes,
+    params.h steel_attn_prefill_v_f32): P V then reads the K tile in the inputs' dtype, not the
+    fp32 V tile, which holds nothing. E = 64 with V its first 40 columns, L = 40 and S = 33 (a
+    ragged last key tile), causal; both paths against the oracle."""
+    gen = torch.Generator().manual_seed(64)
+    kv = rand(1, 2, 33, 64, dtype=dtype, gen=gen)
+    v = kv[..., :40]
+    q = rand(1, 4, 40, 64, dtype=dtype, gen=gen)
+    (d,) = plan_of(q, kv, v, is_causal=True).dispatches
+    assert d.kernel.endswith("_e64_v64") and d.constants[KV_ALIAS], d.kernel
+    check_both(q, kv, v, scale=0.125, is_causal=True)
+
+
 def absorbed_deepseek_layer():
     """One DeepSeek-V2 attention layer of a tiny config built in code (random weights, float64,
     YaRN rope so that its scale carries the mscale factor), a 37-token input, the layer's own

@@ -241,18 +241,22 @@ def test_steel_register_estimates_count_live_fragments():
     # Resident on an M1: 212992 // (82 * 4 * 128) = 5 by registers (threadgroup memory allows 7).
     geometry = {"kernel": "steel_attention_f16_e128_v128", "grid": (9, 9, 1), "threads": (128,)}
     assert timing.resident_threadgroups(geometry, "M1") == 5 * 8
-    # f16 d32: separate tiles do not limit (5120 bytes: 12 a core; registers allow 9).
-    assert timing.steel_kernel_info("steel_attention_f16_e32_v32")["threadgroup_memory"] == 5120
+    # f16 d32: V's tile in fp32 (params.h steel_attn_prefill_v_f32) in one buffer with K's:
+    # 32 rows of 36 floats, 4608 bytes, 13 a core where registers allow 9 (fp32 V in separate
+    # tiles, 7168 bytes, would allow 8; V in f16, 5120 bytes apart, 12).
+    assert timing.steel_kernel_info("steel_attention_f16_e32_v32")["threadgroup_memory"] == 4608
+    # f16 d128 keeps V in f16: fp32 V's 16896 bytes would hold a core to 3 where it holds 5.
+    assert timing._attn_prefill_layout(128, 128, 2, 4) == (16896, 3)
 
 
-# (dtype, E, Ev, L): the prefill's K and V tiles apart at BK 32 (f16 d32) and 16 (bf16 192/128),
-# shared where separate tiles would cost residency (f16 d64 at BK 32), shared by the budget at
-# BK 32 (f32 d256), 16 (f16 576/512) and 8 (f32 576/512); L = 1 is the decode kernel, whose
-# tiles follow the budget alone (f16 d128: apart).
+# (dtype, E, Ev, L): the prefill's K and V tiles apart at BK 16 (bf16 192/128, V in fp32),
+# shared where separate tiles would cost residency (f16 d32 and d64 at BK 32, V in fp32; f16
+# d128, V in f16), shared by the budget at BK 32 (f32 d256), 16 (f16 576/512) and 8 (f32
+# 576/512); L = 1 is the decode kernel, whose tiles follow the budget alone (f16 d128: apart).
 DECLARED_TILES = [(torch.float16, 32, 32, 40), (torch.float16, 64, 64, 40),
-                  (torch.bfloat16, 192, 128, 40), (torch.float32, 256, 256, 40),
-                  (torch.float16, 576, 512, 40), (torch.float16, 128, 128, 1),
-                  (torch.float32, 576, 512, 1)]  # fmt: skip
+                  (torch.float16, 128, 128, 40), (torch.bfloat16, 192, 128, 40),
+                  (torch.float32, 256, 256, 40), (torch.float16, 576, 512, 40),
+                  (torch.float16, 128, 128, 1), (torch.float32, 576, 512, 1)]  # fmt: skip
 
 
 @requires_clang
@@ -267,6 +271,47 @@ def test_declared_threadgroup_memory_is_the_kernels(dtype, E, Ev, L):
     for c in counters:
         info = timing.steel_kernel_info(c["kernel"])
         assert info["threadgroup_memory"] == c["threadgroup_memory_bytes"], c["kernel"]
+
+
+# The prefill's head-dim pairs (attention.metal's instantiations).
+PREFILL_PAIRS = [(d, d) for d in (32, 40, 64, 72, 80, 96, 128, 160, 192, 256, 512, 576)] + [
+    (192, 128),
+    (576, 512),
+]
+
+
+@requires_clang
+def test_prefill_tiles_are_params_hs(tmp_path):
+    """params.h's prefill tile rules, compiled and asked, against timing's mirror for every
+    instantiated pair and element size: the buffer's bytes, and V's tile in fp32
+    (steel_attn_prefill_v_f32) only for 16-bit inputs and never at the cost of a resident
+    threadgroup (it is chosen at f16 d64, where it saves the four simdgroups' widening)."""
+    root = Path(__file__).resolve().parents[2]
+    cases = [(de, dv, es) for de, dv in PREFILL_PAIRS for es in (2, 4)]
+    calls = "".join(
+        f'  std::printf("%d %d %d %d\\n", steel_attn_prefill_threadgroup_bytes({de}, {dv}, {es}), '
+        f"steel_attn_prefill_v_f32({de}, {dv}, {es}), "
+        f"steel_attn_prefill_residency_as({de}, {dv}, {es}, 4), "
+        f"steel_attn_prefill_residency_as({de}, {dv}, {es}, {es}));\n"
+        for de, dv, es in cases
+    )
+    src = tmp_path / "prefill.cpp"
+    src.write_text(f'#include <cstdio>\n#include "steel/params.h"\nint main() {{\n{calls}}}\n')
+    exe = tmp_path / "prefill"
+    subprocess.run([build.CXX, "-std=c++17", f"-I{root / 'shaders'}", str(src), "-o", str(exe)],
+                   check=True)  # fmt: skip
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    chosen = set()
+    for (de, dv, es), line in zip(cases, out, strict=False):
+        tg_bytes, v_f32, resident_f32, resident_t = (int(x) for x in line.split())
+        assert timing._attn_prefill_threadgroup_bytes(de, dv, es) == tg_bytes, (de, dv, es)
+        if v_f32:
+            assert es == 2 and resident_f32 >= resident_t, (de, dv, es)
+            assert tg_bytes == timing._attn_prefill_layout(de, dv, es, 4)[0], (de, dv, es)
+            chosen.add((de, dv))
+        else:
+            assert tg_bytes == timing._attn_prefill_layout(de, dv, es, es)[0], (de, dv, es)
+    assert (64, 64) in chosen and (128, 128) not in chosen
 
 
 # The backward kernels' head-dim pairs and element sizes (attention_backward.metal: the
@@ -332,9 +377,10 @@ def test_predict_runs_a_steel_attention_call_end_to_end():
     (d,) = r["dispatches"]
     assert d["kernel"] == "steel_attention_f16_e64_v64"
     assert r["time_s"] == pytest.approx(d["time_s"]) and r["bound"] == d["bound"] in timing.BOUNDS
-    # The forward's static threadgroup memory: BK 32 rows padded to E + 8, which K and V take in
-    # turn (the f16 d64 prefill shares one buffer: params.h steel_attn_prefill_shared_kv).
-    assert d["occupancy"]["threadgroup_memory"] == 32 * (64 + 8) * 2
+    # The forward's static threadgroup memory: BK 32 rows, which K (in f16, padded to E + 8)
+    # and V (in fp32, padded to Ev + 4) take in turn (the f16 d64 prefill shares one buffer and
+    # stages V in fp32: params.h steel_attn_prefill_shared_kv, steel_attn_prefill_v_f32).
+    assert d["occupancy"]["threadgroup_memory"] == 32 * (64 + 4) * 4
     # 2 query blocks of 32 rows x 2 heads; 33 rows -> ceil(33 / 32) = 2 blocks.
     assert d["occupancy"]["threadgroups"] == 4
     # Its MMAs (2 key tiles x (QK^T and PV) per block) are costed at the rate of their operands:

@@ -247,19 +247,32 @@ def _attn_prefill_registers(de: int, dv: int, elem: int) -> int:
     return (2 if elem == 4 else 1) * td + 2 * (tv + tk + 1) + _BASE_REGISTERS
 
 
-def _attn_prefill_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
-    """steel_attn_prefill_threadgroup_bytes of shaders/steel/params.h: the prefill's K and V
-    tiles, one shared buffer wherever that lets more threadgroups reside on a core (at the same
-    key tile) than separate tiles do (steel_attn_prefill_shared_kv; residency as
-    _attn_residency counts it)."""
-    bk, ldk, ldv = _attn_bk(de, dv, elem), _attn_ld(de, elem), _attn_ld(dv, elem)
-    shared, separate = bk * max(ldk, ldv) * elem, bk * (ldk + ldv) * elem
+def _attn_prefill_layout(de: int, dv: int, elem: int, v_elem: int) -> tuple[int, int]:
+    """(bytes, threadgroups a core) of the prefill's K and V tiles with V in v_elem-byte
+    elements, shared wherever that lets more threadgroups reside (steel_attn_prefill_shared_as
+    of shaders/steel/params.h)."""
+    bk = _attn_bk(de, dv, elem)
+    k, v = bk * _attn_ld(de, elem) * elem, bk * _attn_ld(dv, v_elem) * v_elem
     regs = _attn_prefill_registers(de, dv, elem)
+    shared, separate = max(k, v), k + v
     if _attn_shared(de, dv, elem) or _attn_residency(shared, regs) > _attn_residency(
         separate, regs
     ):
-        return shared
-    return separate
+        return shared, _attn_residency(shared, regs)
+    return separate, _attn_residency(separate, regs)
+
+
+def _attn_prefill_threadgroup_bytes(de: int, dv: int, elem: int) -> int:
+    """steel_attn_prefill_threadgroup_bytes of shaders/steel/params.h: the prefill's K and V
+    tiles, one shared buffer wherever that lets more threadgroups reside on a core (at the same
+    key tile) than separate tiles do, V in fp32 for 16-bit inputs wherever that keeps as many
+    threadgroups resident within the threadgroup-memory budget (steel_attn_prefill_v_f32)."""
+    as_t = _attn_prefill_layout(de, dv, elem, elem)
+    if elem < 4:
+        as_f32 = _attn_prefill_layout(de, dv, elem, 4)
+        if as_f32[0] <= _TG_BUDGET and as_f32[1] >= as_t[1]:
+            return as_f32[0]
+    return as_t[0]
 
 
 # The matmul2d backward (shaders/steel/attn_tensor/backward_tensor.h): 128 threads, key tiles of

@@ -69,22 +69,28 @@ template <short kLd>
 inline short attn_b_offset(ushort lane) { return frag_row(lane) * kLd + frag_col(lane); }
 
 // Tile sizes of the kernel for head dims DE (q, k) and DV (v, out); params.h has the rules.
-// kPrefill: the prefill forward's K/V buffer (steel_attn_prefill_shared_kv), else the decode
-// kernels' (steel_attn_shared_kv). BK is the same for both.
+// kPrefill: the prefill forward's K/V buffer (steel_attn_prefill_shared_kv), with V in fp32 where
+// steel_attn_prefill_v_f32 says (VT), else the decode kernels' (steel_attn_shared_kv, V in T).
+// BK is the same for both.
 template <typename T, short DE, short DV, bool kPrefill = false>
 struct AttnForward {
   static constant constexpr short BQ = STEEL_ATTN_BQ;
   static constant constexpr short kThreads = 32 * STEEL_ATTN_SIMDGROUPS;
   static constant constexpr short BK = short(steel_attn_bk(DE, DV, int(sizeof(T))));
+  static constant constexpr bool kVF32 =
+      kPrefill && steel_attn_prefill_v_f32(DE, DV, int(sizeof(T)));
+  using VT = conditional_t<kVF32, float, T>;  // the V tile's elements
   static constant constexpr bool kShared =
       kPrefill ? steel_attn_prefill_shared_kv(DE, DV, int(sizeof(T)))
                : steel_attn_shared_kv(DE, DV, int(sizeof(T)));
   static constant constexpr short kLdK = short(steel_attn_ld(DE, int(sizeof(T))));
-  static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(T))));
+  static constant constexpr short kLdV = short(steel_attn_ld(DV, int(sizeof(VT))));
   static constant constexpr int kKElems = BK * kLdK;
-  static constant constexpr int kVElems = BK * kLdV;
-  static constant constexpr int kTileElems =
-      kShared ? (kKElems > kVElems ? kKElems : kVElems) : kKElems + kVElems;
+  static constant constexpr int kVElems = BK * kLdV;  // of VT
+  static constant constexpr int kKBytes = kKElems * int(sizeof(T));
+  static constant constexpr int kVBytes = kVElems * int(sizeof(VT));
+  static constant constexpr int kTileElems =  // of T
+      (kShared ? (kKBytes > kVBytes ? kKBytes : kVBytes) : kKBytes + kVBytes) / int(sizeof(T));
   static constant constexpr short TD = DE / 8;  // Q fragments per row block
   static constant constexpr short TV = DV / 8;  // O fragments
   static constant constexpr short TK = BK / 8;  // score fragments per key tile
@@ -94,18 +100,23 @@ struct AttnForward {
                               : steel_attn_threadgroup_bytes(DE, DV, int(sizeof(T)))),
                 "the planner's threadgroup-memory figure must match the kernel's");
   // The V tile follows the K tile: keep it 16-byte aligned for the loader's chunk stores.
-  static_assert(kKElems * int(sizeof(T)) % 16 == 0, "V tile alignment");
+  static_assert(kKBytes % 16 == 0, "V tile alignment");
 
   using LoaderK = AttnTileLoader<T, BK, DE, kLdK, kThreads>;
-  using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads>;
+  using LoaderV = AttnTileLoader<T, BK, DV, kLdV, kThreads, VT>;
+
+  // The V tile in the buffer that holds the K tile at `smem`.
+  static threadgroup VT* v_tile(threadgroup T* smem) {
+    return (threadgroup VT*)(kShared ? smem : smem + kKElems);
+  }
 
   // STEEL_ATTN_FC_KV_ALIAS: v is the first Ev columns of k's rows, so the V tile is the K tile
   // (its first DV columns, rows kLdK apart). Only where those columns lie within the K tile's
   // rows; the planner sets the constant only then (attn::kv_alias).
   static constant constexpr bool kCanAlias = DV <= DE;
   static bool alias() { return kCanAlias && attn_kv_alias; }
-  // O += P V, V from its own tile or from the K tile: `Vb` is the lane's element of fragment
-  // (0, 0) of that tile (attn_b_offset).
+  // The decode kernels' O += P V (their V tile is in T), V from its own tile or from the K
+  // tile: `Vb` is the lane's element of fragment (0, 0) of that tile (attn_b_offset).
   static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
                      const threadgroup T* Vb);
   static void mma_pv(thread FragTile<1, TV>& o, thread const FragTile<1, TK>& s,
@@ -143,8 +154,8 @@ struct AttnQuantKv {
   AttnKvRows scale_rows;
   AttnQuantFormat f;
 
-  template <typename T, short kRows, short kCols, short kLd, short kThreads>
-  void load(threadgroup T* dst, int key0, short valid_rows, short valid_cols, bool vec,
+  template <typename T, short kRows, short kCols, short kLd, short kThreads, typename TD = T>
+  void load(threadgroup TD* dst, int key0, short valid_rows, short valid_cols, bool vec,
             ushort thread_index) const {
     AttnKvRows r = rows, sr = scale_rows;
     const device uchar* c = codes;
@@ -159,8 +170,8 @@ struct AttnQuantKv {
       s += bytes;
       m += bytes;
     }
-    AttnQuantTileLoader<T, kRows, kCols, kLd, kThreads>::load(dst, c, r, s, m, sr, valid_rows,
-                                                             valid_cols, f, vec, thread_index);
+    AttnQuantTileLoader<T, kRows, kCols, kLd, kThreads, TD>::load(dst, c, r, s, m, sr, valid_rows,
+                                                                 valid_cols, f, vec, thread_index);
   }
 };
 
@@ -263,7 +274,8 @@ inline void attn_mma_b_at(thread FragTile<1, TC>& acc, thread const FragTile<1, 
 // simdgroup's 260 conversions per key tile; V's fragments took another 128) and with Q in
 // half the registers.
 // The probabilities stay fp32 (rounding them to T would add its roundoff to every weight), so
-// the V fragments are widened, each read as one 2-element load.
+// the V fragments are fp32: widened as the loader stores the tile where the prefill's tile
+// bytes allow (AttnForward::VT), else each read as one 2-element load and widened.
 template <typename T, short N>
 struct AttnOperandRow {
   simdgroup_matrix<T, 8, 8> frag[N];
@@ -312,7 +324,8 @@ inline void attn_mma_bt_operands(thread FragTile<1, TC>& acc,
 
 // acc[n] += a[j] * tile as attn_mma_b_at, each lane's two elements of a tile fragment read as
 // one 2-element load (adjacent: frag_col and every fragment offset are even, the rows 16-byte
-// aligned, so the load is aligned to its size) and widened to fp32.
+// aligned, so the load is aligned to its size) and widened to fp32 (a tile of T); a tile
+// already in fp32 (the prefill's V where steel_attn_prefill_v_f32) is read as it lies.
 template <typename T, short kLd, short TA, short TC>
 inline void attn_mma_b_pairs(thread FragTile<1, TC>& acc, thread const FragTile<1, TA>& a,
                              const threadgroup T* base) {
@@ -513,7 +526,7 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   attn_key_tiles(p, ext, row0, last_row, A::BK, t_begin, t_end);
 
   threadgroup T* Ks = smem;
-  threadgroup T* Vs = A::kShared ? smem : smem + A::kKElems;
+  threadgroup typename A::VT* Vs = A::v_tile(smem);
   const ushort thread_index = simdgroup * 32 + lane;
   const steel_i64 mask_row = span.m + h * p.m_hs + row * p.m_rs;
 
@@ -528,8 +541,10 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
   if (attn_has_hi) {
     sg_key_end = min(sg_key_end, row0 + int(simdgroup) * 8 + 7 + ext.shift + p.hi_off + 1);
   }
-  const threadgroup T* Kb = Ks + attn_bt_offset<A::kLdK>(lane);  // the lane's fragment bases
-  const threadgroup T* Vb = A::pv_tile(Ks, Vs) + A::pv_offset(lane);
+  // The lane's fragment bases: K's for Q K^T, V's, and K's for P V when V is K's prefix.
+  const threadgroup T* Kb = Ks + attn_bt_offset<A::kLdK>(lane);
+  const threadgroup typename A::VT* Vb = Vs + attn_b_offset<A::kLdV>(lane);
+  const threadgroup T* Kv = Ks + attn_b_offset<A::kLdK>(lane);
   const typename A::LoaderK::Place k_place = A::LoaderK::whole_place(k_rs, thread_index);
   const typename A::LoaderV::Place v_place = A::LoaderV::whole_place(v_rs, thread_index);
   for (int t = t_begin; t < t_end; ++t) {
@@ -547,8 +562,8 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     }
     if (!A::kShared && !A::alias()) {
       if (attn_quant) {
-        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
-                                                    thread_index);
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads, typename A::VT>(Vs, key0, valid, Ev,
+                                                                     attn_vec_v, thread_index);
       } else {
         A::LoaderV::load_tile(Vs, v + key0 * v_rs, v_rs, v_place, valid, Ev, whole && attn_align_ev,
                               attn_vec_v, thread_index);
@@ -594,8 +609,8 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     if (A::kShared && !A::alias()) {  // V takes K's place once every simdgroup has its scores
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (attn_quant) {
-        vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
-                                                    thread_index);
+        vq.load<T, A::BK, DV, A::kLdV, A::kThreads, typename A::VT>(Vs, key0, valid, Ev,
+                                                                     attn_vec_v, thread_index);
       } else {
         A::LoaderV::load_tile(Vs, v + key0 * v_rs, v_rs, v_place, valid, Ev, whole && attn_align_ev,
                               attn_vec_v, thread_index);
@@ -606,14 +621,14 @@ inline void attention_forward_block(const device T* q, const device T* k, const 
     // O += P V: the probabilities are already in the A-operand layout of a fragment.
     if (edge) {
       if (A::alias()) {
-        attn_mma_b_pairs_upto<T, A::kLdK>(o, s, Vb, frags);
+        attn_mma_b_pairs_upto<T, A::kLdK>(o, s, Kv, frags);
       } else {
-        attn_mma_b_pairs_upto<T, A::kLdV>(o, s, Vb, frags);
+        attn_mma_b_pairs_upto<typename A::VT, A::kLdV>(o, s, Vb, frags);
       }
     } else if (A::alias()) {
-      attn_mma_b_pairs<T, A::kLdK>(o, s, Vb);
+      attn_mma_b_pairs<T, A::kLdK>(o, s, Kv);
     } else {
-      attn_mma_b_pairs<T, A::kLdV>(o, s, Vb);
+      attn_mma_b_pairs<typename A::VT, A::kLdV>(o, s, Vb);
     }
   }
 

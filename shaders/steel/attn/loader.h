@@ -50,45 +50,67 @@ inline AttnKvRows attn_dense_rows(steel_i64 ld) {
   return rows;
 }
 
-template <typename T, short kRows, short kCols, short kLd, short kThreads>
+// One 16-byte chunk of T moved from device to threadgroup memory as one access each way
+// (both 16-byte aligned); into a tile of float (TD), one load, widened and stored as two
+// 16-byte halves.
+template <typename T, typename TD, bool kWiden = !is_same<T, TD>::value>
+struct AttnChunk {
+  static void move(threadgroup TD* d, const device T* s) {
+    *((threadgroup uint4*)d) = *((const device uint4*)s);
+  }
+};
+template <typename T, typename TD>
+struct AttnChunk<T, TD, true> {
+  static_assert(sizeof(T) == 2 && is_same<TD, float>::value, "a float tile of a 16-bit operand");
+  static void move(threadgroup float* d, const device T* s) {
+    using T4 = vec<T, 4>;
+    const uint4 w = *((const device uint4*)s);
+    ((threadgroup float4*)d)[0] = float4(as_type<T4>(w.xy));
+    ((threadgroup float4*)d)[1] = float4(as_type<T4>(w.zw));
+  }
+};
+
+// The tile holds TD: T, or float for the prefill's V tile of a 16-bit operand (forward.h,
+// AttnForward::VT), each element widened as it is stored (AttnChunk).
+template <typename T, short kRows, short kCols, short kLd, short kThreads, typename TD = T>
 struct AttnTileLoader {
   static constant constexpr short kVec = short(16 / sizeof(T));
   static constant constexpr short kChunksPerRow = kCols / kVec;
   static constant constexpr short kChunks = kRows * kChunksPerRow;
   static_assert(kCols % kVec == 0, "head dims are multiples of 8");
-  static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
-  using Chunk = typename Bits<16>::type;
+  static_assert(kLd * sizeof(TD) % 16 == 0, "padded rows keep 16-byte chunk alignment");
+  using Chunk = AttnChunk<T, TD>;
 
   // `vec`: every row start of the operand is 16-byte aligned (STEEL_ATTN_FC_VEC_K/V), so a whole
   // chunk moves as one access. `full`: the tile has no ragged edge (compile-time true on aligned
   // launches), so no element is checked. `src` is the row base of `rows`.
-  static void load(threadgroup T* dst, const device T* src, AttnKvRows rows, short valid_rows,
+  static void load(threadgroup TD* dst, const device T* src, AttnKvRows rows, short valid_rows,
                    short valid_cols, bool full, bool vec, ushort thread_index) {
     for (short c = short(thread_index); c < kChunks; c += kThreads) {
       const short r = c / kChunksPerRow;
       const short col = (c - r * kChunksPerRow) * kVec;
-      threadgroup T* d = dst + r * kLd + col;
+      threadgroup TD* d = dst + r * kLd + col;
       if (full || (r < valid_rows && col + kVec <= valid_cols)) {
         const device T* s = src + rows.at(r) + col;
         if (vec) {
-          *((threadgroup Chunk*)d) = *((const device Chunk*)s);
+          Chunk::move(d, s);
         } else {
 #pragma clang loop unroll(full)
-          for (short j = 0; j < kVec; ++j) d[j] = s[j];
+          for (short j = 0; j < kVec; ++j) d[j] = TD(s[j]);
         }
       } else if (r < valid_rows) {
         const device T* s = src + rows.at(r) + col;
 #pragma clang loop unroll(full)
-        for (short j = 0; j < kVec; ++j) d[j] = col + j < valid_cols ? s[j] : T(0);
+        for (short j = 0; j < kVec; ++j) d[j] = col + j < valid_cols ? TD(s[j]) : TD(0);
       } else {
 #pragma clang loop unroll(full)
-        for (short j = 0; j < kVec; ++j) d[j] = T(0);
+        for (short j = 0; j < kVec; ++j) d[j] = TD(0);
       }
     }
   }
 
   // Rows `src_ld` apart (dense and varlen operands).
-  static void load(threadgroup T* dst, const device T* src, steel_i64 src_ld, short valid_rows,
+  static void load(threadgroup TD* dst, const device T* src, steel_i64 src_ld, short valid_rows,
                    short valid_cols, bool full, bool vec, ushort thread_index) {
     load(dst, src, attn_dense_rows(src_ld), valid_rows, valid_cols, full, vec, thread_index);
   }
@@ -120,24 +142,24 @@ struct AttnTileLoader {
   }
 
   // `src`: the tile's first row (as load()'s).
-  static void load_whole(threadgroup T* dst, const device T* src, steel_i64 src_ld, Place w,
+  static void load_whole(threadgroup TD* dst, const device T* src, steel_i64 src_ld, Place w,
                          bool vec, ushort thread_index) {
     if (!kColumns) {
       load(dst, src, src_ld, kRows, kCols, true, vec, thread_index);
       return;
     }
-    threadgroup T* d = dst + w.dst;
+    threadgroup TD* d = dst + w.dst;
     const device T* s = src + w.src;
 #pragma clang loop unroll(full)
     for (short i = 0; i < kPer; ++i) {
       // Only when the chunks do not divide among the threads: the last round's spare threads.
       if (kChunks % kThreads == 0 || w.r + i * kStep < kRows) {
-        threadgroup T* di = d + i * kStep * kLd;
+        threadgroup TD* di = d + i * kStep * kLd;
         if (vec) {
-          *((threadgroup Chunk*)di) = *((const device Chunk*)s);
+          Chunk::move(di, s);
         } else {
 #pragma clang loop unroll(full)
-          for (short j = 0; j < kVec; ++j) di[j] = s[j];
+          for (short j = 0; j < kVec; ++j) di[j] = TD(s[j]);
         }
       }
       if (i + 1 < kPer) s += w.step;
@@ -145,7 +167,7 @@ struct AttnTileLoader {
   }
 
   // load() of dense rows, through load_whole() when `full`.
-  static void load_tile(threadgroup T* dst, const device T* src, steel_i64 src_ld, Place w,
+  static void load_tile(threadgroup TD* dst, const device T* src, steel_i64 src_ld, Place w,
                         short valid_rows, short valid_cols, bool full, bool vec,
                         ushort thread_index) {
     if (full) {
@@ -219,7 +241,8 @@ struct AttnDequant4<half, half> {
 };
 
 // AttnTileLoader's tile, dequantized on the way in: the tile in threadgroup memory holds the
-// compute dtype T, so everything after the load is the unquantized path's.
+// compute dtype T (or, as TD = float, T's values widened: the prefill's V tile), so everything
+// after the load is the unquantized path's.
 //
 // The work unit is one 16-byte chunk of codes (16 int8 or 32 4-bit values), consecutive
 // threads along a row as in AttnTileLoader, so all 128 threads take part whatever the format.
@@ -231,9 +254,9 @@ struct AttnDequant4<half, half> {
 // the scales). A code is converted once, straight into the type the value is computed in, and
 // the value rounded once into T (no step through float where T and the scales are half).
 // Columns past `valid_cols` and rows past `valid_rows` are zeros, as in AttnTileLoader.
-template <typename T, short kRows, short kCols, short kLd, short kThreads>
+template <typename T, short kRows, short kCols, short kLd, short kThreads, typename TD = T>
 struct AttnQuantTileLoader {
-  static_assert(kLd * sizeof(T) % 16 == 0, "padded rows keep 16-byte chunk alignment");
+  static_assert(kLd * sizeof(TD) % 16 == 0, "padded rows keep 16-byte chunk alignment");
   static_assert(kCols % 8 == 0, "head dims are multiples of 8");
   // A row's units (below) are at most 128 for head dims up to 576: a pass covers whole rows.
   static_assert(kThreads >= 128 && kThreads % 32 == 0 && kCols <= 576, "a pass: whole rows");
@@ -248,43 +271,48 @@ struct AttnQuantTileLoader {
   static vec<T, 4> int8x4(uint codes, C s) {
     return vec<T, 4>(vec<C, 4>(as_type<char4>(codes)) * s);
   }
+  // Eight values rounded into T, stored as TD (a float tile takes them widened: the values are
+  // the T tile's).
+  static void store8(threadgroup TD* d, vec<T, 4> a, vec<T, 4> b) {
+    AttnStore8<TD>::store(d, vec<TD, 4>(a), vec<TD, 4>(b));
+  }
   // A whole chunk `w` (16 int8 or 32 4-bit values) into d (16-byte aligned: a multiple of 16
   // values into a 16-byte aligned row), in 16-byte stores.
   template <typename C, short kBits>
-  static void whole(threadgroup T* d, uint4 w, C s, C m) {
+  static void whole(threadgroup TD* d, uint4 w, C s, C m) {
     if (kBits == 8) {
-      AttnStore8<T>::store(d, int8x4<C>(w.x, s), int8x4<C>(w.y, s));
-      AttnStore8<T>::store(d + 8, int8x4<C>(w.z, s), int8x4<C>(w.w, s));
+      store8(d, int8x4<C>(w.x, s), int8x4<C>(w.y, s));
+      store8(d + 8, int8x4<C>(w.z, s), int8x4<C>(w.w, s));
       return;
     }
 #pragma clang loop unroll(full)
     for (short i = 0; i < 4; ++i) {  // word i: values 8i .. 8i + 7
       vec<T, 4> a, b;
       AttnDequant4<T, C>::eight(w[i], s, m, a, b);
-      AttnStore8<T>::store(d + 8 * i, a, b);
+      store8(d + 8 * i, a, b);
     }
   }
 
   // Values [0, n) of a chunk whose first `valid` ones are codes (the rest zeros): a head dim's
   // ragged edge. Element by element, bounded.
   template <typename C, short kBits>
-  static void ragged(threadgroup T* d, uint4 w, short n, short valid, C s, C m) {
+  static void ragged(threadgroup TD* d, uint4 w, short n, short valid, C s, C m) {
 #pragma clang loop unroll(full)
     for (short j = 0; j < 16; ++j) {
       const uint b = attn_chunk_byte(w, j);
       if (kBits == 8) {
         const C x = C(as_type<char>(uchar(b))) * s;
-        if (j < n) d[j] = j < valid ? T(x) : T(0);
+        if (j < n) d[j] = j < valid ? TD(T(x)) : TD(0);
       } else {
         const C x0 = fma(C(b & 0xFu), s, m), x1 = fma(C(b >> 4), s, m);
-        if (2 * j < n) d[2 * j] = 2 * j < valid ? T(x0) : T(0);
-        if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? T(x1) : T(0);
+        if (2 * j < n) d[2 * j] = 2 * j < valid ? TD(T(x0)) : TD(0);
+        if (2 * j + 1 < n) d[2 * j + 1] = 2 * j + 1 < valid ? TD(T(x1)) : TD(0);
       }
     }
   }
 
   // `vec`: every code row start is 16-byte aligned, so a whole chunk is one access.
-  static void load(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+  static void load(threadgroup TD* dst, const device uchar* src, AttnKvRows rows,
                    const device uchar* scales, const device uchar* mins, AttnKvRows scale_rows,
                    short valid_rows, short valid_cols, AttnQuantFormat f, bool vec,
                    ushort thread_index) {
@@ -301,7 +329,7 @@ struct AttnQuantTileLoader {
   }
 
   template <bool kPaged>
-  static void load_as_bits(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+  static void load_as_bits(threadgroup TD* dst, const device uchar* src, AttnKvRows rows,
                            const device uchar* scales, const device uchar* mins,
                            AttnKvRows scale_rows, short valid_rows, short valid_cols,
                            AttnQuantFormat f, bool vec, ushort thread_index) {
@@ -323,7 +351,7 @@ struct AttnQuantTileLoader {
 
   // C: the type values are computed in; S: the scales' and mins' type.
   template <typename C, typename S, short kBits, bool kPaged>
-  static void load_as(threadgroup T* dst, const device uchar* src, AttnKvRows rows,
+  static void load_as(threadgroup TD* dst, const device uchar* src, AttnKvRows rows,
                       const device uchar* scales, const device uchar* mins,
                       AttnKvRows scale_rows, int valid_rows, int valid_cols, int group, bool vec,
                       ushort thread_index) {
@@ -353,7 +381,7 @@ struct AttnQuantTileLoader {
       code += row0 * rows.ld;
       scale_at += row0 * scale_rows.ld;
     }
-    threadgroup T* d = dst + row0 * kLd + k0 * kPer;
+    threadgroup TD* d = dst + row0 * kLd + k0 * kPer;
     // Every thread takes every pass, so each group's lanes shuffle together.
     for (int pass = 0; pass < passes; ++pass) {
       const int r = row0 + pass * rows_per_pass;
@@ -394,11 +422,11 @@ struct AttnQuantTileLoader {
 
   // One chunk: `n` tile columns at d, of which the first `valid` are the codes at p.
   template <typename C, short kBits>
-  static void chunk(threadgroup T* d, const device uchar* p, int n, int valid, bool vec, C s,
+  static void chunk(threadgroup TD* d, const device uchar* p, int n, int valid, bool vec, C s,
                     C m) {
     constexpr int kPer = kBits == 8 ? 16 : 32;
     if (valid == 0) {  // nothing of it is read
-      for (int e = 0; e < n; e += 8) AttnStore8<T>::store(d + e, vec<T, 4>(0), vec<T, 4>(0));
+      for (int e = 0; e < n; e += 8) AttnStore8<TD>::store(d + e, vec<TD, 4>(0), vec<TD, 4>(0));
       return;
     }
     uint4 w = uint4(0);
