@@ -22,7 +22,7 @@ def run(name, **kw):
 
 def test_vector_bool_converts_to_one():
     x = torch.tensor([1.0, -2.0, 0.0, 3.0])
-    out = torch.zeros(16)
+    out = torch.zeros(20)
     iout = torch.zeros(4, dtype=torch.int32)
     run("lang_bool_vector_to_number", grid=(1,), threads=(1,), buffers={0: x, 1: out, 2: iout})
     assert out[0:4].tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -30,6 +30,7 @@ def test_vector_bool_converts_to_one():
     assert iout.tolist() == [1, 0, 0, 1]
     assert out[8:12].tolist() == [0.0, 1.0, 1.0, 0.0]
     assert out[12:16].tolist() == [-1.0] * 4
+    assert out[16:20].tolist() == x.tolist()  # through half and its bits, all exact
 
 
 def test_fract_of_half_stays_below_one():

@@ -355,6 +355,16 @@ template <typename T> float deduce(const device T& x) { return use(*x, x) + dedu
         ("x = static_cast<float2>(h);", "x = ::steel_shim::vmake<float2>(h);"),
         ("x = static_cast<vec<T, 4>>(h);", "x = ::steel_shim::vmake<metal::vec < T , 4 >>(h);"),
         ("x = static_cast<float>(h);", "x = static_cast<float>(h);"),
+        # `>>` closing two template argument lists is no shift: the commas inside them do not
+        # split the constructor's arguments, and no argument is taken for a comparison.
+        (
+            "x = float4(as_type<vec<T, 4>>(w.xy));",
+            "x = ::steel_shim::vmake<float4>(as_type<vec<T, 4>>(w.xy));",
+        ),
+        (
+            "x = float4(a < (b >> 2));",
+            "x = ::steel_shim::vmake<float4>( ::steel_shim::mask01(a < (b >> 2)));",
+        ),
         (
             "void f() { float4 y; } float4 g(float4 v);",
             "void f() { float4 y; } float4 g(float4 v);",

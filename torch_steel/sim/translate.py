@@ -511,6 +511,21 @@ class _Translator:
         return j
 
     @staticmethod
+    def closes_nested_templates(r: _Rewriter, a: int, b: int) -> bool:
+        """Whether tokens a..b-1 hold a `>>` that closes two template argument lists, each opened
+        by a lone `<` after a name, before the call or braces of the innermost
+        (`as_type<vec<T, 4>>(w)`): C++11 reads it as two closing brackets, not a shift."""
+        opened = 0
+        for k in range(a, b):
+            t, nxt = r.t(k), r.t(k + 1) if r.sig[k + 1] == r.sig[k] + 1 else ""
+            prev_joined = k > a and r.sig[k] == r.sig[k - 1] + 1 and r.t(k - 1) == t
+            if t == "<" and nxt not in ("<", "=") and not prev_joined and r.kind(k - 1) == "ident":
+                opened += 1
+            elif t == ">" and nxt == ">" and opened >= 2 and r.t(k + 2) in ("(", "{", "::"):
+                return True
+        return False
+
+    @staticmethod
     def comparison_arguments(r: _Rewriter, paren: int) -> None:
         """Marks the arguments of a vector constructor at `paren` that are comparisons.
 
@@ -561,7 +576,7 @@ class _Translator:
             and not (adjacent(k) and r.t(k + 1) in ("=", r.t(k)))
             and not (adjacent(k - 1) and r.t(k - 1) == r.t(k))
         }
-        if lone == {"<", ">"}:
+        if lone == {"<", ">"} or _Translator.closes_nested_templates(r, paren + 1, close):
             return  # template arguments somewhere: commas do not separate arguments reliably
         for k in range(paren + 1, close + 1):
             t = r.t(k)

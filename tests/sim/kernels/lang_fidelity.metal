@@ -12,6 +12,9 @@ kernel void lang_bool_vector_to_number(const device float4* x [[buffer(0)]],
   iout[0] = int4(x[0] >= 0.5f);
   out[2] = float4(half4(x[0]) < half4(0.5h));
   out[3] = float4(int4(-1));  // a genuine int4 keeps its value
+  // `>>` closing two template argument lists is no shift, and its comma splits no argument.
+  const uint2 bits = as_type<uint2>(half4(x[0]));
+  out[4] = float4(as_type<vec<half, 4>>(bits));
 }
 
 // fract in half: the clamp to the largest half below 1 comes after rounding.
