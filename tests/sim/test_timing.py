@@ -280,30 +280,40 @@ PREFILL_PAIRS = [(d, d) for d in (32, 40, 64, 72, 80, 96, 128, 160, 192, 256, 51
 ]
 
 
+def _ask_params_h(tmp_path, cases, exprs) -> list[list[int]]:
+    """params.h compiled as C++17 and asked: for each case (de, dv, es), the ints that the
+    format strings `exprs` name ({de}, {dv}, {es} filled in), one list a case."""
+    root = Path(__file__).resolve().parents[2]
+    calls = "".join(
+        f'  std::printf("{" ".join(["%d"] * len(exprs))}\\n", '
+        + ", ".join(e.format(de=de, dv=dv, es=es) for e in exprs)
+        + ");\n"
+        for de, dv, es in cases
+    )
+    src = tmp_path / "ask.cpp"
+    src.write_text(f'#include <cstdio>\n#include "steel/params.h"\nint main() {{\n{calls}}}\n')
+    exe = tmp_path / "ask"
+    subprocess.run([build.CXX, "-std=c++17", f"-I{root / 'shaders'}", str(src), "-o", str(exe)],
+                   check=True)  # fmt: skip
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return [[int(x) for x in line.split()] for line in out.splitlines()]
+
+
 @requires_clang
 def test_prefill_tiles_are_params_hs(tmp_path):
     """params.h's prefill tile rules, compiled and asked, against timing's mirror for every
     instantiated pair and element size: the buffer's bytes, and V's tile in fp32
     (steel_attn_prefill_v_f32) only for 16-bit inputs and never at the cost of a resident
     threadgroup (it is chosen at f16 d64, where it saves the four simdgroups' widening)."""
-    root = Path(__file__).resolve().parents[2]
     cases = [(de, dv, es) for de, dv in PREFILL_PAIRS for es in (2, 4)]
-    calls = "".join(
-        f'  std::printf("%d %d %d %d\\n", steel_attn_prefill_threadgroup_bytes({de}, {dv}, {es}), '
-        f"steel_attn_prefill_v_f32({de}, {dv}, {es}), "
-        f"steel_attn_prefill_residency_as({de}, {dv}, {es}, 4), "
-        f"steel_attn_prefill_residency_as({de}, {dv}, {es}, {es}));\n"
-        for de, dv, es in cases
-    )
-    src = tmp_path / "prefill.cpp"
-    src.write_text(f'#include <cstdio>\n#include "steel/params.h"\nint main() {{\n{calls}}}\n')
-    exe = tmp_path / "prefill"
-    subprocess.run([build.CXX, "-std=c++17", f"-I{root / 'shaders'}", str(src), "-o", str(exe)],
-                   check=True)  # fmt: skip
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    out = _ask_params_h(tmp_path, cases, [
+        "steel_attn_prefill_threadgroup_bytes({de}, {dv}, {es})",
+        "steel_attn_prefill_v_f32({de}, {dv}, {es})",
+        "steel_attn_prefill_residency_as({de}, {dv}, {es}, 4)",
+        "steel_attn_prefill_residency_as({de}, {dv}, {es}, {es})",
+    ])  # fmt: skip
     chosen = set()
-    for (de, dv, es), line in zip(cases, out, strict=False):
-        tg_bytes, v_f32, resident_f32, resident_t = (int(x) for x in line.split())
+    for (de, dv, es), (tg_bytes, v_f32, resident_f32, resident_t) in zip(cases, out, strict=True):
         assert timing._attn_prefill_threadgroup_bytes(de, dv, es) == tg_bytes, (de, dv, es)
         if v_f32:
             assert es == 2 and resident_f32 >= resident_t, (de, dv, es)
@@ -331,22 +341,14 @@ def test_backward_register_estimate_is_params_hs(tmp_path):
     backward's rows divide the forward's key tile (steel_attn_bk): the dQ and dmask kernels take
     the forward's STEEL_ATTN_FC_ALIGN_S (S a multiple of that tile) as "every key tile of mine
     is whole"."""
-    root = Path(__file__).resolve().parents[2]
     cases = [(de, dv, es) for de, dv in BWD_PAIRS for es in (2, 4)]
-    calls = "".join(
-        f'  std::printf("%d %d %d %d\\n", steel_attn_bwd_bk({de}, {dv}, {es}), '
-        f"steel_attn_bwd_dq_registers({de}, {dv}, {es}), steel_attn_bk({de}, {dv}, {es}), "
-        f"steel_attn_bwd_dkdv_registers(steel_attn_bwd_bk({de}, {dv}, {es}), {de}, {dv}, {es}));\n"
-        for de, dv, es in cases
-    )
-    src = tmp_path / "bwd.cpp"
-    src.write_text(f'#include <cstdio>\n#include "steel/params.h"\nint main() {{\n{calls}}}\n')
-    exe = tmp_path / "bwd"
-    subprocess.run([build.CXX, "-std=c++17", f"-I{root / 'shaders'}", str(src), "-o", str(exe)],
-                   check=True)  # fmt: skip
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
-    for (de, dv, es), line in zip(cases, out, strict=False):
-        bk, registers, forward_bk, dkdv = (int(x) for x in line.split())
+    out = _ask_params_h(tmp_path, cases, [
+        "steel_attn_bwd_bk({de}, {dv}, {es})",
+        "steel_attn_bwd_dq_registers({de}, {dv}, {es})",
+        "steel_attn_bk({de}, {dv}, {es})",
+        "steel_attn_bwd_dkdv_registers(steel_attn_bwd_bk({de}, {dv}, {es}), {de}, {dv}, {es})",
+    ])  # fmt: skip
+    for (de, dv, es), (bk, registers, forward_bk, dkdv) in zip(cases, out, strict=True):
         assert timing._attn_bwd_bk(de, dv, es) == bk, (de, dv, es)
         assert bk == 0 or forward_bk % bk == 0, (de, dv, es)
         if bk == 0:
