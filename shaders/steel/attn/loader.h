@@ -63,10 +63,9 @@ template <typename T, typename TD>
 struct AttnChunk<T, TD, true> {
   static_assert(sizeof(T) == 2 && is_same<TD, float>::value, "a float tile of a 16-bit operand");
   static void move(threadgroup float* d, const device T* s) {
-    using T4 = vec<T, 4>;
     const uint4 w = *((const device uint4*)s);
-    ((threadgroup float4*)d)[0] = float4(as_type<T4>(w.xy));
-    ((threadgroup float4*)d)[1] = float4(as_type<T4>(w.zw));
+    ((threadgroup float4*)d)[0] = float4(as_type<vec<T, 4>>(w.xy));
+    ((threadgroup float4*)d)[1] = float4(as_type<vec<T, 4>>(w.zw));
   }
 };
 
