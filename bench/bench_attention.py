@@ -672,8 +672,8 @@ def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
             add(BUF_K, "read", keys * p["E"] * es)
             if not alias:
                 add(BUF_V, "read", keys * p["Ev"] * es)
-            if paged:  # one table entry per 16-byte chunk loaded: no V chunks under the alias
-                add(BUF_TABLE, "read", keys * (de // vec + (0 if alias else dv // vec)) * 4)
+            if paged:  # each loading simdgroup's lanes read the K tile's rows' entries once
+                add(BUF_TABLE, "read", THREADS // 32 * keys * 4)  # (decode.h load_k; V shares)
             if d.constants[FC_MASK]:
                 add(BUF_MASK, "read", rows * keys * mask_es)
             if split:
@@ -703,9 +703,9 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
     entry or sequence. Every threadgroup of the partial kernel reads its rows' q (each split again,
     and in the vector kernel each key set again: q is small), the K and V rows of the key tiles
     of its partition that some row may see (bounded at S and the head dims), the mask of its
-    rows there, one block-table entry per 16-byte chunk it loads (paged), and writes out and lse
-    (one pass) or the fp32 partials; the merge reads each row's partials once. Every lane reads
-    the cu_seqlens / seqused_k entries and the sink it needs."""
+    rows there, one block-table entry per key tile row and loading simdgroup (paged), and writes
+    out and lse (one pass) or the fp32 partials; the merge reads each row's partials once. Every
+    lane reads the cu_seqlens / seqused_k entries and the sink it needs."""
     d = plan.dispatches[0]
     p = decode_params(d)
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])

@@ -286,6 +286,28 @@ def test_paged_cache(page_size, group, dtype):
     check_paged(q, k_pool, v_pool, lq, used, table, num_splits=1)
 
 
+@pytest.mark.parametrize(
+    "E,dtype,page_size,group",
+    [(40, torch.float16, 5, 1), (72, torch.bfloat16, 7, 4), (96, torch.float16, 3, 8),
+     (100, torch.float32, 3, 1), (40, torch.float32, 7, 4), (256, torch.float32, 5, 2)],
+    ids=str,
+)  # fmt: skip
+def test_paged_rows_across_simdgroups(E, dtype, page_size, group):
+    """The paged loader's shared table entries (loader.h load_paged: lane r of each loading
+    simdgroup finds where row r of the key tile lies, once a tile, and each 16-byte chunk takes
+    its row's place by a shuffle; decode.h's V tile reuses K's) where a row's chunks are no
+    power of two and rows straddle simdgroups (f16 d40: 5 chunks, bf16 d72: 9, f16 d96: 12,
+    f32 d40: 10, f32 d256: 64, two simdgroups a row), a head dim below the kernel's (f32 100 on
+    128), and pages of a few keys, so that a tile's rows lie in several pages."""
+    gen = torch.Generator().manual_seed(E + page_size)
+    lq, used = [1, 3, 1], [page_size * 9 + 2, 1, 75]
+    Hkv = 2
+    q = rand(sum(lq), Hkv * group, E, dtype=dtype, gen=gen)
+    k_pool, v_pool, table = paged_cache(used, page_size, Hkv, E, dtype, gen)
+    check_paged(q, k_pool, v_pool, lq, used, table, is_causal=True, causal_align="bottom_right")
+    check_paged(q, k_pool, v_pool, lq, used, table, num_splits=3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_options(num_splits):
     gen = torch.Generator().manual_seed(7)

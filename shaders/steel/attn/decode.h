@@ -86,6 +86,7 @@ struct AttnDecodeBlock {
   AttnExtent ext;
   steel_i64 m_off;
   AttnKvRows k_rows, v_rows;
+  int2 lane_slot;  // paged: the page and slot of row `lane` of the tile load_k loaded last
   const device T* k;
   const device T* v;
   AttnQuantKv kq, vq;
@@ -158,7 +159,8 @@ struct AttnDecodeBlock {
   }
 
   // K's key tile from key0 (`valid` of its rows, E columns) into Ks. Paged rows are found from
-  // the table; dense ones start key0 rows in (k_rows.ld: the row stride, read once into a
+  // the table, each lane reading its row's entry (lane_slot), which load_v reuses for the same
+  // tile's V rows; dense ones start key0 rows in (k_rows.ld: the row stride, read once into a
   // register, not from the constant buffer per tile).
   void load_k(threadgroup T* Ks, int key0, short valid, short E, bool whole,
               ushort thread_index) {
@@ -166,10 +168,15 @@ struct AttnDecodeBlock {
       kq.load<T, A::BK, DE, A::kLdK, A::kThreads>(Ks, key0, valid, E, attn_vec_k,
                                                           thread_index);
     } else {
-      k_rows.key0 = key0;
-      const steel_i64 start = attn_paged ? 0 : key0 * k_rows.ld;
-      A::LoaderK::load(Ks, k + start, k_rows, valid, E, whole && attn_align_e, attn_vec_k,
-                       thread_index);
+      if (attn_paged) {
+        k_rows.key0 = key0;
+        lane_slot = k_rows.slot(short(thread_index % 32), valid);
+        A::LoaderK::load_paged(Ks, k, k_rows, lane_slot, valid, E, whole && attn_align_e,
+                               attn_vec_k, thread_index);
+      } else {
+        A::LoaderK::load(Ks, k + key0 * k_rows.ld, k_rows, valid, E, whole && attn_align_e,
+                         attn_vec_k, thread_index);
+      }
     }
   }
 
@@ -179,10 +186,13 @@ struct AttnDecodeBlock {
       vq.load<T, A::BK, DV, A::kLdV, A::kThreads>(Vs, key0, valid, Ev, attn_vec_v,
                                                           thread_index);
     } else {
-      v_rows.key0 = key0;
-      const steel_i64 start = attn_paged ? 0 : key0 * v_rows.ld;
-      A::LoaderV::load(Vs, v + start, v_rows, valid, Ev, whole && attn_align_ev, attn_vec_v,
-                       thread_index);
+      if (attn_paged) {
+        A::LoaderV::load_paged(Vs, v, v_rows, lane_slot, valid, Ev, whole && attn_align_ev,
+                               attn_vec_v, thread_index);
+      } else {
+        A::LoaderV::load(Vs, v + key0 * v_rows.ld, v_rows, valid, Ev, whole && attn_align_ev,
+                         attn_vec_v, thread_index);
+      }
     }
   }
 };

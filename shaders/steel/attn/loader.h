@@ -1,7 +1,7 @@
 // AttnTileLoader: copies kRows x kCols of a row-major device operand (K or V rows) into
 // threadgroup memory rows of kLd elements, bounded on ragged edges. Where each row lies is an
-// AttnKvRows: rows a fixed stride apart (dense, varlen), or rows found through a paged KV
-// cache's block table (decode.h).
+// AttnKvRows: rows a fixed stride apart (dense, varlen: load), or rows found through a paged KV
+// cache's block table (decode.h: load_paged).
 //
 // The tile is cut into 16-byte chunks (8 half/bfloat or 4 float elements; head dims are
 // multiples of 8, so a row is whole chunks) and the threads of the threadgroup take chunks in
@@ -42,6 +42,19 @@ struct AttnKvRows {
   steel_i64 at(short r, int page) const {
     if (!paged) return steel_i64(r) * ld;
     return steel_i64(page) * page_stride + steel_i64((key0 + r) % page_size) * ld;
+  }
+
+  // Row r's page and slot in it (paged only; the table read only for r < valid_rows, else (0,
+  // 0)), and the offset of a row given them: AttnTileLoader::load_paged's lanes find one row
+  // each and share it. K and V rows share the table, so one (page, slot) serves both.
+  int2 slot(short r, short valid_rows) const {
+    if (r >= valid_rows) return int2(0);
+    const int key = key0 + r;
+    const int entry = key / page_size;
+    return int2(clamp(table[entry], 0, pages - 1), key - entry * page_size);
+  }
+  steel_i64 at(int2 slot) const {
+    return steel_i64(slot.x) * page_stride + steel_i64(slot.y) * ld;
   }
 };
 
@@ -99,6 +112,43 @@ struct AttnTileLoader {
         }
       } else if (r < valid_rows) {
         const device T* s = src + rows.at(r) + col;
+#pragma clang loop unroll(full)
+        for (short j = 0; j < kVec; ++j) d[j] = col + j < valid_cols ? TD(s[j]) : TD(0);
+      } else {
+#pragma clang loop unroll(full)
+        for (short j = 0; j < kVec; ++j) d[j] = TD(0);
+      }
+    }
+  }
+
+  // load() of a paged cache's rows. `lane_slot`: where row `lane` of the tile lies (its page
+  // and slot, AttnKvRows::slot; rows past the valid ones (0, 0)), found once a tile by each
+  // lane, so that each chunk takes its row's by a shuffle: the block table is read once a row
+  // and simdgroup, not once a chunk (at f16 head dim 128, 4 bytes for each 16-byte chunk: 25%
+  // more bytes), and no chunk divides by the page size. Every thread takes every round, so a
+  // simdgroup's lanes shuffle together.
+  static void load_paged(threadgroup TD* dst, const device T* src, AttnKvRows rows,
+                         int2 lane_slot, short valid_rows, short valid_cols, bool full, bool vec,
+                         ushort thread_index) {
+    static_assert(kRows <= 32, "row r's slot is lane r's");
+#pragma clang loop unroll(full)
+    for (short i = 0; i < kPer; ++i) {
+      const short c = short(thread_index) + i * kThreads;
+      const short r = c / kChunksPerRow;
+      const int2 slot = simd_shuffle(lane_slot, ushort(min(r, short(kRows - 1))));
+      if (c >= kChunks) continue;
+      const short col = (c - r * kChunksPerRow) * kVec;
+      threadgroup TD* d = dst + r * kLd + col;
+      if (full || (r < valid_rows && col + kVec <= valid_cols)) {
+        const device T* s = src + rows.at(slot) + col;
+        if (vec) {
+          Chunk::move(d, s);
+        } else {
+#pragma clang loop unroll(full)
+          for (short j = 0; j < kVec; ++j) d[j] = TD(s[j]);
+        }
+      } else if (r < valid_rows) {
+        const device T* s = src + rows.at(slot) + col;
 #pragma clang loop unroll(full)
         for (short j = 0; j < kVec; ++j) d[j] = col + j < valid_cols ? TD(s[j]) : TD(0);
       } else {
