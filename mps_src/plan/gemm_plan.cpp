@@ -84,10 +84,10 @@ constexpr int64_t kMinLargeBlocks = 128;
 // kLargeWaveFill of the core slots of their waves, blocks / (ceil(blocks / cores) * cores): a
 // 64x64 block does 4x a 32x32 block's work for 2x its operand bytes and half its fragment loads
 // per MMA, so when it leaves no core idle in its last wave it is the faster tile. The timing
-// model (f16, sim.predict, 32x32 then 64x64): 512^3 on M1 (8 cores, 64 blocks fill 100%) 272
-// and 216 us, M4 (10 cores, 91%) 188 and 171 us; 256x1024x1024 M1 447 and 392, M4 308 and 309
-// (a tie); on M4 Pro (20 cores, 80%) 512^3 107 and 101 us but 256x1024x1024 172 and 179 us,
-// so below 90% kSmall stays.
+// model (f16, sim.predict with gpu_cores pinned, 32x32 then kLarge's 8-simdgroup 64x64; at
+// 9bb6f72): 512^3 on M1 (8 cores, 64 blocks fill 100%) 170.4 and 151.8 us, M4 (10 cores, 91%)
+// 119.2 and 117.8; 256x1024x1024 M1 323.3 and 287.5, M4 223.3 and 221.1; at 80% kSmall wins:
+// M4 Pro (20 cores) 69.5 and 71.6, 126.3 and 130.6; M3 Max (40) 37.0 and 44.8, 62.8 and 78.2.
 constexpr double kLargeWaveFill = 0.9;
 constexpr int64_t kMinThinBlocks = 64;  // for kThin and kTall
 
