@@ -647,10 +647,9 @@ def decode_params(dispatch):
     return out
 
 
-def decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es):
+def decode_block(d, p, add, i0, last, S, shift, bk, es, mask_es, sinks_es):
     """One block of query rows i0..last of a sequence of S keys, for every partition and KV head
     (chunk) of the grid: adds its traffic with `add`, returns the key tiles it visits."""
-    de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
     paged, split = d.constants[FC_PAGED], d.constants[FC_SPLIT]
     alias = d.constants.get(FC_KV_ALIAS, False)
     begin, end = 0, S
@@ -710,7 +709,6 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
     p = decode_params(d)
     de, dv = (int(x[1:]) for x in d.kernel.split("_")[-2:])
     bk = bk_of(de, dv, es)
-    vec = 16 // es
     varlen, paged, split = d.constants[FC_VARLEN], d.constants[FC_PAGED], d.constants[FC_SPLIT]
     buffers: dict[int, dict[str, int]] = {}
 
@@ -730,7 +728,7 @@ def decode_model(plan, seqs, es, mask_es, sinks_es):
         shift = (S - L if d.constants[FC_VARLEN_BR] else 0) if varlen else p["shift"]
         for i0 in range(0, L, p["row_block"]):
             last = min(i0 + p["row_block"], L) - 1
-            t = decode_block(d, p, add, i0, last, S, shift, bk, vec, es, mask_es, sinks_es)
+            t = decode_block(d, p, add, i0, last, S, shift, bk, es, mask_es, sinks_es)
             tiles += t
             # the MMA kernel's simdgroups (8 rows each) that hold a real row of the block
             real = (p["heads_per_tg"] - 1) * p["row_block"] + last - i0 + 1

@@ -298,7 +298,9 @@ def test_paged_rows_across_simdgroups(E, dtype, page_size, group):
     its row's place by a shuffle; decode.h's V tile reuses K's) where a row's chunks are no
     power of two and rows straddle simdgroups (f16 d40: 5 chunks, bf16 d72: 9, f16 d96: 12,
     f32 d40: 10, f32 d256: 64, two simdgroups a row), a head dim below the kernel's (f32 100 on
-    128), and pages of a few keys, so that a tile's rows lie in several pages."""
+    128), and pages of a few keys, so that a tile's rows lie in several pages. The plans take
+    both kernels: the MMA one (groups 4 and 8) and the vector one at 512 and 256 threads, whose
+    simdgroups past the first four load nothing."""
     gen = torch.Generator().manual_seed(E + page_size)
     lq, used = [1, 3, 1], [page_size * 9 + 2, 1, 75]
     Hkv = 2

@@ -180,6 +180,8 @@ struct AttnDecodeBlock {
     }
   }
 
+  // V's rows of the same key tile. Paged, they are found from the lane_slot load_k found for
+  // this tile (key0 is not read again): every caller loads K before V, tile by tile.
   void load_v(threadgroup T* Vs, int key0, short valid, short Ev, bool whole,
               ushort thread_index) {
     if (attn_quant) {

@@ -34,19 +34,22 @@ struct AttnKvRows {
   int pages;
   steel_i64 page_stride;
 
-  steel_i64 at(short r) const { return at(r, paged ? page(r) : 0); }
+  // Row r's offset in dense and varlen rows (AttnTileLoader::load; paged rows take slot()).
+  steel_i64 at(short r) const { return steel_i64(r) * ld; }
 
-  // at() in two steps, so that lanes can share a row's table entry: the page of row r (paged
-  // only: one read of the table), and the row's offset given its page.
+  // A row's offset in two steps, dense or paged, so that lanes can share a row's table entry
+  // (AttnQuantTileLoader): the page of row r (paged only: one read of the table), and the
+  // row's offset given its page.
   int page(short r) const { return clamp(table[(key0 + r) / page_size], 0, pages - 1); }
   steel_i64 at(short r, int page) const {
     if (!paged) return steel_i64(r) * ld;
     return steel_i64(page) * page_stride + steel_i64((key0 + r) % page_size) * ld;
   }
 
-  // Row r's page and slot in it (paged only; the table read only for r < valid_rows, else (0,
+  // Paged only: row r's page and slot in it (the table read only for r < valid_rows, else (0,
   // 0)), and the offset of a row given them: AttnTileLoader::load_paged's lanes find one row
-  // each and share it. K and V rows share the table, so one (page, slot) serves both.
+  // each and share it. K and V rows share the table and key0, so one (page, slot) serves both
+  // (decode.h sets key0 on K's rows alone).
   int2 slot(short r, short valid_rows) const {
     if (r >= valid_rows) return int2(0);
     const int key = key0 + r;
